@@ -1,0 +1,375 @@
+"""The training buffer of one policy: admission, order, replay and advantages.
+
+`PolicyBuffer` holds the finished `GroupRecord`s of a single policy between rollout and
+training. On `add` it drops failed trajectories, then rejects groups that are too stale, whose
+rewards are all equal (dynamic sampling) or that a custom filter refuses, and enforces its
+capacity. `take` hands out a batch in FIFO or oldest-version-first order, mixes in a share of
+replayed copies, and stamps group- or batch-normalised advantages. Nothing with staleness above
+the configured bound ever leaves `take`, and every group it is given is either still inside or
+accounted for by exactly one counter (see INVARIANTS.md, "Nothing disappears without a counter
+moving").
+
+This module never touches gRPC, protobuf, the network, disk, clocks or locks: the caller
+serialises access, persists admissions and removals (`drop_stale`, `pop_dropped`), and says
+which trainer version is current.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+
+from astra.dataflow.records import GroupRecord
+
+FilterFn = Callable[[GroupRecord], bool]
+Eviction = Literal["drop_oldest", "reject_new"]
+Ordering = Literal["fifo", "oldest_version_first"]
+Normalization = Literal["group", "batch", "none"]
+
+ACCEPTED = "accepted"
+DUPLICATE = "duplicate"
+FAILED = "failed"
+FILTERED_STALE = "filtered_stale"
+FILTERED_EQUAL_REWARD = "filtered_equal_reward"
+REJECTED_FULL = "rejected_full"
+
+# Every counter exists from the start, so a dashboard sees zeros rather than gaps.
+_COUNTERS = (
+    "added",
+    "accepted",
+    "restored",
+    "put_back",
+    "taken",
+    "taken_replay",
+    "removed",
+    DUPLICATE,
+    "failed_groups",
+    "failed_trajectories",
+    FILTERED_STALE,
+    FILTERED_EQUAL_REWARD,
+    REJECTED_FULL,
+    "evicted_full",
+    "replay_added",
+    "replay_evicted",
+    "replay_filtered_stale",
+)
+
+_FILTERS: dict[str, FilterFn] = {}
+_RESERVED_FILTER_NAMES = frozenset({"stale", "equal_reward"})
+# Floating error in `n * ratio` (0.29 * 100 = 28.999...) must not lose a replay slot.
+_RATIO_SLACK = 1e-9
+
+
+def register_filter(name: str, fn: FilterFn, *, replace_existing: bool = False) -> None:
+    """Register a custom group filter; `fn(group)` returns True to keep the group.
+
+    Drops are counted as `filtered_<name>`, so `name` must be a Python identifier and must not
+    shadow a built-in filter. Registering a taken name raises unless `replace_existing`.
+    """
+    if not name.isidentifier() or name in _RESERVED_FILTER_NAMES:
+        raise ValueError(f"invalid filter name {name!r}")
+    if name in _FILTERS and not replace_existing:
+        raise ValueError(f"filter {name!r} is already registered")
+    _FILTERS[name] = fn
+
+
+def registered_filters() -> list[str]:
+    """Names of all registered custom filters."""
+    return sorted(_FILTERS)
+
+
+@dataclass
+class BufferConfig:
+    """How one policy's buffer admits, orders, replays and normalises groups."""
+
+    capacity_groups: int = 1024
+    """Most groups held at once (>= 1). `put_back` and `restore` may exceed it briefly."""
+    eviction: Eviction = "drop_oldest"
+    """When full: evict the buffered group with the oldest min_version (ties: lowest seq) and
+    accept the new one (`evicted_full`), or refuse the new one (`rejected_full`)."""
+    max_staleness: int | None = None
+    """Drop groups with current_version - min_version above this, on add and on take (>= 0);
+    None: unbounded. 0 is synchronous training."""
+    drop_equal_rewards: bool = True
+    """Dynamic sampling: drop a group of >= 2 trajectories whose rewards are all exactly equal.
+    A single-trajectory group is kept (it has no within-group spread to measure, and carries
+    signal under batch normalisation); under group normalisation its advantage is 0."""
+    filters: list[str] = field(default_factory=list)
+    """Names of custom filters from `register_filter`, applied in order after the built-ins."""
+    ordering: Ordering = "fifo"
+    """`fifo`: arrival order (seq). `oldest_version_first`: lowest (min_version, seq) first."""
+    replay_ratio: float = 0.0
+    """Share of each batch drawn from replay, in [0, 1): floor(n * ratio) groups when replay
+    holds that many, otherwise all replay holds, the rest fresh."""
+    replay_capacity_groups: int = 0
+    """Most groups kept for replay (>= 0); oldest-taken evicted first (`replay_evicted`)."""
+    replay_max_staleness: int | None = None
+    """Staleness bound of replayed groups; None inherits `max_staleness`. Must not exceed
+    `max_staleness`, so nothing older than the configured bound reaches the trainer."""
+    normalization: Normalization = "group"
+    """`group`: (r - mean_group) / (std_group + eps). `batch`: mean and std over every
+    trajectory of the batch. `none`: advantages are the raw rewards. std is the population std
+    (ddof=0)."""
+    adv_eps: float = 1e-6
+    """Added to the std before dividing (>= 0)."""
+    std_normalize: bool = True
+    """Divide by (std + eps); when False advantages are only mean-centred."""
+
+    def __post_init__(self) -> None:
+        if self.capacity_groups < 1:
+            raise ValueError("capacity_groups must be >= 1")
+        if self.eviction not in ("drop_oldest", "reject_new"):
+            raise ValueError(f"eviction must be drop_oldest or reject_new, not {self.eviction!r}")
+        if self.ordering not in ("fifo", "oldest_version_first"):
+            raise ValueError(
+                f"ordering must be fifo or oldest_version_first, not {self.ordering!r}"
+            )
+        if self.normalization not in ("group", "batch", "none"):
+            raise ValueError(f"normalization must be group, batch or none: {self.normalization!r}")
+        for name in ("max_staleness", "replay_max_staleness"):
+            bound = getattr(self, name)
+            if bound is not None and bound < 0:
+                raise ValueError(f"{name} must be >= 0 or None")
+        if not 0.0 <= self.replay_ratio < 1.0:
+            raise ValueError("replay_ratio must be in [0, 1)")
+        if self.replay_capacity_groups < 0:
+            raise ValueError("replay_capacity_groups must be >= 0")
+        if self.replay_ratio > 0 and self.replay_capacity_groups == 0:
+            raise ValueError("replay_ratio > 0 needs replay_capacity_groups > 0")
+        if (
+            self.max_staleness is not None
+            and self.replay_max_staleness is not None
+            and self.replay_max_staleness > self.max_staleness
+        ):
+            raise ValueError("replay_max_staleness must not exceed max_staleness")
+        if not self.adv_eps >= 0:
+            raise ValueError("adv_eps must be >= 0")
+
+    @property
+    def replay_bound(self) -> int | None:
+        return (
+            self.max_staleness if self.replay_max_staleness is None else self.replay_max_staleness
+        )
+
+
+def _is_stale(group: GroupRecord, bound: int | None, current_version: int) -> bool:
+    return bound is not None and group.staleness(current_version) > bound
+
+
+def _copy(group: GroupRecord, *, replay: bool) -> GroupRecord:
+    trajectories = [replace(t) for t in group.trajectories]
+    return replace(group, trajectories=trajectories, replay=replay, advantages=[])
+
+
+class PolicyBuffer:
+    """The buffer of one policy. Not thread-safe: the caller serialises calls."""
+
+    def __init__(self, config: BufferConfig | None = None, rng: random.Random | None = None):
+        self.config = config or BufferConfig()
+        unknown = [name for name in self.config.filters if name not in _FILTERS]
+        if unknown:
+            raise ValueError(f"unknown buffer filter(s): {', '.join(unknown)}")
+        self._filters = [(name, _FILTERS[name]) for name in self.config.filters]
+        self._rng = rng or random.Random()
+        self._groups: dict[str, GroupRecord] = {}
+        self._replay: OrderedDict[str, GroupRecord] = OrderedDict()
+        self._dropped: list[GroupRecord] = []
+        self._next_seq = 0
+        self._counters: Counter[str] = Counter()
+        for key in _COUNTERS + tuple(f"filtered_{name}" for name, _ in self._filters):
+            self._counters[key] = 0
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, group_id: object) -> bool:
+        return group_id in self._groups
+
+    @property
+    def replay_len(self) -> int:
+        return len(self._replay)
+
+    @property
+    def fill_ratio(self) -> float:
+        return len(self._groups) / self.config.capacity_groups
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Monotonic counts of every outcome (a copy)."""
+        return dict(self._counters)
+
+    def add(self, group: GroupRecord, current_version: int) -> str:
+        """Admit a finished group, or say why not. The buffer takes ownership of `group`.
+
+        Checks in order: duplicate id, failed trajectories (removed; none left -> "failed"),
+        staleness, equal rewards, custom filters, capacity. Returns the outcome name.
+        """
+        self._counters["added"] += 1
+        if group.group_id in self._groups:
+            return self._count(DUPLICATE)
+        kept = [t for t in group.trajectories if not t.failed]
+        self._counters["failed_trajectories"] += len(group.trajectories) - len(kept)
+        group.trajectories = kept
+        if not kept:
+            self._counters["failed_groups"] += 1
+            return FAILED
+        if _is_stale(group, self.config.max_staleness, current_version):
+            return self._count(FILTERED_STALE)
+        if self.config.drop_equal_rewards and len(kept) >= 2 and len(set(group.rewards)) == 1:
+            return self._count(FILTERED_EQUAL_REWARD)
+        for name, keep in self._filters:
+            if not keep(group):
+                return self._count(f"filtered_{name}")
+        while len(self._groups) >= self.config.capacity_groups:
+            if self.config.eviction == "reject_new":
+                return self._count(REJECTED_FULL)
+            victim = min(self._groups.values(), key=lambda g: (g.min_version, g.seq))
+            del self._groups[victim.group_id]
+            self._dropped.append(victim)
+            self._counters["evicted_full"] += 1
+        group.seq = self._next_seq
+        self._next_seq += 1
+        self._groups[group.group_id] = group
+        return self._count(ACCEPTED)
+
+    def take(self, n_groups: int, current_version: int) -> list[GroupRecord] | None:
+        """A batch of exactly `n_groups` groups with advantages, fresh first, or None.
+
+        Groups above the staleness bound are dropped first (see `pop_dropped`). If fewer fresh
+        groups remain than the batch needs, returns None and takes nothing. Fresh groups taken
+        are remembered for replay as copies; replayed groups are new copies with replay=True.
+        """
+        if n_groups < 1:
+            raise ValueError("n_groups must be >= 1")
+        self._dropped.extend(self.drop_stale(current_version))
+        self._expire_replay(current_version)
+        n_replay = 0
+        if self.config.replay_ratio > 0:
+            wanted = math.floor(n_groups * self.config.replay_ratio + _RATIO_SLACK)
+            n_replay = min(wanted, len(self._replay))
+        n_fresh = n_groups - n_replay
+        if len(self._groups) < n_fresh:
+            return None
+        fresh = heapq.nsmallest(n_fresh, self._groups.values(), key=self._order_key)
+        replayed = [
+            _copy(g, replay=True) for g in self._rng.sample(list(self._replay.values()), n_replay)
+        ]
+        for group in fresh:
+            del self._groups[group.group_id]
+            group.replay = False
+            self._remember(group)
+        self._counters["taken"] += n_fresh
+        self._counters["taken_replay"] += n_replay
+        batch = fresh + replayed
+        self._stamp_advantages(batch)
+        return batch
+
+    def put_back(self, groups: Iterable[GroupRecord]) -> None:
+        """Re-insert taken groups (a trainer's lease expired) at their original priority.
+
+        Replayed copies are ignored; a fresh group's replay copy is withdrawn, since it was never
+        trained. Capacity is not enforced here: these groups were already admitted.
+        """
+        for group in groups:
+            if group.replay:
+                continue
+            self._counters["put_back"] += 1
+            self._replay.pop(group.group_id, None)
+            if group.group_id in self._groups:
+                self._counters[DUPLICATE] += 1
+                continue
+            group.advantages = []
+            self._groups[group.group_id] = group
+
+    def restore(self, group: GroupRecord) -> bool:
+        """Insert a group reloaded from durable storage, unfiltered and keeping its seq.
+
+        Returns False (counted `duplicate`) if its id is already buffered.
+        """
+        self._counters["restored"] += 1
+        if group.group_id in self._groups:
+            self._counters[DUPLICATE] += 1
+            return False
+        group.replay = False
+        group.advantages = []
+        self._next_seq = max(self._next_seq, group.seq + 1)
+        self._groups[group.group_id] = group
+        return True
+
+    def remove(self, group_ids: Iterable[str]) -> int:
+        """Remove buffered groups by id (counted `removed`); returns how many were present."""
+        removed = 0
+        for group_id in group_ids:
+            if self._groups.pop(group_id, None) is not None:
+                removed += 1
+        self._counters["removed"] += removed
+        return removed
+
+    def drop_stale(self, current_version: int) -> list[GroupRecord]:
+        """Remove and return the buffered groups above the staleness bound."""
+        bound = self.config.max_staleness
+        stale = [g for g in self._groups.values() if _is_stale(g, bound, current_version)]
+        for group in stale:
+            del self._groups[group.group_id]
+        self._counters[FILTERED_STALE] += len(stale)
+        return stale
+
+    def pop_dropped(self) -> list[GroupRecord]:
+        """Groups the buffer removed on its own (eviction in add, expiry in take) since last call.
+
+        The caller persists their removal; they are already counted.
+        """
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _count(self, outcome: str) -> str:
+        self._counters[outcome] += 1
+        return outcome
+
+    def _order_key(self, group: GroupRecord) -> tuple[int, ...]:
+        if self.config.ordering == "fifo":
+            return (group.seq,)
+        return (group.min_version, group.seq)
+
+    def _remember(self, group: GroupRecord) -> None:
+        capacity = self.config.replay_capacity_groups
+        if capacity == 0:
+            return
+        self._replay[group.group_id] = _copy(group, replay=True)
+        self._replay.move_to_end(group.group_id)
+        self._counters["replay_added"] += 1
+        while len(self._replay) > capacity:
+            self._replay.popitem(last=False)
+            self._counters["replay_evicted"] += 1
+
+    def _expire_replay(self, current_version: int) -> None:
+        bound = self.config.replay_bound
+        stale = [k for k, g in self._replay.items() if _is_stale(g, bound, current_version)]
+        for group_id in stale:
+            del self._replay[group_id]
+        self._counters["replay_filtered_stale"] += len(stale)
+
+    def _stamp_advantages(self, batch: list[GroupRecord]) -> None:
+        mode = self.config.normalization
+        if mode == "none":
+            for group in batch:
+                group.advantages = [float(r) for r in group.rewards]
+            return
+        every = np.array([r for g in batch for r in g.rewards], dtype=np.float64)
+        batch_mean, batch_std = float(every.mean()), float(every.std())
+        for group in batch:
+            rewards = np.asarray(group.rewards, dtype=np.float64)
+            mean, std = (
+                (rewards.mean(), rewards.std()) if mode == "group" else (batch_mean, batch_std)
+            )
+            centred = rewards - mean
+            if self.config.std_normalize:
+                centred = centred / (std + self.config.adv_eps)
+            group.advantages = [float(a) for a in centred]

@@ -1,0 +1,1 @@
+"""Typed clients of every Astra service."""

@@ -1,0 +1,85 @@
+"""Channels for Astra clients: message limits and retries of idempotent RPCs.
+
+Retries are declared in the gRPC service config, per method, so only the
+RPCs a contract marks idempotent are retried (on UNAVAILABLE), by gRPC
+itself, with exponential backoff. Every client call also carries a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+import grpc
+
+MiB = 1 << 20
+DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
+
+
+def retry_service_config(
+    service: str,
+    idempotent_methods: Iterable[str],
+    *,
+    max_attempts: int = 5,
+    initial_backoff_s: float = 0.1,
+    max_backoff_s: float = 2.0,
+) -> str:
+    """A service config JSON that retries `idempotent_methods` on UNAVAILABLE."""
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{"service": service, "method": m} for m in idempotent_methods],
+                    "retryPolicy": {
+                        "maxAttempts": max_attempts,
+                        "initialBackoff": f"{initial_backoff_s}s",
+                        "maxBackoff": f"{max_backoff_s}s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ]
+        }
+    )
+
+
+def open_channel(
+    address: str,
+    service_config: str,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        address,
+        options=[
+            ("grpc.service_config", service_config),
+            ("grpc.enable_retries", 1),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+        ],
+    )
+
+
+class BaseClient:
+    """Owns one channel; subclasses set SERVICE, IDEMPOTENT and the stub."""
+
+    SERVICE = ""
+    IDEMPOTENT: tuple[str, ...] = ()
+
+    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = open_channel(address, retry_service_config(self.SERVICE, self.IDEMPOTENT))
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self):  # noqa: ANN204 - returns the subclass
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,90 @@
+"""Typed client of astra.raas.v1.RolloutService (what Dataflow calls)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from astra.clients.channel import BaseClient
+from astra.common.v1 import rollout_pb2, version_pb2
+from astra.raas.v1 import rollout_service_pb2 as pb
+from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
+
+
+class RolloutClient(BaseClient):
+    SERVICE = "astra.raas.v1.RolloutService"
+    # Every RolloutService RPC is idempotent by contract.
+    IDEMPOTENT = (
+        "SubmitGroups",
+        "CollectResults",
+        "AckResults",
+        "CancelGroups",
+        "LoadWeights",
+        "GetStatus",
+        "GetCapabilities",
+    )
+
+    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+        super().__init__(address, timeout_s=timeout_s)
+        self.stub = pb_grpc.RolloutServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def submit_groups(
+        self, groups: Sequence[rollout_pb2.PromptGroup], *, timeout_s: float | None = None
+    ) -> pb.SubmitGroupsResponse:
+        return await self.stub.SubmitGroups(
+            pb.SubmitGroupsRequest(groups=groups), timeout=self._timeout(timeout_s)
+        )
+
+    async def collect_results(
+        self, max_groups: int, max_wait_s: float = 0.0, *, timeout_s: float | None = None
+    ) -> list[rollout_pb2.GroupResult]:
+        req = pb.CollectResultsRequest(max_groups=max_groups)
+        req.max_wait.FromNanoseconds(int(max_wait_s * 1e9))
+        call = self.stub.CollectResults(req, timeout=self._timeout(timeout_s) + max_wait_s)
+        return [msg.result async for msg in call]
+
+    async def ack_results(
+        self, group_ids: Sequence[str], *, timeout_s: float | None = None
+    ) -> pb.AckResultsResponse:
+        return await self.stub.AckResults(
+            pb.AckResultsRequest(group_ids=group_ids), timeout=self._timeout(timeout_s)
+        )
+
+    async def cancel_groups(
+        self, group_ids: Sequence[str], *, timeout_s: float | None = None
+    ) -> pb.CancelGroupsResponse:
+        return await self.stub.CancelGroups(
+            pb.CancelGroupsRequest(group_ids=group_ids), timeout=self._timeout(timeout_s)
+        )
+
+    async def load_weights(
+        self,
+        versions: Sequence[version_pb2.PolicyVersion],
+        weights_address: str,
+        request_id: str,
+        *,
+        timeout_s: float | None = None,
+    ) -> pb.LoadWeightsResponse:
+        req = pb.LoadWeightsRequest(
+            versions=versions, weights_address=weights_address, request_id=request_id
+        )
+        return await self.stub.LoadWeights(req, timeout=self._timeout(timeout_s))
+
+    async def get_status(self, *, timeout_s: float | None = None) -> pb.GetStatusResponse:
+        return await self.stub.GetStatus(pb.GetStatusRequest(), timeout=self._timeout(timeout_s))
+
+    async def get_capabilities(
+        self, *, timeout_s: float | None = None
+    ) -> pb.GetCapabilitiesResponse:
+        return await self.stub.GetCapabilities(
+            pb.GetCapabilitiesRequest(), timeout=self._timeout(timeout_s)
+        )
+
+    async def check_health(self, *, timeout_s: float | None = None) -> bool:
+        """True when the instance's grpc.health.v1 answers SERVING."""
+        resp = await self.health.Check(
+            health_pb2.HealthCheckRequest(service=self.SERVICE), timeout=self._timeout(timeout_s)
+        )
+        return resp.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,1 @@
+"""Thin gRPC servicer layers, one per service."""

@@ -1,0 +1,129 @@
+"""Runs a grpc.aio server the way every Astra service needs it.
+
+Health (grpc.health.v1) and reflection are always registered; message-size
+limits are explicit; errors are mapped by one interceptor; SIGTERM and SIGINT
+mark the server NOT_SERVING, drain in-flight RPCs for a grace period and
+return, so the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from astra.servers.errors import ErrorInterceptor, domain_from_method
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
+
+
+def install_event_loop_policy() -> None:
+    """Use uvloop where it is installed; the default loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+class GrpcServer:
+    """A grpc.aio server with health, reflection and error mapping."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        grace_s: float = 10.0,
+    ) -> None:
+        self.host = host
+        self.requested_port = port
+        self.grace_s = grace_s
+        self.port = 0
+        self._services: list[str] = []
+        self._server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(domain_from_method)],
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.so_reuseport", 0),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ],
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+
+    def add_service(
+        self, add_fn: Callable[[Any, grpc.aio.Server], None], servicer: Any, full_name: str
+    ) -> None:
+        add_fn(servicer, self._server)
+        self._services.append(full_name)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self._services]:
+            await self.health.set(name, status)
+
+    async def start(self, *, serving: bool = True) -> int:
+        reflection.enable_server_reflection(
+            [*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
+        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.host}:{self.requested_port}")
+        await self._server.start()
+        await self.set_serving(serving)
+        return self.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(self.grace_s if grace_s is None else grace_s)
+
+    async def wait(self) -> None:
+        await self._server.wait_for_termination()
+
+
+async def serve_until_signal(
+    server: GrpcServer,
+    *,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Wait for SIGTERM/SIGINT, then drain in-flight RPCs and stop."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(server.wait())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("stopping: draining in-flight RPCs for up to %.1fs", server.grace_s)
+    await server.stop()
+    if on_stop is not None:
+        await on_stop()
+    for t in (waiter, stopper):
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
