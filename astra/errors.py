@@ -63,7 +63,9 @@ class DataLoss(AstraError):
     code = "DATA_LOSS"
 
 
-def invalid_field(field: str, description: str, *, reason: str = "INVALID_FIELD") -> InvalidArgument:
+def invalid_field(
+    field: str, description: str, *, reason: str = "INVALID_FIELD"
+) -> InvalidArgument:
     """An INVALID_ARGUMENT naming one request field."""
     return InvalidArgument(
         f"{field}: {description}",

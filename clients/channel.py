@@ -78,7 +78,7 @@ class BaseClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def __aenter__(self):  # noqa: ANN204 - returns the subclass
+    async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc: object) -> None:

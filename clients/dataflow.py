@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from astra.clients.channel import BaseClient
+
 from astra.common.v1 import version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
@@ -79,7 +80,9 @@ class DataflowClient(BaseClient):
             raise ConnectionError("batch stream ended without header or footer")
         return header, trajectories, footer
 
-    async def ack_batch(self, batch_id: str, *, timeout_s: float | None = None) -> pb.AckBatchResponse:
+    async def ack_batch(
+        self, batch_id: str, *, timeout_s: float | None = None
+    ) -> pb.AckBatchResponse:
         return await self.stub.AckBatch(
             pb.AckBatchRequest(batch_id=batch_id), timeout=self._timeout(timeout_s)
         )

@@ -7,6 +7,7 @@ protocol; their drivers belong to the WeightService issue and use `stub`.
 from __future__ import annotations
 
 from astra.clients.channel import BaseClient
+
 from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.v1 import weight_service_pb2_grpc as pb_grpc
 
@@ -20,10 +21,16 @@ class WeightClient(BaseClient):
         self.stub = pb_grpc.WeightServiceStub(self.channel)
 
     async def list_versions(
-        self, policy_id: str, *, page_size: int = 100, page_token: str = "",
+        self,
+        policy_id: str,
+        *,
+        page_size: int = 100,
+        page_token: str = "",
         timeout_s: float | None = None,
     ) -> pb.ListVersionsResponse:
-        req = pb.ListVersionsRequest(policy_id=policy_id, page_size=page_size, page_token=page_token)
+        req = pb.ListVersionsRequest(
+            policy_id=policy_id, page_size=page_size, page_token=page_token
+        )
         return await self.stub.ListVersions(req, timeout=self._timeout(timeout_s))
 
     async def get_version(

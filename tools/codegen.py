@@ -64,12 +64,16 @@ def generate(out: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    generated = sorted(p for p in out.rglob("*") if p.suffix in (".py", ".pyi"))
-    for d in {p.parent for p in generated}:
+    outputs = []
+    for rel in files:
+        stem = Path(rel).with_suffix("")
+        for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
+            outputs.append(stem.parent / (stem.name + suffix))
+    for d in {(out / p).parent for p in outputs}:
         while d != out and d.is_relative_to(out):
             (d / "__init__.py").touch()
             d = d.parent
-    return sorted(p.relative_to(out) for p in out.rglob("*_pb2*"))
+    return sorted(outputs)
 
 
 def committed_stubs() -> list[Path]:

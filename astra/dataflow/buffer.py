@@ -236,6 +236,8 @@ class PolicyBuffer:
             self._counters["evicted_full"] += 1
         group.seq = self._next_seq
         self._next_seq += 1
+        group.replay = False
+        group.advantages = []
         self._groups[group.group_id] = group
         return self._count(ACCEPTED)
 
@@ -340,7 +342,7 @@ class PolicyBuffer:
 
     def _remember(self, group: GroupRecord) -> None:
         capacity = self.config.replay_capacity_groups
-        if capacity == 0:
+        if capacity == 0 or self.config.replay_ratio == 0:
             return
         self._replay[group.group_id] = _copy(group, replay=True)
         self._replay.move_to_end(group.group_id)

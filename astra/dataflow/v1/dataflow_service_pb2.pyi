@@ -268,22 +268,24 @@ class GateStatus(_message.Message):
     buffer_fill_ratio: float
     def __init__(self, mode: _Optional[_Union[GateMode, str]] = ..., reason: _Optional[str] = ..., staleness: _Optional[float] = ..., capacity: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., buffer_fill_ratio: _Optional[float] = ...) -> None: ...
 
-class DatasetStatus(_message.Message):
-    __slots__ = ("epoch", "position", "size", "num_epochs", "exhausted")
+class StreamStatus(_message.Message):
+    __slots__ = ("name", "epoch", "position", "size", "num_epochs", "exhausted")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    name: str
     epoch: int
     position: int
     size: int
     num_epochs: int
     exhausted: bool
-    def __init__(self, epoch: _Optional[int] = ..., position: _Optional[int] = ..., size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., exhausted: _Optional[bool] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., exhausted: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("dataflow_id", "instances", "policies", "gate", "dataset", "counters", "pool_empty", "status_time")
+    __slots__ = ("dataflow_id", "instances", "policies", "gate", "streams", "counters", "pool_empty", "status_time")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -295,7 +297,7 @@ class GetStatusResponse(_message.Message):
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     POLICIES_FIELD_NUMBER: _ClassVar[int]
     GATE_FIELD_NUMBER: _ClassVar[int]
-    DATASET_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     POOL_EMPTY_FIELD_NUMBER: _ClassVar[int]
     STATUS_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -303,11 +305,11 @@ class GetStatusResponse(_message.Message):
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     policies: _containers.RepeatedCompositeFieldContainer[PolicyStatus]
     gate: GateStatus
-    dataset: DatasetStatus
+    streams: _containers.RepeatedCompositeFieldContainer[StreamStatus]
     counters: _containers.ScalarMap[str, int]
     pool_empty: bool
     status_time: _timestamp_pb2.Timestamp
-    def __init__(self, dataflow_id: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., policies: _Optional[_Iterable[_Union[PolicyStatus, _Mapping]]] = ..., gate: _Optional[_Union[GateStatus, _Mapping]] = ..., dataset: _Optional[_Union[DatasetStatus, _Mapping]] = ..., counters: _Optional[_Mapping[str, int]] = ..., pool_empty: _Optional[bool] = ..., status_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    def __init__(self, dataflow_id: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., policies: _Optional[_Iterable[_Union[PolicyStatus, _Mapping]]] = ..., gate: _Optional[_Union[GateStatus, _Mapping]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., pool_empty: _Optional[bool] = ..., status_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ()

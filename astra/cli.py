@@ -1,0 +1,162 @@
+"""The `astra` command line. Parses config before importing gRPC, so --help is fast."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+
+import click
+
+NOT_BUILT = {
+    "raas": "issue 4 (RaaS)",
+    "trainer": "issue 5 (Trainer)",
+    "weights": "issue 3 (WeightService)",
+}
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@click.group()
+@click.version_option(package_name="astra-rl")
+def main() -> None:
+    """Astra: asynchronous RL post-training over gRPC services."""
+
+
+@main.group()
+def serve() -> None:
+    """Run one of the four services."""
+
+
+@serve.command("dataflow")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML config.")
+@click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="gRPC port (default 50051; 0 picks one).")
+@click.option("--state-dir", default=None, help="Durable state directory.")
+@click.option("--metrics-port", type=int, default=None, help="Prometheus HTTP port.")
+@click.option("--log-level", default="info", show_default=True)
+def serve_dataflow(
+    config_path: str | None,
+    host: str | None,
+    port: int | None,
+    state_dir: str | None,
+    metrics_port: int | None,
+    log_level: str,
+) -> None:
+    """Run the Dataflow coordinator (env overrides: ASTRA_DATAFLOW__SECTION__KEY)."""
+    from astra.config import ConfigError, load_config
+    from astra.dataflow.config import DataflowConfig
+
+    _logging(log_level)
+    try:
+        config = load_config(
+            DataflowConfig,
+            config_path,
+            env_prefix="ASTRA_DATAFLOW",
+            overrides={
+                "host": host,
+                "port": port,
+                "state_dir": state_dir,
+                "metrics_port": metrics_port,
+            },
+        )
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    asyncio_run(_serve_dataflow(config))
+
+
+async def _serve_dataflow(config) -> None:
+    from astra.servers.dataflow import start_dataflow
+    from astra.servers.runtime import serve_until_signal
+
+    server, df, metrics = await start_dataflow(config)
+    log = logging.getLogger("astra.dataflow")
+    # One machine-readable line so scripts can find the bound ports.
+    print(
+        json.dumps(
+            {
+                "service": "dataflow",
+                "address": server.address,
+                "metrics_port": getattr(df, "metrics_port", None),
+            }
+        ),
+        flush=True,
+    )
+    log.info("dataflow %s serving on %s", df.dataflow_id, server.address)
+
+    async def on_stop() -> None:
+        await df.stop()
+        if metrics is not None:
+            metrics.shutdown()
+
+    await serve_until_signal(server, on_stop=on_stop)
+    log.info("dataflow stopped")
+
+
+@serve.command("raas", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def serve_raas(args: tuple[str, ...]) -> None:
+    """Rollout service (not built yet)."""
+    _not_built("raas")
+
+
+@serve.command("trainer", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def serve_trainer(args: tuple[str, ...]) -> None:
+    """Trainer (not built yet)."""
+    _not_built("trainer")
+
+
+@serve.command("weights", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def serve_weights(args: tuple[str, ...]) -> None:
+    """WeightService (not built yet)."""
+    _not_built("weights")
+
+
+def _not_built(name: str) -> None:
+    click.echo(f"astra serve {name}: not built yet (tracked in {NOT_BUILT[name]})", err=True)
+    sys.exit(3)
+
+
+@main.command("status")
+@click.option("--dataflow", "address", required=True, help="HOST:PORT of Dataflow.")
+@click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True)
+def status(address: str, timeout_s: float) -> None:
+    """Print Dataflow's status as JSON."""
+    import grpc
+    from google.protobuf import json_format
+
+    from astra.clients.dataflow import DataflowClient
+
+    async def fetch() -> dict:
+        async with DataflowClient(address, timeout_s=timeout_s) as client:
+            resp = await client.get_status()
+        return json_format.MessageToDict(
+            resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+
+    try:
+        out = asyncio.run(fetch())
+    except grpc.aio.AioRpcError as exc:
+        click.echo(f"status: {exc.code().name}: {exc.details()}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(out, indent=2, sort_keys=True))
+
+
+def asyncio_run(coro) -> None:
+    from astra.servers.runtime import install_event_loop_policy
+
+    install_event_loop_policy()
+    asyncio.run(coro)
+
+
+if __name__ == "__main__":
+    main()

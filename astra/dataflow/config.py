@@ -1,0 +1,141 @@
+"""Typed configuration of the Dataflow service (every field documented, bounded).
+
+Unknown keys fail loudly. Defaults are the documented defaults of the README.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+POLICY_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BufferSettings(_Strict):
+    capacity_groups: int = Field(1024, ge=1, description="Buffer bound in groups.")
+    eviction: Literal["drop_oldest", "reject_new"] = Field(
+        "drop_oldest", description="What a full buffer does: evict the oldest group or refuse."
+    )
+    max_staleness: int | None = Field(
+        None, ge=0, description="Max version gap (current - oldest token version); None: none."
+    )
+    drop_equal_rewards: bool = Field(True, description="Drop groups whose rewards are all equal.")
+    filters: list[str] = Field(default_factory=list, description="Custom filters by name.")
+    ordering: Literal["fifo", "oldest_version_first"] = Field("fifo", description="Batch order.")
+    replay_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of a batch from replay.")
+    replay_capacity_groups: int = Field(0, ge=0, description="Replay buffer bound in groups.")
+    replay_max_staleness: int | None = Field(None, ge=0, description="Staleness bound of replay.")
+    normalization: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage normalisation: per group, per batch, or raw rewards."
+    )
+    adv_eps: float = Field(1e-6, gt=0.0, description="Added to the std before dividing.")
+    std_normalize: bool = Field(True, description="Divide by the std (else subtract mean only).")
+
+
+class SamplingSettings(_Strict):
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass.")
+    top_k: int = Field(0, ge=0, description="Top-k; 0 means no limit.")
+    max_new_tokens: int = Field(256, ge=1, le=1 << 20, description="Tokens per sequence.")
+    stop_strings: list[str] = Field(default_factory=list, description="Stop strings.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids.")
+    seed: int = Field(0, description="Base seed; each group derives its own.")
+
+
+class PolicySettings(_Strict):
+    id: str = Field(pattern=POLICY_ID_PATTERN, description="Policy id.")
+    batch_groups: int = Field(8, ge=1, le=65536, description="Groups per training batch.")
+    buffer: BufferSettings = Field(default_factory=BufferSettings)
+
+
+class DatasetSettings(_Strict):
+    path: str = Field(description="Local JSONL or Parquet file.")
+    prompt_field: str = Field("prompt", description="Field holding the prompt text.")
+    num_epochs: int = Field(1, ge=0, description="Epochs to run; 0 means unbounded.")
+    shuffle: bool = Field(True, description="Shuffle each epoch (seeded).")
+    seed: int = Field(0, description="Shuffle seed.")
+
+
+class StreamSettings(_Strict):
+    name: str = Field(pattern=POLICY_ID_PATTERN, description="Prefix of the group ids.")
+    dataset: DatasetSettings
+    workflow: str = Field("single_turn", min_length=1, description="Workflow name.")
+    policy_ids: list[str] = Field(min_length=1, description="Policies of the episodes.")
+    group_size: int = Field(8, ge=1, le=1024, description="Samples per prompt.")
+    reward: str = Field("", description="Reward function name; empty: workflow default.")
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+
+
+class PoolSettings(_Strict):
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="Told to every RaaS.")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, description="Silence that makes a suspect.")
+    probe_interval_s: float = Field(1.0, gt=0, description="Health probe period for suspects.")
+    confirm_failures: int = Field(3, ge=1, description="Failed probes that confirm death.")
+    call_timeout_s: float = Field(10.0, gt=0, description="Deadline of calls to a RaaS.")
+    collect_max_groups: int = Field(256, ge=1, le=4096, description="Groups per collect.")
+    collect_wait_s: float = Field(1.0, ge=0, le=30, description="Long-poll wait per collect.")
+    dead_retention_s: float = Field(300.0, ge=0, description="Keep dead instances in status.")
+
+
+class LeaseSettings(_Strict):
+    group_lease_s: float = Field(600.0, gt=0, description="Dispatch lease of a group.")
+    batch_lease_s: float = Field(300.0, gt=0, description="Lease of a batch until AckBatch.")
+    max_dispatch_attempts: int = Field(
+        5, ge=1, description="Dispatches of one group before it is counted failed."
+    )
+
+
+class GateSettings(_Strict):
+    staleness_threshold: float = Field(0.3, gt=0, le=1, description="Score entering barrier.")
+    barrier_exit_ratio: float = Field(0.8, gt=0, le=1, description="Hysteresis on leaving.")
+    capacity_low_watermark: int = Field(0, ge=0, description="Capacity at or below: throttle.")
+    buffer_high_watermark: float = Field(0.9, gt=0, le=1, description="Fill above: throttle.")
+    min_barrier_duration_s: float = Field(0.1, ge=0, description="Minimum time in barrier.")
+    max_offpolicyness: int | None = Field(
+        2, ge=0, description="AReaL eta; 0 is synchronous; None disables the bound."
+    )
+    max_concurrent_groups: int = Field(1024, ge=1, description="Groups in flight at most.")
+
+
+class VersionSettings(_Strict):
+    barrier: Literal["independent", "lockstep"] = Field(
+        "independent",
+        description="lockstep: RaaS load a set of versions only when every policy has it.",
+    )
+
+
+class DataflowConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Listen address.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks one.")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus HTTP port.")
+    state_dir: str = Field("./astra-state/dataflow", description="SQLite state directory.")
+    grace_s: float = Field(10.0, ge=0, description="Drain period on SIGTERM.")
+    max_message_bytes: int = Field(64 << 20, ge=1 << 20, description="gRPC message limit.")
+    policies: list[PolicySettings] = Field(min_length=1)
+    streams: list[StreamSettings] = Field(min_length=1)
+    pool: PoolSettings = Field(default_factory=PoolSettings)
+    leases: LeaseSettings = Field(default_factory=LeaseSettings)
+    gate: GateSettings = Field(default_factory=GateSettings)
+    versions: VersionSettings = Field(default_factory=VersionSettings)
+
+    @model_validator(mode="after")
+    def _check_refs(self) -> DataflowConfig:
+        ids = [p.id for p in self.policies]
+        if len(set(ids)) != len(ids):
+            raise ValueError("policies: duplicate policy id")
+        names = [s.name for s in self.streams]
+        if len(set(names)) != len(names):
+            raise ValueError("streams: duplicate stream name")
+        for s in self.streams:
+            unknown = [p for p in s.policy_ids if p not in ids]
+            if unknown:
+                raise ValueError(f"streams.{s.name}.policy_ids: unknown policies {unknown}")
+        return self
+
+    def policy(self, policy_id: str) -> PolicySettings | None:
+        return next((p for p in self.policies if p.id == policy_id), None)

@@ -1,0 +1,639 @@
+"""Dataflow, the coordinator: dispatches prompt groups, ingests results, serves batches.
+
+It owns the run's state (work table, buffers, versions, counters), keeps it
+durable through `StateStore`, and drives three background loops: dispatch
+(admission gate -> pool routing -> submit), collection (one long-poll per
+instance, ingest, acknowledge), and upkeep (leases, liveness probes, weight
+loads). It reaches rollout services only through `RolloutPort`, so it never
+imports gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from astra.dataflow.batches import BatchDesk
+from astra.dataflow.buffer import BufferConfig, PolicyBuffer
+from astra.dataflow.config import DataflowConfig, StreamSettings
+from astra.dataflow.dataset import DatasetConfig, PromptSource
+from astra.dataflow.gate import (
+    GateConfig,
+    GateState,
+    ModeGate,
+    StalenessTracker,
+    offpolicy_capacity,
+)
+from astra.dataflow.pool import Instance, InstanceState, Pool
+from astra.dataflow.ports import Connector, IncomingGroup, PortError
+from astra.dataflow.records import GroupRecord, WorkItem
+from astra.dataflow.store import StateStore
+from astra.dataflow.versions import VersionBook
+from astra.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+SUBMIT_BATCH = 32
+
+
+@dataclass(slots=True)
+class Work:
+    """A group that is not done: waiting (instance None) or leased to an instance."""
+
+    item: WorkItem
+    stream: str
+    instance_id: str | None = None
+    lease_expire: float | None = None
+    attempts: int = 0
+
+
+class Dataflow:
+    def __init__(self, config: DataflowConfig, connect: Connector) -> None:
+        self.config = config
+        self.dataflow_id = uuid.uuid4().hex[:12]
+        self.store = StateStore(config.state_dir)
+        self.pool = Pool(config.pool, connect)
+        self.streams: dict[str, StreamSettings] = {s.name: s for s in config.streams}
+        self.sources: dict[str, PromptSource] = {}
+        for s in config.streams:
+            d = s.dataset
+            self.sources[s.name] = PromptSource(
+                DatasetConfig(d.path, d.prompt_field, d.num_epochs, d.shuffle, d.seed),
+                tuple(s.policy_ids),
+                s.workflow,
+                s.group_size,
+                s.name,
+            )
+        try:
+            self.buffers = {
+                p.id: PolicyBuffer(BufferConfig(**p.buffer.model_dump())) for p in config.policies
+            }
+        except ValueError as exc:
+            raise InvalidArgument(f"buffer config: {exc}", reason="INVALID_CONFIG") from exc
+        self.versions = VersionBook([p.id for p in config.policies], config.versions.barrier)
+        g = config.gate
+        self.gate = ModeGate(
+            GateConfig(
+                staleness_threshold=g.staleness_threshold,
+                capacity_low_watermark=g.capacity_low_watermark,
+                buffer_high_watermark=g.buffer_high_watermark,
+                min_barrier_duration_s=g.min_barrier_duration_s,
+                barrier_exit_ratio=g.barrier_exit_ratio,
+            )
+        )
+        self.staleness = StalenessTracker()
+        self.counters: Counter[str] = Counter()
+        self.accepted: Counter[str] = Counter()
+        self.work: dict[str, Work] = {}
+        self.waiting: deque[str] = deque()
+        self.done: set[str] = set()
+        self.batches = BatchDesk(self)
+        self.gate_state: GateState | None = None
+        self.reason = "starting"
+        self._wake = asyncio.Event()
+        self.data_ready = asyncio.Condition()
+        self._tasks: list[asyncio.Task] = []
+        self._collectors: dict[str, asyncio.Task] = {}
+        self._loads: dict[str, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
+        self._stopping = False
+        self._recover()
+
+    # ----- recovery and persistence -------------------------------------------------------
+
+    def _recover(self) -> None:
+        st = self.store
+        self.counters.update(st.get("counters", {}))
+        self.accepted.update(st.get("accepted", {}))
+        self.versions.restore(st.get("versions", {}))
+        for name, source in self.sources.items():
+            saved = st.get(f"dataset/{name}")
+            if saved is not None:
+                source.restore(saved)
+        for row in st.work_rows():
+            if row.state == "done":
+                self.done.add(row.group_id)
+                continue
+            item = self.sources[row.stream].item_for(row.group_id)
+            self.work[row.group_id] = Work(item, row.stream, attempts=row.attempts)
+            self.waiting.append(row.group_id)
+        leased: dict[str, list[GroupRecord]] = {}
+        for group, batch_id in st.groups():
+            if batch_id is None:
+                self.buffers[group.policy_id].restore(group)
+            else:
+                leased.setdefault(batch_id, []).append(group)
+        self.batches.recover(st.batches(), leased)
+        if self.work:
+            log.info("recovered %d unfinished groups to dispatch again", len(self.work))
+
+    def persist_counters(self, tx) -> None:
+        tx.put("counters", dict(self.counters))
+        tx.put("accepted", dict(self.accepted))
+
+    # ----- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._dispatch_loop(), name="dispatch"),
+            asyncio.create_task(self._upkeep_loop(), name="upkeep"),
+        ]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        tasks = [*self._tasks, *self._collectors.values(), *self._loads.values(), *self._background]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for inst in self.pool.instances.values():
+            with contextlib.suppress(Exception):
+                await inst.port.close()
+        self.store.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # ----- pool membership (called by the servicer) ----------------------------------------
+
+    async def register(
+        self,
+        instance_id: str,
+        address: str,
+        capacity: int,
+        policy_ids: list[str],
+        workflows: list[str],
+        labels: dict[str, str],
+        loaded_versions: dict[str, int],
+    ) -> bool:
+        if not any(p in self.buffers for p in policy_ids):
+            raise FailedPrecondition(
+                f"instance serves none of this run's policies {sorted(self.buffers)}",
+                reason="NO_COMMON_POLICY",
+                metadata={"instance_id": instance_id},
+            )
+        already, stale = self.pool.register(
+            instance_id, address, capacity, policy_ids, workflows, labels, loaded_versions
+        )
+        if stale is not None:
+            await stale.close()
+        self._ensure_collector(instance_id)
+        self.counters["registrations"] += 1
+        self.wake()
+        return already
+
+    def heartbeat(
+        self, instance_id: str, free_slots: int, loaded: dict[str, int], pending: int
+    ) -> None:
+        inst = self.pool.heartbeat(instance_id, free_slots, loaded, pending)
+        inst.free_slots = max(0, free_slots)
+        self._ensure_collector(instance_id)
+        self.wake()
+
+    def deregister(self, instance_id: str) -> int:
+        orphans = self.pool.deregister(instance_id)
+        self._requeue(orphans, "instance_left")
+        return len(orphans)
+
+    def _ensure_collector(self, instance_id: str) -> None:
+        task = self._collectors.get(instance_id)
+        if task is None or task.done():
+            self._collectors[instance_id] = asyncio.create_task(
+                self._collect_loop(instance_id), name=f"collect:{instance_id}"
+            )
+
+    # ----- dispatch --------------------------------------------------------------------------
+
+    def _in_flight(self) -> int:
+        return sum(1 for w in self.work.values() if w.instance_id is not None)
+
+    def stream_capacity(self, stream: StreamSettings) -> int:
+        g = self.config.gate
+        running = sum(
+            1 for w in self.work.values() if w.instance_id is not None and w.stream == stream.name
+        )
+        if g.max_offpolicyness is None:
+            return max(0, g.max_concurrent_groups - running)
+        primary = stream.policy_ids[0]
+        return offpolicy_capacity(
+            g.max_offpolicyness,
+            self.versions.current(primary),
+            self.config.policy(primary).batch_groups,
+            self.accepted[primary],
+            running,
+            g.max_concurrent_groups,
+        )
+
+    def evaluate_gate(self) -> GateState:
+        capacity = (
+            0 if self.pool.empty else sum(self.stream_capacity(s) for s in self.streams.values())
+        )
+        fill = max(b.fill_ratio for b in self.buffers.values())
+        state = self.gate.evaluate(self.staleness.value, capacity, fill, self._in_flight())
+        self.gate_state = state
+        return state
+
+    def _next_work(self, stream: StreamSettings) -> str | None:
+        """A waiting group of the stream, pulling a new one from the dataset if needed."""
+        for gid in self.waiting:
+            if self.work[gid].stream == stream.name:
+                return gid
+        item = self.sources[stream.name].next()
+        if item is None:
+            return None
+        self.work[item.group_id] = Work(item, stream.name)
+        self.waiting.append(item.group_id)
+        with self.store.tx() as tx:
+            tx.set_work(item.group_id, stream.name, "pending")
+            tx.put(f"dataset/{stream.name}", self.sources[stream.name].state())
+        return item.group_id
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.2)
+            self._wake.clear()
+            try:
+                await self._dispatch_round()
+            except Exception:
+                log.exception("dispatch round failed")
+
+    async def _dispatch_round(self) -> None:
+        if self.pool.empty:
+            self.reason = "pool empty: waiting for a rollout service to register"
+            self.evaluate_gate()
+            return
+        state = self.evaluate_gate()
+        self.reason = state.reason
+        if not state.can_admit:
+            return
+        for stream in self.streams.values():
+            budget = self.stream_capacity(stream)
+            while budget > 0:
+                plan: dict[str, list[str]] = {}
+                while budget > 0:
+                    gid = self._next_work(stream)
+                    if gid is None:
+                        break
+                    inst = self.pool.pick(stream.workflow, stream.policy_ids, stream.group_size)
+                    if inst is None:
+                        break
+                    self._lease(gid, inst)
+                    plan.setdefault(inst.instance_id, []).append(gid)
+                    budget -= 1
+                    if len(plan[inst.instance_id]) >= SUBMIT_BATCH:
+                        break
+                if not plan:
+                    break
+                self._persist_leases([g for gids in plan.values() for g in gids])
+                await asyncio.gather(*(self._submit(i, g, stream) for i, g in plan.items()))
+
+    def _lease(self, gid: str, inst: Instance) -> None:
+        w = self.work[gid]
+        self.waiting.remove(gid)
+        w.instance_id = inst.instance_id
+        w.lease_expire = time.time() + self.config.leases.group_lease_s
+        w.attempts += 1
+        inst.in_flight.add(gid)
+        inst.free_slots -= w.item.num_samples
+        self.counters["dispatched"] += 1
+        if w.attempts > 1:
+            self.counters["redispatched"] += 1
+
+    def _persist_leases(self, gids: list[str]) -> None:
+        with self.store.tx() as tx:
+            for gid in gids:
+                w = self.work[gid]
+                tx.set_work(
+                    gid,
+                    w.stream,
+                    "leased",
+                    instance_id=w.instance_id,
+                    lease_expire=w.lease_expire,
+                    attempts=w.attempts,
+                )
+            self.persist_counters(tx)
+
+    async def _submit(self, instance_id: str, gids: list[str], stream: StreamSettings) -> None:
+        inst = self.pool.instances[instance_id]
+        try:
+            accepted, free = await inst.port.submit([(self.work[g].item, stream) for g in gids])
+        except PortError as exc:
+            if exc.busy:
+                inst.free_slots = 0
+            else:
+                log.warning("submit to %s failed: %s", instance_id, exc)
+                self.pool.call_failed(instance_id)
+            self._requeue(set(gids) & inst.in_flight, "submit_failed", count_attempt=False)
+            return
+        self.pool.call_succeeded(instance_id)
+        inst.free_slots = free
+        missing = set(gids) - set(accepted)
+        if missing:
+            self._requeue(missing & inst.in_flight, "submit_refused", count_attempt=False)
+
+    def _requeue(self, gids: set[str], why: str, *, count_attempt: bool = True) -> None:
+        """Returns leased groups to the waiting queue (durably)."""
+        moved = []
+        for gid in gids:
+            w = self.work.get(gid)
+            if w is None or w.instance_id is None:
+                continue
+            inst = self.pool.instances.get(w.instance_id)
+            if inst is not None:
+                inst.in_flight.discard(gid)
+            w.instance_id, w.lease_expire = None, None
+            if not count_attempt:
+                w.attempts -= 1
+            self.waiting.appendleft(gid)
+            moved.append(gid)
+        if not moved:
+            return
+        self.counters[f"requeued_{why}"] += len(moved)
+        with self.store.tx() as tx:
+            for gid in moved:
+                w = self.work[gid]
+                tx.set_work(gid, w.stream, "pending", attempts=w.attempts)
+            self.persist_counters(tx)
+        self.wake()
+
+    # ----- collection and ingest -----------------------------------------------------------
+
+    async def _collect_loop(self, instance_id: str) -> None:
+        ps = self.config.pool
+        while not self._stopping:
+            inst = self.pool.instances.get(instance_id)
+            if inst is None or inst.state in (InstanceState.DEAD, InstanceState.LEFT):
+                return
+            if inst.state is InstanceState.SUSPECT:
+                await asyncio.sleep(ps.probe_interval_s)
+                continue
+            try:
+                results = await inst.port.collect(ps.collect_max_groups, ps.collect_wait_s)
+            except PortError as exc:
+                log.warning("collect from %s failed: %s", instance_id, exc)
+                self.pool.call_failed(instance_id)
+                continue
+            self.pool.call_succeeded(instance_id)
+            if not results:
+                continue
+            acks = await self.ingest(instance_id, results)
+            try:
+                await inst.port.ack(acks)
+            except PortError as exc:
+                # Not lost: the RaaS sends them again and they are dropped as duplicates.
+                log.warning("ack to %s failed: %s", instance_id, exc)
+
+    async def ingest(self, instance_id: str, results: list[IncomingGroup]) -> list[str]:
+        """Takes finished groups into the buffers durably; returns the ids to acknowledge."""
+        acks: list[str] = []
+        cancel: dict[str, list[str]] = {}
+        with self.store.tx() as tx:
+            for r in results:
+                acks.append(r.group_id)
+                if r.group_id in self.done:
+                    self.counters["duplicates_dropped"] += 1
+                    continue
+                w = self.work.get(r.group_id)
+                if w is None:
+                    self.counters["unknown_results_dropped"] += 1
+                    continue
+                if w.instance_id is not None and w.instance_id != instance_id:
+                    cancel.setdefault(w.instance_id, []).append(r.group_id)
+                outcome = self._take_result(tx, w, r)
+                inst = self.pool.instances.get(w.instance_id or "")
+                if inst is not None:
+                    inst.in_flight.discard(r.group_id)
+                if w.instance_id is None:
+                    with contextlib.suppress(ValueError):
+                        self.waiting.remove(r.group_id)
+                del self.work[r.group_id]
+                self.done.add(r.group_id)
+                tx.set_work(r.group_id, w.stream, "done", attempts=w.attempts, outcome=outcome)
+            for buf in self.buffers.values():
+                evicted = buf.pop_dropped()
+                tx.delete_groups((g.group_id, g.policy_id) for g in evicted)
+            self.persist_counters(tx)
+        for other, gids in cancel.items():
+            inst = self.pool.instances.get(other)
+            if inst is not None:
+                self._spawn(self._cancel(inst, gids))
+        async with self.data_ready:
+            self.data_ready.notify_all()
+        self.wake()
+        return acks
+
+    def _take_result(self, tx, w: Work, r: IncomingGroup) -> str:
+        if r.invalid is not None:
+            self.counters["malformed_results"] += 1
+            log.warning("malformed result for %s: %s", r.group_id, r.invalid)
+            return f"malformed: {r.invalid}"
+        if r.error is not None:
+            self.counters["failed_groups"] += 1
+            return f"failed: {r.error}"
+        self.counters["completed_groups"] += 1
+        outcomes = []
+        for policy_id, trajectories in r.per_policy.items():
+            buf = self.buffers.get(policy_id)
+            if buf is None:
+                self.counters["foreign_policy_dropped"] += 1
+                continue
+            group = GroupRecord(r.group_id, policy_id, w.item.epoch, trajectories)
+            current = self.versions.current(policy_id)
+            outcome = buf.add(group, current)
+            outcomes.append(f"{policy_id}:{outcome}")
+            if outcome == "accepted":
+                self.accepted[policy_id] += 1
+                self.staleness.update(group.staleness(current))
+                tx.add_groups([group])
+        return ",".join(outcomes) or "empty"
+
+    async def _cancel(self, inst: Instance, gids: list[str]) -> None:
+        with contextlib.suppress(PortError):
+            await inst.port.cancel(gids)
+
+    # ----- upkeep: leases, liveness, weights ------------------------------------------------
+
+    async def _upkeep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.5, self.config.pool.probe_interval_s))
+            try:
+                await self.upkeep()
+            except Exception:
+                log.exception("upkeep failed")
+
+    async def upkeep(self) -> None:
+        now = time.time()
+        expired = {g for g, w in self.work.items() if w.lease_expire and w.lease_expire < now}
+        if expired:
+            self.counters["leases_expired"] += len(expired)
+            owners: dict[str, list[str]] = {}
+            for gid in expired:
+                owners.setdefault(self.work[gid].instance_id or "", []).append(gid)
+            self._requeue(expired, "lease_expired")
+            for iid, gids in owners.items():
+                inst = self.pool.instances.get(iid)
+                if inst is not None:
+                    self._spawn(self._cancel(inst, gids))
+        self.batches.expire(now)
+        for iid in self.pool.check_silence():
+            log.warning("instance %s stopped heartbeating: suspect", iid)
+        suspects = self.pool.by_state(InstanceState.SUSPECT)
+        probes = await asyncio.gather(*(self._probe(i) for i in suspects))
+        for inst, ok in zip(suspects, probes, strict=True):
+            orphans = self.pool.probe_result(inst.instance_id, ok)
+            if inst.state is InstanceState.DEAD:
+                self.counters["instances_confirmed_dead"] += 1
+                log.warning(
+                    "instance %s confirmed dead; re-dispatching %d", inst.instance_id, len(orphans)
+                )
+                self._requeue(orphans, "instance_dead")
+        for port in self.pool.forget_ended():
+            with contextlib.suppress(Exception):
+                await port.close()
+        self._sync_weights()
+
+    async def _probe(self, inst: Instance) -> bool:
+        try:
+            return await inst.port.check_health()
+        except PortError:
+            return False
+
+    def _sync_weights(self) -> None:
+        targets = self.versions.targets()
+        for inst in self.pool.by_state(InstanceState.ACTIVE):
+            want = {
+                p: a
+                for p, a in targets.items()
+                if p in inst.policy_ids
+                and a.weights_address
+                and inst.loaded_versions.get(p, -1) < a.version
+            }
+            running = self._loads.get(inst.instance_id)
+            if not want or (running is not None and not running.done()):
+                continue
+            self._loads[inst.instance_id] = asyncio.create_task(self._load(inst, want))
+
+    async def _load(self, inst: Instance, want: dict) -> None:
+        addresses = {a.weights_address for a in want.values()}
+        versions = {p: (a.version, a.version_id) for p, a in want.items()}
+        request_id = f"{inst.instance_id}:" + ",".join(
+            f"{p}={v[0]}" for p, v in sorted(versions.items())
+        )
+        try:
+            # One WeightService per run is the common case; several get one call each.
+            for address in sorted(addresses):
+                part = {p: v for p, v in versions.items() if want[p].weights_address == address}
+                held = await inst.port.load_weights(part, address, request_id)
+                inst.loaded_versions.update(held)
+            self.counters["weight_loads"] += 1
+        except PortError as exc:
+            self.counters["weight_load_failures"] += 1
+            log.warning("load %s on %s failed: %s", versions, inst.instance_id, exc)
+
+    # ----- versions (called by the servicer) -----------------------------------------------
+
+    def announce(self, policy_id: str, version: int, version_id: str, address: str) -> bool:
+        repeat = self.versions.announce(policy_id, version, version_id, address)
+        if not repeat:
+            self.counters["versions_announced"] += 1
+            with self.store.tx() as tx:
+                tx.put("versions", self.versions.state())
+                self.persist_counters(tx)
+            self._sync_weights()
+            self.wake()
+        return repeat
+
+    # ----- status --------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        """The run's state, shaped like astra.dataflow.v1.GetStatusResponse (snake_case)."""
+        now_wall, now_mono = time.time(), time.monotonic()
+        gate = self.gate_state or self.evaluate_gate()
+        targets = self.versions.targets()
+        instances = []
+        for i in self.pool.instances.values():
+            seen = now_wall - (now_mono - i.last_seen)
+            instances.append(
+                {
+                    "instance_id": i.instance_id,
+                    "address": i.address,
+                    "state": f"INSTANCE_STATE_{i.state.value}",
+                    "capacity": i.capacity,
+                    "free_slots": max(0, i.free_slots),
+                    "in_flight_groups": len(i.in_flight),
+                    "consecutive_failures": i.failures,
+                    "loaded_versions": [
+                        {"policy_id": p, "version": v} for p, v in sorted(i.loaded_versions.items())
+                    ],
+                    "labels": i.labels,
+                    "last_seen_time": _rfc3339(seen),
+                    "policy_ids": sorted(i.policy_ids),
+                }
+            )
+        policies = []
+        for p in self.config.policies:
+            buf = self.buffers[p.id]
+            target = targets.get(p.id)
+            policies.append(
+                {
+                    "policy_id": p.id,
+                    "current_version": self.versions.current(p.id),
+                    "buffered_groups": len(buf),
+                    "buffer_capacity": p.buffer.capacity_groups,
+                    "replay_groups": buf.replay_len,
+                    "leased_groups": self.batches.leased_groups(p.id),
+                    "target_version": target.version if target else 0,
+                    "weights_address": target.weights_address if target else "",
+                }
+            )
+        streams = [
+            {
+                "name": name,
+                "epoch": src.epoch,
+                "position": src.position,
+                "size": src.size,
+                "num_epochs": src.num_epochs,
+                "exhausted": src.exhausted,
+            }
+            for name, src in self.sources.items()
+        ]
+        counters = dict(self.counters)
+        for pid, buf in self.buffers.items():
+            for k, v in buf.counters.items():
+                counters[f"buffer.{pid}.{k}"] = v
+        counters["groups_waiting"] = len(self.waiting)
+        counters["groups_done"] = len(self.done)
+        reason = self.reason if self.pool.empty else gate.reason
+        return {
+            "dataflow_id": self.dataflow_id,
+            "instances": instances,
+            "policies": policies,
+            "gate": {
+                "mode": f"GATE_MODE_{gate.mode.name}",
+                "reason": reason,
+                "staleness": gate.staleness,
+                "capacity": gate.capacity,
+                "in_flight_groups": gate.in_flight,
+                "buffer_fill_ratio": gate.buffer_fill_ratio,
+            },
+            "streams": streams,
+            "counters": counters,
+            "pool_empty": self.pool.empty,
+            "status_time": _rfc3339(now_wall),
+        }
+
+
+def _rfc3339(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"

@@ -1,0 +1,208 @@
+"""The pool of rollout services: membership, liveness, capacity routing.
+
+A failed call marks an instance SUSPECT (no new work, leases kept); only
+health probes confirm death, after `confirm_failures` failures in a row; a
+suspect that answers again is restored. Heartbeat silence also makes a
+suspect. Instances join and leave at any time. Never touches the buffer or
+the durable store: it returns the group ids that must be dispatched again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from astra.dataflow.config import PoolSettings
+from astra.dataflow.ports import Connector, RolloutPort
+from astra.errors import NotFound
+
+
+class InstanceState(Enum):
+    ACTIVE = "ACTIVE"
+    SUSPECT = "SUSPECT"
+    DEAD = "DEAD"
+    LEFT = "LEFT"
+
+
+@dataclass(slots=True)
+class Instance:
+    instance_id: str
+    address: str
+    capacity: int
+    policy_ids: frozenset[str]
+    workflows: frozenset[str]
+    labels: dict[str, str]
+    port: RolloutPort
+    loaded_versions: dict[str, int] = field(default_factory=dict)
+    state: InstanceState = InstanceState.ACTIVE
+    free_slots: int = 0
+    pending_results: int = 0
+    in_flight: set[str] = field(default_factory=set)
+    failures: int = 0
+    last_seen: float = 0.0
+    ended_at: float = 0.0
+    loading: bool = False
+
+    def serves(self, workflow: str, policy_ids: Iterable[str]) -> bool:
+        return workflow in self.workflows and set(policy_ids) <= self.policy_ids
+
+
+class Pool:
+    def __init__(
+        self,
+        settings: PoolSettings,
+        connect: Connector,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self._connect = connect
+        self._clock = clock
+        self.instances: dict[str, Instance] = {}
+
+    def register(
+        self,
+        instance_id: str,
+        address: str,
+        capacity: int,
+        policy_ids: Iterable[str],
+        workflows: Iterable[str],
+        labels: dict[str, str],
+        loaded_versions: dict[str, int],
+    ) -> tuple[bool, RolloutPort | None]:
+        """Adds or refreshes an instance; returns (already registered, port to close)."""
+        now = self._clock()
+        old = self.instances.get(instance_id)
+        stale_port = None
+        if old is not None and old.state in (InstanceState.ACTIVE, InstanceState.SUSPECT):
+            already = True
+            if old.address != address:
+                stale_port, old.port = old.port, self._connect(address)
+                old.address = address
+            old.capacity, old.labels = capacity, dict(labels)
+            old.policy_ids, old.workflows = frozenset(policy_ids), frozenset(workflows)
+            old.loaded_versions = dict(loaded_versions)
+            old.state, old.failures, old.last_seen = InstanceState.ACTIVE, 0, now
+            return already, stale_port
+        if old is not None:
+            stale_port = old.port
+        self.instances[instance_id] = Instance(
+            instance_id=instance_id,
+            address=address,
+            capacity=capacity,
+            policy_ids=frozenset(policy_ids),
+            workflows=frozenset(workflows),
+            labels=dict(labels),
+            port=self._connect(address),
+            loaded_versions=dict(loaded_versions),
+            free_slots=capacity,
+            last_seen=now,
+        )
+        return False, stale_port
+
+    def live(self, instance_id: str) -> Instance:
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.state in (InstanceState.DEAD, InstanceState.LEFT):
+            raise NotFound(
+                f"instance {instance_id!r} is not registered",
+                reason="INSTANCE_NOT_REGISTERED",
+                metadata={"instance_id": instance_id},
+            )
+        return inst
+
+    def heartbeat(
+        self, instance_id: str, free_slots: int, loaded_versions: dict[str, int], pending: int
+    ) -> Instance:
+        inst = self.live(instance_id)
+        inst.free_slots = free_slots
+        inst.loaded_versions = dict(loaded_versions)
+        inst.pending_results = pending
+        inst.last_seen = self._clock()
+        if inst.state is InstanceState.SUSPECT:
+            inst.state, inst.failures = InstanceState.ACTIVE, 0
+        return inst
+
+    def _end(self, inst: Instance, state: InstanceState) -> set[str]:
+        inst.state, inst.ended_at = state, self._clock()
+        orphans, inst.in_flight = inst.in_flight, set()
+        return orphans
+
+    def deregister(self, instance_id: str) -> set[str]:
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.state in (InstanceState.DEAD, InstanceState.LEFT):
+            return set()
+        return self._end(inst, InstanceState.LEFT)
+
+    def call_failed(self, instance_id: str) -> None:
+        inst = self.instances.get(instance_id)
+        if inst is not None and inst.state is InstanceState.ACTIVE:
+            inst.state = InstanceState.SUSPECT
+
+    def call_succeeded(self, instance_id: str) -> None:
+        inst = self.instances.get(instance_id)
+        if inst is not None and inst.state is not InstanceState.LEFT:
+            inst.last_seen = self._clock()
+
+    def probe_result(self, instance_id: str, ok: bool) -> set[str]:
+        """Records a health probe; returns the orphaned groups if death is confirmed."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.state is not InstanceState.SUSPECT:
+            return set()
+        if ok:
+            inst.state, inst.failures, inst.last_seen = InstanceState.ACTIVE, 0, self._clock()
+            return set()
+        inst.failures += 1
+        if inst.failures >= self.settings.confirm_failures:
+            return self._end(inst, InstanceState.DEAD)
+        return set()
+
+    def check_silence(self) -> list[str]:
+        """Marks instances whose heartbeats stopped as suspects."""
+        now = self._clock()
+        turned = []
+        for inst in self.instances.values():
+            silent = now - inst.last_seen > self.settings.heartbeat_timeout_s
+            if inst.state is InstanceState.ACTIVE and silent:
+                inst.state = InstanceState.SUSPECT
+                turned.append(inst.instance_id)
+        return turned
+
+    def forget_ended(self) -> list[RolloutPort]:
+        """Drops dead/left instances kept past the retention; returns ports to close."""
+        now = self._clock()
+        gone = [
+            i
+            for i in self.instances.values()
+            if i.state in (InstanceState.DEAD, InstanceState.LEFT)
+            and now - i.ended_at > self.settings.dead_retention_s
+        ]
+        for inst in gone:
+            del self.instances[inst.instance_id]
+        return [i.port for i in gone]
+
+    def by_state(self, *states: InstanceState) -> list[Instance]:
+        return [i for i in self.instances.values() if i.state in states]
+
+    @property
+    def empty(self) -> bool:
+        return not self.by_state(InstanceState.ACTIVE)
+
+    def pick(self, workflow: str, policy_ids: Iterable[str], slots: int) -> Instance | None:
+        """The ACTIVE instance serving the work with the most free slots (>= slots)."""
+        policy_ids = tuple(policy_ids)
+        best = None
+        for inst in self.instances.values():
+            if inst.state is not InstanceState.ACTIVE or inst.free_slots < slots:
+                continue
+            if not inst.serves(workflow, policy_ids):
+                continue
+            if best is None or inst.free_slots > best.free_slots:
+                best = inst
+        return best
+
+    def owner_of(self, group_id: str) -> Instance | None:
+        for inst in self.instances.values():
+            if group_id in inst.in_flight:
+                return inst
+        return None

@@ -1,0 +1,220 @@
+"""Durable state of Dataflow in SQLite (WAL): survives `kill -9`.
+
+Holds the work table (every dispatched group: pending, leased, done), the
+buffered groups with their trajectories, trainer batch leases, and small
+key/value state (dataset positions, versions, counters). Every change that
+Dataflow acknowledges to anyone is committed here first. WAL with
+synchronous=NORMAL is durable against a process crash; only a power loss can
+drop the last transactions. Knows nothing of gRPC or of the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import struct
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from astra.dataflow.records import GroupRecord, TrajectoryRecord
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS work (
+    group_id TEXT PRIMARY KEY,
+    stream TEXT NOT NULL,
+    state TEXT NOT NULL,
+    instance_id TEXT,
+    lease_expire REAL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    outcome TEXT
+);
+CREATE INDEX IF NOT EXISTS work_state ON work(state);
+CREATE TABLE IF NOT EXISTS groups (
+    group_id TEXT NOT NULL,
+    policy_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    batch_id TEXT,
+    meta TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    PRIMARY KEY (group_id, policy_id)
+);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY,
+    policy_id TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    trainer_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    lease_expire REAL NOT NULL,
+    policy_version INTEGER NOT NULL,
+    groups TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS batches_request ON batches(policy_id, request_id);
+"""
+
+
+@dataclass(slots=True)
+class WorkRow:
+    group_id: str
+    stream: str
+    state: str
+    instance_id: str | None
+    lease_expire: float | None
+    attempts: int
+    outcome: str | None
+
+
+@dataclass(slots=True)
+class BatchRow:
+    batch_id: str
+    policy_id: str
+    request_id: str
+    trainer_id: str
+    state: str
+    lease_expire: float
+    policy_version: int
+    group_keys: list[tuple[str, bool]]
+
+
+def _pack(trajectories: list[TrajectoryRecord]) -> tuple[str, bytes]:
+    meta = [
+        [t.trajectory_id, t.reward, t.min_version, t.max_version, t.num_tokens, t.failed]
+        for t in trajectories
+    ]
+    blob = b"".join(struct.pack("<I", len(t.payload)) + t.payload for t in trajectories)
+    return json.dumps(meta), blob
+
+
+def _unpack(meta_json: str, blob: bytes) -> list[TrajectoryRecord]:
+    out = []
+    pos = 0
+    for tid, reward, vmin, vmax, ntok, failed in json.loads(meta_json):
+        (n,) = struct.unpack_from("<I", blob, pos)
+        pos += 4
+        out.append(TrajectoryRecord(tid, reward, vmin, vmax, ntok, blob[pos : pos + n], failed))
+        pos += n
+    return out
+
+
+class Tx:
+    """Operations inside one transaction."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.c = conn
+
+    def put(self, key: str, value: Any) -> None:
+        self.c.execute(
+            "INSERT INTO kv(key, value) VALUES(?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+            (key, json.dumps(value)),
+        )
+
+    def set_work(
+        self,
+        group_id: str,
+        stream: str,
+        state: str,
+        *,
+        instance_id: str | None = None,
+        lease_expire: float | None = None,
+        attempts: int = 0,
+        outcome: str | None = None,
+    ) -> None:
+        self.c.execute(
+            "INSERT INTO work(group_id, stream, state, instance_id, lease_expire, attempts, outcome)"
+            " VALUES(?, ?, ?, ?, ?, ?, ?) ON CONFLICT(group_id) DO UPDATE SET"
+            " state=excluded.state, instance_id=excluded.instance_id,"
+            " lease_expire=excluded.lease_expire, attempts=excluded.attempts,"
+            " outcome=excluded.outcome",
+            (group_id, stream, state, instance_id, lease_expire, attempts, outcome),
+        )
+
+    def add_groups(self, groups: Iterable[GroupRecord]) -> None:
+        rows = []
+        for g in groups:
+            meta, blob = _pack(g.trajectories)
+            rows.append((g.group_id, g.policy_id, g.seq, g.epoch, None, meta, blob))
+        self.c.executemany(
+            "INSERT OR REPLACE INTO groups(group_id, policy_id, seq, epoch, batch_id, meta, payload)"
+            " VALUES(?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+
+    def delete_groups(self, keys: Iterable[tuple[str, str]]) -> None:
+        self.c.executemany("DELETE FROM groups WHERE group_id=? AND policy_id=?", list(keys))
+
+    def set_group_batch(self, keys: Iterable[tuple[str, str]], batch_id: str | None) -> None:
+        self.c.executemany(
+            "UPDATE groups SET batch_id=? WHERE group_id=? AND policy_id=?",
+            [(batch_id, g, p) for g, p in keys],
+        )
+
+    def put_batch(self, b: BatchRow) -> None:
+        self.c.execute(
+            "INSERT OR REPLACE INTO batches(batch_id, policy_id, request_id, trainer_id, state,"
+            " lease_expire, policy_version, groups) VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                b.batch_id,
+                b.policy_id,
+                b.request_id,
+                b.trainer_id,
+                b.state,
+                b.lease_expire,
+                b.policy_version,
+                json.dumps(b.group_keys),
+            ),
+        )
+
+
+class StateStore:
+    def __init__(self, state_dir: str | Path) -> None:
+        path = Path(state_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / "dataflow.sqlite"
+        self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn.executescript(SCHEMA)
+
+    @contextmanager
+    def tx(self) -> Iterator[Tx]:
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield Tx(self.conn)
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        row = self.conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
+        return default if row is None else json.loads(row[0])
+
+    def work_rows(self) -> list[WorkRow]:
+        return [WorkRow(*r) for r in self.conn.execute("SELECT * FROM work")]
+
+    def groups(self) -> list[tuple[GroupRecord, str | None]]:
+        """Every stored group with the batch it is leased in (None if buffered)."""
+        out = []
+        for gid, pid, seq, epoch, batch_id, meta, blob in self.conn.execute(
+            "SELECT group_id, policy_id, seq, epoch, batch_id, meta, payload FROM groups"
+        ):
+            out.append((GroupRecord(gid, pid, epoch, _unpack(meta, blob), seq=seq), batch_id))
+        return out
+
+    def batches(self) -> list[BatchRow]:
+        out = []
+        for row in self.conn.execute(
+            "SELECT batch_id, policy_id, request_id, trainer_id, state, lease_expire,"
+            " policy_version, groups FROM batches"
+        ):
+            *head, groups = row
+            out.append(BatchRow(*head, [tuple(k) for k in json.loads(groups)]))
+        return out
+
+    def close(self) -> None:
+        self.conn.close()

@@ -1,0 +1,207 @@
+"""DataflowService servicer: proto -> domain call on `Dataflow` -> proto.
+
+Validation of request shapes happens here (field names are wire names);
+every decision is the coordinator's. Errors are raised as domain errors and
+mapped to statuses by the server's interceptor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from astra.servers.convert import trajectories_blob
+from google.protobuf import json_format
+
+from astra import __version__
+from astra.common.v1 import capabilities_pb2
+from astra.dataflow.coordinator import Dataflow
+from astra.dataflow.v1 import dataflow_service_pb2 as pb
+from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
+from astra.errors import invalid_field
+
+CONTRACT_VERSION = "1.0.0"
+MAX_ID_CHARS = 128
+MAX_LIST = 256
+CHUNK_BYTES = 4 << 20
+
+
+def _check_id(value: str, field: str) -> None:
+    if not value:
+        raise invalid_field(field, "required")
+    if len(value) > MAX_ID_CHARS:
+        raise invalid_field(field, f"longer than {MAX_ID_CHARS} characters")
+
+
+def _check_list(values, field: str) -> None:
+    if len(values) > MAX_LIST:
+        raise invalid_field(field, f"more than {MAX_LIST} entries")
+    for i, v in enumerate(values):
+        _check_id(v, f"{field}[{i}]")
+
+
+def _versions(items) -> dict[str, int]:
+    out = {}
+    for i, v in enumerate(items):
+        _check_id(v.policy_id, f"loaded_versions[{i}].policy_id")
+        if v.version < 0:
+            raise invalid_field(f"loaded_versions[{i}].version", "must be >= 0")
+        out[v.policy_id] = v.version
+    return out
+
+
+class DataflowServicer(pb_grpc.DataflowServiceServicer):
+    def __init__(self, dataflow: Dataflow) -> None:
+        self.df = dataflow
+
+    def _interval(self, resp) -> None:
+        resp.heartbeat_interval.FromNanoseconds(int(self.df.config.pool.heartbeat_interval_s * 1e9))
+        resp.dataflow_id = self.df.dataflow_id
+
+    async def RegisterInstance(self, request: pb.RegisterInstanceRequest, context):
+        _check_id(request.instance_id, "instance_id")
+        _check_id(request.address, "address")
+        if request.capacity < 1:
+            raise invalid_field("capacity", "must be >= 1")
+        if not request.policy_ids:
+            raise invalid_field("policy_ids", "at least one policy is required")
+        _check_list(request.policy_ids, "policy_ids")
+        if not request.workflows:
+            raise invalid_field("workflows", "at least one workflow is required")
+        _check_list(request.workflows, "workflows")
+        if len(request.labels) > MAX_LIST:
+            raise invalid_field("labels", f"more than {MAX_LIST} labels")
+        already = await self.df.register(
+            request.instance_id,
+            request.address,
+            request.capacity,
+            list(request.policy_ids),
+            list(request.workflows),
+            dict(request.labels),
+            _versions(request.loaded_versions),
+        )
+        resp = pb.RegisterInstanceResponse(already_registered=already)
+        self._interval(resp)
+        return resp
+
+    async def HeartbeatInstance(self, request: pb.HeartbeatInstanceRequest, context):
+        _check_id(request.instance_id, "instance_id")
+        if request.free_slots < 0:
+            raise invalid_field("free_slots", "must be >= 0")
+        if request.pending_results < 0:
+            raise invalid_field("pending_results", "must be >= 0")
+        self.df.heartbeat(
+            request.instance_id,
+            request.free_slots,
+            _versions(request.loaded_versions),
+            request.pending_results,
+        )
+        resp = pb.HeartbeatInstanceResponse()
+        self._interval(resp)
+        return resp
+
+    async def DeregisterInstance(self, request: pb.DeregisterInstanceRequest, context):
+        _check_id(request.instance_id, "instance_id")
+        return pb.DeregisterInstanceResponse(
+            requeued_groups=self.df.deregister(request.instance_id)
+        )
+
+    async def FetchBatch(
+        self, request: pb.FetchBatchRequest, context
+    ) -> AsyncIterator[pb.FetchBatchResponse]:
+        _check_id(request.policy_id, "policy_id")
+        max_wait = request.max_wait.ToNanoseconds() / 1e9 if request.HasField("max_wait") else 10.0
+        if max_wait < 0:
+            raise invalid_field("max_wait", "must not be negative")
+        batch = await self.df.batches.fetch(
+            request.policy_id, request.num_groups, request.request_id, request.trainer_id, max_wait
+        )
+        header = pb.BatchHeader(
+            batch_id=batch.batch_id,
+            policy_id=batch.policy_id,
+            num_groups=len(batch.groups),
+            num_trajectories=batch.num_trajectories,
+            policy_version=batch.policy_version,
+        )
+        header.lease_expire_time.FromNanoseconds(int(batch.lease_expire * 1e9))
+        yield pb.FetchBatchResponse(header=header)
+        pending: list[tuple[bytes, float]] = []
+        size = 0
+        max_staleness = 0
+        for g in batch.groups:
+            max_staleness = max(max_staleness, g.staleness(batch.policy_version))
+            advantages = g.advantages or [0.0] * len(g.trajectories)
+            for t, adv in zip(g.trajectories, advantages, strict=True):
+                pending.append((t.payload, adv))
+                size += len(t.payload)
+            if size >= CHUNK_BYTES:
+                yield _chunk(pending)
+                pending, size = [], 0
+        if pending:
+            yield _chunk(pending)
+        yield pb.FetchBatchResponse(
+            footer=pb.BatchFooter(
+                batch_id=batch.batch_id,
+                num_trajectories=batch.num_trajectories,
+                max_staleness=max_staleness,
+                num_replay_groups=sum(1 for g in batch.groups if g.replay),
+            )
+        )
+
+    async def AckBatch(self, request: pb.AckBatchRequest, context):
+        _check_id(request.batch_id, "batch_id")
+        return pb.AckBatchResponse(consumed_groups=self.df.batches.ack(request.batch_id))
+
+    async def AnnounceVersion(self, request: pb.AnnounceVersionRequest, context):
+        v = request.version
+        _check_id(v.policy_id, "version.policy_id")
+        if v.version_id and len(v.version_id) > MAX_ID_CHARS:
+            raise invalid_field("version.version_id", f"longer than {MAX_ID_CHARS} characters")
+        _check_id(request.weights_address, "weights_address")
+        repeat = self.df.announce(v.policy_id, v.version, v.version_id, request.weights_address)
+        return pb.AnnounceVersionResponse(
+            current_version=self.df.versions.current(v.policy_id), already_announced=repeat
+        )
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context):
+        return json_format.ParseDict(self.df.status(), pb.GetStatusResponse())
+
+    async def GetCapabilities(self, request: pb.GetCapabilitiesRequest, context):
+        return pb.GetCapabilitiesResponse(
+            capabilities=capabilities_pb2.Capabilities(
+                contract_version=CONTRACT_VERSION,
+                features=["parquet_datasets", "replay_buffer", "version_barrier"],
+                implementation="astra-dataflow",
+                implementation_version=__version__,
+            )
+        )
+
+
+def _chunk(pending: list[tuple[bytes, float]]) -> pb.FetchBatchResponse:
+    return pb.FetchBatchResponse(
+        trajectories=pb.BatchTrajectories.FromString(trajectories_blob(pending))
+    )
+
+
+async def start_dataflow(config, connector=None):
+    """Builds and starts a Dataflow server; returns (GrpcServer, Dataflow, metrics server)."""
+    from astra.servers.rollout_port import connect
+    from astra.servers.runtime import GrpcServer
+
+    from astra.dataflow.metrics import serve_metrics
+
+    df = Dataflow(config, connector or connect(config.pool.call_timeout_s))
+    server = GrpcServer(
+        config.host, config.port, max_message_bytes=config.max_message_bytes, grace_s=config.grace_s
+    )
+    server.add_service(
+        pb_grpc.add_DataflowServiceServicer_to_server,
+        DataflowServicer(df),
+        pb.DESCRIPTOR.services_by_name["DataflowService"].full_name,
+    )
+    await server.start()
+    await df.start()
+    metrics = None
+    if config.metrics_port is not None:
+        metrics, bound = serve_metrics(df.status, config.host, config.metrics_port)
+        df.metrics_port = bound
+    return server, df, metrics

@@ -1,0 +1,87 @@
+"""Dataflow's outbound side: `RolloutPort` over astra.raas.v1.RolloutService."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from astra.clients.raas import RolloutClient
+from astra.servers.convert import incoming_group, prompt_group
+
+from astra.common.v1 import version_pb2
+from astra.dataflow.config import StreamSettings
+from astra.dataflow.ports import IncomingGroup, PortError
+from astra.dataflow.records import WorkItem
+
+
+class GrpcRolloutPort:
+    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+        self.client = RolloutClient(address, timeout_s=timeout_s)
+        self.instance_id = ""
+
+    @staticmethod
+    def _error(exc: grpc.aio.AioRpcError) -> PortError:
+        code = exc.code()
+        return PortError(
+            f"{code.name}: {exc.details()}",
+            busy=code is grpc.StatusCode.RESOURCE_EXHAUSTED,
+            fatal=code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION),
+        )
+
+    async def submit(
+        self, work: Sequence[tuple[WorkItem, StreamSettings]]
+    ) -> tuple[list[str], int]:
+        try:
+            resp = await self.client.submit_groups([prompt_group(i, s) for i, s in work])
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from exc
+        return list(resp.accepted_group_ids), resp.free_slots
+
+    async def collect(self, max_groups: int, max_wait_s: float) -> list[IncomingGroup]:
+        try:
+            results = await self.client.collect_results(max_groups, max_wait_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from exc
+        return [incoming_group(r, r.instance_id) for r in results]
+
+    async def ack(self, group_ids: Sequence[str]) -> None:
+        try:
+            for start in range(0, len(group_ids), 4096):
+                await self.client.ack_results(group_ids[start : start + 4096])
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from exc
+
+    async def cancel(self, group_ids: Sequence[str]) -> None:
+        try:
+            await self.client.cancel_groups(group_ids)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from exc
+
+    async def load_weights(
+        self, versions: dict[str, tuple[int, str]], weights_address: str, request_id: str
+    ) -> dict[str, int]:
+        req = [
+            version_pb2.PolicyVersion(policy_id=p, version=v, version_id=vid)
+            for p, (v, vid) in versions.items()
+        ]
+        try:
+            resp = await self.client.load_weights(req, weights_address, request_id, timeout_s=600)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from exc
+        return {v.policy_id: v.version for v in resp.loaded_versions}
+
+    async def check_health(self) -> bool:
+        try:
+            return await self.client.check_health(timeout_s=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def connect(timeout_s: float):
+    def make(address: str) -> GrpcRolloutPort:
+        return GrpcRolloutPort(address, timeout_s=timeout_s)
+
+    return make
