@@ -1,0 +1,92 @@
+"""Shared fixtures: datasets, Dataflow configs, in-process servers on port 0."""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from astra.dataflow.config import DataflowConfig
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    with path.open("w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n")
+    return path
+
+
+def make_config(dataset: Path, state_dir: Path, **over) -> DataflowConfig:
+    raw = {
+        "port": 0,
+        "state_dir": str(state_dir),
+        "grace_s": 1.0,
+        "policies": [{"id": "policy", "batch_groups": 2, "buffer": {"drop_equal_rewards": False}}],
+        "streams": [
+            {
+                "name": "s",
+                "dataset": {"path": str(dataset), "num_epochs": 1},
+                "policy_ids": ["policy"],
+                "group_size": 4,
+                "sampling": {"max_new_tokens": 8},
+            }
+        ],
+        "pool": {"heartbeat_interval_s": 0.2, "probe_interval_s": 0.1, "confirm_failures": 2,
+                 "collect_wait_s": 0.1, "call_timeout_s": 2.0},
+        "gate": {"max_offpolicyness": None},
+    }
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return DataflowConfig.model_validate(raw)
+
+
+@pytest.fixture
+def config(dataset: Path, tmp_path: Path) -> DataflowConfig:
+    return make_config(dataset, tmp_path / "state")
+
+
+@asynccontextmanager
+async def running_dataflow(config: DataflowConfig):
+    """A real Dataflow gRPC server on 127.0.0.1:0 and a client to it."""
+    from astra.clients.dataflow import DataflowClient
+    from astra.servers.dataflow import start_dataflow
+
+    server, df, _metrics = await start_dataflow(config)
+    client = DataflowClient(server.address, timeout_s=5.0)
+    try:
+        yield server, df, client
+    finally:
+        await client.close()
+        await server.stop(0)
+        await df.stop()
+
+
+def error_info(exc: grpc.aio.AioRpcError) -> tuple[error_details_pb2.ErrorInfo | None, list]:
+    """The ErrorInfo and the other details of a failed call."""
+    raw = dict(exc.trailing_metadata() or ()).get("grpc-status-details-bin")
+    if raw is None:
+        return None, []
+    status = status_pb2.Status.FromString(raw)
+    info, others = None, []
+    for any_msg in status.details:
+        if any_msg.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            any_msg.Unpack(info)
+        elif any_msg.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            br = error_details_pb2.BadRequest()
+            any_msg.Unpack(br)
+            others.append(br)
+        elif any_msg.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            ri = error_details_pb2.RetryInfo()
+            any_msg.Unpack(ri)
+            others.append(ri)
+    return info, others

@@ -1,0 +1,107 @@
+"""Validation of trajectories arriving from a RaaS, and the batch wire path."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from astra.common.v1 import rollout_pb2
+from astra.dataflow.v1 import dataflow_service_pb2 as pb
+from astra.servers.convert import from_array, incoming_group, to_array, trajectories_blob
+
+
+def sequence(n=6, policy="policy", versions=(3, 4), **over) -> rollout_pb2.Sequence:
+    wv = np.full(n, -1, dtype=np.int64)
+    wv[2:] = np.linspace(versions[0], versions[1], n - 2).astype(np.int64)
+    arrays = {
+        "token_ids": np.arange(n, dtype=np.int32),
+        "logprobs": -np.ones(n, dtype=np.float32),
+        "loss_mask": (np.arange(n) >= 2).astype(np.uint8),
+        "weight_versions": wv,
+    }
+    arrays.update(over)
+    return rollout_pb2.Sequence(
+        policy_id=policy, prompt_length=2, **{k: to_array(v) for k, v in arrays.items()}
+    )
+
+
+def result(*trajectories) -> rollout_pb2.GroupResult:
+    return rollout_pb2.GroupResult(group_id="s/0/1", trajectories=list(trajectories))
+
+
+def test_valid_group_facts():
+    t = rollout_pb2.Trajectory(trajectory_id="s/0/1/0", group_id="s/0/1", reward=1.0,
+                               sequences=[sequence()])
+    g = incoming_group(result(t), "raas")
+    assert g.invalid is None and g.error is None
+    (rec,) = g.per_policy["policy"]
+    assert (rec.min_version, rec.max_version, rec.num_tokens) == (3, 4, 6)
+    assert rollout_pb2.Trajectory.FromString(rec.payload) == t
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: rollout_pb2.Trajectory(reward=math.nan, sequences=[sequence()]),
+         "trajectories[0].reward"),
+        (lambda: rollout_pb2.Trajectory(reward=1, agent_rewards={"a": math.inf},
+                                        sequences=[sequence()]), "agent_rewards[a]"),
+        (lambda: rollout_pb2.Trajectory(reward=1), "sequences: empty"),
+        (lambda: rollout_pb2.Trajectory(
+            reward=1, sequences=[sequence(logprobs=-np.ones(5, dtype=np.float32))]),
+         "sequences[0].logprobs: length 5"),
+        (lambda: rollout_pb2.Trajectory(
+            reward=1, sequences=[sequence(logprobs=np.array([np.nan] * 6, dtype=np.float32))]),
+         "logprobs: not finite"),
+        (lambda: rollout_pb2.Trajectory(
+            reward=1, sequences=[sequence(token_ids=np.arange(6, dtype=np.float32))]),
+         "token_ids.dtype"),
+        (lambda: rollout_pb2.Trajectory(reward=1, sequences=[sequence(policy="")]),
+         "policy_id: empty"),
+    ],
+)
+def test_malformed_trajectories_are_rejected_naming_the_field(make, field):
+    g = incoming_group(result(make()), "raas")
+    assert g.invalid is not None and field in g.invalid, g.invalid
+    assert g.per_policy == {}
+
+
+def test_array_byte_length_must_match_shape():
+    arr = to_array(np.arange(4, dtype=np.int32))
+    arr.data = arr.data[:-1]
+    with pytest.raises(ValueError, match="15 bytes, expected 16"):
+        from_array(arr, "x")
+
+
+def test_multi_policy_episode_is_split_per_policy():
+    t = rollout_pb2.Trajectory(
+        trajectory_id="s/0/1/0", reward=1.0, agent_rewards={"solver": 1.0, "verifier": 0.5},
+        sequences=[sequence(policy="solver", versions=(2, 2)),
+                   sequence(policy="verifier", versions=(7, 7))],
+    )
+    g = incoming_group(result(t), "raas")
+    assert set(g.per_policy) == {"solver", "verifier"}
+    solver = rollout_pb2.Trajectory.FromString(g.per_policy["solver"][0].payload)
+    assert [s.policy_id for s in solver.sequences] == ["solver"]
+    assert g.per_policy["verifier"][0].reward == 0.5
+    assert g.per_policy["verifier"][0].min_version == 7
+
+
+def test_failed_trajectory_is_kept_as_failed():
+    t = rollout_pb2.Trajectory(trajectory_id="s/0/1/0", sequences=[sequence()])
+    t.error.code = 13
+    t.error.message = "reward raised"
+    g = incoming_group(result(t), "raas")
+    assert g.per_policy["policy"][0].failed
+
+
+def test_trajectories_blob_sets_advantages_without_decoding():
+    ts = [rollout_pb2.Trajectory(trajectory_id=f"t{i}", reward=i, advantage=99.0,
+                                 sequences=[sequence()]) for i in range(3)]
+    blob = trajectories_blob([(t.SerializeToString(), -0.5 + i) for i, t in enumerate(ts)])
+    out = pb.BatchTrajectories.FromString(blob).trajectories
+    assert [t.trajectory_id for t in out] == ["t0", "t1", "t2"]
+    assert [t.advantage for t in out] == [-0.5, 0.5, 1.5]
+    assert out[1].sequences[0] == ts[1].sequences[0]

@@ -1,0 +1,66 @@
+"""`astra serve dataflow` as a real process: grpcurl sees it, SIGTERM drains and exits 0."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.procs import start_dataflow
+
+GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+
+
+def grpcurl(*args: str) -> str:
+    out = subprocess.run([GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.skipif(not Path(GRPCURL).exists(), reason="grpcurl not installed")
+def test_grpcurl_lists_describes_and_health_checks(config, tmp_path):
+    proc = start_dataflow(config, tmp_path)
+    try:
+        services = grpcurl(proc.address, "list").split()
+        assert "astra.dataflow.v1.DataflowService" in services
+        assert "grpc.health.v1.Health" in services
+        described = grpcurl(proc.address, "describe", "astra.dataflow.v1.DataflowService")
+        assert "rpc FetchBatch" in described and "stream" in described
+        health = json.loads(grpcurl("-d", '{"service": "astra.dataflow.v1.DataflowService"}',
+                                    proc.address, "grpc.health.v1.Health/Check"))
+        assert health["status"] == "SERVING"
+        status = json.loads(grpcurl(proc.address, "astra.dataflow.v1.DataflowService/GetStatus"))
+        assert status.get("poolEmpty", status.get("pool_empty")) is True, status
+        cli = subprocess.run([sys.executable, "-m", "astra.cli", "status", "--dataflow",
+                              proc.address], capture_output=True, text=True, timeout=30)
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)["pool_empty"] is True
+    finally:
+        proc.signal(signal.SIGTERM)
+        code = proc.wait(15)
+        proc.close()
+    assert code == 0, proc.log.read_text()[-2000:]
+
+
+def test_unknown_config_key_exits_2_naming_it(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("policies: [{id: p}]\nstreams: []\nbogus_key: 1\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "astra.cli", "serve", "dataflow", "--config", str(path)],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert out.returncode == 2
+    assert "bogus_key" in out.stderr
+
+
+@pytest.mark.parametrize("service", ["raas", "trainer", "weights"])
+def test_unbuilt_services_say_so_and_fail(service):
+    out = subprocess.run([sys.executable, "-m", "astra.cli", "serve", service],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    assert "not built yet" in out.stderr
