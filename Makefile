@@ -1,0 +1,31 @@
+# The few commands people need. Each sets up .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test lint generate bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+run: $(VENV)/.installed  ## Dataflow with the example config (the full `astra run` is not built yet)
+	$(VENV)/bin/astra serve dataflow --config configs/dataflow-example.yaml
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check astra servers clients tools tests
+	$(VENV)/bin/ruff format --check astra servers clients tools tests
+	$(PY) tools/codegen.py --check
+
+generate: $(VENV)/.installed
+	$(PY) tools/codegen.py
+
+bench: $(VENV)/.installed
+	$(PY) tools/bench/control_plane.py
+
+clean:
+	rm -rf $(VENV) build astra-state
