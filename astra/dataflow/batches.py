@@ -148,7 +148,7 @@ class BatchDesk:
                 if remaining <= 0:
                     raise Unavailable(
                         f"batch of {num_groups} groups for {policy_id!r} not ready: "
-                        f"{len(buf)} buffered; {df.reason}",
+                        f"{len(buf)} buffered; {df.why()}",
                         reason="BATCH_NOT_READY",
                         metadata={"policy_id": policy_id, "buffered_groups": str(len(buf))},
                         retry_after_s=1.0,

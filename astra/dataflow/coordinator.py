@@ -39,6 +39,7 @@ from astra.errors import FailedPrecondition, InvalidArgument
 log = logging.getLogger(__name__)
 
 SUBMIT_BATCH = 32
+POOL_EMPTY = "pool empty: waiting for a rollout service to register"
 
 
 @dataclass(slots=True)
@@ -94,7 +95,6 @@ class Dataflow:
         self.done: set[str] = set()
         self.batches = BatchDesk(self)
         self.gate_state: GateState | None = None
-        self.reason = "starting"
         self._wake = asyncio.Event()
         self.data_ready = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
@@ -215,6 +215,13 @@ class Dataflow:
 
     # ----- dispatch --------------------------------------------------------------------------
 
+    def why(self) -> str:
+        """Why work is or is not being admitted, in words."""
+        if self.pool.empty:
+            return POOL_EMPTY
+        state = self.gate_state or self.evaluate_gate()
+        return state.reason
+
     def _in_flight(self) -> int:
         return sum(1 for w in self.work.values() if w.instance_id is not None)
 
@@ -271,11 +278,9 @@ class Dataflow:
 
     async def _dispatch_round(self) -> None:
         if self.pool.empty:
-            self.reason = "pool empty: waiting for a rollout service to register"
             self.evaluate_gate()
             return
         state = self.evaluate_gate()
-        self.reason = state.reason
         if not state.can_admit:
             return
         for stream in self.streams.values():
@@ -615,7 +620,7 @@ class Dataflow:
                 counters[f"buffer.{pid}.{k}"] = v
         counters["groups_waiting"] = len(self.waiting)
         counters["groups_done"] = len(self.done)
-        reason = self.reason if self.pool.empty else gate.reason
+        reason = self.why()
         return {
             "dataflow_id": self.dataflow_id,
             "instances": instances,

@@ -1,0 +1,344 @@
+"""RolloutService servicer: validates requests, drives a `RolloutBackend` and a `ResultStore`.
+
+Request shapes are checked here (field names are wire names); admission and
+result holding are the ResultStore's; generation is the backend's. Each
+accepted group runs as one task whose outcome is always a GroupResult: the
+trajectories, or `error` (INTERNAL) when the backend raised, so a failure is
+counted, never dropped. Domain errors are mapped to statuses by the server's
+interceptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from astra.servers.convert import Malformed, from_array, to_array
+from astra.servers.registrar import Registrar
+from astra.servers.runtime import GrpcServer
+from google.protobuf import json_format
+from google.rpc import code_pb2, status_pb2
+
+from astra import __version__
+from astra.common.v1 import capabilities_pb2, rollout_pb2, version_pb2
+from astra.errors import FailedPrecondition, invalid_field
+from astra.raas.backend import GroupSpec, RolloutBackend, TrajectorySpec, VersionSpec
+from astra.raas.results import ResultStore
+from astra.raas.v1 import rollout_service_pb2 as pb
+from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+CONTRACT_VERSION = "1.0.0"
+MAX_GROUPS, MAX_SAMPLES, MAX_COLLECT, MAX_IDS = 1024, 1024, 4096, 4096
+MAX_GROUP_ID, MAX_ID = 256, 128
+MAX_WAIT_S = 30.0
+_FINISH_PREFIX = "FINISH_REASON_"  # + "STOP", "LENGTH", "ABORTED", "ERROR"
+
+
+def _check_id(value: str, field: str, limit: int = MAX_ID) -> None:
+    if not value:
+        raise invalid_field(field, "required")
+    if len(value) > limit:
+        raise invalid_field(field, f"longer than {limit} characters")
+
+
+def _check_ids(ids, field: str = "group_ids") -> None:
+    if not 1 <= len(ids) <= MAX_IDS:
+        raise invalid_field(field, f"{len(ids)} ids, expected 1..{MAX_IDS}")
+
+
+def group_spec(g: rollout_pb2.PromptGroup, where: str) -> GroupSpec:
+    sp = g.sampling_params
+    tokens = None
+    if g.prompt.HasField("token_ids"):
+        try:
+            tokens = from_array(g.prompt.token_ids, f"{where}.prompt.token_ids")
+        except Malformed as exc:
+            raise invalid_field(f"{where}.prompt.token_ids", str(exc)) from exc
+        if tokens.ndim != 1 or tokens.dtype.kind != "i":
+            raise invalid_field(f"{where}.prompt.token_ids", "must be a 1-D integer array")
+    return GroupSpec(
+        group_id=g.group_id,
+        workflow=g.workflow,
+        policy_ids=tuple(g.policy_ids),
+        num_samples=g.num_samples,
+        max_new_tokens=sp.max_new_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        stop_strings=tuple(sp.stop_strings),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        seed=sp.seed,
+        prompt_text=g.prompt.text,
+        prompt_token_ids=tokens,
+        data=json_format.MessageToDict(g.prompt.data) if g.prompt.HasField("data") else {},
+        reward=g.reward,
+        epoch=g.epoch,
+    )
+
+
+def group_result(
+    group_id: str, instance_id: str, trajectories: list[TrajectorySpec]
+) -> rollout_pb2.GroupResult:
+    out = rollout_pb2.GroupResult(group_id=group_id, instance_id=instance_id)
+    for t in trajectories:
+        msg = out.trajectories.add(
+            trajectory_id=f"{group_id}/{t.sample_index}",
+            group_id=group_id,
+            sample_index=t.sample_index,
+            reward=t.reward,
+            agent_rewards=t.agent_rewards,
+        )
+        if t.metadata:
+            msg.metadata.update(t.metadata)
+        if t.error is not None:
+            msg.error.CopyFrom(status_pb2.Status(code=code_pb2.INTERNAL, message=t.error))
+        for s in t.sequences:
+            msg.sequences.add(
+                policy_id=s.policy_id,
+                agent_id=s.agent_id,
+                prompt_length=s.prompt_length,
+                token_ids=to_array(s.token_ids),
+                logprobs=to_array(s.logprobs),
+                loss_mask=to_array(s.loss_mask),
+                weight_versions=to_array(s.weight_versions),
+                finish_reason=_FINISH_PREFIX + s.finish_reason.upper(),
+                reward=s.reward,
+            )
+    return out
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    """astra.raas.v1.RolloutService over one backend; `instance_id` is set before serving."""
+
+    def __init__(
+        self,
+        backend: RolloutBackend,
+        capacity: int,
+        *,
+        instance_id: str = "",
+        initial_versions: dict[str, int] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.capacity = capacity
+        self.instance_id = instance_id
+        self.policy_ids = list(backend.policy_ids)
+        self.workflows = list(backend.workflows)
+        self.store = ResultStore(capacity)
+        self.counters: Counter[str] = Counter()
+        start = initial_versions if initial_versions is not None else {}
+        self._versions = {
+            p: VersionSpec(start.get(p, 0), str(start.get(p, 0))) for p in backend.policy_ids
+        }
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._load_lock = asyncio.Lock()
+
+    # ----- what the Registrar reports --------------------------------------------------------
+
+    @property
+    def loaded_versions(self) -> dict[str, int]:
+        return {p: v.version for p, v in self._versions.items()}
+
+    @property
+    def free_slots(self) -> int:
+        return self.store.free_slots
+
+    @property
+    def pending_results(self) -> int:
+        return self.store.pending
+
+    def _version_protos(self) -> list[version_pb2.PolicyVersion]:
+        return [
+            version_pb2.PolicyVersion(policy_id=p, version=v.version, version_id=v.version_id)
+            for p, v in sorted(self._versions.items())
+        ]
+
+    # ----- groups ----------------------------------------------------------------------------
+
+    async def _run(self, spec: GroupSpec, versions: dict[str, int]) -> None:
+        try:
+            trajectories = await self.backend.generate(spec, versions)
+            result = group_result(spec.group_id, self.instance_id, trajectories)
+        except Exception as exc:
+            log.warning("group %s failed: %s: %s", spec.group_id, type(exc).__name__, exc)
+            self.counters["groups_failed"] += 1
+            result = rollout_pb2.GroupResult(group_id=spec.group_id, instance_id=self.instance_id)
+            result.error.CopyFrom(
+                status_pb2.Status(code=code_pb2.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+            )
+        finally:
+            if self._tasks.get(spec.group_id) is asyncio.current_task():
+                del self._tasks[spec.group_id]
+        self.store.finish(spec.group_id, result)
+
+    async def SubmitGroups(self, request: pb.SubmitGroupsRequest, context):
+        if not 1 <= len(request.groups) <= MAX_GROUPS:
+            raise invalid_field("groups", f"{len(request.groups)} groups, expected 1..{MAX_GROUPS}")
+        specs = []
+        for i, g in enumerate(request.groups):
+            where = f"groups[{i}]"
+            _check_id(g.group_id, f"{where}.group_id", MAX_GROUP_ID)
+            if g.workflow not in self.backend.workflows:
+                raise invalid_field(
+                    f"{where}.workflow",
+                    f"unknown workflow {g.workflow!r}",
+                    reason="UNKNOWN_WORKFLOW",
+                )
+            if not g.policy_ids:
+                raise invalid_field(f"{where}.policy_ids", "at least one policy is required")
+            for j, p in enumerate(g.policy_ids):
+                if p not in self.backend.policy_ids:
+                    raise invalid_field(
+                        f"{where}.policy_ids[{j}]", f"unknown policy {p!r}", reason="UNKNOWN_POLICY"
+                    )
+            if not 1 <= g.num_samples <= min(MAX_SAMPLES, self.capacity):
+                raise invalid_field(
+                    f"{where}.num_samples",
+                    f"{g.num_samples} outside 1..{min(MAX_SAMPLES, self.capacity)} (capacity)",
+                )
+            if g.sampling_params.max_new_tokens < 1:
+                raise invalid_field(f"{where}.sampling_params.max_new_tokens", "must be >= 1")
+            specs.append(group_spec(g, where))
+        admission = self.store.try_accept([(s.group_id, s.num_samples) for s in specs])
+        versions = self.loaded_versions
+        by_id = {s.group_id: s for s in specs}
+        for gid in admission.new:
+            self._tasks[gid] = asyncio.create_task(self._run(by_id[gid], versions))
+        return pb.SubmitGroupsResponse(
+            accepted_group_ids=admission.accepted, free_slots=self.store.free_slots
+        )
+
+    async def CollectResults(
+        self, request: pb.CollectResultsRequest, context
+    ) -> AsyncIterator[pb.CollectResultsResponse]:
+        if not 1 <= request.max_groups <= MAX_COLLECT:
+            raise invalid_field("max_groups", f"{request.max_groups} outside 1..{MAX_COLLECT}")
+        max_wait = request.max_wait.ToNanoseconds() / 1e9
+        if not 0 <= max_wait <= MAX_WAIT_S:
+            raise invalid_field("max_wait", f"{max_wait}s outside 0..{MAX_WAIT_S}s")
+        for result in await self.store.collect(request.max_groups, max_wait):
+            yield pb.CollectResultsResponse(result=result)
+
+    async def AckResults(self, request: pb.AckResultsRequest, context):
+        _check_ids(request.group_ids)
+        acknowledged, ignored = self.store.ack(request.group_ids)
+        return pb.AckResultsResponse(acknowledged=acknowledged, ignored=ignored)
+
+    async def CancelGroups(self, request: pb.CancelGroupsRequest, context):
+        _check_ids(request.group_ids)
+        cancelled = self.store.cancel(request.group_ids)
+        for gid in cancelled:
+            task = self._tasks.pop(gid, None)
+            if task is not None:
+                task.cancel()
+        return pb.CancelGroupsResponse(cancelled=len(cancelled))
+
+    # ----- weights, status -------------------------------------------------------------------
+
+    async def LoadWeights(self, request: pb.LoadWeightsRequest, context):
+        if not request.versions:
+            raise invalid_field("versions", "at least one version is required")
+        _check_id(request.weights_address, "weights_address", MAX_GROUP_ID)
+        _check_id(request.request_id, "request_id")
+        wanted: dict[str, VersionSpec] = {}
+        for i, v in enumerate(request.versions):
+            where = f"versions[{i}]"
+            if v.policy_id not in self.backend.policy_ids:
+                raise invalid_field(
+                    f"{where}.policy_id", f"unknown policy {v.policy_id!r}", reason="UNKNOWN_POLICY"
+                )
+            if v.policy_id in wanted:
+                raise invalid_field(f"{where}.policy_id", f"{v.policy_id!r} listed twice")
+            if v.version < 0:
+                raise invalid_field(f"{where}.version", "must be >= 0")
+            if len(v.version_id) > MAX_ID:
+                raise invalid_field(f"{where}.version_id", f"longer than {MAX_ID} characters")
+            wanted[v.policy_id] = VersionSpec(v.version, v.version_id or str(v.version))
+        async with self._load_lock:
+            for p, spec in wanted.items():
+                held = self._versions[p].version
+                if spec.version < held:
+                    raise FailedPrecondition(
+                        f"{p}: version {spec.version} is older than the {held} in service",
+                        reason="VERSION_REGRESSION",
+                        metadata={"policy_id": p, "held_version": str(held)},
+                    )
+            todo = {p: s for p, s in wanted.items() if s.version > self._versions[p].version}
+            fetched = 0
+            if todo:
+                fetched = await self.backend.load_weights(todo, request.weights_address)
+                # One assignment: a group submitted from now on sees the whole new set.
+                self._versions = {**self._versions, **todo}
+                self.counters["weight_loads"] += 1
+        return pb.LoadWeightsResponse(loaded_versions=self._version_protos(), fetched_bytes=fetched)
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context):
+        return pb.GetStatusResponse(
+            instance_id=self.instance_id,
+            capacity=self.capacity,
+            free_slots=self.store.free_slots,
+            running_groups=self.store.running,
+            pending_results=self.store.pending,
+            loaded_versions=self._version_protos(),
+            policy_ids=self.policy_ids,
+            workflows=self.workflows,
+            engine=self.backend.engine,
+            counters={**self.store.counters, **self.counters},
+        )
+
+    async def GetCapabilities(self, request: pb.GetCapabilitiesRequest, context):
+        return pb.GetCapabilitiesResponse(
+            capabilities=capabilities_pb2.Capabilities(
+                contract_version=CONTRACT_VERSION,
+                features=["cancel", "multi_policy"],
+                implementation=f"astra-raas-{self.backend.engine}",
+                implementation_version=__version__,
+            )
+        )
+
+    async def close(self) -> None:
+        """Cancels every running group (their results are not produced)."""
+        tasks = list(self._tasks.values())
+        self.store.cancel(list(self._tasks))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def start_raas(
+    backend: RolloutBackend,
+    *,
+    capacity: int,
+    dataflow_address: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    instance_id: str | None = None,
+    labels: dict[str, str] | None = None,
+    initial_versions: dict[str, int] | None = None,
+    grace_s: float = 5.0,
+) -> tuple[GrpcServer, RolloutServicer, Registrar | None]:
+    """Starts a RolloutService on host:port (0 = any); registers with Dataflow when given.
+
+    Health turns SERVING once the server listens. The Registrar (None
+    without `dataflow_address`) keeps trying in the background; stop it
+    before the server to deregister.
+    """
+    servicer = RolloutServicer(backend, capacity, initial_versions=initial_versions)
+    server = GrpcServer(host, port, grace_s=grace_s)
+    server.add_service(
+        pb_grpc.add_RolloutServiceServicer_to_server,
+        servicer,
+        pb.DESCRIPTOR.services_by_name["RolloutService"].full_name,
+    )
+    await server.start(serving=False)
+    servicer.instance_id = instance_id or f"raas-{server.address}-{time.time_ns() // 1_000_000}"
+    await server.set_serving(True)
+    registrar = None
+    if dataflow_address:
+        registrar = Registrar(dataflow_address, servicer, server.address, labels=labels)
+        registrar.start()
+    return server, servicer, registrar
