@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from astra.clients.channel import BaseClient
-
 from astra.common.v1 import version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc

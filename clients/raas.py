@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from astra.clients.channel import BaseClient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from astra.clients.channel import BaseClient
 from astra.common.v1 import rollout_pb2, version_pb2
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc

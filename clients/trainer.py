@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from astra.clients.channel import BaseClient
-
 from astra.trainer.v1 import trainer_service_pb2 as pb
 from astra.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 

@@ -7,7 +7,6 @@ protocol; their drivers belong to the WeightService issue and use `stub`.
 from __future__ import annotations
 
 from astra.clients.channel import BaseClient
-
 from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.v1 import weight_service_pb2_grpc as pb_grpc
 

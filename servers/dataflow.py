@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from astra.servers.convert import trajectories_blob
 from google.protobuf import json_format
 
 from astra import __version__
@@ -18,6 +17,7 @@ from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
 from astra.errors import invalid_field
+from astra.servers.convert import trajectories_blob
 
 CONTRACT_VERSION = "1.0.0"
 MAX_ID_CHARS = 128
@@ -184,10 +184,9 @@ def _chunk(pending: list[tuple[bytes, float]]) -> pb.FetchBatchResponse:
 
 async def start_dataflow(config, connector=None):
     """Builds and starts a Dataflow server; returns (GrpcServer, Dataflow, metrics server)."""
+    from astra.dataflow.metrics import serve_metrics
     from astra.servers.rollout_port import connect
     from astra.servers.runtime import GrpcServer
-
-    from astra.dataflow.metrics import serve_metrics
 
     df = Dataflow(config, connector or connect(config.pool.call_timeout_s))
     server = GrpcServer(

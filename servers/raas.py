@@ -16,9 +16,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from astra.servers.convert import Malformed, from_array, to_array
-from astra.servers.registrar import Registrar
-from astra.servers.runtime import GrpcServer
 from google.protobuf import json_format
 from google.rpc import code_pb2, status_pb2
 
@@ -29,6 +26,9 @@ from astra.raas.backend import GroupSpec, RolloutBackend, TrajectorySpec, Versio
 from astra.raas.results import ResultStore
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
+from astra.servers.convert import Malformed, from_array, to_array
+from astra.servers.registrar import Registrar
+from astra.servers.runtime import GrpcServer
 
 log = logging.getLogger(__name__)
 

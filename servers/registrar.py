@@ -19,8 +19,8 @@ from collections import Counter
 from typing import Protocol
 
 import grpc
-from astra.clients.dataflow import DataflowClient
 
+from astra.clients.dataflow import DataflowClient
 from astra.common.v1 import version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
 

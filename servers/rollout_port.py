@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
-from astra.clients.raas import RolloutClient
-from astra.servers.convert import incoming_group, prompt_group
 
+from astra.clients.raas import RolloutClient
 from astra.common.v1 import version_pb2
 from astra.dataflow.config import StreamSettings
 from astra.dataflow.ports import IncomingGroup, PortError
 from astra.dataflow.records import WorkItem
+from astra.servers.convert import incoming_group, prompt_group
 
 
 class GrpcRolloutPort:

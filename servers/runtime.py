@@ -16,9 +16,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from astra.servers.errors import ErrorInterceptor, domain_from_method
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from astra.servers.errors import ErrorInterceptor, domain_from_method
 
 log = logging.getLogger(__name__)
 

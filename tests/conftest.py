@@ -37,8 +37,13 @@ def make_config(dataset: Path, state_dir: Path, **over) -> DataflowConfig:
                 "sampling": {"max_new_tokens": 8},
             }
         ],
-        "pool": {"heartbeat_interval_s": 0.2, "probe_interval_s": 0.1, "confirm_failures": 2,
-                 "collect_wait_s": 0.1, "call_timeout_s": 2.0},
+        "pool": {
+            "heartbeat_interval_s": 0.2,
+            "probe_interval_s": 0.1,
+            "confirm_failures": 2,
+            "collect_wait_s": 0.1,
+            "call_timeout_s": 2.0,
+        },
         "gate": {"max_offpolicyness": None},
     }
     for key, value in over.items():

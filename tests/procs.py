@@ -23,8 +23,11 @@ class Proc:
         self.log = log
         self._log_file = log.open("ab")
         self.popen = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=self._log_file,
-            env={**os.environ, **(env or {})}, start_new_session=True,
+            args,
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
         )
         self.info = self._read_info(timeout_s)
         self.address: str = self.info["address"]
@@ -70,6 +73,16 @@ def start_dataflow(config: DataflowConfig, tmp: Path, name: str = "dataflow") ->
 
 
 def start_scripted_raas(dataflow: str, tmp: Path, name: str, *extra: str) -> Proc:
-    args = [sys.executable, "-m", "astra.testing.scripted_raas", "--dataflow", dataflow,
-            "--port", "0", "--instance-id", name, *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "astra.testing.scripted_raas",
+        "--dataflow",
+        dataflow,
+        "--port",
+        "0",
+        "--instance-id",
+        name,
+        *extra,
+    ]
     return Proc(args, log=tmp / f"{name}.log")

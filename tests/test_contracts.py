@@ -11,8 +11,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_committed_stubs_match_protos():
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "codegen.py"), "--check"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "codegen.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
 
 

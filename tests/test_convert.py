@@ -32,8 +32,9 @@ def result(*trajectories) -> rollout_pb2.GroupResult:
 
 
 def test_valid_group_facts():
-    t = rollout_pb2.Trajectory(trajectory_id="s/0/1/0", group_id="s/0/1", reward=1.0,
-                               sequences=[sequence()])
+    t = rollout_pb2.Trajectory(
+        trajectory_id="s/0/1/0", group_id="s/0/1", reward=1.0, sequences=[sequence()]
+    )
     g = incoming_group(result(t), "raas")
     assert g.invalid is None and g.error is None
     (rec,) = g.per_policy["policy"]
@@ -44,22 +45,39 @@ def test_valid_group_facts():
 @pytest.mark.parametrize(
     ("make", "field"),
     [
-        (lambda: rollout_pb2.Trajectory(reward=math.nan, sequences=[sequence()]),
-         "trajectories[0].reward"),
-        (lambda: rollout_pb2.Trajectory(reward=1, agent_rewards={"a": math.inf},
-                                        sequences=[sequence()]), "agent_rewards[a]"),
+        (
+            lambda: rollout_pb2.Trajectory(reward=math.nan, sequences=[sequence()]),
+            "trajectories[0].reward",
+        ),
+        (
+            lambda: rollout_pb2.Trajectory(
+                reward=1, agent_rewards={"a": math.inf}, sequences=[sequence()]
+            ),
+            "agent_rewards[a]",
+        ),
         (lambda: rollout_pb2.Trajectory(reward=1), "sequences: empty"),
-        (lambda: rollout_pb2.Trajectory(
-            reward=1, sequences=[sequence(logprobs=-np.ones(5, dtype=np.float32))]),
-         "sequences[0].logprobs: length 5"),
-        (lambda: rollout_pb2.Trajectory(
-            reward=1, sequences=[sequence(logprobs=np.array([np.nan] * 6, dtype=np.float32))]),
-         "logprobs: not finite"),
-        (lambda: rollout_pb2.Trajectory(
-            reward=1, sequences=[sequence(token_ids=np.arange(6, dtype=np.float32))]),
-         "token_ids.dtype"),
-        (lambda: rollout_pb2.Trajectory(reward=1, sequences=[sequence(policy="")]),
-         "policy_id: empty"),
+        (
+            lambda: rollout_pb2.Trajectory(
+                reward=1, sequences=[sequence(logprobs=-np.ones(5, dtype=np.float32))]
+            ),
+            "sequences[0].logprobs: length 5",
+        ),
+        (
+            lambda: rollout_pb2.Trajectory(
+                reward=1, sequences=[sequence(logprobs=np.array([np.nan] * 6, dtype=np.float32))]
+            ),
+            "logprobs: not finite",
+        ),
+        (
+            lambda: rollout_pb2.Trajectory(
+                reward=1, sequences=[sequence(token_ids=np.arange(6, dtype=np.float32))]
+            ),
+            "token_ids.dtype",
+        ),
+        (
+            lambda: rollout_pb2.Trajectory(reward=1, sequences=[sequence(policy="")]),
+            "policy_id: empty",
+        ),
     ],
 )
 def test_malformed_trajectories_are_rejected_naming_the_field(make, field):
@@ -77,9 +95,13 @@ def test_array_byte_length_must_match_shape():
 
 def test_multi_policy_episode_is_split_per_policy():
     t = rollout_pb2.Trajectory(
-        trajectory_id="s/0/1/0", reward=1.0, agent_rewards={"solver": 1.0, "verifier": 0.5},
-        sequences=[sequence(policy="solver", versions=(2, 2)),
-                   sequence(policy="verifier", versions=(7, 7))],
+        trajectory_id="s/0/1/0",
+        reward=1.0,
+        agent_rewards={"solver": 1.0, "verifier": 0.5},
+        sequences=[
+            sequence(policy="solver", versions=(2, 2)),
+            sequence(policy="verifier", versions=(7, 7)),
+        ],
     )
     g = incoming_group(result(t), "raas")
     assert set(g.per_policy) == {"solver", "verifier"}
@@ -98,8 +120,12 @@ def test_failed_trajectory_is_kept_as_failed():
 
 
 def test_trajectories_blob_sets_advantages_without_decoding():
-    ts = [rollout_pb2.Trajectory(trajectory_id=f"t{i}", reward=i, advantage=99.0,
-                                 sequences=[sequence()]) for i in range(3)]
+    ts = [
+        rollout_pb2.Trajectory(
+            trajectory_id=f"t{i}", reward=i, advantage=99.0, sequences=[sequence()]
+        )
+        for i in range(3)
+    ]
     blob = trajectories_blob([(t.SerializeToString(), -0.5 + i) for i, t in enumerate(ts)])
     out = pb.BatchTrajectories.FromString(blob).trajectories
     assert [t.trajectory_id for t in out] == ["t0", "t1", "t2"]

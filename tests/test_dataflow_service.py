@@ -42,8 +42,12 @@ async def expect_error(call, code: grpc.StatusCode, reason: str, field: str | No
     assert detail is not None and detail.reason == reason, detail
     assert detail.domain == "astra.dataflow.v1"
     if field is not None:
-        violations = [v.field for o in others if isinstance(o, error_details_pb2.BadRequest)
-                      for v in o.field_violations]
+        violations = [
+            v.field
+            for o in others
+            if isinstance(o, error_details_pb2.BadRequest)
+            for v in o.field_violations
+        ]
         assert field in violations, (violations, exc.details())
         assert field in exc.details()
     return exc, others
@@ -51,7 +55,7 @@ async def expect_error(call, code: grpc.StatusCode, reason: str, field: str | No
 
 def test_health_reflection_and_capabilities(config):
     async def body():
-        async with running_dataflow(config) as (server, _df, client):
+        async with running_dataflow(config) as (_server, _df, client):
             health = health_pb2_grpc.HealthStub(client.channel)
             for service in ("", "astra.dataflow.v1.DataflowService"):
                 resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
@@ -71,7 +75,7 @@ def test_health_reflection_and_capabilities(config):
 
 def test_register_heartbeat_deregister_and_status(config):
     async def body():
-        async with running_dataflow(config) as (_s, df, client):
+        async with running_dataflow(config) as (_s, _df, client):
             first = await client.register_instance(register_request())
             assert not first.already_registered
             assert first.heartbeat_interval.ToNanoseconds() == 200_000_000
@@ -79,7 +83,8 @@ def test_register_heartbeat_deregister_and_status(config):
             assert again.already_registered
             await client.heartbeat_instance(
                 pb.HeartbeatInstanceRequest(
-                    instance_id="raas-1", free_slots=3,
+                    instance_id="raas-1",
+                    free_slots=3,
                     loaded_versions=[version_pb2.PolicyVersion(policy_id="policy", version=0)],
                 )
             )
@@ -97,8 +102,11 @@ def test_register_heartbeat_deregister_and_status(config):
             assert status.instances[0].state == pb.INSTANCE_STATE_LEFT
             # Forgotten instance: a heartbeat tells it to register again.
             await expect_error(
-                lambda: client.heartbeat_instance(pb.HeartbeatInstanceRequest(instance_id="raas-1")),
-                grpc.StatusCode.NOT_FOUND, "INSTANCE_NOT_REGISTERED",
+                lambda: client.heartbeat_instance(
+                    pb.HeartbeatInstanceRequest(instance_id="raas-1")
+                ),
+                grpc.StatusCode.NOT_FOUND,
+                "INSTANCE_NOT_REGISTERED",
             )
 
     asyncio.run(body())
@@ -122,36 +130,58 @@ def test_every_rpc_rejects_bad_input_and_keeps_serving(config):
             for over, field in BAD_REGISTRATIONS:
                 await expect_error(
                     lambda o=over: stub.RegisterInstance(register_request(**o)),
-                    grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", field,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "INVALID_FIELD",
+                    field,
                 )
             await expect_error(
                 lambda: stub.RegisterInstance(register_request(policy_ids=["other"])),
-                grpc.StatusCode.FAILED_PRECONDITION, "NO_COMMON_POLICY",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "NO_COMMON_POLICY",
             )
             await expect_error(
                 lambda: stub.HeartbeatInstance(pb.HeartbeatInstanceRequest()),
-                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", "instance_id",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_FIELD",
+                "instance_id",
             )
             await stub.RegisterInstance(register_request())
             await expect_error(
                 lambda: stub.HeartbeatInstance(
                     pb.HeartbeatInstanceRequest(instance_id="raas-1", free_slots=-1)
                 ),
-                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", "free_slots",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_FIELD",
+                "free_slots",
             )
             await expect_error(
                 lambda: stub.DeregisterInstance(pb.DeregisterInstanceRequest()),
-                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", "instance_id",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_FIELD",
+                "instance_id",
             )
             fetch = pb.FetchBatchRequest(policy_id="policy", num_groups=1, request_id="r")
             for change, code, reason, field in [
                 ({"policy_id": "nope"}, grpc.StatusCode.NOT_FOUND, "POLICY_NOT_FOUND", None),
                 ({"policy_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", "policy_id"),
-                ({"num_groups": 0}, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", "num_groups"),
-                ({"num_groups": 70000}, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD",
-                 "num_groups"),
-                ({"request_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD",
-                 "request_id"),
+                (
+                    {"num_groups": 0},
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "INVALID_FIELD",
+                    "num_groups",
+                ),
+                (
+                    {"num_groups": 70000},
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "INVALID_FIELD",
+                    "num_groups",
+                ),
+                (
+                    {"request_id": ""},
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "INVALID_FIELD",
+                    "request_id",
+                ),
             ]:
                 req = pb.FetchBatchRequest()
                 req.CopyFrom(fetch)
@@ -160,15 +190,22 @@ def test_every_rpc_rejects_bad_input_and_keeps_serving(config):
                 await expect_error(lambda r=req: stub.FetchBatch(r), code, reason, field)
             neg = pb.FetchBatchRequest(policy_id="policy", num_groups=1, request_id="r2")
             neg.max_wait.FromNanoseconds(-1_000_000)
-            await expect_error(lambda: stub.FetchBatch(neg), grpc.StatusCode.INVALID_ARGUMENT,
-                               "INVALID_FIELD", "max_wait")
+            await expect_error(
+                lambda: stub.FetchBatch(neg),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_FIELD",
+                "max_wait",
+            )
             await expect_error(
                 lambda: stub.AckBatch(pb.AckBatchRequest()),
-                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", "batch_id",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_FIELD",
+                "batch_id",
             )
             await expect_error(
                 lambda: stub.AckBatch(pb.AckBatchRequest(batch_id="unknown")),
-                grpc.StatusCode.NOT_FOUND, "BATCH_NOT_FOUND",
+                grpc.StatusCode.NOT_FOUND,
+                "BATCH_NOT_FOUND",
             )
 
             def announce(policy="policy", version=1, address="127.0.0.1:9"):
@@ -179,14 +216,24 @@ def test_every_rpc_rejects_bad_input_and_keeps_serving(config):
                     )
                 )
 
-            await expect_error(lambda: announce(policy="nope"), grpc.StatusCode.NOT_FOUND,
-                               "POLICY_NOT_FOUND")
-            await expect_error(lambda: announce(version=-1), grpc.StatusCode.INVALID_ARGUMENT,
-                               "INVALID_FIELD", "version.version")
-            await expect_error(lambda: announce(address=""), grpc.StatusCode.INVALID_ARGUMENT,
-                               "INVALID_FIELD", "weights_address")
-            await expect_error(lambda: announce(version=5), grpc.StatusCode.FAILED_PRECONDITION,
-                               "VERSION_NOT_NEXT")
+            await expect_error(
+                lambda: announce(policy="nope"), grpc.StatusCode.NOT_FOUND, "POLICY_NOT_FOUND"
+            )
+            await expect_error(
+                lambda: announce(version=-1),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_FIELD",
+                "version.version",
+            )
+            await expect_error(
+                lambda: announce(address=""),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_FIELD",
+                "weights_address",
+            )
+            await expect_error(
+                lambda: announce(version=5), grpc.StatusCode.FAILED_PRECONDITION, "VERSION_NOT_NEXT"
+            )
             # Still serving, state intact.
             status = await client.get_status()
             assert [i.instance_id for i in status.instances] == ["raas-1"]
@@ -219,7 +266,8 @@ def test_fetch_batch_with_empty_pool_is_unavailable_with_reason(config):
             req.max_wait.FromNanoseconds(200_000_000)
             exc, others = await expect_error(
                 lambda: client.stub.FetchBatch(req),
-                grpc.StatusCode.UNAVAILABLE, "BATCH_NOT_READY",
+                grpc.StatusCode.UNAVAILABLE,
+                "BATCH_NOT_READY",
             )
             assert "pool empty" in exc.details()
             assert any(isinstance(o, error_details_pb2.RetryInfo) for o in others)

@@ -30,16 +30,26 @@ def big_dataset(tmp_path):
 
     path = tmp_path / "prompts.jsonl"
     path.write_text(
-        "".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(NUM_PROMPTS))
+        "".join(
+            json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(NUM_PROMPTS)
+        )
     )
     return path
 
 
 def fault_config(dataset, tmp_path, port=0):
     return make_config(
-        dataset, tmp_path / "state", port=port,
-        pool={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0, "probe_interval_s": 0.1,
-              "confirm_failures": 2, "collect_wait_s": 0.2, "call_timeout_s": 1.0},
+        dataset,
+        tmp_path / "state",
+        port=port,
+        pool={
+            "heartbeat_interval_s": 0.2,
+            "heartbeat_timeout_s": 1.0,
+            "probe_interval_s": 0.1,
+            "confirm_failures": 2,
+            "collect_wait_s": 0.2,
+            "call_timeout_s": 1.0,
+        },
         leases={"group_lease_s": 20.0, "batch_lease_s": 20.0},
     )
 
@@ -92,8 +102,10 @@ def assert_exactly_once(consumed: list[str]) -> None:
 
 def test_raas_sigkill_loses_and_duplicates_nothing(big_dataset, tmp_path):
     df = start_dataflow(fault_config(big_dataset, tmp_path), tmp_path)
-    raas = [start_scripted_raas(df.address, tmp_path, f"raas-{i}", "--delay", "0.3",
-                                "--capacity", "8") for i in range(3)]
+    raas = [
+        start_scripted_raas(df.address, tmp_path, f"raas-{i}", "--delay", "0.3", "--capacity", "8")
+        for i in range(3)
+    ]
 
     async def body():
         trainer = Trainer(df.address)
@@ -129,8 +141,10 @@ def test_dataflow_sigkill_restart_keeps_state_and_exactly_once(big_dataset, tmp_
     port = free_port()
     config = fault_config(big_dataset, tmp_path, port=port)
     df = start_dataflow(config, tmp_path, "dataflow-a")
-    raas = [start_scripted_raas(df.address, tmp_path, f"raas-{i}", "--delay", "0.2",
-                                "--capacity", "8") for i in range(2)]
+    raas = [
+        start_scripted_raas(df.address, tmp_path, f"raas-{i}", "--delay", "0.2", "--capacity", "8")
+        for i in range(2)
+    ]
     procs = [*raas, df]
 
     async def body():

@@ -12,13 +12,9 @@ from contextlib import asynccontextmanager
 import grpc
 import numpy as np
 import pytest
-from astra.clients.raas import RolloutClient
-from astra.servers.convert import incoming_group
-from astra.servers.raas import start_raas
-from astra.servers.registrar import Registrar
-from astra.servers.runtime import GrpcServer
 from google.rpc import code_pb2, error_details_pb2
 
+from astra.clients.raas import RolloutClient
 from astra.common.v1 import rollout_pb2, version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as df_grpc
@@ -27,6 +23,10 @@ from astra.raas.backend import GroupSpec
 from astra.raas.results import ResultStore
 from astra.raas.scripted import PROMPT_LENGTH, ScriptedGenerator
 from astra.raas.v1 import rollout_service_pb2 as pb
+from astra.servers.convert import incoming_group
+from astra.servers.raas import start_raas
+from astra.servers.registrar import Registrar
+from astra.servers.runtime import GrpcServer
 from tests.conftest import error_info
 from tests.procs import Proc
 

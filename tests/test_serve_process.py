@@ -31,13 +31,23 @@ def test_grpcurl_lists_describes_and_health_checks(config, tmp_path):
         assert "grpc.health.v1.Health" in services
         described = grpcurl(proc.address, "describe", "astra.dataflow.v1.DataflowService")
         assert "rpc FetchBatch" in described and "stream" in described
-        health = json.loads(grpcurl("-d", '{"service": "astra.dataflow.v1.DataflowService"}',
-                                    proc.address, "grpc.health.v1.Health/Check"))
+        health = json.loads(
+            grpcurl(
+                "-d",
+                '{"service": "astra.dataflow.v1.DataflowService"}',
+                proc.address,
+                "grpc.health.v1.Health/Check",
+            )
+        )
         assert health["status"] == "SERVING"
         status = json.loads(grpcurl(proc.address, "astra.dataflow.v1.DataflowService/GetStatus"))
         assert status.get("poolEmpty", status.get("pool_empty")) is True, status
-        cli = subprocess.run([sys.executable, "-m", "astra.cli", "status", "--dataflow",
-                              proc.address], capture_output=True, text=True, timeout=30)
+        cli = subprocess.run(
+            [sys.executable, "-m", "astra.cli", "status", "--dataflow", proc.address],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert cli.returncode == 0, cli.stderr
         assert json.loads(cli.stdout)["pool_empty"] is True
     finally:
@@ -52,7 +62,9 @@ def test_unknown_config_key_exits_2_naming_it(tmp_path):
     path.write_text("policies: [{id: p}]\nstreams: []\nbogus_key: 1\n")
     out = subprocess.run(
         [sys.executable, "-m", "astra.cli", "serve", "dataflow", "--config", str(path)],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 2
     assert "bogus_key" in out.stderr
@@ -60,7 +72,11 @@ def test_unknown_config_key_exits_2_naming_it(tmp_path):
 
 @pytest.mark.parametrize("service", ["raas", "trainer", "weights"])
 def test_unbuilt_services_say_so_and_fail(service):
-    out = subprocess.run([sys.executable, "-m", "astra.cli", "serve", service],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "astra.cli", "serve", service],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode != 0
     assert "not built yet" in out.stderr
