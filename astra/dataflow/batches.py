@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from astra.dataflow.coordinator import Dataflow
 
 MAX_WAIT_S = 60.0
+# Finished (acknowledged or expired) batches remembered for request-id replays.
+KEEP_FINISHED = 4096
 
 
 @dataclass(slots=True)
@@ -127,7 +129,7 @@ class BatchDesk:
                     reason="BATCH_LEASE_EXPIRED",
                     metadata={"batch_id": known},
                 )
-            if len(batch.groups) != num_groups and batch.state == "leased":
+            if len(batch.groups) != num_groups:
                 raise InvalidArgument(
                     f"request_id {request_id!r} was used for a batch of {len(batch.groups)} groups",
                     reason="REQUEST_ID_REUSED",
@@ -212,7 +214,19 @@ class BatchDesk:
         batch.groups = []
         return consumed
 
+    def _prune(self) -> None:
+        finished = [b for b in self.batches.values() if b.state != "leased"]
+        if len(finished) <= KEEP_FINISHED:
+            return
+        drop = finished[: len(finished) - KEEP_FINISHED]
+        for b in drop:
+            del self.batches[b.batch_id]
+            self.by_request.pop((b.policy_id, b.request_id), None)
+        with self.df.store.tx() as tx:
+            tx.delete_batches(b.batch_id for b in drop)
+
     def expire(self, now: float) -> None:
+        self._prune()
         for batch in self.batches.values():
             if batch.state != "leased" or batch.lease_expire >= now:
                 continue

@@ -242,6 +242,22 @@ class Dataflow:
             g.max_concurrent_groups,
         )
 
+    def version_floor(self, stream: StreamSettings) -> dict[str, int]:
+        """Oldest version an instance may hold to get this stream's work: target - eta.
+
+        With eta = 0 only instances that loaded the current target generate, which is
+        what makes eta = 0 synchronous.
+        """
+        eta = self.config.gate.max_offpolicyness
+        if eta is None:
+            return {}
+        targets = self.versions.targets()
+        return {
+            p: targets[p].version - eta
+            for p in stream.policy_ids
+            if p in targets and targets[p].weights_address
+        }
+
     def evaluate_gate(self) -> GateState:
         capacity = (
             0 if self.pool.empty else sum(self.stream_capacity(s) for s in self.streams.values())
@@ -285,13 +301,16 @@ class Dataflow:
             return
         for stream in self.streams.values():
             budget = self.stream_capacity(stream)
+            floor = self.version_floor(stream)
             while budget > 0:
                 plan: dict[str, list[str]] = {}
                 while budget > 0:
                     gid = self._next_work(stream)
                     if gid is None:
                         break
-                    inst = self.pool.pick(stream.workflow, stream.policy_ids, stream.group_size)
+                    inst = self.pool.pick(
+                        stream.workflow, stream.policy_ids, stream.group_size, floor
+                    )
                     if inst is None:
                         break
                     self._lease(gid, inst)

@@ -188,14 +188,28 @@ class Pool:
     def empty(self) -> bool:
         return not self.by_state(InstanceState.ACTIVE)
 
-    def pick(self, workflow: str, policy_ids: Iterable[str], slots: int) -> Instance | None:
-        """The ACTIVE instance serving the work with the most free slots (>= slots)."""
+    def pick(
+        self,
+        workflow: str,
+        policy_ids: Iterable[str],
+        slots: int,
+        min_versions: dict[str, int] | None = None,
+    ) -> Instance | None:
+        """The ACTIVE instance serving the work with the most free slots (>= slots).
+
+        An instance that holds an older version of a policy than `min_versions` asks
+        for is skipped until it has loaded a newer one.
+        """
         policy_ids = tuple(policy_ids)
         best = None
         for inst in self.instances.values():
             if inst.state is not InstanceState.ACTIVE or inst.free_slots < slots:
                 continue
             if not inst.serves(workflow, policy_ids):
+                continue
+            if min_versions and any(
+                inst.loaded_versions.get(p, -1) < v for p, v in min_versions.items()
+            ):
                 continue
             if best is None or inst.free_slots > best.free_slots:
                 best = inst

@@ -153,6 +153,9 @@ class Tx:
             [(batch_id, g, p) for g, p in keys],
         )
 
+    def delete_batches(self, batch_ids: Iterable[str]) -> None:
+        self.c.executemany("DELETE FROM batches WHERE batch_id=?", [(b,) for b in batch_ids])
+
     def put_batch(self, b: BatchRow) -> None:
         self.c.execute(
             "INSERT OR REPLACE INTO batches(batch_id, policy_id, request_id, trainer_id, state,"
