@@ -17,6 +17,7 @@ from astra.common.v1 import array_pb2, rollout_pb2
 from astra.dataflow.config import StreamSettings
 from astra.dataflow.ports import IncomingGroup
 from astra.dataflow.records import TrajectoryRecord, WorkItem
+from astra.errors import invalid_field
 
 DTYPES = {
     "bool": np.dtype("bool"),
@@ -36,6 +37,17 @@ SEQUENCE_ARRAYS = {
     "loss_mask": ("uint8", "bool"),
     "weight_versions": ("int64", "int32"),
 }
+
+
+MAX_ID_CHARS = 128
+
+
+def check_id(value: str, field: str, limit: int = MAX_ID_CHARS) -> None:
+    """A required identifier of at most `limit` characters, else INVALID_ARGUMENT naming it."""
+    if not value:
+        raise invalid_field(field, "required")
+    if len(value) > limit:
+        raise invalid_field(field, f"longer than {limit} characters")
 
 
 class Malformed(ValueError):

@@ -17,32 +17,24 @@ from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
 from astra.errors import invalid_field
-from astra.servers.convert import trajectories_blob
+from astra.servers.convert import MAX_ID_CHARS, check_id, trajectories_blob
 
 CONTRACT_VERSION = "1.0.0"
-MAX_ID_CHARS = 128
 MAX_LIST = 256
 CHUNK_BYTES = 4 << 20
-
-
-def _check_id(value: str, field: str) -> None:
-    if not value:
-        raise invalid_field(field, "required")
-    if len(value) > MAX_ID_CHARS:
-        raise invalid_field(field, f"longer than {MAX_ID_CHARS} characters")
 
 
 def _check_list(values, field: str) -> None:
     if len(values) > MAX_LIST:
         raise invalid_field(field, f"more than {MAX_LIST} entries")
     for i, v in enumerate(values):
-        _check_id(v, f"{field}[{i}]")
+        check_id(v, f"{field}[{i}]")
 
 
 def _versions(items) -> dict[str, int]:
     out = {}
     for i, v in enumerate(items):
-        _check_id(v.policy_id, f"loaded_versions[{i}].policy_id")
+        check_id(v.policy_id, f"loaded_versions[{i}].policy_id")
         if v.version < 0:
             raise invalid_field(f"loaded_versions[{i}].version", "must be >= 0")
         out[v.policy_id] = v.version
@@ -58,8 +50,8 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         resp.dataflow_id = self.df.dataflow_id
 
     async def RegisterInstance(self, request: pb.RegisterInstanceRequest, context):
-        _check_id(request.instance_id, "instance_id")
-        _check_id(request.address, "address")
+        check_id(request.instance_id, "instance_id")
+        check_id(request.address, "address")
         if request.capacity < 1:
             raise invalid_field("capacity", "must be >= 1")
         if not request.policy_ids:
@@ -84,7 +76,7 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         return resp
 
     async def HeartbeatInstance(self, request: pb.HeartbeatInstanceRequest, context):
-        _check_id(request.instance_id, "instance_id")
+        check_id(request.instance_id, "instance_id")
         if request.free_slots < 0:
             raise invalid_field("free_slots", "must be >= 0")
         if request.pending_results < 0:
@@ -100,7 +92,7 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         return resp
 
     async def DeregisterInstance(self, request: pb.DeregisterInstanceRequest, context):
-        _check_id(request.instance_id, "instance_id")
+        check_id(request.instance_id, "instance_id")
         return pb.DeregisterInstanceResponse(
             requeued_groups=self.df.deregister(request.instance_id)
         )
@@ -108,7 +100,7 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
     async def FetchBatch(
         self, request: pb.FetchBatchRequest, context
     ) -> AsyncIterator[pb.FetchBatchResponse]:
-        _check_id(request.policy_id, "policy_id")
+        check_id(request.policy_id, "policy_id")
         max_wait = request.max_wait.ToNanoseconds() / 1e9 if request.HasField("max_wait") else 10.0
         if max_wait < 0:
             raise invalid_field("max_wait", "must not be negative")
@@ -148,15 +140,15 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         )
 
     async def AckBatch(self, request: pb.AckBatchRequest, context):
-        _check_id(request.batch_id, "batch_id")
+        check_id(request.batch_id, "batch_id")
         return pb.AckBatchResponse(consumed_groups=self.df.batches.ack(request.batch_id))
 
     async def AnnounceVersion(self, request: pb.AnnounceVersionRequest, context):
         v = request.version
-        _check_id(v.policy_id, "version.policy_id")
+        check_id(v.policy_id, "version.policy_id")
         if v.version_id and len(v.version_id) > MAX_ID_CHARS:
             raise invalid_field("version.version_id", f"longer than {MAX_ID_CHARS} characters")
-        _check_id(request.weights_address, "weights_address")
+        check_id(request.weights_address, "weights_address")
         repeat = self.df.announce(v.policy_id, v.version, v.version_id, request.weights_address)
         return pb.AnnounceVersionResponse(
             current_version=self.df.versions.current(v.policy_id), already_announced=repeat

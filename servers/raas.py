@@ -16,100 +16,26 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from google.protobuf import json_format
 from google.rpc import code_pb2, status_pb2
 
 from astra import __version__
 from astra.common.v1 import capabilities_pb2, rollout_pb2, version_pb2
 from astra.errors import FailedPrecondition, invalid_field
-from astra.raas.backend import GroupSpec, RolloutBackend, TrajectorySpec, VersionSpec
+from astra.raas.backend import GroupSpec, RolloutBackend, VersionSpec
 from astra.raas.results import ResultStore
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
-from astra.servers.convert import Malformed, from_array, to_array
+from astra.servers.convert import MAX_ID_CHARS, check_id
+from astra.servers.raas_convert import check_ids, group_result, group_spec
 from astra.servers.registrar import Registrar
 from astra.servers.runtime import GrpcServer
 
 log = logging.getLogger(__name__)
 
 CONTRACT_VERSION = "1.0.0"
-MAX_GROUPS, MAX_SAMPLES, MAX_COLLECT, MAX_IDS = 1024, 1024, 4096, 4096
-MAX_GROUP_ID, MAX_ID = 256, 128
+MAX_GROUPS, MAX_SAMPLES, MAX_COLLECT = 1024, 1024, 4096
+MAX_GROUP_ID = 256
 MAX_WAIT_S = 30.0
-_FINISH_PREFIX = "FINISH_REASON_"  # + "STOP", "LENGTH", "ABORTED", "ERROR"
-
-
-def _check_id(value: str, field: str, limit: int = MAX_ID) -> None:
-    if not value:
-        raise invalid_field(field, "required")
-    if len(value) > limit:
-        raise invalid_field(field, f"longer than {limit} characters")
-
-
-def _check_ids(ids, field: str = "group_ids") -> None:
-    if not 1 <= len(ids) <= MAX_IDS:
-        raise invalid_field(field, f"{len(ids)} ids, expected 1..{MAX_IDS}")
-
-
-def group_spec(g: rollout_pb2.PromptGroup, where: str) -> GroupSpec:
-    sp = g.sampling_params
-    tokens = None
-    if g.prompt.HasField("token_ids"):
-        try:
-            tokens = from_array(g.prompt.token_ids, f"{where}.prompt.token_ids")
-        except Malformed as exc:
-            raise invalid_field(f"{where}.prompt.token_ids", str(exc)) from exc
-        if tokens.ndim != 1 or tokens.dtype.kind != "i":
-            raise invalid_field(f"{where}.prompt.token_ids", "must be a 1-D integer array")
-    return GroupSpec(
-        group_id=g.group_id,
-        workflow=g.workflow,
-        policy_ids=tuple(g.policy_ids),
-        num_samples=g.num_samples,
-        max_new_tokens=sp.max_new_tokens,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        stop_strings=tuple(sp.stop_strings),
-        stop_token_ids=tuple(sp.stop_token_ids),
-        seed=sp.seed,
-        prompt_text=g.prompt.text,
-        prompt_token_ids=tokens,
-        data=json_format.MessageToDict(g.prompt.data) if g.prompt.HasField("data") else {},
-        reward=g.reward,
-        epoch=g.epoch,
-    )
-
-
-def group_result(
-    group_id: str, instance_id: str, trajectories: list[TrajectorySpec]
-) -> rollout_pb2.GroupResult:
-    out = rollout_pb2.GroupResult(group_id=group_id, instance_id=instance_id)
-    for t in trajectories:
-        msg = out.trajectories.add(
-            trajectory_id=f"{group_id}/{t.sample_index}",
-            group_id=group_id,
-            sample_index=t.sample_index,
-            reward=t.reward,
-            agent_rewards=t.agent_rewards,
-        )
-        if t.metadata:
-            msg.metadata.update(t.metadata)
-        if t.error is not None:
-            msg.error.CopyFrom(status_pb2.Status(code=code_pb2.INTERNAL, message=t.error))
-        for s in t.sequences:
-            msg.sequences.add(
-                policy_id=s.policy_id,
-                agent_id=s.agent_id,
-                prompt_length=s.prompt_length,
-                token_ids=to_array(s.token_ids),
-                logprobs=to_array(s.logprobs),
-                loss_mask=to_array(s.loss_mask),
-                weight_versions=to_array(s.weight_versions),
-                finish_reason=_FINISH_PREFIX + s.finish_reason.upper(),
-                reward=s.reward,
-            )
-    return out
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -181,7 +107,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         specs = []
         for i, g in enumerate(request.groups):
             where = f"groups[{i}]"
-            _check_id(g.group_id, f"{where}.group_id", MAX_GROUP_ID)
+            check_id(g.group_id, f"{where}.group_id", MAX_GROUP_ID)
             if g.workflow not in self.backend.workflows:
                 raise invalid_field(
                     f"{where}.workflow",
@@ -224,12 +150,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             yield pb.CollectResultsResponse(result=result)
 
     async def AckResults(self, request: pb.AckResultsRequest, context):
-        _check_ids(request.group_ids)
+        check_ids(request.group_ids)
         acknowledged, ignored = self.store.ack(request.group_ids)
         return pb.AckResultsResponse(acknowledged=acknowledged, ignored=ignored)
 
     async def CancelGroups(self, request: pb.CancelGroupsRequest, context):
-        _check_ids(request.group_ids)
+        check_ids(request.group_ids)
         cancelled = self.store.cancel(request.group_ids)
         for gid in cancelled:
             task = self._tasks.pop(gid, None)
@@ -242,8 +168,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context):
         if not request.versions:
             raise invalid_field("versions", "at least one version is required")
-        _check_id(request.weights_address, "weights_address", MAX_GROUP_ID)
-        _check_id(request.request_id, "request_id")
+        check_id(request.weights_address, "weights_address", MAX_GROUP_ID)
+        check_id(request.request_id, "request_id")
         wanted: dict[str, VersionSpec] = {}
         for i, v in enumerate(request.versions):
             where = f"versions[{i}]"
@@ -255,8 +181,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 raise invalid_field(f"{where}.policy_id", f"{v.policy_id!r} listed twice")
             if v.version < 0:
                 raise invalid_field(f"{where}.version", "must be >= 0")
-            if len(v.version_id) > MAX_ID:
-                raise invalid_field(f"{where}.version_id", f"longer than {MAX_ID} characters")
+            if len(v.version_id) > MAX_ID_CHARS:
+                raise invalid_field(f"{where}.version_id", f"longer than {MAX_ID_CHARS} characters")
             wanted[v.policy_id] = VersionSpec(v.version, v.version_id or str(v.version))
         async with self._load_lock:
             for p, spec in wanted.items():

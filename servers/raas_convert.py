@@ -1,0 +1,83 @@
+"""RolloutService wire <-> domain: prompt groups in, group results out, with validation.
+
+Field names in errors are wire names, so a RaaS in any language reports the same fields.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import json_format
+from google.rpc import code_pb2, status_pb2
+
+from astra.common.v1 import rollout_pb2
+from astra.errors import invalid_field
+from astra.raas.backend import GroupSpec, TrajectorySpec
+from astra.servers.convert import Malformed, from_array, to_array
+
+MAX_IDS = 4096
+_FINISH_PREFIX = "FINISH_REASON_"  # + "STOP", "LENGTH", "ABORTED", "ERROR"
+
+
+def check_ids(ids, field: str = "group_ids") -> None:
+    if not 1 <= len(ids) <= MAX_IDS:
+        raise invalid_field(field, f"{len(ids)} ids, expected 1..{MAX_IDS}")
+
+
+def group_spec(g: rollout_pb2.PromptGroup, where: str) -> GroupSpec:
+    sp = g.sampling_params
+    tokens = None
+    if g.prompt.HasField("token_ids"):
+        try:
+            tokens = from_array(g.prompt.token_ids, f"{where}.prompt.token_ids")
+        except Malformed as exc:
+            raise invalid_field(f"{where}.prompt.token_ids", str(exc)) from exc
+        if tokens.ndim != 1 or tokens.dtype.kind != "i":
+            raise invalid_field(f"{where}.prompt.token_ids", "must be a 1-D integer array")
+    return GroupSpec(
+        group_id=g.group_id,
+        workflow=g.workflow,
+        policy_ids=tuple(g.policy_ids),
+        num_samples=g.num_samples,
+        max_new_tokens=sp.max_new_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        stop_strings=tuple(sp.stop_strings),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        seed=sp.seed,
+        prompt_text=g.prompt.text,
+        prompt_token_ids=tokens,
+        data=json_format.MessageToDict(g.prompt.data) if g.prompt.HasField("data") else {},
+        reward=g.reward,
+        epoch=g.epoch,
+    )
+
+
+def group_result(
+    group_id: str, instance_id: str, trajectories: list[TrajectorySpec]
+) -> rollout_pb2.GroupResult:
+    out = rollout_pb2.GroupResult(group_id=group_id, instance_id=instance_id)
+    for t in trajectories:
+        msg = out.trajectories.add(
+            trajectory_id=f"{group_id}/{t.sample_index}",
+            group_id=group_id,
+            sample_index=t.sample_index,
+            reward=t.reward,
+            agent_rewards=t.agent_rewards,
+        )
+        if t.metadata:
+            msg.metadata.update(t.metadata)
+        if t.error is not None:
+            msg.error.CopyFrom(status_pb2.Status(code=code_pb2.INTERNAL, message=t.error))
+        for s in t.sequences:
+            msg.sequences.add(
+                policy_id=s.policy_id,
+                agent_id=s.agent_id,
+                prompt_length=s.prompt_length,
+                token_ids=to_array(s.token_ids),
+                logprobs=to_array(s.logprobs),
+                loss_mask=to_array(s.loss_mask),
+                weight_versions=to_array(s.weight_versions),
+                finish_reason=_FINISH_PREFIX + s.finish_reason.upper(),
+                reward=s.reward,
+            )
+    return out
