@@ -65,7 +65,7 @@ async def running_dataflow(config: DataflowConfig):
     from astra.clients.dataflow import DataflowClient
     from astra.servers.dataflow import start_dataflow
 
-    server, df, _metrics = await start_dataflow(config)
+    server, df, metrics = await start_dataflow(config)
     client = DataflowClient(server.address, timeout_s=5.0)
     try:
         yield server, df, client
@@ -73,6 +73,8 @@ async def running_dataflow(config: DataflowConfig):
         await client.close()
         await server.stop(0)
         await df.stop()
+        if metrics is not None:
+            metrics.shutdown()
 
 
 def error_info(exc: grpc.aio.AioRpcError) -> tuple[error_details_pb2.ErrorInfo | None, list]:

@@ -276,3 +276,24 @@ def test_fetch_batch_with_empty_pool_is_unavailable_with_reason(config):
             assert status.gate.mode == pb.GATE_MODE_THROTTLED
 
     asyncio.run(body())
+
+
+def test_prometheus_metrics_are_served(dataset, tmp_path):
+    import urllib.request
+
+    from tests.conftest import make_config
+
+    config = make_config(dataset, tmp_path / "state", metrics_port=0)
+
+    async def body():
+        async with running_dataflow(config) as (_s, df, client):
+            await client.register_instance(register_request())
+            url = f"http://127.0.0.1:{df.metrics_port}/metrics"
+            text = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(url, timeout=5).read().decode()
+            )
+            assert 'astra_dataflow_instances{state="INSTANCE_STATE_ACTIVE"} 1.0' in text
+            assert 'astra_dataflow_buffered_groups{policy="policy"}' in text
+            assert "astra_dataflow_events_total" in text
+
+    asyncio.run(body())
