@@ -1,8 +1,9 @@
 """Durable state of Dataflow in SQLite (WAL): survives `kill -9`.
 
 Holds the work table (every dispatched group: pending, leased, done), the
-buffered groups with their trajectories, trainer batch leases, and small
-key/value state (dataset positions, versions, counters). Every change that
+buffered groups (their trajectory bytes in a `BlobLog` beside the database),
+trainer batch leases, and small key/value state (dataset positions,
+versions, counters). Every change that
 Dataflow acknowledges to anyone is committed here first. WAL with
 synchronous=NORMAL is durable against a process crash; only a power loss can
 drop the last transactions. Knows nothing of gRPC or of the pool.
@@ -19,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from astra.dataflow.blobs import BlobLog
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
 
+SCHEMA_VERSION = 1
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS work (
@@ -40,7 +43,9 @@ CREATE TABLE IF NOT EXISTS groups (
     epoch INTEGER NOT NULL,
     batch_id TEXT,
     meta TEXT NOT NULL,
-    payload BLOB NOT NULL,
+    seg INTEGER NOT NULL,
+    off INTEGER NOT NULL,
+    len INTEGER NOT NULL,
     PRIMARY KEY (group_id, policy_id)
 );
 CREATE TABLE IF NOT EXISTS batches (
@@ -103,8 +108,11 @@ def _unpack(meta_json: str, blob: bytes) -> list[TrajectoryRecord]:
 class Tx:
     """Operations inside one transaction."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, blobs: BlobLog) -> None:
         self.c = conn
+        self.blobs = blobs
+        self.appended: list[int] = []
+        self.released: list[int] = []
 
     def put(self, key: str, value: Any) -> None:
         self.c.execute(
@@ -134,18 +142,28 @@ class Tx:
         )
 
     def add_groups(self, groups: Iterable[GroupRecord]) -> None:
-        rows = []
         for g in groups:
             meta, blob = _pack(g.trajectories)
-            rows.append((g.group_id, g.policy_id, g.seq, g.epoch, None, meta, blob))
-        self.c.executemany(
-            "INSERT OR REPLACE INTO groups(group_id, policy_id, seq, epoch, batch_id, meta, payload)"
-            " VALUES(?, ?, ?, ?, ?, ?, ?)",
-            rows,
-        )
+            seg, off, length = self.blobs.append(blob)
+            self.appended.append(seg)
+            old = self.c.execute(
+                "DELETE FROM groups WHERE group_id=? AND policy_id=? RETURNING seg",
+                (g.group_id, g.policy_id),
+            ).fetchall()
+            self.released.extend(r[0] for r in old)
+            self.c.execute(
+                "INSERT INTO groups(group_id, policy_id, seq, epoch, batch_id, meta, seg, off, len)"
+                " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (g.group_id, g.policy_id, g.seq, g.epoch, None, meta, seg, off, length),
+            )
 
     def delete_groups(self, keys: Iterable[tuple[str, str]]) -> None:
-        self.c.executemany("DELETE FROM groups WHERE group_id=? AND policy_id=?", list(keys))
+        for group_id, policy_id in keys:
+            rows = self.c.execute(
+                "DELETE FROM groups WHERE group_id=? AND policy_id=? RETURNING seg",
+                (group_id, policy_id),
+            ).fetchall()
+            self.released.extend(r[0] for r in rows)
 
     def set_group_batch(self, keys: Iterable[tuple[str, str]], batch_id: str | None) -> None:
         self.c.executemany(
@@ -181,17 +199,30 @@ class StateStore:
         self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
+        version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, SCHEMA_VERSION):
+            raise RuntimeError(f"{self.path}: schema {version}, this build reads {SCHEMA_VERSION}")
         self.conn.executescript(SCHEMA)
+        self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self.blobs = BlobLog(path / "blobs")
+        for (seg,) in self.conn.execute("SELECT seg FROM groups"):
+            self.blobs.adopt(seg)
+        self.blobs.collect_garbage()
 
     @contextmanager
     def tx(self) -> Iterator[Tx]:
         self.conn.execute("BEGIN IMMEDIATE")
+        tx = Tx(self.conn, self.blobs)
         try:
-            yield Tx(self.conn)
+            yield tx
         except BaseException:
             self.conn.execute("ROLLBACK")
+            for seg in tx.appended:
+                self.blobs.release(seg)
             raise
         self.conn.execute("COMMIT")
+        for seg in tx.released:
+            self.blobs.release(seg)
 
     def get(self, key: str, default: Any = None) -> Any:
         row = self.conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
@@ -203,9 +234,10 @@ class StateStore:
     def groups(self) -> list[tuple[GroupRecord, str | None]]:
         """Every stored group with the batch it is leased in (None if buffered)."""
         out = []
-        for gid, pid, seq, epoch, batch_id, meta, blob in self.conn.execute(
-            "SELECT group_id, policy_id, seq, epoch, batch_id, meta, payload FROM groups"
+        for gid, pid, seq, epoch, batch_id, meta, seg, off, length in self.conn.execute(
+            "SELECT group_id, policy_id, seq, epoch, batch_id, meta, seg, off, len FROM groups"
         ):
+            blob = self.blobs.read(seg, off, length)
             out.append((GroupRecord(gid, pid, epoch, _unpack(meta, blob), seq=seq), batch_id))
         return out
 
@@ -221,3 +253,4 @@ class StateStore:
 
     def close(self) -> None:
         self.conn.close()
+        self.blobs.close()
