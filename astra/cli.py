@@ -30,6 +30,12 @@ def main() -> None:
     """Astra: asynchronous RL post-training over gRPC services."""
 
 
+def _add_weights_commands() -> None:
+    from astra.weights.cli import weights
+
+    main.add_command(weights)
+
+
 @main.group()
 def serve() -> None:
     """Run one of the four services."""
@@ -157,6 +163,8 @@ def asyncio_run(coro) -> None:
     install_event_loop_policy()
     asyncio.run(coro)
 
+
+_add_weights_commands()
 
 if __name__ == "__main__":
     main()

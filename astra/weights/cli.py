@@ -1,0 +1,156 @@
+"""`astra weights`: offline commands on version directories (inspect, diff, apply).
+
+Results are JSON on stdout; logs and errors go to stderr. Exit codes: 0
+success, 1 operational failure (a corrupt or inconsistent directory, a
+checksum mismatch, I/O errors), 2 bad arguments. numpy and zstandard are
+imported inside the commands, so `--help` stays fast. Never contacts a
+server: the streaming commands belong to the WeightService client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from astra.errors import AstraError, InvalidArgument
+
+log = logging.getLogger("astra.weights")
+T = TypeVar("T")
+
+_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+
+
+def _new_path(ctx: click.Context, param: click.Parameter, value: Path) -> Path:
+    if value.exists():
+        raise click.BadParameter(f"{value} already exists; versions are never overwritten")
+    return value
+
+
+def _identity(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from astra.weights.layout import check_identity
+
+    if value is None:
+        return None
+    try:
+        return check_identity(value, allow_initial=param.name == "base_version")
+    except InvalidArgument as exc:
+        raise click.BadParameter(exc.message) from exc
+
+
+def _run(action: Callable[[], T]) -> T:
+    """Runs a command body: argument errors exit 2, operational failures exit 1."""
+    try:
+        return action()
+    except InvalidArgument as exc:
+        raise click.UsageError(exc.message) from exc
+    except (AstraError, OSError) as exc:
+        error: dict[str, Any] = {"message": str(exc)}
+        if isinstance(exc, AstraError):
+            error.update(code=exc.code, reason=exc.reason, **exc.metadata)
+        else:
+            error.update(code="INTERNAL", reason=type(exc).__name__)
+        log.debug("failure", exc_info=True)
+        click.echo(json.dumps({"error": error}), err=True)
+        sys.exit(1)
+
+
+def _emit(result: dict[str, Any]) -> None:
+    click.echo(json.dumps(result, indent=2))
+
+
+@click.group("weights")
+@click.option("--log-level", default="warning", show_default=True, help="Log level on stderr.")
+def weights(log_level: str) -> None:
+    """Validate, diff and apply weight version directories."""
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.WARNING),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@weights.command("inspect")
+@click.argument("directory", type=_DIR)
+def inspect_command(directory: Path) -> None:
+    """Validate a full or delta version directory and describe it."""
+    from astra.weights.validate import inspect
+
+    _emit(_run(lambda: inspect(directory)))
+
+
+@weights.command("diff")
+@click.option("--base", "base_dir", type=_DIR, required=True, help="Full base version.")
+@click.option("--new", "new_dir", type=_DIR, required=True, help="Full new version.")
+@click.option(
+    "--out", "out_dir", type=click.Path(path_type=Path), required=True, callback=_new_path
+)
+@click.option("--version", callback=_identity, help="Identity of the new version.")
+@click.option("--base-version", callback=_identity, help="Identity of the base version.")
+@click.option(
+    "--level", type=click.IntRange(1, 22), default=1, show_default=True, help="zstd level."
+)
+@click.option(
+    "--max-shard-bytes", type=click.IntRange(min=1), default=5_000_000_000, show_default=True
+)
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=None, help="Threads (default: CPUs)."
+)
+@click.option("--no-fsync", is_flag=True, help="Skip fsync (tests, scratch directories).")
+def diff_command(
+    base_dir: Path,
+    new_dir: Path,
+    out_dir: Path,
+    version: str | None,
+    base_version: str | None,
+    level: int,
+    max_shard_bytes: int,
+    workers: int | None,
+    no_fsync: bool,
+) -> None:
+    """Write the xor+zstd delta taking --base to --new."""
+    from astra.weights.checkpoint import write_delta
+
+    result = _run(
+        lambda: write_delta(
+            base_dir,
+            new_dir,
+            out_dir,
+            version,
+            base_version,
+            level=level,
+            max_shard_bytes=max_shard_bytes,
+            workers=workers,
+            durable=not no_fsync,
+        )
+    )
+    log.info("wrote %s: %s changed tensors", out_dir, result["changed_tensor_count"])
+    _emit(result)
+
+
+@weights.command("apply")
+@click.option("--base", "base_dir", type=_DIR, required=True, help="Full base version.")
+@click.option("--delta", "delta_dir", type=_DIR, required=True, help="Delta against --base.")
+@click.option(
+    "--out", "out_dir", type=click.Path(path_type=Path), required=True, callback=_new_path
+)
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=None, help="Threads (default: CPUs)."
+)
+@click.option("--no-fsync", is_flag=True, help="Skip fsync (tests, scratch directories).")
+def apply_command(
+    base_dir: Path, delta_dir: Path, out_dir: Path, workers: int | None, no_fsync: bool
+) -> None:
+    """Rebuild the full version --base + --delta at --out, every checksum verified first."""
+    from astra.weights.checkpoint import apply_delta
+
+    result = _run(
+        lambda: apply_delta(base_dir, delta_dir, out_dir, workers=workers, durable=not no_fsync)
+    )
+    log.info("applied %s onto %s at %s", delta_dir, base_dir, out_dir)
+    _emit(result)

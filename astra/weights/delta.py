@@ -1,0 +1,160 @@
+"""Per-tensor xor+zstd delta: one standalone zstd frame of (new bytes XOR old bytes).
+
+Encoding and decoding work in cache-sized chunks over zero-copy numpy views,
+so a tensor's bytes are read once and never duplicated; the Adler-32 of the
+new bytes is computed in the same pass. Decoding refuses a frame that is not
+exactly one zstd frame of the expected size before it allocates or writes
+anything. Knows nothing of files, names or checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from astra.weights.checksum import adler32
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+DEFAULT_LEVEL = 1  # what slime uses: cheap to encode, and sparse XORs compress well at any level
+_CHUNK = 1 << 20
+_BLOCK_HEADER = 3
+
+
+class DeltaError(ValueError):
+    """A frame that is not one zstd frame of (new XOR old) of the expected size."""
+
+
+def _u8(buf: Any) -> np.ndarray:
+    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+
+
+def bytes_equal(a: Any, b: Any) -> bool:
+    """Equality of two buffers, stopping at the first differing chunk (changed tensors cost ~nothing)."""
+    x, y = _u8(a), _u8(b)
+    if x.size != y.size:
+        return False
+    pos, step = 0, 1 << 16
+    while pos < x.size:
+        end = min(x.size, pos + step)
+        if not np.array_equal(x[pos:end], y[pos:end]):
+            return False
+        pos, step = end, min(step * 2, _CHUNK * 4)
+    return True
+
+
+def frame_content_size(frame: Any) -> int | None:
+    """Decoded size the frame declares, None when it declares none; DeltaError if not a frame."""
+    if bytes(memoryview(frame)[:4]) != ZSTD_MAGIC:
+        raise DeltaError("not a zstd frame (bad magic)")
+    try:
+        size = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise DeltaError(f"bad zstd frame header: {exc}") from exc
+    return None if size < 0 else size
+
+
+def frame_compressed_size(frame: Any) -> int:
+    """Length of the first zstd frame in the buffer, found by walking its block headers."""
+    view = memoryview(frame).cast("B")
+    frame_content_size(view)
+    try:
+        pos = zstandard.frame_header_size(view)
+        has_checksum = zstandard.get_frame_parameters(view).has_checksum
+    except zstandard.ZstdError as exc:
+        raise DeltaError(f"bad zstd frame header: {exc}") from exc
+    while True:
+        if pos + _BLOCK_HEADER > len(view):
+            raise DeltaError("zstd frame is truncated")
+        (word,) = struct.unpack("<I", bytes(view[pos : pos + _BLOCK_HEADER]) + b"\0")
+        last, kind, size = word & 1, (word >> 1) & 3, word >> 3
+        if kind == 3:
+            raise DeltaError("zstd frame has a reserved block type")
+        pos += _BLOCK_HEADER + (1 if kind == 1 else size)
+        if last:
+            break
+    pos += 4 if has_checksum else 0
+    if pos > len(view):
+        raise DeltaError("zstd frame is truncated")
+    return pos
+
+
+def encode_if_changed(new: Any, old: Any, level: int = DEFAULT_LEVEL) -> tuple[bytes, int] | None:
+    """(frame, Adler-32 of new) for a changed tensor, None for an unchanged one."""
+    if bytes_equal(new, old):
+        return None
+    x, y = _u8(new), _u8(old)
+    if x.size != y.size:
+        raise DeltaError(f"new has {x.size} bytes, old {y.size}: XOR needs equal sizes")
+    cobj = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(size=x.size)
+    scratch = np.empty(min(_CHUNK, x.size), dtype=np.uint8)
+    parts, value = [], 1
+    for pos in range(0, x.size, _CHUNK):
+        end = min(x.size, pos + _CHUNK)
+        out = scratch[: end - pos]
+        np.bitwise_xor(x[pos:end], y[pos:end], out=out)
+        value = adler32(x[pos:end], value)
+        parts.append(cobj.compress(out))
+    parts.append(cobj.flush())
+    return b"".join(parts), value
+
+
+def encode_xor_zstd(new: Any, old: Any, level: int = DEFAULT_LEVEL) -> bytes:
+    """One standalone zstd frame (content size declared) of new XOR old."""
+    encoded = encode_if_changed(new, old, level)
+    if encoded is None:
+        size = _u8(new).size
+        cobj = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(size=size)
+        zeros = np.zeros(min(_CHUNK, size), dtype=np.uint8)
+        parts = [cobj.compress(zeros[: min(_CHUNK, size - pos)]) for pos in range(0, size, _CHUNK)]
+        return b"".join([*parts, cobj.flush()])
+    return encoded[0]
+
+
+def decode_xor_zstd_into(frame: Any, old: Any, out: Any) -> int:
+    """Writes new = decode(frame) XOR old into `out` (len(old) bytes); returns Adler-32 of new.
+
+    Refuses, before writing, a buffer that is not exactly one frame or whose
+    declared size differs from len(old); refuses while decoding a frame that
+    yields more or fewer bytes.
+    """
+    y, dst = _u8(old), np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
+    expected = y.size
+    if dst.size != expected:
+        raise ValueError(f"output holds {dst.size} bytes, base tensor {expected}")
+    declared = frame_content_size(frame)
+    if declared is not None and declared != expected:
+        raise DeltaError(f"frame declares {declared} bytes, base tensor has {expected}")
+    if frame_compressed_size(frame) != len(memoryview(frame).cast("B")):
+        raise DeltaError("data after the zstd frame")
+    target = memoryview(dst)
+    value, pos = 1, 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False) as reader:
+            while pos < expected:
+                end = min(expected, pos + _CHUNK)
+                filled = pos
+                while filled < end:
+                    got = reader.readinto(target[filled:end])
+                    if not got:
+                        raise DeltaError(f"frame decodes to {filled} bytes, expected {expected}")
+                    filled += got
+                np.bitwise_xor(dst[pos:end], y[pos:end], out=dst[pos:end])
+                value = adler32(dst[pos:end], value)
+                pos = end
+            if reader.read(1):
+                raise DeltaError(f"frame decodes to more than {expected} bytes")
+    except zstandard.ZstdError as exc:
+        raise DeltaError(f"corrupt zstd frame: {exc}") from exc
+    return value
+
+
+def decode_xor_zstd(frame: Any, old: Any, expected_size: int) -> bytearray:
+    """new = decode(frame) XOR old, refusing frames of any size but `expected_size`."""
+    if _u8(old).size != expected_size:
+        raise DeltaError(f"base tensor has {_u8(old).size} bytes, expected {expected_size}")
+    out = bytearray(expected_size)
+    decode_xor_zstd_into(frame, old, out)
+    return out
