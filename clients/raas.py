@@ -65,10 +65,14 @@ class RolloutClient(BaseClient):
         weights_address: str,
         request_id: str,
         *,
+        policy_weights_addresses: dict[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> pb.LoadWeightsResponse:
         req = pb.LoadWeightsRequest(
-            versions=versions, weights_address=weights_address, request_id=request_id
+            versions=versions,
+            weights_address=weights_address,
+            request_id=request_id,
+            policy_weights_addresses=policy_weights_addresses or {},
         )
         return await self.stub.LoadWeights(req, timeout=self._timeout(timeout_s))
 

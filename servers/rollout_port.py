@@ -58,14 +58,19 @@ class GrpcRolloutPort:
             raise self._error(exc) from exc
 
     async def load_weights(
-        self, versions: dict[str, tuple[int, str]], weights_address: str, request_id: str
+        self, versions: dict[str, tuple[int, str, str]], request_id: str
     ) -> dict[str, int]:
         req = [
             version_pb2.PolicyVersion(policy_id=p, version=v, version_id=vid)
-            for p, (v, vid) in versions.items()
+            for p, (v, vid, _addr) in versions.items()
         ]
+        addresses = {p: addr for p, (_v, _vid, addr) in versions.items()}
+        default = min(addresses.values())
+        overrides = {p: a for p, a in addresses.items() if a != default}
         try:
-            resp = await self.client.load_weights(req, weights_address, request_id, timeout_s=600)
+            resp = await self.client.load_weights(
+                req, default, request_id, policy_weights_addresses=overrides, timeout_s=600
+            )
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
         return {v.policy_id: v.version for v in resp.loaded_versions}

@@ -168,10 +168,11 @@ class BatchDesk:
         )
         self.batches[batch.batch_id] = batch
         self.by_request[(policy_id, request_id)] = batch.batch_id
+        df.counters["batches_served"] += 1
         with df.store.tx() as tx:
             tx.set_group_batch(batch.stored_keys(), batch.batch_id)
             tx.put_batch(batch.row())
-        df.counters["batches_served"] += 1
+            df.persist_counters(tx)
         return batch
 
     def _drop_stale(self, policy_id: str, version: int) -> None:

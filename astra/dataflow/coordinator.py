@@ -24,6 +24,7 @@ from astra.dataflow.config import DataflowConfig, StreamSettings
 from astra.dataflow.dataset import DatasetConfig, PromptSource
 from astra.dataflow.gate import (
     GateConfig,
+    GateMode,
     GateState,
     ModeGate,
     StalenessTracker,
@@ -88,6 +89,8 @@ class Dataflow:
             )
         )
         self.staleness = StalenessTracker()
+        # A run starts on-policy; one late group must not set the score on its own.
+        self.staleness.update(0.0)
         self.counters: Counter[str] = Counter()
         self.accepted: Counter[str] = Counter()
         self.work: dict[str, Work] = {}
@@ -101,6 +104,7 @@ class Dataflow:
         self._collectors: dict[str, asyncio.Task] = {}
         self._loads: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
+        self._saved_counters: Counter[str] = Counter()
         self._stopping = False
         self._recover()
 
@@ -135,6 +139,7 @@ class Dataflow:
     def persist_counters(self, tx) -> None:
         tx.put("counters", dict(self.counters))
         tx.put("accepted", dict(self.accepted))
+        self._saved_counters = Counter(self.counters)
 
     # ----- lifecycle -----------------------------------------------------------------------
 
@@ -263,7 +268,12 @@ class Dataflow:
             0 if self.pool.empty else sum(self.stream_capacity(s) for s in self.streams.values())
         )
         fill = max(b.fill_ratio for b in self.buffers.values())
-        state = self.gate.evaluate(self.staleness.value, capacity, fill, self._in_flight())
+        in_flight = self._in_flight()
+        if in_flight == 0 and self.gate.mode is GateMode.SYNC_BARRIER:
+            # The barrier has drained: whatever is dispatched next starts at the current
+            # version, so the observed gap is 0 until results say otherwise.
+            self.staleness.update(0.0)
+        state = self.gate.evaluate(self.staleness.value, capacity, fill, in_flight)
         self.gate_state = state
         return state
 
@@ -368,8 +378,13 @@ class Dataflow:
             self._requeue(missing & inst.in_flight, "submit_refused", count_attempt=False)
 
     def _requeue(self, gids: set[str], why: str, *, count_attempt: bool = True) -> None:
-        """Returns leased groups to the waiting queue (durably)."""
-        moved = []
+        """Returns leased groups to the waiting queue (durably).
+
+        A group dispatched `leases.max_dispatch_attempts` times without a result is
+        given up: it ends as a counted failure instead of circling forever.
+        """
+        moved, given_up = [], []
+        limit = self.config.leases.max_dispatch_attempts
         for gid in gids:
             w = self.work.get(gid)
             if w is None or w.instance_id is None:
@@ -380,15 +395,30 @@ class Dataflow:
             w.instance_id, w.lease_expire = None, None
             if not count_attempt:
                 w.attempts -= 1
+            if count_attempt and w.attempts >= limit:
+                given_up.append(gid)
+                continue
             self.waiting.appendleft(gid)
             moved.append(gid)
-        if not moved:
+        if not moved and not given_up:
             return
         self.counters[f"requeued_{why}"] += len(moved)
+        self.counters["failed_groups"] += len(given_up)
+        self.counters["gave_up_after_max_attempts"] += len(given_up)
         with self.store.tx() as tx:
             for gid in moved:
                 w = self.work[gid]
                 tx.set_work(gid, w.stream, "pending", attempts=w.attempts)
+            for gid in given_up:
+                w = self.work.pop(gid)
+                self.done.add(gid)
+                tx.set_work(
+                    gid,
+                    w.stream,
+                    "done",
+                    attempts=w.attempts,
+                    outcome=f"failed: no result after {w.attempts} dispatches ({why})",
+                )
             self.persist_counters(tx)
         self.wake()
 
@@ -527,6 +557,9 @@ class Dataflow:
             with contextlib.suppress(Exception):
                 await port.close()
         self._sync_weights()
+        if self.counters != self._saved_counters:
+            with self.store.tx() as tx:
+                self.persist_counters(tx)
 
     async def _probe(self, inst: Instance) -> bool:
         try:
@@ -550,17 +583,15 @@ class Dataflow:
             self._loads[inst.instance_id] = asyncio.create_task(self._load(inst, want))
 
     async def _load(self, inst: Instance, want: dict) -> None:
-        addresses = {a.weights_address for a in want.values()}
-        versions = {p: (a.version, a.version_id) for p, a in want.items()}
+        # One call for the whole set, so the RaaS can switch every policy together
+        # (the version barrier), even when policies live on different WeightServices.
+        versions = {p: (a.version, a.version_id, a.weights_address) for p, a in want.items()}
         request_id = f"{inst.instance_id}:" + ",".join(
             f"{p}={v[0]}" for p, v in sorted(versions.items())
         )
         try:
-            # One WeightService per run is the common case; several get one call each.
-            for address in sorted(addresses):
-                part = {p: v for p, v in versions.items() if want[p].weights_address == address}
-                held = await inst.port.load_weights(part, address, request_id)
-                inst.loaded_versions.update(held)
+            held = await inst.port.load_weights(versions, request_id)
+            inst.loaded_versions.update(held)
             self.counters["weight_loads"] += 1
         except PortError as exc:
             self.counters["weight_load_failures"] += 1

@@ -44,6 +44,9 @@ class Instance:
     last_seen: float = 0.0
     ended_at: float = 0.0
     loading: bool = False
+    # "silence" (heartbeats stopped) or "call" (a call to it failed). A heartbeat
+    # clears only the first: the RaaS may heartbeat while Dataflow cannot reach it.
+    suspect_reason: str = ""
 
     def serves(self, workflow: str, policy_ids: Iterable[str]) -> bool:
         return workflow in self.workflows and set(policy_ids) <= self.policy_ids
@@ -84,6 +87,7 @@ class Pool:
             old.policy_ids, old.workflows = frozenset(policy_ids), frozenset(workflows)
             old.loaded_versions = dict(loaded_versions)
             old.state, old.failures, old.last_seen = InstanceState.ACTIVE, 0, now
+            old.suspect_reason = ""
             return already, stale_port
         if old is not None:
             stale_port = old.port
@@ -119,8 +123,8 @@ class Pool:
         inst.loaded_versions = dict(loaded_versions)
         inst.pending_results = pending
         inst.last_seen = self._clock()
-        if inst.state is InstanceState.SUSPECT:
-            inst.state, inst.failures = InstanceState.ACTIVE, 0
+        if inst.state is InstanceState.SUSPECT and inst.suspect_reason == "silence":
+            inst.state, inst.failures, inst.suspect_reason = InstanceState.ACTIVE, 0, ""
         return inst
 
     def _end(self, inst: Instance, state: InstanceState) -> set[str]:
@@ -136,8 +140,8 @@ class Pool:
 
     def call_failed(self, instance_id: str) -> None:
         inst = self.instances.get(instance_id)
-        if inst is not None and inst.state is InstanceState.ACTIVE:
-            inst.state = InstanceState.SUSPECT
+        if inst is not None and inst.state in (InstanceState.ACTIVE, InstanceState.SUSPECT):
+            inst.state, inst.suspect_reason = InstanceState.SUSPECT, "call"
 
     def call_succeeded(self, instance_id: str) -> None:
         inst = self.instances.get(instance_id)
@@ -151,6 +155,7 @@ class Pool:
             return set()
         if ok:
             inst.state, inst.failures, inst.last_seen = InstanceState.ACTIVE, 0, self._clock()
+            inst.suspect_reason = ""
             return set()
         inst.failures += 1
         if inst.failures >= self.settings.confirm_failures:
@@ -164,7 +169,7 @@ class Pool:
         for inst in self.instances.values():
             silent = now - inst.last_seen > self.settings.heartbeat_timeout_s
             if inst.state is InstanceState.ACTIVE and silent:
-                inst.state = InstanceState.SUSPECT
+                inst.state, inst.suspect_reason = InstanceState.SUSPECT, "silence"
                 turned.append(inst.instance_id)
         return turned
 

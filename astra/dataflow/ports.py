@@ -45,9 +45,12 @@ class RolloutPort(Protocol):
     async def cancel(self, group_ids: Sequence[str]) -> None: ...
 
     async def load_weights(
-        self, versions: dict[str, tuple[int, str]], weights_address: str, request_id: str
+        self, versions: dict[str, tuple[int, str, str]], request_id: str
     ) -> dict[str, int]:
-        """Loads {policy: (version, version_id)}; returns the versions held after."""
+        """Loads {policy: (version, version_id, weights address)} as one set.
+
+        Returns the versions held after the call.
+        """
 
     async def check_health(self) -> bool: ...
 

@@ -67,14 +67,23 @@ class CancelGroupsResponse(_message.Message):
     def __init__(self, cancelled: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("versions", "weights_address", "request_id")
+    __slots__ = ("versions", "weights_address", "request_id", "policy_weights_addresses")
+    class PolicyWeightsAddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_WEIGHTS_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[_version_pb2.PolicyVersion]
     weights_address: str
     request_id: str
-    def __init__(self, versions: _Optional[_Iterable[_Union[_version_pb2.PolicyVersion, _Mapping]]] = ..., weights_address: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    policy_weights_addresses: _containers.ScalarMap[str, str]
+    def __init__(self, versions: _Optional[_Iterable[_Union[_version_pb2.PolicyVersion, _Mapping]]] = ..., weights_address: _Optional[str] = ..., request_id: _Optional[str] = ..., policy_weights_addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
     __slots__ = ("loaded_versions", "fetched_bytes")

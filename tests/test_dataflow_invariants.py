@@ -1,0 +1,973 @@
+"""Dataflow invariants (INVARIANTS.md) attacked with real in-process servers.
+
+Every test runs a real Dataflow gRPC server and one or more scripted RaaS gRPC servers on
+127.0.0.1:0 in one event loop, plus a trainer loop that talks to Dataflow through the typed
+DataflowClient. The trainer decodes what it is given (group ids, the per-token weight versions
+of every sequence) so the checks look at what would really be trained, not at Dataflow's own
+bookkeeping. Where a test needs a fault that a real process cannot produce on cue (a lost
+AckResults, a duplicate delivery, a failed call), it is injected in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections import Counter
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from astra.clients.dataflow import DataflowClient
+from astra.clients.raas import RolloutClient
+from astra.common.v1 import rollout_pb2
+from astra.dataflow.config import DataflowConfig
+from astra.dataflow.coordinator import Dataflow
+from astra.dataflow.pool import InstanceState
+from astra.dataflow.v1 import dataflow_service_pb2 as pb
+from astra.raas.scripted import ScriptedGenerator
+from astra.servers.convert import incoming_group
+from astra.servers.raas import start_raas
+from tests.conftest import error_info, make_config, running_dataflow
+
+POLICY = "policy"
+WEIGHTS = "weights://invariants"
+GROUP_SIZE = 4
+
+
+# ----- configuration and small utilities --------------------------------------------------------
+
+
+def run(coro, timeout_s: float = 30.0):
+    """Runs one test body on a fresh event loop, bounded."""
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+async def until(predicate, timeout_s: float = 5.0, what: str = "condition"):
+    """Polls `predicate` until it is truthy (returned) or the deadline passes (AssertionError)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    path.write_text(
+        "".join(json.dumps({"prompt": f"q{i}=", "answer": str(i)}) + "\n" for i in range(n))
+    )
+    return path
+
+
+def policy(pid: str = POLICY, batch_groups: int = 2, **buffer) -> dict:
+    return {
+        "id": pid,
+        "batch_groups": batch_groups,
+        "buffer": {"drop_equal_rewards": False, **buffer},
+    }
+
+
+def dataflow_config(tmp_path: Path, n: int, **over) -> DataflowConfig:
+    """A Dataflow over `n` prompts of one stream "s"; `over` as for conftest.make_config."""
+    dataset = write_prompts(tmp_path / "prompts.jsonl", n)
+    stream = over.pop("stream", {})
+    base_stream = {
+        "name": "s",
+        "dataset": {"path": str(dataset), "num_epochs": 1},
+        "policy_ids": [POLICY],
+        "group_size": GROUP_SIZE,
+        "sampling": {"max_new_tokens": 8},
+    }
+    over.setdefault("policies", [policy()])
+    return make_config(dataset, tmp_path / "state", streams=[{**base_stream, **stream}], **over)
+
+
+def all_ids(n: int, stream: str = "s", epoch: int = 0) -> set[str]:
+    return {f"{stream}/{epoch}/{i}" for i in range(n)}
+
+
+def epoch_finished(df: Dataflow) -> bool:
+    """Every prompt of every stream handed out and no group waiting or in flight."""
+    return all(s.exhausted for s in df.sources.values()) and not df.work
+
+
+def run_counters(status: dict) -> dict[str, int]:
+    """The durable, run-level counters of a status (without the buffer's and derived ones)."""
+    derived = {"groups_waiting", "groups_done"}
+    return {
+        k: v
+        for k, v in status["counters"].items()
+        if not k.startswith("buffer.") and k not in derived
+    }
+
+
+def decode(arr) -> np.ndarray:
+    """An NDArray as numpy, decoded here (little-endian) rather than by the code under test."""
+    dtypes = {"int64": "<i8", "int32": "<i4"}
+    assert arr.dtype in dtypes, arr.dtype
+    values = np.frombuffer(arr.data, dtype=dtypes[arr.dtype])
+    assert values.size == math.prod(arr.shape)
+    return values
+
+
+def generated_versions(trajectory) -> np.ndarray:
+    """Weight versions of every generated token of a trajectory (prompt tokens carry -1)."""
+    parts = [decode(s.weight_versions) for s in trajectory.sequences]
+    every = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return every[every >= 0]
+
+
+# ----- rollout services ---------------------------------------------------------------------------
+
+
+class SlowLoadGenerator(ScriptedGenerator):
+    """Scripted generator whose LoadWeights takes time (as a real weight fetch does) and which
+    records every load it is asked for."""
+
+    def __init__(self, *args, load_delay_s: float = 0.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.load_delay_s = load_delay_s
+        self.load_calls: list[dict[str, int]] = []
+
+    async def load_weights(self, versions, weights_address: str) -> int:
+        self.load_calls.append({p: v.version for p, v in versions.items()})
+        if self.load_delay_s:
+            await asyncio.sleep(self.load_delay_s)
+        return await super().load_weights(versions, weights_address)
+
+
+class MalformingGenerator(ScriptedGenerator):
+    """Scripted generator that returns a non-finite reward (a malformed result) for every
+    group whose record index is a multiple of `malformed_every`."""
+
+    def __init__(self, *args, malformed_every: int = 5, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.malformed_every = malformed_every
+
+    async def generate(self, group, versions):
+        out = await super().generate(group, versions)
+        if int(group.group_id.rsplit("/", 1)[1]) % self.malformed_every == 0:
+            out[0].reward = float("nan")
+        return out
+
+
+@dataclass
+class Raas:
+    server: object
+    servicer: object
+    registrar: object
+    backend: ScriptedGenerator
+    stopped: bool = False
+
+    async def kill(self) -> None:
+        """Like SIGKILL: no deregistration, running groups lost, the port closed."""
+        if self.stopped:
+            return
+        self.stopped = True
+        await self.registrar.stop(deregister=False)
+        await self.server.stop(0)
+        await self.servicer.close()
+
+    async def stop(self) -> None:
+        """A clean shutdown: deregisters first."""
+        if self.stopped:
+            return
+        self.stopped = True
+        await self.registrar.stop()
+        await self.server.stop(0)
+        await self.servicer.close()
+
+
+@asynccontextmanager
+async def raas(dataflow_address: str, backend: ScriptedGenerator, *, capacity: int, name: str):
+    server, servicer, registrar = await start_raas(
+        backend,
+        capacity=capacity,
+        dataflow_address=dataflow_address,
+        instance_id=name,
+        grace_s=0.1,
+    )
+    r = Raas(server, servicer, registrar, backend)
+    try:
+        yield r
+    finally:
+        await r.kill()
+
+
+async def registered(df: Dataflow, *names: str, timeout_s: float = 5.0) -> None:
+    def ok():
+        return all(
+            n in df.pool.instances and df.pool.instances[n].state is InstanceState.ACTIVE
+            for n in names
+        )
+
+    await until(ok, timeout_s, f"registration of {names}")
+
+
+# ----- the trainer ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Fetched:
+    header: pb.BatchHeader
+    trajectories: list
+    footer: pb.BatchFooter
+
+    @property
+    def group_ids(self) -> list[str]:
+        return list(dict.fromkeys(t.group_id for t in self.trajectories))
+
+
+@dataclass
+class Trainer:
+    """Fetches, checks, acknowledges and (optionally) announces the next version."""
+
+    client: DataflowClient
+    policy_id: str = POLICY
+    version: int = 0
+    batches: list[Fetched] = field(default_factory=list)
+    consumed: list[str] = field(default_factory=list)
+
+    async def fetch(
+        self, num_groups: int, request_id: str | None = None, max_wait_s: float = 1.0
+    ) -> Fetched | None:
+        """A batch, or None when Dataflow answers BATCH_NOT_READY."""
+        try:
+            header, trajectories, footer = await self.client.fetch_batch(
+                self.policy_id,
+                num_groups,
+                request_id or uuid.uuid4().hex,
+                max_wait_s=max_wait_s,
+                timeout_s=5.0,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                return None
+            raise
+        assert header.policy_id == self.policy_id
+        assert header.num_trajectories == len(trajectories) == footer.num_trajectories
+        batch = Fetched(header, trajectories, footer)
+        assert len(batch.group_ids) == header.num_groups
+        return batch
+
+    async def ack(self, batch: Fetched) -> None:
+        resp = await self.client.ack_batch(batch.header.batch_id)
+        assert resp.consumed_groups == batch.header.num_groups
+        self.batches.append(batch)
+        self.consumed.extend(batch.group_ids)
+
+    async def announce(self) -> None:
+        self.version += 1
+        resp = await self.client.announce_version(self.policy_id, self.version, WEIGHTS)
+        assert resp.current_version == self.version
+
+    async def drain(
+        self,
+        df: Dataflow,
+        num_groups: int = 2,
+        *,
+        announce: bool = False,
+        check=None,
+        timeout_s: float = 15.0,
+    ) -> None:
+        """Trains until the epoch is finished and the buffer is empty; `check(batch)` on each."""
+        deadline = time.monotonic() + timeout_s
+        buf = df.buffers[self.policy_id]
+        while True:
+            if time.monotonic() > deadline:
+                status = df.status()
+                pytest.fail(f"epoch not drained; gate {status['gate']}; {status['counters']}")
+            finished = epoch_finished(df)
+            if finished and len(buf) == 0 and df.batches.leased_groups(self.policy_id) == 0:
+                return
+            n = num_groups if not finished else min(num_groups, len(buf))
+            if n == 0:
+                await asyncio.sleep(0.02)
+                continue
+            batch = await self.fetch(n, max_wait_s=0.5 if not finished else 0.05)
+            if batch is None:
+                continue
+            assert batch.header.policy_version == self.version
+            if check is not None:
+                check(batch)
+            await self.ack(batch)
+            if announce:
+                await self.announce()
+
+
+def assert_consumed_once(consumed: list[str]) -> None:
+    repeated = [g for g, c in Counter(consumed).items() if c > 1]
+    assert not repeated, f"groups trained twice: {repeated}"
+
+
+# ----- 1. accounting -------------------------------------------------------------------------------
+
+
+def test_every_group_of_an_epoch_ends_in_exactly_one_counted_outcome(tmp_path):
+    n = 30
+    config = dataflow_config(
+        tmp_path, n, policies=[policy(drop_equal_rewards=True)], gate={"max_offpolicyness": None}
+    )
+
+    async def body():
+        gen = MalformingGenerator(fail_every=4, malformed_every=7)
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, gen, capacity=32, name="raas-a"),
+        ):
+            trainer = Trainer(client)
+
+            def check(batch: Fetched) -> None:
+                for t in batch.trajectories:
+                    assert not t.HasField("error"), "a failed trajectory reached the trainer"
+                    assert math.isfinite(t.reward) and math.isfinite(t.advantage)
+
+            await trainer.drain(df, check=check)
+            return trainer, df.status(), {r.group_id: r for r in df.store.work_rows()}
+
+    trainer, status, rows = run(body())
+    c = status["counters"]
+    assert set(rows) == all_ids(n), "the work table does not hold exactly the epoch's groups"
+    assert all(r.state == "done" for r in rows.values())
+    outcomes = {"accepted": set(), "filtered": set(), "failed": set(), "malformed": set()}
+    for gid, row in rows.items():
+        if row.outcome == f"{POLICY}:accepted":
+            outcomes["accepted"].add(gid)
+        elif row.outcome == f"{POLICY}:filtered_equal_reward":
+            outcomes["filtered"].add(gid)
+        elif row.outcome.startswith("failed:"):
+            outcomes["failed"].add(gid)
+        elif row.outcome.startswith("malformed:"):
+            outcomes["malformed"].add(gid)
+        else:
+            pytest.fail(f"unexpected outcome {row.outcome!r} of {gid}")
+    assert all(outcomes.values()), {k: len(v) for k, v in outcomes.items()}  # each path exercised
+    assert_consumed_once(trainer.consumed)
+    assert set(trainer.consumed) == outcomes["accepted"]
+    # The counters tell the same story, and add up to the dataset.
+    assert c["consumed_groups"] == len(outcomes["accepted"])
+    assert c[f"buffer.{POLICY}.filtered_equal_reward"] == len(outcomes["filtered"])
+    assert c["failed_groups"] == len(outcomes["failed"])
+    assert c["malformed_results"] == len(outcomes["malformed"])
+    total = (
+        c["consumed_groups"]
+        + c[f"buffer.{POLICY}.filtered_equal_reward"]
+        + c["failed_groups"]
+        + c["malformed_results"]
+    )
+    assert total == n == c["groups_done"]
+    assert c["completed_groups"] == len(outcomes["accepted"]) + len(outcomes["filtered"])
+    assert c["consumed_trajectories"] == sum(len(b.trajectories) for b in trainer.batches)
+    assert c.get("duplicates_dropped", 0) == 0 and c["dispatched"] == n
+    assert status["policies"][0]["buffered_groups"] == 0
+
+
+# ----- 2. staleness bound ----------------------------------------------------------------------
+
+
+def test_nothing_older_than_max_staleness_reaches_the_trainer(tmp_path):
+    n = 40
+    config = dataflow_config(
+        tmp_path, n, policies=[policy(max_staleness=1)], gate={"max_offpolicyness": None}
+    )
+
+    async def body():
+        fast = ScriptedGenerator(delay_s=0.02)
+        slow = ScriptedGenerator(delay_s=0.5)
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, fast, capacity=8, name="fast"),
+            raas(server.address, slow, capacity=8, name="slow"),
+        ):
+            await registered(df, "fast", "slow")
+            trainer = Trainer(client)
+            trained_versions: set[int] = set()
+
+            def check(batch: Fetched) -> None:
+                v = batch.header.policy_version
+                assert batch.footer.max_staleness <= 1
+                for t in batch.trajectories:
+                    versions = generated_versions(t)
+                    assert versions.size > 0
+                    assert v - int(versions.min()) <= 1, (t.trajectory_id, v, versions)
+                    assert int(versions.max()) <= v, "a token from a future version"
+                    trained_versions.update(int(x) for x in versions)
+
+            await trainer.drain(df, announce=True, check=check)
+            loaded = {i["instance_id"]: i["loaded_versions"] for i in df.status()["instances"]}
+            return trainer, trained_versions, df.status(), loaded, fast
+
+    trainer, trained_versions, status, loaded, fast = run(body())
+    assert_consumed_once(trainer.consumed)
+    # The bound was exercised (stale groups were dropped, and counted) ...
+    c = status["counters"]
+    assert c[f"buffer.{POLICY}.filtered_stale"] > 0
+    assert c["consumed_groups"] + c[f"buffer.{POLICY}.filtered_stale"] == n
+    # ... and Dataflow did tell the RaaS to load the announced versions.
+    assert c["weight_loads"] > 0
+    assert fast.loaded[POLICY].version > 0
+    assert loaded["fast"][0]["version"] > 0
+    assert len(trained_versions) >= 2, trained_versions
+
+
+# ----- 3. synchronous mode -----------------------------------------------------------------------
+
+
+def sync_check(batch: Fetched) -> None:
+    v = batch.header.policy_version
+    for t in batch.trajectories:
+        versions = generated_versions(t)
+        assert versions.size > 0 and set(versions.tolist()) == {v}, (
+            f"{t.trajectory_id} trained at version {v} has tokens of {sorted(set(versions))}"
+        )
+
+
+def test_synchronous_mode_trains_only_tokens_of_the_version_being_trained(tmp_path):
+    n = 16
+    config = dataflow_config(
+        tmp_path, n, policies=[policy(max_staleness=0)], gate={"max_offpolicyness": 0}
+    )
+
+    async def body():
+        gen = SlowLoadGenerator(delay_s=0.02, load_delay_s=0.05)
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, gen, capacity=16, name="raas-a"),
+        ):
+            trainer = Trainer(client)
+            await trainer.drain(df, announce=True, check=sync_check)
+            return trainer, df.status()
+
+    trainer, status = run(body())
+    assert_consumed_once(trainer.consumed)
+    c = status["counters"]
+    assert c["consumed_groups"] + c[f"buffer.{POLICY}.filtered_stale"] == n
+    assert trainer.version >= 2
+
+
+def test_eta_zero_alone_is_synchronous_even_when_weight_loads_take_time(tmp_path):
+    """eta = 0 without any buffer staleness bound: the dispatcher itself must wait for the
+    RaaS to hold the announced version (weight loads take time), or old tokens get trained."""
+    n = 12
+    config = dataflow_config(tmp_path, n, gate={"max_offpolicyness": 0})
+
+    async def body():
+        gen = SlowLoadGenerator(delay_s=0.02, load_delay_s=0.2)
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, gen, capacity=16, name="raas-a"),
+        ):
+            trainer = Trainer(client)
+            await trainer.drain(df, announce=True, check=sync_check)
+            return trainer, df.status()
+
+    trainer, status = run(body())
+    assert_consumed_once(trainer.consumed)
+    assert set(trainer.consumed) == all_ids(n)
+    assert status["counters"][f"buffer.{POLICY}.filtered_stale"] == 0
+
+
+# ----- 4. batch leases ----------------------------------------------------------------------------
+
+
+def test_expired_batch_lease_puts_groups_back_and_refuses_the_late_ack(tmp_path):
+    n = 8
+    config = dataflow_config(tmp_path, n, leases={"batch_lease_s": 0.5})
+
+    async def body():
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, ScriptedGenerator(), capacity=32, name="raas-a"),
+        ):
+            await until(lambda: len(df.buffers[POLICY]) >= 4, what="4 buffered groups")
+            trainer = Trainer(client)
+            first = await trainer.fetch(2, "req-1")
+            retry = await trainer.fetch(2, "req-1")
+            assert retry.header.batch_id == first.header.batch_id
+            assert [t.trajectory_id for t in retry.trajectories] == [
+                t.trajectory_id for t in first.trajectories
+            ]
+            assert [t.advantage for t in retry.trajectories] == [
+                t.advantage for t in first.trajectories
+            ]
+            assert df.status()["policies"][0]["leased_groups"] == 2
+            batch = df.batches.batches[first.header.batch_id]
+            await until(lambda: batch.state == "expired", 2.0, "the batch lease to expire")
+            assert df.status()["policies"][0]["leased_groups"] == 0
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await client.ack_batch(first.header.batch_id)
+            assert late.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert error_info(late.value)[0].reason == "BATCH_LEASE_EXPIRED"
+            with pytest.raises(grpc.aio.AioRpcError) as again:
+                await trainer.fetch(2, "req-1")
+            assert again.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert error_info(again.value)[0].reason == "BATCH_LEASE_EXPIRED"
+            # The same groups are served again, in a new batch, and can be trained once.
+            second = await trainer.fetch(2, "req-2")
+            assert second.header.batch_id != first.header.batch_id
+            assert set(second.group_ids) == set(first.group_ids)
+            await trainer.ack(second)
+            await trainer.drain(df)
+            return trainer, df.status()
+
+    trainer, status = run(body())
+    assert_consumed_once(trainer.consumed)
+    assert set(trainer.consumed) == all_ids(n)
+    assert status["counters"]["batch_leases_expired"] == 1
+    assert status["counters"]["consumed_groups"] == n
+
+
+# ----- 5. duplicate deliveries ---------------------------------------------------------------------
+
+
+async def delivered_by_another_raas(group_id: str, instance_id: str):
+    """The result a second, unregistered scripted RaaS produces for `group_id`, as Dataflow
+    would take it in (through the real wire conversion)."""
+    server, servicer, _ = await start_raas(
+        ScriptedGenerator(), capacity=16, instance_id=instance_id, grace_s=0.1
+    )
+    client = RolloutClient(server.address, timeout_s=5.0)
+    try:
+        group = rollout_pb2.PromptGroup(
+            group_id=group_id,
+            workflow="single_turn",
+            policy_ids=[POLICY],
+            prompt=rollout_pb2.Prompt(text="q="),
+            num_samples=GROUP_SIZE,
+            sampling_params=rollout_pb2.SamplingParams(max_new_tokens=8, seed=1),
+        )
+        await client.submit_groups([group])
+        (result,) = await client.collect_results(1, 5.0)
+        return incoming_group(result, instance_id)
+    finally:
+        await client.close()
+        await server.stop(0)
+        await servicer.close()
+
+
+def test_duplicate_and_late_results_are_dropped_by_id_and_counted(tmp_path):
+    config = dataflow_config(tmp_path, 4)
+
+    async def body():
+        slow = ScriptedGenerator(delay_s=10.0)
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, slow, capacity=8, name="raas-a") as a,
+        ):
+            inst = await until(lambda: df.pool.instances.get("raas-a"))
+            await until(lambda: len(inst.in_flight) == 2)
+            gid = sorted(inst.in_flight)[0]
+            # Another RaaS delivers the group leased to raas-a, twice in one collect.
+            other = await delivered_by_another_raas(gid, "raas-b")
+            acks = await df.ingest("raas-b", [other, other])
+            assert acks == [gid, gid], "a duplicate must still be acknowledged"
+            assert df.counters["duplicates_dropped"] == 1
+            # raas-a is told to stop working on it.
+            await until(lambda: a.servicer.store.counters["groups_cancelled"] >= 1)
+            assert gid not in inst.in_flight
+            # raas-a's late result, and a repeated delivery after a lost ack, are dropped.
+            late = await delivered_by_another_raas(gid, "raas-a")
+            assert await df.ingest("raas-a", [late]) == [gid]
+            assert await df.ingest("raas-b", [other]) == [gid]
+            assert df.counters["duplicates_dropped"] == 3
+            buf = df.buffers[POLICY]
+            assert gid in buf and len(buf) == 1
+            stored = [g for g, _ in df.store.groups() if g.group_id == gid]
+            assert len(stored) == 1 and len(stored[0].trajectories) == GROUP_SIZE
+            trainer = Trainer(client)
+            batch = await trainer.fetch(1)
+            assert batch.group_ids == [gid] and len(batch.trajectories) == GROUP_SIZE
+            await trainer.ack(batch)
+            return df.status()
+
+    status = run(body())
+    assert status["counters"]["consumed_groups"] == 1
+
+
+def test_lost_ack_results_repeat_the_delivery_and_the_repeat_is_dropped(tmp_path):
+    n = 12
+    config = dataflow_config(tmp_path, n)
+
+    async def body():
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, ScriptedGenerator(), capacity=32, name="raas-a") as a,
+        ):
+            store = a.servicer.store
+            real_ack, lost = store.ack, []
+
+            def flaky_ack(group_ids):
+                if len(lost) < 3:  # the first three AckResults fail on the RaaS
+                    lost.append(list(group_ids))
+                    raise RuntimeError("ack lost")
+                return real_ack(group_ids)
+
+            store.ack = flaky_ack
+            trainer = Trainer(client)
+            await trainer.drain(df)
+            await until(lambda: store.pending == 0, what="the RaaS to drop acked results")
+            return trainer, df.status(), lost
+
+    trainer, status, lost = run(body())
+    assert len(lost) == 3
+    assert_consumed_once(trainer.consumed)
+    assert set(trainer.consumed) == all_ids(n)
+    c = status["counters"]
+    assert c["duplicates_dropped"] >= len({g for ids in lost for g in ids})
+    assert c["consumed_groups"] == c["completed_groups"] == n
+    assert c[f"buffer.{POLICY}.accepted"] == n
+
+
+# ----- 6. suspect and confirm ----------------------------------------------------------------------
+
+
+def test_dead_raas_is_suspected_confirmed_and_its_groups_redispatched(tmp_path):
+    n = 12
+    config = dataflow_config(
+        tmp_path,
+        n,
+        pool={"confirm_failures": 3, "probe_interval_s": 0.1, "heartbeat_timeout_s": 30.0},
+    )
+
+    async def body():
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, ScriptedGenerator(delay_s=30.0), capacity=8, name="a") as a,
+        ):
+            inst = await until(lambda: df.pool.instances.get("a"))
+            await until(lambda: len(inst.in_flight) == 2)
+            orphans = set(inst.in_flight)
+            async with raas(server.address, ScriptedGenerator(), capacity=8, name="b"):
+                await registered(df, "b")
+                await a.kill()
+                seen: list[InstanceState] = []
+
+                def dead():
+                    if not seen or seen[-1] is not inst.state:
+                        seen.append(inst.state)
+                    return inst.state is InstanceState.DEAD
+
+                await until(dead, 5.0, "raas a confirmed dead")
+                assert seen[-2:] == [InstanceState.SUSPECT, InstanceState.DEAD], seen
+                assert inst.failures == 3 and not inst.in_flight
+                states = {i["instance_id"]: i["state"] for i in df.status()["instances"]}
+                assert states == {"a": "INSTANCE_STATE_DEAD", "b": "INSTANCE_STATE_ACTIVE"}
+                trainer = Trainer(client)
+                await trainer.drain(df)
+                rows = {r.group_id: r for r in df.store.work_rows()}
+                return trainer, df.status(), orphans, rows
+
+    trainer, status, orphans, rows = run(body())
+    assert_consumed_once(trainer.consumed)
+    assert set(trainer.consumed) == all_ids(n)
+    c = status["counters"]
+    assert c["instances_confirmed_dead"] == 1
+    assert c["requeued_instance_dead"] == len(orphans) == 2
+    assert c["redispatched"] >= 2
+    assert all(rows[g].attempts == 2 for g in orphans)
+
+
+def test_deregistered_raas_gives_its_groups_back_at_once(tmp_path):
+    n = 8
+    config = dataflow_config(tmp_path, n)
+
+    async def body():
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, ScriptedGenerator(delay_s=30.0), capacity=8, name="a") as a,
+        ):
+            inst = await until(lambda: df.pool.instances.get("a"))
+            await until(lambda: len(inst.in_flight) == 2)
+            orphans = set(inst.in_flight)
+            await a.stop()  # DeregisterInstance
+            assert inst.state is InstanceState.LEFT and not inst.in_flight
+            assert orphans <= set(df.waiting)
+            async with raas(server.address, ScriptedGenerator(), capacity=8, name="b"):
+                trainer = Trainer(client)
+                await trainer.drain(df)
+                return trainer, df.status()
+
+    trainer, status = run(body())
+    assert_consumed_once(trainer.consumed)
+    assert set(trainer.consumed) == all_ids(n)
+    assert status["counters"]["requeued_instance_left"] == 2
+
+
+def test_suspect_gets_no_work_keeps_its_leases_and_is_restored_when_it_answers(tmp_path):
+    config = dataflow_config(
+        tmp_path,
+        8,
+        pool={"confirm_failures": 1000, "probe_interval_s": 0.1, "heartbeat_timeout_s": 30.0},
+    )
+
+    async def body():
+        gen = ScriptedGenerator(delay_s=30.0)
+        async with (
+            running_dataflow(config) as (server, df, _client),
+            raas(server.address, gen, capacity=16, name="c") as c,
+        ):
+            inst = await until(lambda: df.pool.instances.get("c"))
+            await until(lambda: len(inst.in_flight) == 4)
+            # Heartbeats would also restore it; keep only the health probes talking.
+            await c.registrar.stop(deregister=False)
+            leases = set(inst.in_flight)
+            await c.server.set_serving(False)
+            df.pool.call_failed("c")  # a failed call
+            assert inst.state is InstanceState.SUSPECT
+            await until(lambda: inst.failures >= 3, 3.0, "three failed probes")
+            status = df.status()
+            assert status["pool_empty"] and "pool empty" in status["gate"]["reason"]
+            assert status["instances"][0]["state"] == "INSTANCE_STATE_SUSPECT"
+            assert inst.state is InstanceState.SUSPECT and inst.in_flight == leases
+            # The suspect answers again: restored, with its leases.
+            await c.server.set_serving(True)
+            await until(lambda: inst.state is InstanceState.ACTIVE, 2.0, "restoration")
+            assert inst.failures == 0 and inst.in_flight >= leases
+            assert df.counters.get("requeued_instance_dead", 0) == 0
+
+    run(body())
+
+
+def test_unreachable_raas_that_still_heartbeats_is_confirmed_dead(tmp_path):
+    config = dataflow_config(
+        tmp_path,
+        8,
+        pool={"confirm_failures": 3, "probe_interval_s": 0.1, "heartbeat_interval_s": 0.05},
+    )
+
+    async def body():
+        async with (
+            running_dataflow(config) as (server, df, _client),
+            raas(server.address, ScriptedGenerator(delay_s=30.0), capacity=8, name="d") as d,
+        ):
+            inst = await until(lambda: df.pool.instances.get("d"))
+            await until(lambda: len(inst.in_flight) == 2)
+            await d.server.stop(0)  # RolloutService gone; the registrar keeps heartbeating
+            await until(lambda: inst.state is InstanceState.DEAD, 2.5, "confirmed death")
+            assert df.counters["requeued_instance_dead"] == 2
+
+    run(body())
+
+
+# ----- 7. several policies ------------------------------------------------------------------------
+
+
+def two_policy_config(tmp_path: Path, n: int) -> DataflowConfig:
+    return dataflow_config(
+        tmp_path,
+        n,
+        policies=[policy("a"), policy("b")],
+        stream={"policy_ids": ["a", "b"]},
+        versions={"barrier": "lockstep"},
+    )
+
+
+def only_policy(pid: str):
+    """A batch check: only `pid`'s sequences, advantages normalised on `pid`'s own rewards."""
+
+    def check(batch: Fetched) -> None:
+        by_group: dict[str, list] = {}
+        for t in batch.trajectories:
+            assert t.sequences and {s.policy_id for s in t.sequences} == {pid}
+            assert generated_versions(t).max() <= batch.header.policy_version
+            by_group.setdefault(t.group_id, []).append(t)
+        for trajectories in by_group.values():
+            rewards = np.array([t.agent_rewards[pid] for t in trajectories])
+            expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+            assert np.allclose([t.advantage for t in trajectories], expected)
+
+    return check
+
+
+def test_each_policy_gets_only_its_sequences_and_lockstep_holds_back_loads(tmp_path):
+    n = 8
+    config = two_policy_config(tmp_path, n)
+
+    async def body():
+        gen = SlowLoadGenerator(("a", "b"), delay_s=0.05)
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, gen, capacity=16, name="ab") as r,
+        ):
+            await registered(df, "ab")
+            ta, tb = Trainer(client, "a"), Trainer(client, "b")
+            # a announces v1 alone: nobody is told to load a@1.
+            await ta.announce()
+            await asyncio.sleep(0.6)
+            assert gen.load_calls == [] and r.servicer.loaded_versions == {"a": 0, "b": 0}
+            st = {p["policy_id"]: p for p in df.status()["policies"]}
+            assert st["a"]["current_version"] == 1 and st["a"]["target_version"] == 0
+            # b catches up: both are loaded, together.
+            await tb.announce()
+            await until(lambda: r.servicer.loaded_versions == {"a": 1, "b": 1})
+            assert gen.load_calls == [{"a": 1, "b": 1}]
+            await asyncio.gather(
+                ta.drain(df, check=only_policy("a")), tb.drain(df, check=only_policy("b"))
+            )
+            return ta, tb, df.status()
+
+    ta, tb, status = run(body())
+    for t in (ta, tb):
+        assert_consumed_once(t.consumed)
+        assert set(t.consumed) == all_ids(n)
+    assert status["counters"]["consumed_groups"] == 2 * n
+
+
+def test_lockstep_never_serves_a_mix_of_versions_across_weight_addresses(tmp_path):
+    config = two_policy_config(tmp_path, 4)
+
+    async def body():
+        gen = SlowLoadGenerator(("a", "b"), delay_s=0.05, load_delay_s=0.05)
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, gen, capacity=16, name="ab") as r,
+        ):
+            await registered(df, "ab")
+            await client.announce_version("a", 1, "weights://a")
+            await client.announce_version("b", 1, "weights://b")
+            await until(lambda: r.servicer.loaded_versions == {"a": 1, "b": 1})
+            assert all(set(call) == {"a", "b"} for call in gen.load_calls), gen.load_calls
+
+    run(body())
+
+
+# ----- 8. restart in-process ------------------------------------------------------------------------
+
+
+def restart_config(tmp_path: Path, n: int) -> DataflowConfig:
+    return dataflow_config(
+        tmp_path,
+        n,
+        pool={"confirm_failures": 1000, "probe_interval_s": 0.1, "heartbeat_timeout_s": 30.0},
+        # Keeps the gate out of this test (see test_sync_barrier_is_left_...).
+        gate={"max_offpolicyness": None, "staleness_threshold": 1.0},
+    )
+
+
+def test_restart_keeps_buffer_leases_position_versions_and_counters(tmp_path):
+    n = 16
+    config = restart_config(tmp_path, n)
+
+    async def first_life():
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, ScriptedGenerator(delay_s=0.3), capacity=8, name="a") as a,
+        ):
+            trainer = Trainer(client)
+            await trainer.announce()
+            await trainer.announce()
+            await until(lambda: len(df.buffers[POLICY]) >= 4, 5.0, "4 buffered groups")
+            await trainer.ack(await trainer.fetch(2))
+            held = await trainer.fetch(2, "held")
+            await until(lambda: df.pool.instances["a"].in_flight, what="groups in flight")
+            await a.kill()
+            before = df.status()
+            buffered = {g.group_id for g, b in df.store.groups() if b is None}
+            in_flight = len(df.pool.instances["a"].in_flight)
+        return trainer, held, before, buffered, in_flight
+
+    async def second_life(trainer, held, before, buffered, in_flight):
+        async with running_dataflow(config) as (server, df, client):
+            after = df.status()
+            assert after["dataflow_id"] != before["dataflow_id"]
+            assert after["streams"] == before["streams"]
+            for p, q in zip(after["policies"], before["policies"], strict=True):
+                for key in ("buffered_groups", "leased_groups", "current_version"):
+                    assert p[key] == q[key], key
+                assert p["target_version"] == 2 and p["weights_address"] == WEIGHTS
+            assert {g.group_id for g, b in df.store.groups() if b is None} == buffered
+            assert after["counters"]["groups_done"] == before["counters"]["groups_done"]
+            waiting = before["counters"]["groups_waiting"] + in_flight
+            assert after["counters"]["groups_waiting"] == waiting
+            old, new = run_counters(before), run_counters(after)
+            changed = {k: (v, new.get(k)) for k, v in old.items() if new.get(k) != v}
+            changed.pop("batches_served", None)  # see test_restart_right_after_a_fetch_...
+            assert not changed, f"run-level counters changed across the restart: {changed}"
+            # The trainer's leased batch survived: the retry gets it, and can acknowledge it.
+            trainer.client = client
+            again = await trainer.fetch(2, "held")
+            assert again.header.batch_id == held.header.batch_id
+            assert [t.trajectory_id for t in again.trajectories] == [
+                t.trajectory_id for t in held.trajectories
+            ]
+            await trainer.ack(again)
+            # In-flight work is dispatched again to a new RaaS, which loads version 2.
+            gen = ScriptedGenerator()
+            async with raas(server.address, gen, capacity=16, name="b"):
+                await trainer.drain(df)
+                await until(lambda: POLICY in gen.loaded and gen.loaded[POLICY].version == 2)
+            return df.status()
+
+    async def body():
+        state = await first_life()
+        return state[0], await second_life(*state)
+
+    trainer, final = run(body())
+    assert_consumed_once(trainer.consumed)
+    assert set(trainer.consumed) == all_ids(n)
+    assert final["counters"]["consumed_groups"] == n
+
+
+def test_restart_right_after_a_fetch_keeps_every_run_level_counter(tmp_path):
+    config = restart_config(tmp_path, 4)
+
+    async def body():
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, ScriptedGenerator(), capacity=16, name="a"),
+        ):
+            await until(lambda: epoch_finished(df), what="the epoch")
+            await Trainer(client).fetch(2)
+            before = run_counters(df.status())
+        async with running_dataflow(config) as (_server, df, _client):
+            assert run_counters(df.status()) == before
+
+    run(body())
+
+
+# ----- beyond the list: bounded retries, liveness of the barrier ---------------------------------
+
+
+def test_a_group_that_never_finishes_is_counted_failed_after_max_dispatch_attempts(tmp_path):
+    config = dataflow_config(tmp_path, 1, leases={"group_lease_s": 0.2, "max_dispatch_attempts": 2})
+
+    async def body():
+        async with (
+            running_dataflow(config) as (server, df, _client),
+            raas(server.address, ScriptedGenerator(delay_s=30.0), capacity=8, name="a"),
+        ):
+            await asyncio.sleep(1.5)
+            assert df.counters["dispatched"] <= 2, df.counters
+            assert epoch_finished(df) and df.counters["failed_groups"] == 1
+
+    run(body())
+
+
+def test_sync_barrier_is_left_once_in_flight_work_has_drained(tmp_path):
+    """Two groups generated at v0 arrive after the trainer reached v2 (gap 2, score 0.4 > 0.3):
+    the gate enters SYNC_BARRIER, in-flight work drains, and the run must go on."""
+    n = 8
+    config = dataflow_config(tmp_path, n, gate={"max_offpolicyness": None})
+
+    async def body():
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, ScriptedGenerator(delay_s=0.3), capacity=8, name="a"),
+        ):
+            inst = await until(lambda: df.pool.instances.get("a"))
+            await until(lambda: len(inst.in_flight) == 2)
+            trainer = Trainer(client)
+            await trainer.announce()
+            await trainer.announce()
+            await trainer.drain(df, timeout_s=4.0)
+
+    run(body())
