@@ -29,6 +29,11 @@ class RolloutClient(BaseClient):
         super().__init__(address, timeout_s=timeout_s)
         self.stub = pb_grpc.RolloutServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self._collect_raw = self.channel.unary_stream(
+            f"/{self.SERVICE}/CollectResults",
+            request_serializer=pb.CollectResultsRequest.SerializeToString,
+            response_deserializer=None,
+        )
 
     async def submit_groups(
         self, groups: Sequence[rollout_pb2.PromptGroup], *, timeout_s: float | None = None
@@ -44,6 +49,18 @@ class RolloutClient(BaseClient):
         req.max_wait.FromNanoseconds(int(max_wait_s * 1e9))
         call = self.stub.CollectResults(req, timeout=self._timeout(timeout_s) + max_wait_s)
         return [msg.result async for msg in call]
+
+    async def collect_results_raw(
+        self, max_groups: int, max_wait_s: float = 0.0, *, timeout_s: float | None = None
+    ) -> list[bytes]:
+        """Like collect_results, but each item is the serialized CollectResultsResponse.
+
+        For receivers that keep the bytes (Dataflow stores trajectories as received).
+        """
+        req = pb.CollectResultsRequest(max_groups=max_groups)
+        req.max_wait.FromNanoseconds(int(max_wait_s * 1e9))
+        call = self._collect_raw(req, timeout=self._timeout(timeout_s) + max_wait_s)
+        return [msg async for msg in call]
 
     async def ack_results(
         self, group_ids: Sequence[str], *, timeout_s: float | None = None

@@ -1,11 +1,16 @@
-"""Typed client of astra.weights.v1.WeightService (unary RPCs).
+"""Typed client of astra.weights.v1.WeightService (unary RPCs) and its error decoding.
 
 Publishing and fetching are bidirectional streams with their own resume
-protocol; their drivers belong to the WeightService issue and use `stub`.
+protocol; their drivers (clients/weights_stream.py) use `stub` and
+`domain_error`.
 """
 
 from __future__ import annotations
 
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+from astra import errors
 from astra.clients.channel import BaseClient
 from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.v1 import weight_service_pb2_grpc as pb_grpc
@@ -52,3 +57,45 @@ class WeightClient(BaseClient):
         return await self.stub.GetCapabilities(
             pb.GetCapabilitiesRequest(), timeout=self._timeout(timeout_s)
         )
+
+
+_ERRORS = {
+    cls.code: cls
+    for cls in (
+        errors.InvalidArgument,
+        errors.NotFound,
+        errors.AlreadyExists,
+        errors.FailedPrecondition,
+        errors.ResourceExhausted,
+        errors.Unavailable,
+        errors.DataLoss,
+    )
+}
+
+
+def error_from_status(status: status_pb2.Status) -> errors.AstraError:
+    """The domain error a google.rpc.Status describes (code, message, ErrorInfo)."""
+    code = grpc.StatusCode(
+        next((c.value for c in grpc.StatusCode if c.value[0] == status.code), (2, "unknown"))
+    ).name
+    reason, metadata = code, {}
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason, metadata = info.reason, dict(info.metadata)
+    cls = _ERRORS.get(code, errors.AstraError)
+    err = cls(status.message or code, reason=reason, metadata=metadata)
+    if cls is errors.AstraError:
+        err.code = code
+    return err
+
+
+def domain_error(exc: grpc.aio.AioRpcError) -> errors.AstraError:
+    """The domain error a failed call carries: its rich status when sent, else the bare code."""
+    raw = dict(exc.trailing_metadata() or ()).get("grpc-status-details-bin")
+    if raw:
+        return error_from_status(status_pb2.Status.FromString(raw))
+    return error_from_status(
+        status_pb2.Status(code=exc.code().value[0], message=exc.details() or "")
+    )

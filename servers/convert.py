@@ -95,27 +95,37 @@ def _check_trajectory(t: rollout_pb2.Trajectory, where: str) -> dict[str, tuple[
             raise Malformed(f"{sw}.policy_id: empty")
         if not math.isfinite(s.reward):
             raise Malformed(f"{sw}.reward: not finite")
-        arrays = {}
+        n = -1
+        raw = {}
         for name, allowed in SEQUENCE_ARRAYS.items():
             msg = getattr(s, name)
-            if msg.dtype not in allowed:
-                raise Malformed(f"{sw}.{name}.dtype: {msg.dtype!r}, expected one of {allowed}")
-            arr = from_array(msg, f"{sw}.{name}")
-            if arr.ndim != 1:
+            dtype = msg.dtype
+            if dtype not in allowed:
+                raise Malformed(f"{sw}.{name}.dtype: {dtype!r}, expected one of {allowed}")
+            shape = msg.shape
+            if len(shape) != 1:
                 raise Malformed(f"{sw}.{name}.shape: must be one-dimensional")
-            arrays[name] = arr
-        n = len(arrays["token_ids"])
-        for name, arr in arrays.items():
-            if len(arr) != n:
-                raise Malformed(f"{sw}.{name}: length {len(arr)} != token_ids length {n}")
+            data = msg.data
+            if len(data) != shape[0] * DTYPES[dtype].itemsize:
+                raise Malformed(
+                    f"{sw}.{name}.data: {len(data)} bytes, expected "
+                    f"{shape[0] * DTYPES[dtype].itemsize} for {dtype}{list(shape)}"
+                )
+            if n < 0:
+                n = shape[0]
+            elif shape[0] != n:
+                raise Malformed(f"{sw}.{name}: length {shape[0]} != token_ids length {n}")
+            raw[name] = (data, DTYPES[dtype])
         if not 0 <= s.prompt_length <= n:
             raise Malformed(f"{sw}.prompt_length: {s.prompt_length} outside 0..{n}")
-        if not np.isfinite(arrays["logprobs"]).all():
+        data, dtype = raw["logprobs"]
+        if not np.isfinite(np.frombuffer(data, dtype=dtype)).all():
             raise Malformed(f"{sw}.logprobs: not finite")
-        versions = arrays["weight_versions"]
-        generated = versions[versions >= 0]
-        vmin = int(generated.min()) if generated.size else -1
-        vmax = int(generated.max()) if generated.size else -1
+        data, dtype = raw["weight_versions"]
+        versions = np.frombuffer(data, dtype=dtype)
+        vmax = int(versions.max()) if n else -1
+        vmin = int(versions.min(where=versions >= 0, initial=vmax)) if vmax >= 0 else -1
+        vmax = max(vmax, -1)
         old = facts.get(s.policy_id)
         if old is not None:
             vmin = vmin if old[0] < 0 else (old[0] if vmin < 0 else min(old[0], vmin))
@@ -125,9 +135,51 @@ def _check_trajectory(t: rollout_pb2.Trajectory, where: str) -> dict[str, tuple[
     return facts
 
 
-def incoming_group(result: rollout_pb2.GroupResult, instance_id: str) -> IncomingGroup:
-    """Splits a GroupResult per policy, validating every trajectory."""
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def field_slices(buf: bytes, field_number: int) -> list[bytes]:
+    """The raw bytes of every length-delimited `field_number` at the top level of `buf`."""
+    out = []
+    pos, end = 0, len(buf)
+    view = memoryview(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos)
+        wire = key & 7
+        if wire == 2:
+            length, pos = _read_varint(buf, pos)
+            if key >> 3 == field_number:
+                out.append(bytes(view[pos : pos + length]))
+            pos += length
+        elif wire == 0:
+            _, pos = _read_varint(buf, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise Malformed(f"unsupported wire type {wire}")
+    return out
+
+
+def incoming_group(
+    result: rollout_pb2.GroupResult, instance_id: str, raw: bytes | None = None
+) -> IncomingGroup:
+    """Splits a GroupResult per policy, validating every trajectory.
+
+    With `raw` (the serialized GroupResult as received), single-policy trajectories
+    keep their received bytes instead of being serialized again.
+    """
     out = IncomingGroup(result.group_id, instance_id)
+    raw_trajectories = field_slices(raw, 2) if raw is not None else None
     if result.HasField("error") and result.error.code != 0:
         out.error = result.error.message or f"code {result.error.code}"
         return out
@@ -143,7 +195,9 @@ def incoming_group(result: rollout_pb2.GroupResult, instance_id: str) -> Incomin
                 facts = dict.fromkeys(policies, (-1, -1, 0))
             single = len(facts) == 1
             for policy_id, (vmin, vmax, ntok) in facts.items():
-                if single:
+                if single and raw_trajectories is not None:
+                    payload = raw_trajectories[i]
+                elif single:
                     payload = t.SerializeToString()
                 else:
                     part = rollout_pb2.Trajectory()
@@ -192,7 +246,8 @@ def prompt_group(item: WorkItem, stream: StreamSettings) -> rollout_pb2.PromptGr
     )
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """Protobuf base-128 varint encoding of a non-negative int."""
     out = bytearray()
     while True:
         byte = n & 0x7F
@@ -214,8 +269,13 @@ def trajectories_blob(payloads_and_advantages: list[tuple[bytes, float]]) -> byt
     Appending a field to a serialized message overrides it (last value wins), so
     stored payloads are never decoded on the batch path.
     """
-    parts = []
+    parts: list[bytes] = []
     for payload, adv in payloads_and_advantages:
-        raw = payload + _ADVANTAGE_TAG + struct.pack("<d", adv)
-        parts.append(_REPEATED_TAG + _varint(len(raw)) + raw)
+        parts += (
+            _REPEATED_TAG,
+            varint(len(payload) + 9),
+            payload,
+            _ADVANTAGE_TAG,
+            struct.pack("<d", adv),
+        )
     return b"".join(parts)

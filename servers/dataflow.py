@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import grpc
 from google.protobuf import json_format
 
 from astra import __version__
@@ -17,11 +18,11 @@ from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
 from astra.errors import invalid_field
-from astra.servers.convert import MAX_ID_CHARS, check_id, trajectories_blob
+from astra.servers.convert import MAX_ID_CHARS, check_id, trajectories_blob, varint
 
 CONTRACT_VERSION = "1.0.0"
 MAX_LIST = 256
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 8 << 20
 
 
 def _check_list(values, field: str) -> None:
@@ -168,10 +169,39 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         )
 
 
-def _chunk(pending: list[tuple[bytes, float]]) -> pb.FetchBatchResponse:
-    return pb.FetchBatchResponse(
-        trajectories=pb.BatchTrajectories.FromString(trajectories_blob(pending))
+def _chunk(pending: list[tuple[bytes, float]]) -> bytes:
+    """A serialized FetchBatchResponse{trajectories} built from stored bytes, never parsed."""
+    body = trajectories_blob(pending)
+    return _TRAJECTORIES_TAG + varint(len(body)) + body
+
+
+_TRAJECTORIES_TAG = bytes([(2 << 3) | 2])  # FetchBatchResponse.trajectories
+
+
+def _serialize(message: pb.FetchBatchResponse | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_servicer(servicer: DataflowServicer, server) -> None:
+    """Registers the service with FetchBatch answering pre-serialized chunks as they are."""
+    name = pb.DESCRIPTOR.services_by_name["DataflowService"].full_name
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service, handlers) -> None:
+            self.handlers = handlers
+
+    capture = _Capture()
+    pb_grpc.add_DataflowServiceServicer_to_server(servicer, capture)
+    handlers = dict(capture.handlers)
+    fetch = handlers["FetchBatch"]
+    handlers["FetchBatch"] = grpc.unary_stream_rpc_method_handler(
+        fetch.unary_stream, fetch.request_deserializer, _serialize
     )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
 
 
 async def start_dataflow(config, connector=None):
@@ -185,7 +215,7 @@ async def start_dataflow(config, connector=None):
         config.host, config.port, max_message_bytes=config.max_message_bytes, grace_s=config.grace_s
     )
     server.add_service(
-        pb_grpc.add_DataflowServiceServicer_to_server,
+        add_servicer,
         DataflowServicer(df),
         pb.DESCRIPTOR.services_by_name["DataflowService"].full_name,
     )

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 import grpc
 
 from astra.clients.raas import RolloutClient
-from astra.common.v1 import version_pb2
+from astra.common.v1 import rollout_pb2, version_pb2
 from astra.dataflow.config import StreamSettings
 from astra.dataflow.ports import IncomingGroup, PortError
 from astra.dataflow.records import WorkItem
-from astra.servers.convert import incoming_group, prompt_group
+from astra.servers.convert import field_slices, incoming_group, prompt_group
 
 
 class GrpcRolloutPort:
@@ -39,10 +39,15 @@ class GrpcRolloutPort:
 
     async def collect(self, max_groups: int, max_wait_s: float) -> list[IncomingGroup]:
         try:
-            results = await self.client.collect_results(max_groups, max_wait_s)
+            messages = await self.client.collect_results_raw(max_groups, max_wait_s)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
-        return [incoming_group(r, r.instance_id) for r in results]
+        out = []
+        for msg in messages:
+            (raw,) = field_slices(msg, 1) or [b""]
+            result = rollout_pb2.GroupResult.FromString(raw)
+            out.append(incoming_group(result, result.instance_id, raw))
+        return out
 
     async def ack(self, group_ids: Sequence[str]) -> None:
         try:

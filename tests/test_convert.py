@@ -131,3 +131,16 @@ def test_trajectories_blob_sets_advantages_without_decoding():
     assert [t.trajectory_id for t in out] == ["t0", "t1", "t2"]
     assert [t.advantage for t in out] == [-0.5, 0.5, 1.5]
     assert out[1].sequences[0] == ts[1].sequences[0]
+
+
+def test_received_bytes_are_kept_as_the_payload():
+    ts = [
+        rollout_pb2.Trajectory(trajectory_id=f"s/0/1/{i}", reward=i, sequences=[sequence()])
+        for i in range(3)
+    ]
+    res = rollout_pb2.GroupResult(group_id="s/0/1", trajectories=ts, instance_id="r")
+    raw = res.SerializeToString()
+    g = incoming_group(rollout_pb2.GroupResult.FromString(raw), "r", raw)
+    payloads = [t.payload for t in g.per_policy["policy"]]
+    assert payloads == [t.SerializeToString() for t in ts]
+    assert all(p in raw for p in payloads)

@@ -105,6 +105,7 @@ class Dataflow:
         self._loads: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
         self._saved_counters: Counter[str] = Counter()
+        self._pulled: list[str] = []
         self._stopping = False
         self._recover()
 
@@ -267,8 +268,12 @@ class Dataflow:
         capacity = (
             0 if self.pool.empty else sum(self.stream_capacity(s) for s in self.streams.values())
         )
-        fill = max(b.fill_ratio for b in self.buffers.values())
         in_flight = self._in_flight()
+        # Groups in flight will land in the buffers: count them, or a full pool overfills.
+        fill = max(
+            (len(b) + in_flight) / self.config.policy(p).buffer.capacity_groups
+            for p, b in self.buffers.items()
+        )
         if in_flight == 0 and self.gate.mode is GateMode.SYNC_BARRIER:
             # The barrier has drained: whatever is dispatched next starts at the current
             # version, so the observed gap is 0 until results say otherwise.
@@ -287,10 +292,21 @@ class Dataflow:
             return None
         self.work[item.group_id] = Work(item, stream.name)
         self.waiting.append(item.group_id)
-        with self.store.tx() as tx:
-            tx.set_work(item.group_id, stream.name, "pending")
-            tx.put(f"dataset/{stream.name}", self.sources[stream.name].state())
+        # Written with the round's leases (or by _save_pulled), before anything is sent.
+        self._pulled.append(item.group_id)
         return item.group_id
+
+    def _save_pulled(self, tx) -> None:
+        """Persists groups pulled from datasets this round, with the dataset positions."""
+        if not self._pulled:
+            return
+        for gid in self._pulled:
+            w = self.work.get(gid)
+            if w is not None and w.instance_id is None:
+                tx.set_work(gid, w.stream, "pending")
+        for name in {self.work[g].stream for g in self._pulled if g in self.work}:
+            tx.put(f"dataset/{name}", self.sources[name].state())
+        self._pulled.clear()
 
     async def _dispatch_loop(self) -> None:
         while True:
@@ -315,13 +331,13 @@ class Dataflow:
             while budget > 0:
                 plan: dict[str, list[str]] = {}
                 while budget > 0:
-                    gid = self._next_work(stream)
-                    if gid is None:
-                        break
                     inst = self.pool.pick(
                         stream.workflow, stream.policy_ids, stream.group_size, floor
                     )
                     if inst is None:
+                        break
+                    gid = self._next_work(stream)
+                    if gid is None:
                         break
                     self._lease(gid, inst)
                     plan.setdefault(inst.instance_id, []).append(gid)
@@ -332,6 +348,9 @@ class Dataflow:
                     break
                 self._persist_leases([g for gids in plan.values() for g in gids])
                 await asyncio.gather(*(self._submit(i, g, stream) for i, g in plan.items()))
+        if self._pulled:
+            with self.store.tx() as tx:
+                self._save_pulled(tx)
 
     def _lease(self, gid: str, inst: Instance) -> None:
         w = self.work[gid]
@@ -347,6 +366,7 @@ class Dataflow:
 
     def _persist_leases(self, gids: list[str]) -> None:
         with self.store.tx() as tx:
+            self._save_pulled(tx)
             for gid in gids:
                 w = self.work[gid]
                 tx.set_work(
@@ -467,8 +487,10 @@ class Dataflow:
                     cancel.setdefault(w.instance_id, []).append(r.group_id)
                 outcome = self._take_result(tx, w, r)
                 inst = self.pool.instances.get(w.instance_id or "")
-                if inst is not None:
+                if inst is not None and r.group_id in inst.in_flight:
                     inst.in_flight.discard(r.group_id)
+                    # The RaaS freed these slots; heartbeats correct any drift.
+                    inst.free_slots = min(inst.capacity, inst.free_slots + w.item.num_samples)
                 if w.instance_id is None:
                     with contextlib.suppress(ValueError):
                         self.waiting.remove(r.group_id)

@@ -1,0 +1,197 @@
+"""WeightService servicer: proto -> `Store` -> proto, plus the server entry points.
+
+The two streams live in weights_publish.py and weights_fetch.py; the unary
+RPCs are here. Blocking store work runs on worker threads so one slow
+encode never stalls other streams. Errors are domain errors, mapped to
+statuses by the server's interceptor.
+
+Chunk size: 1 MiB, measured by streaming a full version through a loopback
+FetchVersion at 1, 2 and 4 MiB chunks (figures in the issue's reply); a
+message is never more than chunk + header, far below the 8 MiB the contract
+allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from astra import __version__
+from astra.common.v1 import capabilities_pb2
+from astra.errors import invalid_field
+from astra.servers.convert import check_id
+from astra.servers.runtime import GrpcServer
+from astra.servers.weights_convert import identity, tensor_header, version_info
+from astra.servers.weights_fetch import StreamSettings, fetch_stream
+from astra.servers.weights_publish import publish_stream
+from astra.weights.store import Store, StoreConfig
+from astra.weights.store_fetch import stored_tensors
+from astra.weights.v1 import weight_service_pb2 as pb
+from astra.weights.v1 import weight_service_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+CONTRACT_VERSION = "1.0.0"
+FEATURES = ["delta_xor_zstd", "chain_compose", "relay", "bandwidth_cap"]
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
+
+
+def _page_token(token: str) -> int | None:
+    if not token:
+        return None
+    try:
+        return int(base64.urlsafe_b64decode(token.encode()).decode())
+    except ValueError as exc:
+        raise invalid_field("page_token", "not a token this service issued") from exc
+
+
+class WeightServicer(pb_grpc.WeightServiceServicer):
+    def __init__(self, store: Store, settings: StreamSettings | None = None) -> None:
+        self.store = store
+        self.settings = settings or StreamSettings()
+        self.active_fetches = 0
+
+    def _is_current(self, policy: str, record) -> bool:
+        return record is self.store.chain(policy).head
+
+    async def PublishVersion(self, request_iterator, context) -> AsyncIterator:
+        first_timeout = self.settings.first_message_timeout_s
+        async for resp in publish_stream(self.store, request_iterator, first_timeout):
+            yield resp
+
+    async def FetchVersion(self, request_iterator, context) -> AsyncIterator:
+        self.active_fetches += 1
+        try:
+            async for resp in fetch_stream(self.store, request_iterator, self.settings):
+                yield resp
+        finally:
+            self.active_fetches -= 1
+
+    async def ListVersions(self, request: pb.ListVersionsRequest, context):
+        check_id(request.policy_id, "policy_id")
+        size = request.page_size or 100
+        if not 1 <= size <= 1000:
+            raise invalid_field("page_size", "must be 1-1000")
+        before = _page_token(request.page_token)
+        records = [
+            r
+            for r in self.store.list_versions(request.policy_id)
+            if before is None or r.version < before
+        ]
+        page = records[:size]
+        resp = pb.ListVersionsResponse(
+            versions=[version_info(r, self._is_current(request.policy_id, r)) for r in page]
+        )
+        if len(records) > size:
+            resp.next_page_token = base64.urlsafe_b64encode(str(page[-1].version).encode()).decode()
+        return resp
+
+    async def GetVersion(self, request: pb.GetVersionRequest, context):
+        check_id(request.policy_id, "policy_id")
+        identity(request.version_id, "version_id")
+        record = self.store.get(request.policy_id, request.version_id)
+        tensors = await asyncio.to_thread(
+            stored_tensors, self.store, request.policy_id, request.version_id
+        )
+        return pb.GetVersionResponse(
+            version=version_info(record, self._is_current(request.policy_id, record)),
+            tensors=[tensor_header(t) for t in tensors],
+        )
+
+    async def RollbackVersion(self, request: pb.RollbackVersionRequest, context):
+        check_id(request.policy_id, "policy_id")
+        identity(request.source_version_id, "source_version_id")
+        identity(request.new_version_id, "new_version_id")
+        check_id(request.request_id, "request_id")
+        if request.new_version < 0:
+            raise invalid_field("new_version", "must be >= 0")
+        record = await asyncio.to_thread(
+            self.store.rollback,
+            request.policy_id,
+            request.source_version_id,
+            request.new_version_id,
+            request.new_version,
+            request.request_id,
+        )
+        return pb.RollbackVersionResponse(
+            version=version_info(record, self._is_current(request.policy_id, record))
+        )
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context):
+        currents = []
+        for policy in self.store.policies():
+            head = self.store.chain(policy).head
+            if head is not None:
+                currents.append(version_info(head, True))
+        receivers = {}
+        for policy, entries in self.store.receivers.snapshot().items():
+            chain = self.store.chain(policy) if policy in self.store.policies() else None
+            for receiver_id, held in entries.items():
+                known = [chain.get(h) for h in held] if chain else []
+                newest = max((r for r in known if r), key=lambda r: r.version, default=None)
+                receivers[f"{policy}/{receiver_id}"] = newest.identity if newest else ""
+        return pb.GetStatusResponse(
+            current_versions=currents,
+            active_fetches=self.active_fetches,
+            receivers=receivers,
+            counters=dict(self.store.counters),
+        )
+
+    async def GetCapabilities(self, request: pb.GetCapabilitiesRequest, context):
+        return pb.GetCapabilitiesResponse(
+            capabilities=capabilities_pb2.Capabilities(
+                contract_version=CONTRACT_VERSION,
+                features=FEATURES,
+                implementation="astra-weights",
+                implementation_version=__version__,
+            )
+        )
+
+
+class WeightServer(GrpcServer):
+    """A GrpcServer running WeightService over one store."""
+
+    store: Store
+
+
+async def start_weights(
+    store_dir: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    config: StoreConfig | None = None,
+    settings: StreamSettings | None = None,
+    store: Store | None = None,
+    grace_s: float = 5.0,
+) -> WeightServer:
+    """Opens the store (recovering it), then serves; health is SERVING once the store is open."""
+    server = WeightServer(host, port, grace_s=grace_s)
+    server.store = store or await asyncio.to_thread(Store, store_dir, config)
+    server.add_service(
+        pb_grpc.add_WeightServiceServicer_to_server,
+        WeightServicer(server.store, settings),
+        SERVICE_NAME,
+    )
+    await server.start(serving=True)
+    return server
+
+
+async def serve_weights(
+    store_dir: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 50052,
+    *,
+    config: StoreConfig | None = None,
+    settings: StreamSettings | None = None,
+) -> None:
+    """`astra serve weights`: serves until SIGTERM/SIGINT; prints one JSON line with the address."""
+    from astra.servers.runtime import serve_until_signal
+
+    server = await start_weights(store_dir, host, port, config=config, settings=settings)
+    print(json.dumps({"service": "weights", "address": server.address}), flush=True)
+    log.info("weights serving %s on %s", store_dir, server.address)
+    await serve_until_signal(server)
+    log.info("weights stopped")

@@ -1,0 +1,90 @@
+"""WeightService wire conversions: store records <-> astra.weights.v1 messages.
+
+Also the request checks every WeightService RPC shares (identities, tensor
+headers), so a bad field is refused with INVALID_ARGUMENT naming it before
+the store is asked anything.
+"""
+
+from __future__ import annotations
+
+from astra.errors import InvalidArgument, invalid_field
+from astra.weights.layout import check_identity
+from astra.weights.records import VersionRecord
+from astra.weights.store_fetch import RAW, XOR_ZSTD, WireTensor
+from astra.weights.v1 import weight_service_pb2 as pb
+
+ENCODINGS = {RAW: pb.TENSOR_ENCODING_RAW, XOR_ZSTD: pb.TENSOR_ENCODING_XOR_ZSTD}
+KINDS = {"full": pb.VERSION_KIND_FULL, "delta": pb.VERSION_KIND_DELTA}
+# astra.common.v1.NDArray dtype names -> safetensors names (which pass through unchanged).
+NDARRAY_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+}
+MAX_HELD = 64
+MAX_TENSORS = 1_000_000
+MAX_METADATA = 64
+
+
+def identity(value: str, field: str, *, required: bool = True) -> str:
+    """A version identity from a request field, INVALID_ARGUMENT naming the field."""
+    if not value and not required:
+        return value
+    try:
+        return check_identity(value)
+    except InvalidArgument as exc:
+        raise invalid_field(field, exc.message, reason="INVALID_IDENTITY") from exc
+
+
+def version_info(record: VersionRecord, current: bool) -> pb.VersionInfo:
+    info = pb.VersionInfo(
+        policy_id=record.policy,
+        version_id=record.identity,
+        version=record.version,
+        kind=KINDS[record.kind],
+        base_version_id=record.base,
+        size_bytes=record.size_bytes,
+        num_tensors=record.num_stored_tensors,
+        file_sha256=record.file_sha256,
+        current=current,
+    )
+    info.create_time.FromNanoseconds(int(record.create_time * 1e9))
+    return info
+
+
+def tensor_header(t: WireTensor) -> pb.TensorHeader:
+    return pb.TensorHeader(
+        name=t.name,
+        dtype=t.record.dtype,
+        shape=list(t.record.shape),
+        encoding=ENCODINGS[t.encoding],
+        adler32=t.record.adler32,
+        size_bytes=t.record.size_bytes,
+        encoded_size_bytes=t.encoded_size,
+    )
+
+
+def wire_dtype(dtype: str) -> str:
+    return NDARRAY_DTYPES.get(dtype, dtype)
+
+
+def check_publish_tensor(h: pb.TensorHeader) -> tuple[str, tuple[int, ...]]:
+    """(dtype, shape) of a published tensor header; publishes carry raw bytes only."""
+    if h.encoding not in (pb.TENSOR_ENCODING_UNSPECIFIED, pb.TENSOR_ENCODING_RAW):
+        raise invalid_field(
+            "tensor.encoding", "publishes send raw tensors", reason="INVALID_TENSOR"
+        )
+    if h.encoded_size_bytes not in (0, h.size_bytes):
+        raise invalid_field(
+            "tensor.encoded_size_bytes", "must equal size_bytes for raw", reason="INVALID_TENSOR"
+        )
+    if any(d < 0 for d in h.shape):
+        raise invalid_field("tensor.shape", "dimensions must be >= 0", reason="INVALID_TENSOR")
+    return wire_dtype(h.dtype), tuple(h.shape)

@@ -1,0 +1,196 @@
+"""The FetchVersion stream: start -> plan -> tensors -> acks -> done.
+
+The plan's encoded directory is built once by the store and read through
+mmap by every stream, so N receivers cost N reads of shared pages, never N
+encodings. Tensors go out in name order, skipping those the receiver already
+acknowledged; acknowledgements are read concurrently, and at most
+`window_bytes` of encoded data may wait for them, which bounds what a
+disconnect costs. A refused tensor (the receiver's checksum failed) ends the
+stream with DATA_LOSS naming it; the receiver resumes with a new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from astra.errors import AstraError, DataLoss, InvalidArgument, invalid_field
+from astra.servers.convert import check_id
+from astra.servers.weights_convert import (
+    MAX_HELD,
+    MAX_TENSORS,
+    identity,
+    tensor_header,
+    version_info,
+)
+from astra.servers.weights_publish import first_message
+from astra.weights.store import Store
+from astra.weights.store_fetch import open_source
+from astra.weights.throttle import TokenBucket
+from astra.weights.v1 import weight_service_pb2 as pb
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """Stream tuning; the chunk size was chosen by a loopback measurement (see servers/weights.py)."""
+
+    chunk_bytes: int = 1 * MiB
+    window_bytes: int = 64 * MiB  # encoded bytes sent but not yet acknowledged
+    ack_timeout_s: float = 60.0
+    first_message_timeout_s: float = 30.0
+
+
+class AckReader:
+    """Reads a fetch stream's acknowledgements in the background."""
+
+    def __init__(
+        self, requests: AsyncIterator[pb.FetchVersionRequest], sizes: dict[str, int]
+    ) -> None:
+        self.sizes, self.acked, self.acked_bytes = sizes, set[str](), 0
+        self.error: AstraError | None = None
+        self.closed = False
+        self._event = asyncio.Event()
+        self._task = asyncio.create_task(self._run(requests))
+
+    async def _run(self, requests: AsyncIterator[pb.FetchVersionRequest]) -> None:
+        try:
+            async for req in requests:
+                if req.WhichOneof("part") != "ack":
+                    raise invalid_field("ack", "only TensorAck may follow FetchStart")
+                name, status = req.ack.name, req.ack.status
+                if name not in self.sizes:
+                    raise InvalidArgument(
+                        f"ack for {name!r}, which this stream did not send",
+                        reason="UNKNOWN_TENSOR",
+                        metadata={"tensor": name},
+                    )
+                if status.code != 0:
+                    raise DataLoss(
+                        f"{name}: the receiver refused it: {status.message}",
+                        reason="CHECKSUM_MISMATCH",
+                        metadata={"tensor": name},
+                    )
+                if name not in self.acked:
+                    self.acked.add(name)
+                    self.acked_bytes += self.sizes[name]
+                self._event.set()
+        except AstraError as exc:
+            self.error = exc
+        finally:
+            self.closed = True
+            self._event.set()
+
+    async def wait(self, ready: Callable[[], bool], timeout_s: float) -> None:
+        """Until ready(); raises the reader's error, or when the receiver stops acknowledging."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.error is not None:
+                raise self.error
+            if ready():
+                return
+            if self.closed:
+                raise InvalidArgument(
+                    "the receiver closed the stream before acknowledging every tensor",
+                    reason="ACKS_MISSING",
+                )
+            self._event.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise InvalidArgument("no acknowledgement in time", reason="ACK_TIMEOUT")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), left)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+def _check_start(start: pb.FetchStart) -> None:
+    check_id(start.policy_id, "start.policy_id")
+    identity(start.target_version_id, "start.target_version_id", required=False)
+    if len(start.held_version_ids) > MAX_HELD:
+        raise invalid_field("start.held_version_ids", f"more than {MAX_HELD}")
+    if len(start.acknowledged_tensors) > MAX_TENSORS:
+        raise invalid_field("start.acknowledged_tensors", f"more than {MAX_TENSORS}")
+    if start.max_bytes_per_second < 0:
+        raise invalid_field("start.max_bytes_per_second", "must be >= 0")
+    if len(start.receiver_id) > 128:
+        raise invalid_field("start.receiver_id", "longer than 128 characters")
+
+
+async def fetch_stream(
+    store: Store,
+    requests: AsyncIterator[pb.FetchVersionRequest],
+    settings: StreamSettings,
+) -> AsyncIterator[pb.FetchVersionResponse]:
+    first = await first_message(requests, settings.first_message_timeout_s)
+    if first is None or first.WhichOneof("part") != "start":
+        raise invalid_field(
+            "start", "the first message must be a FetchStart", reason="FETCH_START_REQUIRED"
+        )
+    start = first.start
+    _check_start(start)
+    held = list(start.held_version_ids)
+    source = await asyncio.to_thread(
+        open_source, store, start.policy_id, start.target_version_id, held, start.receiver_id
+    )
+    reader: AckReader | None = None
+    try:
+        acked = set(start.acknowledged_tensors)
+        todo = [t for t in source.tensors() if t.name not in acked]
+        store.counters["fetch_tensors_resumed"] += len(source.tensors()) - len(todo)
+        target = source.target
+        yield pb.FetchVersionResponse(
+            plan=pb.FetchPlan(
+                target=version_info(target, target is store.chain(start.policy_id).head),
+                base_version_id=source.plan.base if source.plan.kind == "delta" else "",
+                num_tensors=len(todo),
+                total_bytes=sum(t.encoded_size for t in todo),
+            )
+        )
+        reader = AckReader(requests, {t.name: t.encoded_size for t in todo})
+        bucket = TokenBucket(start.max_bytes_per_second) if start.max_bytes_per_second else None
+        sent: dict[str, int] = {}
+        sent_bytes = 0
+
+        def room() -> bool:
+            return sent_bytes - reader.acked_bytes < settings.window_bytes or not sent
+
+        for t in todo:
+            await reader.wait(room, settings.ack_timeout_s)
+            yield pb.FetchVersionResponse(tensor=tensor_header(t))
+            offset = 0
+            for piece in source.chunks(t.name, settings.chunk_bytes):
+                if bucket is not None:
+                    await bucket.take(piece.nbytes)
+                yield pb.FetchVersionResponse(
+                    chunk=pb.TensorChunk(offset=offset, data=bytes(piece))
+                )
+                offset += piece.nbytes
+            sent[t.name] = t.encoded_size
+            sent_bytes += t.encoded_size
+            store.counters["fetch_tensors_sent"] += 1
+            store.counters["fetch_bytes_sent"] += t.encoded_size
+        if source.plan.kind != "none":
+            for name, content in sorted(source.files.items()):
+                yield pb.FetchVersionResponse(file=pb.VersionFile(name=name, content=content))
+        await reader.wait(lambda: reader.acked >= sent.keys(), settings.ack_timeout_s)
+        if start.receiver_id:
+            await asyncio.to_thread(
+                store.register_receiver,
+                start.policy_id,
+                start.receiver_id,
+                [*held, target.identity],
+            )
+        store.counters["fetches_completed"] += 1
+        yield pb.FetchVersionResponse(done=pb.FetchDone(num_tensors=len(source.tensors())))
+    finally:
+        if reader is not None:
+            await reader.close()
+        source.close()

@@ -1,0 +1,170 @@
+"""The PublishVersion stream: header -> accepted, tensors -> acks, commit -> committed.
+
+Each tensor's chunks must arrive in order and are checked (offsets, sizes)
+and hashed as they arrive, on a worker thread so the event loop keeps
+serving fetches; a tensor whose bytes do not match its Adler-32 fails the
+stream with DATA_LOSS naming it. Verified tensors stay staged, so the client
+resumes by opening a new stream. A failure after PublishAccepted is also
+sent in band, as a TensorAck carrying the error's status, so the client
+stops sending. Every decision is the store's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from google.rpc import status_pb2
+
+from astra.errors import AstraError, InvalidArgument, invalid_field
+from astra.servers.convert import check_id
+from astra.servers.errors import status_for
+from astra.servers.weights_convert import (
+    MAX_METADATA,
+    MAX_TENSORS,
+    check_publish_tensor,
+    identity,
+    version_info,
+)
+from astra.weights.publish_stage import TensorSink
+from astra.weights.store import Store
+from astra.weights.store_publish import PublishSession
+from astra.weights.v1 import weight_service_pb2 as pb
+
+DOMAIN = "astra.weights.v1"
+DRAIN_S = 5.0
+
+
+async def first_message(requests: AsyncIterator[Any], timeout_s: float) -> Any | None:
+    """The stream's first message, None if it ends first; bounded by timeout_s."""
+    try:
+        return await asyncio.wait_for(anext(requests), timeout_s)
+    except StopAsyncIteration:
+        return None
+    except TimeoutError as exc:
+        raise InvalidArgument("no first message in time", reason="STREAM_IDLE") from exc
+
+
+def _check_header(h: pb.PublishHeader) -> None:
+    check_id(h.policy_id, "header.policy_id")
+    identity(h.version_id, "header.version_id")
+    if h.version < 0:
+        raise invalid_field("header.version", "must be >= 0")
+    if not 0 <= h.num_tensors <= MAX_TENSORS:
+        raise invalid_field("header.num_tensors", f"must be 0-{MAX_TENSORS}")
+    if len(h.metadata) > MAX_METADATA:
+        raise invalid_field("header.metadata", f"more than {MAX_METADATA} entries")
+
+
+def refusal(exc: AstraError) -> pb.PublishVersionResponse:
+    """The in-band form of a failure: a TensorAck whose status is the error (details included)."""
+    raw = dict(status_for(exc, DOMAIN).trailing_metadata)["grpc-status-details-bin"]
+    ack = pb.TensorAck(name=exc.metadata.get("tensor", ""))
+    ack.status.CopyFrom(status_pb2.Status.FromString(raw))
+    return pb.PublishVersionResponse(tensor_ack=ack)
+
+
+async def drain(requests: AsyncIterator[Any], timeout_s: float) -> None:
+    """Reads what the client still sends, so it learns of the failure before the status.
+
+    grpc.aio replaces a server's status with INTERNAL when a client write races
+    the end of the call (grpc/grpc#36066); a client that sees the refusal in
+    band stops writing and half-closes, and then gets the real status.
+    """
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout_s):
+            async for _ in requests:
+                pass
+
+
+async def publish_stream(
+    store: Store, requests: AsyncIterator[pb.PublishVersionRequest], first_timeout_s: float
+) -> AsyncIterator[pb.PublishVersionResponse]:
+    first = await first_message(requests, first_timeout_s)
+    if first is None or first.WhichOneof("part") != "header":
+        raise invalid_field(
+            "header", "the first message must be a PublishHeader", reason="PUBLISH_HEADER_REQUIRED"
+        )
+    h = first.header
+    _check_header(h)
+    session = await asyncio.to_thread(
+        store.begin_publish, h.policy_id, h.version_id, h.version, dict(h.metadata)
+    )
+    try:
+        yield pb.PublishVersionResponse(accepted=pb.PublishAccepted(held_tensors=session.held))
+        try:
+            async for resp in _receive(store, session, h, requests):
+                yield resp
+        except AstraError as exc:
+            yield refusal(exc)
+            await drain(requests, DRAIN_S)
+            raise
+    finally:
+        session.close()
+
+
+async def _receive(
+    store: Store,
+    session: PublishSession,
+    h: pb.PublishHeader,
+    requests: AsyncIterator[pb.PublishVersionRequest],
+) -> AsyncIterator[pb.PublishVersionResponse]:
+    sink: TensorSink | None = None
+    try:
+        async for req in requests:
+            part = req.WhichOneof("part")
+            if part != "chunk" and sink is not None:
+                raise InvalidArgument(
+                    f"{sink.name}: {sink.received} of {sink.size} bytes before the next part",
+                    reason="TRUNCATED_TENSOR",
+                    metadata={"tensor": sink.name},
+                )
+            if part == "tensor":
+                dtype, shape = check_publish_tensor(req.tensor)
+                sink = session.begin_tensor(req.tensor.name, dtype, shape, req.tensor.adler32)
+                if req.tensor.size_bytes != sink.size:
+                    raise invalid_field(
+                        "tensor.size_bytes",
+                        f"{sink.size} for {dtype}{list(shape)}",
+                        reason="INVALID_TENSOR",
+                    )
+            elif part == "chunk":
+                if sink is None:
+                    raise invalid_field(
+                        "chunk", "no TensorHeader before it", reason="UNEXPECTED_CHUNK"
+                    )
+                await asyncio.to_thread(sink.write, req.chunk.offset, req.chunk.data)
+            elif part == "file":
+                session.add_file(req.file.name, req.file.content)
+            elif part == "commit":
+                if req.commit.num_tensors != h.num_tensors:
+                    raise invalid_field(
+                        "commit.num_tensors",
+                        f"header said {h.num_tensors}",
+                        reason="PUBLISH_INCOMPLETE",
+                    )
+                record, existed = await asyncio.to_thread(session.commit, req.commit.num_tensors)
+                yield pb.PublishVersionResponse(
+                    committed=pb.PublishCommitted(
+                        version=version_info(record, record is store.chain(h.policy_id).head),
+                        already_existed=existed,
+                    )
+                )
+                return
+            else:
+                raise invalid_field("header", "sent twice", reason="UNEXPECTED_HEADER")
+            if sink is not None and sink.complete:
+                done, sink = sink, None
+                await asyncio.to_thread(done.finish)
+                ack = pb.TensorAck(name=done.name)
+                ack.status.code = 0
+                yield pb.PublishVersionResponse(tensor_ack=ack)
+        raise InvalidArgument(
+            "the stream ended before PublishCommit; verified tensors stay staged",
+            reason="PUBLISH_INCOMPLETE",
+        )
+    finally:
+        if sink is not None:
+            sink.abort()
