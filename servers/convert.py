@@ -146,8 +146,11 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def field_slices(buf: bytes, field_number: int) -> list[bytes]:
-    """The raw bytes of every length-delimited `field_number` at the top level of `buf`."""
+def field_slices(buf: bytes, field_number: int, *, copy: bool = True) -> list:
+    """The raw bytes of every length-delimited `field_number` at the top level of `buf`.
+
+    With copy=False the slices are memoryviews into `buf`.
+    """
     out = []
     pos, end = 0, len(buf)
     view = memoryview(buf)
@@ -157,7 +160,8 @@ def field_slices(buf: bytes, field_number: int) -> list[bytes]:
         if wire == 2:
             length, pos = _read_varint(buf, pos)
             if key >> 3 == field_number:
-                out.append(bytes(view[pos : pos + length]))
+                part = view[pos : pos + length]
+                out.append(bytes(part) if copy else part)
             pos += length
         elif wire == 0:
             _, pos = _read_varint(buf, pos)

@@ -108,37 +108,38 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         batch = await self.df.batches.fetch(
             request.policy_id, request.num_groups, request.request_id, request.trainer_id, max_wait
         )
-        header = pb.BatchHeader(
-            batch_id=batch.batch_id,
-            policy_id=batch.policy_id,
-            num_groups=len(batch.groups),
-            num_trajectories=batch.num_trajectories,
-            policy_version=batch.policy_version,
-        )
-        header.lease_expire_time.FromNanoseconds(int(batch.lease_expire * 1e9))
-        yield pb.FetchBatchResponse(header=header)
-        pending: list[tuple[bytes, float]] = []
-        size = 0
-        max_staleness = 0
-        for g in batch.groups:
-            max_staleness = max(max_staleness, g.staleness(batch.policy_version))
-            advantages = g.advantages or [0.0] * len(g.trajectories)
-            for t, adv in zip(g.trajectories, advantages, strict=True):
-                pending.append((t.payload, adv))
-                size += len(t.payload)
-            if size >= CHUNK_BYTES:
-                yield _chunk(pending)
-                pending, size = [], 0
-        if pending:
-            yield _chunk(pending)
-        yield pb.FetchBatchResponse(
-            footer=pb.BatchFooter(
+        async with self.df.trainer_first():
+            header = pb.BatchHeader(
                 batch_id=batch.batch_id,
+                policy_id=batch.policy_id,
+                num_groups=len(batch.groups),
                 num_trajectories=batch.num_trajectories,
-                max_staleness=max_staleness,
-                num_replay_groups=sum(1 for g in batch.groups if g.replay),
+                policy_version=batch.policy_version,
             )
-        )
+            header.lease_expire_time.FromNanoseconds(int(batch.lease_expire * 1e9))
+            yield pb.FetchBatchResponse(header=header)
+            pending: list[tuple[bytes, float]] = []
+            size = 0
+            max_staleness = 0
+            for g in batch.groups:
+                max_staleness = max(max_staleness, g.staleness(batch.policy_version))
+                advantages = g.advantages or [0.0] * len(g.trajectories)
+                for t, adv in zip(g.trajectories, advantages, strict=True):
+                    pending.append((t.payload, adv))
+                    size += len(t.payload)
+                if size >= CHUNK_BYTES:
+                    yield _chunk(pending)
+                    pending, size = [], 0
+            if pending:
+                yield _chunk(pending)
+            yield pb.FetchBatchResponse(
+                footer=pb.BatchFooter(
+                    batch_id=batch.batch_id,
+                    num_trajectories=batch.num_trajectories,
+                    max_staleness=max_staleness,
+                    num_replay_groups=sum(1 for g in batch.groups if g.replay),
+                )
+            )
 
     async def AckBatch(self, request: pb.AckBatchRequest, context):
         check_id(request.batch_id, "batch_id")

@@ -37,14 +37,16 @@ class GrpcRolloutPort:
             raise self._error(exc) from exc
         return list(resp.accepted_group_ids), resp.free_slots
 
-    async def collect(self, max_groups: int, max_wait_s: float) -> list[IncomingGroup]:
+    async def collect(self, max_groups: int, max_wait_s: float) -> list[bytes]:
         try:
-            messages = await self.client.collect_results_raw(max_groups, max_wait_s)
+            return await self.client.collect_results_raw(max_groups, max_wait_s)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
+
+    def decode(self, received: Sequence[bytes]) -> list[IncomingGroup]:
         out = []
-        for msg in messages:
-            (raw,) = field_slices(msg, 1) or [b""]
+        for msg in received:
+            (raw,) = field_slices(msg, 1, copy=False) or [b""]
             result = rollout_pb2.GroupResult.FromString(raw)
             out.append(incoming_group(result, result.instance_id, raw))
         return out

@@ -182,6 +182,7 @@ class PolicyBuffer:
         self._replay: OrderedDict[str, GroupRecord] = OrderedDict()
         self._dropped: list[GroupRecord] = []
         self._next_seq = 0
+        self._eviction: list[tuple[int, int, str]] = []
         self._counters: Counter[str] = Counter()
         for key in _COUNTERS + tuple(f"filtered_{name}" for name, _ in self._filters):
             self._counters[key] = 0
@@ -230,7 +231,7 @@ class PolicyBuffer:
         while len(self._groups) >= self.config.capacity_groups:
             if self.config.eviction == "reject_new":
                 return self._count(REJECTED_FULL)
-            victim = min(self._groups.values(), key=lambda g: (g.min_version, g.seq))
+            victim = self._pop_eviction_victim()
             del self._groups[victim.group_id]
             self._dropped.append(victim)
             self._counters["evicted_full"] += 1
@@ -238,7 +239,7 @@ class PolicyBuffer:
         self._next_seq += 1
         group.replay = False
         group.advantages = []
-        self._groups[group.group_id] = group
+        self._insert(group)
         return self._count(ACCEPTED)
 
     def take(self, n_groups: int, current_version: int) -> list[GroupRecord] | None:
@@ -267,6 +268,7 @@ class PolicyBuffer:
             del self._groups[group.group_id]
             group.replay = False
             self._remember(group)
+        self._compact_eviction()
         self._counters["taken"] += n_fresh
         self._counters["taken_replay"] += n_replay
         batch = fresh + replayed
@@ -288,7 +290,7 @@ class PolicyBuffer:
                 self._counters[DUPLICATE] += 1
                 continue
             group.advantages = []
-            self._groups[group.group_id] = group
+            self._insert(group)
 
     def restore(self, group: GroupRecord) -> bool:
         """Insert a group reloaded from durable storage, unfiltered and keeping its seq.
@@ -302,8 +304,26 @@ class PolicyBuffer:
         group.replay = False
         group.advantages = []
         self._next_seq = max(self._next_seq, group.seq + 1)
-        self._groups[group.group_id] = group
+        self._insert(group)
         return True
+
+    def _insert(self, group: GroupRecord) -> None:
+        self._groups[group.group_id] = group
+        # Eviction order (oldest version first, then arrival); entries of groups that
+        # left the buffer are skipped lazily when popped.
+        heapq.heappush(self._eviction, (group.min_version, group.seq, group.group_id))
+
+    def _pop_eviction_victim(self) -> GroupRecord:
+        while True:
+            _, seq, group_id = heapq.heappop(self._eviction)
+            group = self._groups.get(group_id)
+            if group is not None and group.seq == seq:
+                return group
+
+    def _compact_eviction(self) -> None:
+        if len(self._eviction) > 4 * len(self._groups) + 64:
+            self._eviction = [(g.min_version, g.seq, g.group_id) for g in self._groups.values()]
+            heapq.heapify(self._eviction)
 
     def remove(self, group_ids: Iterable[str]) -> int:
         """Remove buffered groups by id (counted `removed`); returns how many were present."""

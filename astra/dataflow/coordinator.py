@@ -40,6 +40,7 @@ from astra.errors import FailedPrecondition, InvalidArgument
 log = logging.getLogger(__name__)
 
 SUBMIT_BATCH = 32
+INGEST_SLICE = 2
 POOL_EMPTY = "pool empty: waiting for a rollout service to register"
 
 
@@ -106,6 +107,11 @@ class Dataflow:
         self._background: set[asyncio.Task] = set()
         self._saved_counters: Counter[str] = Counter()
         self._pulled: list[str] = []
+        self._ingest_turn = asyncio.Lock()
+        # Set while no batch is being streamed to a trainer: ingest yields to trainers.
+        self._trainers_idle = asyncio.Event()
+        self._trainers_idle.set()
+        self._streaming = 0
         self._stopping = False
         self._recover()
 
@@ -167,6 +173,18 @@ class Dataflow:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    @contextlib.asynccontextmanager
+    async def trainer_first(self):
+        """While a batch streams to a trainer, ingest waits: the trainer is the scarce resource."""
+        self._streaming += 1
+        self._trainers_idle.clear()
+        try:
+            yield
+        finally:
+            self._streaming -= 1
+            if self._streaming == 0:
+                self._trainers_idle.set()
 
     def wake(self) -> None:
         self._wake.set()
@@ -454,15 +472,25 @@ class Dataflow:
                 await asyncio.sleep(ps.probe_interval_s)
                 continue
             try:
-                results = await inst.port.collect(ps.collect_max_groups, ps.collect_wait_s)
+                received = await inst.port.collect(ps.collect_max_groups, ps.collect_wait_s)
             except PortError as exc:
                 log.warning("collect from %s failed: %s", instance_id, exc)
                 self.pool.call_failed(instance_id)
                 continue
             self.pool.call_succeeded(instance_id)
-            if not results:
+            if not received:
                 continue
-            acks = await self.ingest(instance_id, results)
+            acks = []
+            # Decoding and committing are CPU work on the event loop: one slice at a time,
+            # in turn with the other collectors, so trainer fetches are never starved.
+            for start in range(0, len(received), INGEST_SLICE):
+                # Bounded, so a stream that never closes cannot stall ingest.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._trainers_idle.wait(), 0.5)
+                async with self._ingest_turn:
+                    results = inst.port.decode(received[start : start + INGEST_SLICE])
+                    acks += await self.ingest(instance_id, results)
+                await asyncio.sleep(0)
             try:
                 await inst.port.ack(acks)
             except PortError as exc:

@@ -38,7 +38,11 @@ class RolloutPort(Protocol):
     ) -> tuple[list[str], int]:
         """Returns the accepted group ids and the free slots left."""
 
-    async def collect(self, max_groups: int, max_wait_s: float) -> list[IncomingGroup]: ...
+    async def collect(self, max_groups: int, max_wait_s: float) -> list[object]:
+        """Finished groups as received, not yet decoded (see `decode`)."""
+
+    def decode(self, received: Sequence[object]) -> list[IncomingGroup]:
+        """Validates and splits received groups; CPU work the caller schedules."""
 
     async def ack(self, group_ids: Sequence[str]) -> None: ...
 

@@ -53,11 +53,16 @@ class GroupRecord:
     seq: int = 0
     replay: bool = False
     advantages: list[float] = field(default_factory=list)
+    # Cache of min_version: ordering and staleness checks read it often. Removing failed
+    # trajectories cannot change it (they carry no generated versions).
+    _oldest: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def min_version(self) -> int:
-        versions = [t.min_version for t in self.trajectories if t.min_version >= 0]
-        return min(versions) if versions else -1
+        if self._oldest is None:
+            versions = [t.min_version for t in self.trajectories if t.min_version >= 0]
+            self._oldest = min(versions) if versions else -1
+        return self._oldest
 
     @property
     def rewards(self) -> list[float]:

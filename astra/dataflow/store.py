@@ -146,11 +146,8 @@ class Tx:
             meta, blob = _pack(g.trajectories)
             seg, off, length = self.blobs.append(blob)
             self.appended.append(seg)
-            old = self.c.execute(
-                "DELETE FROM groups WHERE group_id=? AND policy_id=? RETURNING seg",
-                (g.group_id, g.policy_id),
-            ).fetchall()
-            self.released.extend(r[0] for r in old)
+            # A group enters the store once (ingest de-duplicates by id): a second
+            # insert is a bug and fails the transaction.
             self.c.execute(
                 "INSERT INTO groups(group_id, policy_id, seq, epoch, batch_id, meta, seg, off, len)"
                 " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)",
