@@ -1,0 +1,1 @@
+"""Inference engines behind a RaaS: the contract (api) and the built-in torch engine."""
