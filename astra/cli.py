@@ -12,7 +12,6 @@ import click
 NOT_BUILT = {
     "raas": "issue 4 (RaaS)",
     "trainer": "issue 5 (Trainer)",
-    "weights": "issue 3 (WeightService)",
 }
 
 
@@ -120,11 +119,59 @@ def serve_trainer(args: tuple[str, ...]) -> None:
     _not_built("trainer")
 
 
-@serve.command("weights", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def serve_weights(args: tuple[str, ...]) -> None:
-    """WeightService (not built yet)."""
-    _not_built("weights")
+@serve.command("weights")
+@click.option(
+    "--store",
+    "store_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Version store directory.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=50052, show_default=True, help="0 picks one.")
+@click.option(
+    "--full-every",
+    type=click.IntRange(1, 64),
+    default=20,
+    show_default=True,
+    help="A full version every K versions.",
+)
+@click.option(
+    "--max-chain",
+    type=click.IntRange(1, 128),
+    default=128,
+    show_default=True,
+    help="Most deltas a fetch plan bridges.",
+)
+@click.option(
+    "--keep-versions",
+    type=click.IntRange(1),
+    default=8,
+    show_default=True,
+    help="Newest versions kept whatever receivers hold.",
+)
+@click.option("--log-level", default="info", show_default=True)
+def serve_weights(
+    store_dir: str,
+    host: str,
+    port: int,
+    full_every: int,
+    max_chain: int,
+    keep_versions: int,
+    log_level: str,
+) -> None:
+    """Run the WeightService over a version store."""
+    from astra.weights.store import StoreConfig
+
+    _logging(log_level)
+    config = StoreConfig(full_every=full_every, max_chain=max_chain, keep_versions=keep_versions)
+
+    async def run() -> None:
+        from astra.servers.weights import serve_weights as serve
+
+        await serve(store_dir, host, port, config=config)
+
+    asyncio_run(run())
 
 
 def _not_built(name: str) -> None:

@@ -1,8 +1,8 @@
-"""Drivers of WeightService's two streams: `publish_version` and `Receiver`.
+"""Drivers of WeightService's two streams: `Receiver` here, `publish_version` re-exported.
 
-publish_version streams raw tensors (Adler-32 computed once, chunks as
-zero-copy slices), skips the tensors the service already holds for the
-identity, and on UNAVAILABLE opens a new stream, which resumes.
+publish_version (defined in astra.clients.weights) streams raw tensors,
+skips the tensors the service already holds for the identity, and on
+UNAVAILABLE opens a new stream, which resumes.
 
 Receiver fetches into a local directory (astra.weights.local): it stages and
 verifies every tensor, acknowledges it, resumes after a disconnect or a
@@ -17,122 +17,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from astra.clients.weights import WeightClient, domain_error
+from astra.clients.weights import PublishResult, WeightClient, domain_error, publish_version
 from astra.errors import AstraError, DataLoss, InvalidArgument
-from astra.weights.checksum import adler32_hex
 from astra.weights.layout import open_full
 from astra.weights.local import LocalVersions, identity_of
 from astra.weights.v1 import weight_service_pb2 as pb
 
+__all__ = ["FetchResult", "PublishResult", "Receiver", "publish_version"]
+
 log = logging.getLogger(__name__)
-CHUNK_BYTES = 1 << 20
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
 ENCODINGS = {pb.TENSOR_ENCODING_RAW: "raw", pb.TENSOR_ENCODING_XOR_ZSTD: "xor_zstd"}
-
-
-@dataclass
-class PublishResult:
-    version: pb.VersionInfo
-    already_existed: bool
-    tensors_sent: int
-    tensors_skipped: int
-    attempts: int
-
-
-async def _responses(call: Any, acks: list[str]) -> pb.PublishCommitted:
-    while True:
-        resp = await call.read()
-        if resp is grpc.aio.EOF:
-            raise InvalidArgument(
-                "publish stream ended without PublishCommitted", reason="NO_COMMIT"
-            )
-        if resp.HasField("tensor_ack"):
-            acks.append(resp.tensor_ack.name)
-        elif resp.HasField("committed"):
-            return resp.committed
-
-
-async def _publish_once(stub, header, tensors, adlers, files, chunk_bytes, timeout_s):
-    call = stub.PublishVersion(timeout=timeout_s)
-    await call.write(pb.PublishVersionRequest(header=header))
-    first = await call.read()
-    if first is grpc.aio.EOF or not first.HasField("accepted"):
-        await call.code()
-        raise InvalidArgument("publish stream did not answer PublishAccepted", reason="NO_ACCEPT")
-    held = set(first.accepted.held_tensors)
-    acks: list[str] = []
-    reader = asyncio.create_task(_responses(call, acks))
-    try:
-        for name in sorted(tensors):
-            if name in held:
-                continue
-            dtype, shape, view = tensors[name]
-            h = pb.TensorHeader(name=name, dtype=dtype, shape=list(shape), adler32=adlers[name])
-            h.encoding, h.size_bytes, h.encoded_size_bytes = (
-                pb.TENSOR_ENCODING_RAW,
-                view.nbytes,
-                view.nbytes,
-            )
-            await call.write(pb.PublishVersionRequest(tensor=h))
-            for pos in range(0, view.nbytes, chunk_bytes):
-                chunk = pb.TensorChunk(offset=pos, data=bytes(view[pos : pos + chunk_bytes]))
-                await call.write(pb.PublishVersionRequest(chunk=chunk))
-        for name, content in sorted(files.items()):
-            await call.write(
-                pb.PublishVersionRequest(file=pb.VersionFile(name=name, content=content))
-            )
-        await call.write(
-            pb.PublishVersionRequest(commit=pb.PublishCommit(num_tensors=len(tensors)))
-        )
-        await call.done_writing()
-    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-        pass  # the stream failed; the reader reports why
-    committed = await reader
-    return committed, len(tensors) - len(held), len(held)
-
-
-async def publish_version(
-    address: str,
-    policy: str,
-    identity: str,
-    version: int,
-    tensors: Mapping[str, tuple[str, Any, Any]],
-    files: Mapping[str, bytes] | None = None,
-    *,
-    metadata: Mapping[str, str] | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
-    max_attempts: int = 5,
-    backoff_s: float = 0.2,
-    timeout_s: float = 3600.0,
-) -> PublishResult:
-    """Publishes raw (dtype, shape, bytes) tensors as `identity`; resumes and retries UNAVAILABLE."""
-    views = {n: (d, tuple(s), memoryview(b).cast("B")) for n, (d, s, b) in tensors.items()}
-    adlers = await asyncio.to_thread(lambda: {n: adler32_hex(v[2]) for n, v in views.items()})
-    header = pb.PublishHeader(policy_id=policy, version_id=identity, version=version)
-    header.num_tensors = len(views)
-    header.metadata.update(dict(metadata or {}))
-    async with WeightClient(address, timeout_s=timeout_s) as client:
-        for attempt in range(1, max_attempts + 1):
-            try:
-                committed, sent, skipped = await _publish_once(
-                    client.stub, header, views, adlers, dict(files or {}), chunk_bytes, timeout_s
-                )
-                return PublishResult(
-                    committed.version, committed.already_existed, sent, skipped, attempt
-                )
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == max_attempts:
-                    raise domain_error(exc) from exc
-                log.info("publish %s: %s; retrying", identity, exc.details())
-                await asyncio.sleep(backoff_s * 2 ** (attempt - 1))
-    raise AssertionError("unreachable")
 
 
 @dataclass

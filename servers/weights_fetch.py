@@ -37,7 +37,7 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class StreamSettings:
-    """Stream tuning; the chunk size was chosen by a loopback measurement (see servers/weights.py)."""
+    """Stream tuning; the chunk size was chosen by measurement (servers/weights.py)."""
 
     chunk_bytes: int = 1 * MiB
     window_bytes: int = 64 * MiB  # encoded bytes sent but not yet acknowledged

@@ -1,10 +1,10 @@
-"""`astra weights`: offline commands on version directories (inspect, diff, apply).
+"""`astra weights`: commands on version directories (inspect, diff, apply) and, added
+from cli_remote, on a WeightService (publish, fetch, list, rollback).
 
 Results are JSON on stdout; logs and errors go to stderr. Exit codes: 0
 success, 1 operational failure (a corrupt or inconsistent directory, a
 checksum mismatch, I/O errors), 2 bad arguments. numpy and zstandard are
-imported inside the commands, so `--help` stays fast. Never contacts a
-server: the streaming commands belong to the WeightService client.
+imported inside the commands, so `--help` stays fast.
 """
 
 from __future__ import annotations
@@ -154,3 +154,14 @@ def apply_command(
     )
     log.info("applied %s onto %s at %s", delta_dir, base_dir, out_dir)
     _emit(result)
+
+
+def _add_server_commands() -> None:
+    """publish, fetch, list, rollback: the WeightService client commands (cli_remote.py)."""
+    from astra.weights.cli_remote import COMMANDS
+
+    for command in COMMANDS:
+        weights.add_command(command)
+
+
+_add_server_commands()

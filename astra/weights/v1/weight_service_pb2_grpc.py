@@ -125,8 +125,13 @@ class WeightServiceServicer:
         finally PublishCommitted.
 
         Identities are immutable: publishing an identity again with the same
-        content succeeds at once (idempotent); with other content it fails with
-        ALREADY_EXISTS (reason VERSION_CONTENT_MISMATCH) and nothing is written.
+        content succeeds (idempotent; the content is streamed and compared, and
+        nothing is written); with other content it fails with ALREADY_EXISTS
+        (reason VERSION_CONTENT_MISMATCH) and nothing is written.
+
+        A refusal during the stream is sent in-band first: a TensorAck whose
+        status is not OK means the publish is refused; the client stops writing
+        and reports that status (the call then ends with the same status).
         A tensor whose bytes do not match its Adler-32 fails with DATA_LOSS
         (reason CHECKSUM_MISMATCH, the tensor name in the metadata). The client
         retries UNAVAILABLE by starting the stream again.

@@ -1,0 +1,212 @@
+"""The staged tensors of one in-progress publish, kept across restarts so a publish resumes.
+
+A stage is a directory per identity: header.json (what is being published),
+one raw file per verified tensor and tensors.jsonl, a line per tensor
+appended only after its file is complete, checked and (when durable)
+fsynced. A tensor's bytes arrive in order; their Adler-32 and SHA-256 are
+computed as they arrive, so nothing is read twice. A stage for an identity
+that already exists only compares (nothing is written). Never touches gRPC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from astra.errors import AlreadyExists, DataLoss, InvalidArgument
+from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
+from astra.weights.layout import Tensor
+from astra.weights.records import TensorRecord, disk_full, fsync_path
+from astra.weights.safetensors_io import METADATA_KEY, tensor_nbytes
+
+MANIFEST = "tensors.jsonl"
+HEADER = "header.json"
+MAX_TENSOR_NAME_CHARS = 1024
+
+
+def content_mismatch(identity: str, detail: str, tensor: str | None = None) -> AlreadyExists:
+    meta = {"identity": identity, **({"tensor": tensor} if tensor else {})}
+    return AlreadyExists(
+        f"identity {identity!r} exists with other content: {detail}",
+        reason="VERSION_CONTENT_MISMATCH",
+        metadata=meta,
+    )
+
+
+def _bad_tensor(name: str, detail: str) -> InvalidArgument:
+    return InvalidArgument(f"{name}: {detail}", reason="INVALID_TENSOR", metadata={"tensor": name})
+
+
+class TensorSink:
+    """Receives one tensor's bytes in order; `finish` verifies them and records the tensor."""
+
+    def __init__(
+        self, stage: PublishStage, name: str, dtype: str, shape: tuple[int, ...], adler: str
+    ):
+        if not name or len(name) > MAX_TENSOR_NAME_CHARS or name == METADATA_KEY:
+            raise _bad_tensor(name, f"name must be 1-{MAX_TENSOR_NAME_CHARS} characters")
+        if name in stage.held or name in stage.received:
+            raise _bad_tensor(name, "sent twice in one publish")
+        try:
+            self.size = tensor_nbytes(dtype, shape)
+        except ValueError as exc:
+            raise _bad_tensor(name, str(exc)) from exc
+        if not is_adler32_hex(adler):
+            raise _bad_tensor(name, f"adler32 {adler!r} is not 8 lowercase hex digits")
+        self.stage, self.name, self.dtype, self.shape, self.adler = stage, name, dtype, shape, adler
+        self.received, self._adler, self._sha = 0, 1, hashlib.sha256()
+        self.file = f"t-{len(stage.held) + len(stage.received):06d}.bin"
+        self._out = None
+        if stage.expected is None:
+            self._out = open(stage.path / (self.file + ".part"), "wb")  # noqa: SIM115
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.size
+
+    def write(self, offset: int, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        if offset != self.received:
+            raise _bad_tensor(self.name, f"chunk at offset {offset}, expected {self.received}")
+        if self.received + view.nbytes > self.size:
+            raise _bad_tensor(self.name, f"more than its {self.size} bytes")
+        self._adler = adler32(view, self._adler)
+        self._sha.update(view)
+        if self._out is not None:
+            try:
+                self._out.write(view)
+            except OSError as exc:
+                raise disk_full(exc, f"cannot stage {self.name}") from exc
+        self.received += view.nbytes
+
+    def finish(self) -> TensorRecord:
+        if not self.complete:
+            raise _bad_tensor(self.name, f"{self.received} of {self.size} bytes")
+        got = format_adler32(self._adler)
+        if got != self.adler:
+            self.abort()
+            raise DataLoss(
+                f"{self.name}: bytes hash to {got}, header says {self.adler}",
+                reason="CHECKSUM_MISMATCH",
+                metadata={"tensor": self.name},
+            )
+        record = TensorRecord(self.dtype, self.shape, self.size, got, self._sha.hexdigest())
+        self.stage.accept(self, record)
+        return record
+
+    def close_file(self) -> Path | None:
+        if self._out is None:
+            return None
+        if self.stage.durable:
+            self._out.flush()
+            os.fsync(self._out.fileno())
+        self._out.close()
+        self._out = None
+        final = self.stage.path / self.file
+        os.replace(self.stage.path / (self.file + ".part"), final)
+        return final
+
+    def abort(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+            (self.stage.path / (self.file + ".part")).unlink(missing_ok=True)
+
+
+class PublishStage:
+    """Staged tensors of one identity. `expected` set: the identity exists; compare only."""
+
+    def __init__(
+        self,
+        path: Path,
+        header: dict[str, Any],
+        *,
+        expected: dict[str, TensorRecord] | None = None,
+        durable: bool = True,
+    ) -> None:
+        self.path, self.header, self.expected, self.durable = path, header, expected, durable
+        self.held: dict[str, tuple[str, TensorRecord]] = {}
+        self.received: dict[str, tuple[str, TensorRecord]] = {}
+        self.files: dict[str, bytes] = {}
+        if expected is not None:
+            return
+        if path.is_dir() and self._read_header() == header:
+            self._load()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+            (path / HEADER).write_text(json.dumps(header, sort_keys=True))
+            if durable:
+                fsync_path(path)
+
+    def _read_header(self) -> Any:
+        try:
+            return json.loads((self.path / HEADER).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _load(self) -> None:
+        for part in self.path.glob("*.part"):
+            part.unlink()
+        lines = (self.path / MANIFEST).read_text().splitlines() if self._has_manifest() else []
+        for line in lines:
+            try:
+                e = json.loads(line)
+                rec = TensorRecord(
+                    e["dtype"], tuple(e["shape"]), e["size"], e["adler32"], e["sha256"]
+                )
+            except (ValueError, KeyError, TypeError):
+                break  # a torn last line: everything before it is complete
+            if (self.path / e["file"]).is_file():
+                self.held[e["name"]] = (e["file"], rec)
+
+    def _has_manifest(self) -> bool:
+        return (self.path / MANIFEST).is_file()
+
+    def begin_tensor(self, name: str, dtype: str, shape: tuple[int, ...], adler: str) -> TensorSink:
+        if self.expected is not None:
+            want = self.expected.get(name)
+            if want is None or (want.dtype, want.shape) != (dtype, tuple(shape)):
+                raise content_mismatch(self.header["identity"], "tensors differ", name)
+        return TensorSink(self, name, dtype, tuple(shape), adler)
+
+    def accept(self, sink: TensorSink, record: TensorRecord) -> None:
+        if self.expected is not None:
+            if self.expected[sink.name] != record:
+                raise content_mismatch(self.header["identity"], "tensor bytes differ", sink.name)
+            self.received[sink.name] = ("", record)
+            return
+        sink.close_file()
+        line = {"name": sink.name, "file": sink.file, "size": record.size_bytes}
+        line.update(dtype=record.dtype, shape=list(record.shape))
+        line.update(adler32=record.adler32, sha256=record.sha256)
+        with open(self.path / MANIFEST, "a") as f:
+            f.write(json.dumps(line) + "\n")
+            if self.durable:
+                f.flush()
+                os.fsync(f.fileno())
+        self.received[sink.name] = (sink.file, record)
+
+    def records(self) -> dict[str, TensorRecord]:
+        return {n: r for n, (_, r) in (self.held | self.received).items()}
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Zero-copy views of every staged tensor (mmap); valid while referenced."""
+        out = {}
+        for name, (file, rec) in sorted((self.held | self.received).items()):
+            if rec.size_bytes == 0:
+                out[name] = Tensor(rec.dtype, rec.shape, b"")
+                continue
+            with open(self.path / file, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            out[name] = Tensor(rec.dtype, rec.shape, memoryview(mm))
+        return out
+
+    def remove(self) -> None:
+        if self.expected is None:
+            shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,172 @@
+"""What the store records about each version, and the small file helpers it needs.
+
+A `VersionRecord` is written as record.json inside the version's directory,
+in the same atomic rename as the version itself, so a version on disk always
+has its record. It names the identity, the step counter, how the version is
+stored, every tensor (dtype, shape, Adler-32 and SHA-256 of its raw bytes),
+the SHA-256 of every stored file, and a digest of the content that decides
+whether a repeated publish of the identity is the same. Never touches gRPC.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from astra.errors import InvalidArgument, ResourceExhausted
+
+RECORD_NAME = "record.json"
+_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_HASH_CHUNK = 1 << 22
+MAX_POLICY_CHARS = 128
+
+
+def dirname_for(name: str) -> str:
+    """A directory name for an identity or policy: itself when plain, else `~` + its hash.
+
+    Keeps arbitrary identities (spaces, leading dots, non-ASCII) out of path
+    names, where they could collide with staging directories or be
+    normalised by the filesystem.
+    """
+    if _PLAIN.fullmatch(name) and ".staging-" not in name:
+        return name
+    return "~" + hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
+def check_policy(policy: str) -> str:
+    """A policy id: 1-128 characters, no NUL."""
+    if not isinstance(policy, str) or not 1 <= len(policy) <= MAX_POLICY_CHARS or "\0" in policy:
+        raise InvalidArgument(
+            f"policy id {policy!r} must be 1-{MAX_POLICY_CHARS} characters",
+            reason="INVALID_POLICY_ID",
+            metadata={"field": "policy_id"},
+        )
+    return policy
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tree_sha256(directory: Path) -> dict[str, str]:
+    """SHA-256 of every regular file under directory, keyed by relative path."""
+    return {
+        str(p.relative_to(directory)): sha256_file(p)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != RECORD_NAME
+    }
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, body: Any, *, durable: bool = True) -> None:
+    """Writes JSON to a temporary sibling and renames it over `path`: readers see old or new."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        json.dump(body, f, indent=1, sort_keys=True)
+        f.write("\n")
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_path(path.parent)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor of a version, as the trainer published it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    size_bytes: int
+    adler32: str
+    sha256: str
+
+
+@dataclass
+class VersionRecord:
+    """One stored version. `kind` is the primary stored form; a full version past the
+    first also keeps a `delta` against its predecessor (`has_delta`), so receivers
+    cross full roots with deltas."""
+
+    policy: str
+    identity: str
+    version: int
+    kind: str  # "full" | "delta"
+    base: str  # predecessor identity, "" for the first version
+    has_delta: bool
+    tensors: dict[str, TensorRecord]
+    files: dict[str, str]  # extra files (config.json, tokenizer) -> SHA-256
+    metadata: dict[str, str]
+    create_time: float
+    file_sha256: dict[str, str] = field(default_factory=dict)  # stored files by relative path
+    size_bytes: int = 0
+    num_stored_tensors: int = 0  # all tensors for a full version, changed ones for a delta
+    rollback_of: str = ""
+    request_id: str = ""
+
+    @property
+    def primary(self) -> str:
+        """The subdirectory holding the primary stored form and the extra files."""
+        return self.kind
+
+    def content_digest(self) -> str:
+        """SHA-256 of what the identity names: step counter, tensors, extra files, metadata."""
+        body = {
+            "version": self.version,
+            "tensors": {n: [t.dtype, list(t.shape), t.sha256] for n, t in self.tensors.items()},
+            "files": self.files,
+            "metadata": self.metadata,
+        }
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["tensors"] = {n: asdict(t) for n, t in self.tensors.items()}
+        return body
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> VersionRecord:
+        tensors = {
+            n: TensorRecord(
+                t["dtype"], tuple(t["shape"]), t["size_bytes"], t["adler32"], t["sha256"]
+            )
+            for n, t in body["tensors"].items()
+        }
+        return cls(**{**body, "tensors": tensors})
+
+    @classmethod
+    def load(cls, directory: Path) -> VersionRecord:
+        return cls.from_json(json.loads((directory / RECORD_NAME).read_text()))
+
+    def save(self, directory: Path) -> None:
+        (directory / RECORD_NAME).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def sha256_bytes(data: Any) -> str:
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+
+
+def disk_full(exc: OSError, what: str) -> ResourceExhausted | OSError:
+    """RESOURCE_EXHAUSTED (DISK_FULL) for ENOSPC/EDQUOT, the error itself otherwise."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"{what}: {exc.strerror}", reason="DISK_FULL", retry_after_s=30.0)
+    return exc

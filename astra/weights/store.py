@@ -1,0 +1,242 @@
+"""The version store: per policy, a chain of immutable versions on disk.
+
+Layout under the store root: policies/<policy>/ holds policy.json,
+versions/<identity>/ (record.json, full/ and/or delta/), staging/<identity>/
+for publishes in progress, cache/ for forms built on demand, current.json
+(the current version, replaced by rename) and tombstones.json (content
+digests of collected identities, so an identity never changes content).
+receivers.json lists receivers and what they hold.
+
+The trainer publishes raw tensors; the store decides the form: a full
+version every `full_every` versions (and whenever the tensor layout
+changes), else an xor+zstd delta against the previous version. A version
+directory appears by one rename, which is the commit point: after a crash
+(kill -9) a version is absent or complete, and opening the store rebuilds
+everything else from disk. Blocking and thread-safe; never touches gRPC.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from astra.errors import FailedPrecondition, InvalidArgument, NotFound
+from astra.weights.chain import Chain
+from astra.weights.checkpoint import LayoutChanged, write_delta, write_full
+from astra.weights.layout import Tensor
+from astra.weights.publish_stage import content_mismatch
+from astra.weights.receivers import Receivers
+from astra.weights.records import (
+    TensorRecord,
+    VersionRecord,
+    dirname_for,
+    disk_full,
+    sha256_bytes,
+    tree_sha256,
+    write_json_atomic,
+)
+from astra.weights.staging import staged_dir
+from astra.weights.store_cache import VersionCache, put_files
+from astra.weights.store_lifecycle import StoreLifecycle
+from astra.weights.store_publish import StorePublishing, check_files
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """How versions are stored, planned and kept."""
+
+    full_every: int = 20  # a full version every K versions, 1-64
+    max_chain: int = 128  # most deltas a plan bridges; a receiver further behind gets a full copy
+    keep_versions: int = 8  # newest versions kept whatever receivers hold
+    receiver_ttl_s: float = 3600.0  # a receiver's registration lapses after this
+    zstd_level: int = 1
+    durable: bool = True  # fsync before every rename
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.full_every <= 64:
+            raise InvalidArgument("full_every must be 1-64", reason="INVALID_CONFIG")
+        if self.max_chain < 1 or self.keep_versions < 1 or self.receiver_ttl_s <= 0:
+            raise InvalidArgument(
+                "max_chain and keep_versions must be >= 1, receiver_ttl_s > 0",
+                reason="INVALID_CONFIG",
+            )
+
+
+class Store(StorePublishing, StoreLifecycle):
+    """Versions of every policy under one directory."""
+
+    def __init__(self, root: str | Path, config: StoreConfig | None = None) -> None:
+        self.root = Path(root)
+        self.config = config or StoreConfig()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.cache = VersionCache(self)
+        self._chains: dict[str, Chain] = {}
+        self._guard = threading.Lock()
+        self._policy_locks: dict[str, threading.RLock] = {}
+        self._publishing: set[tuple[str, str]] = set()
+        self._inflight: dict[str, collections.Counter[str]] = {}
+        (self.root / "policies").mkdir(parents=True, exist_ok=True)
+        self.receivers = Receivers(
+            self.root / "receivers.json", self.config.receiver_ttl_s, durable=self.config.durable
+        )
+        for pdir in sorted((self.root / "policies").iterdir()):
+            if (pdir / "policy.json").is_file():
+                self._recover(json.loads((pdir / "policy.json").read_text())["policy"])
+
+    # --- paths and lookups -------------------------------------------------
+
+    def policy_dir(self, policy: str) -> Path:
+        return self.root / "policies" / dirname_for(policy)
+
+    def version_dir(self, policy: str, identity: str) -> Path:
+        return self.policy_dir(policy) / "versions" / dirname_for(identity)
+
+    def policies(self) -> list[str]:
+        return sorted(self._chains)
+
+    def chain(self, policy: str) -> Chain:
+        chain = self._chains.get(policy)
+        if chain is None:
+            raise NotFound(
+                f"unknown policy {policy!r}", reason="POLICY_NOT_FOUND", metadata={"policy": policy}
+            )
+        return chain
+
+    def get(self, policy: str, identity: str) -> VersionRecord:
+        record = self.chain(policy).get(identity)
+        if record is None:
+            raise NotFound(
+                f"policy {policy!r} has no version {identity!r}",
+                reason="VERSION_NOT_FOUND",
+                metadata={"policy": policy, "identity": identity},
+            )
+        return record
+
+    def current(self, policy: str) -> VersionRecord:
+        head = self.chain(policy).head
+        if head is None:
+            raise NotFound(f"policy {policy!r} has no versions", reason="VERSION_NOT_FOUND")
+        return head
+
+    def list_versions(self, policy: str) -> list[VersionRecord]:
+        """Newest first."""
+        return list(reversed(self.chain(policy).records))
+
+    def read_files(self, policy: str, record: VersionRecord) -> dict[str, bytes]:
+        primary = self.version_dir(policy, record.identity) / record.primary
+        return {name: (primary / name).read_bytes() for name in record.files}
+
+    def _lock(self, policy: str) -> threading.RLock:
+        with self._guard:
+            return self._policy_locks.setdefault(policy, threading.RLock())
+
+    # --- publishing ------------------------------------------------------------
+
+    def commit(
+        self,
+        policy: str,
+        identity: str,
+        version: int,
+        tensors: Mapping[str, Tensor],
+        records: Mapping[str, TensorRecord],
+        files: dict[str, bytes],
+        metadata: dict[str, str],
+        *,
+        rollback_of: str = "",
+        request_id: str = "",
+    ) -> tuple[VersionRecord, bool]:
+        """Stores a version whose tensors are verified; idempotent for the same content."""
+        check_files(files)
+        if version < 0:
+            raise InvalidArgument("version must be >= 0", reason="INVALID_VERSION")
+        file_hashes = {n: sha256_bytes(c) for n, c in files.items()}
+        record = VersionRecord(
+            policy, identity, version, "delta", "", False, dict(records), file_hashes, metadata,
+            time.time(), rollback_of=rollback_of, request_id=request_id,
+        )  # fmt: skip
+        digest = record.content_digest()
+        with self._lock(policy):
+            chain = self._chains.get(policy) or self._new_policy(policy)
+            existing = chain.get(identity)
+            if existing is not None:
+                if existing.content_digest() != digest:
+                    raise content_mismatch(identity, "a different version was published as it")
+                return existing, True
+            if self._tombstones(policy).get(identity, digest) != digest:
+                raise content_mismatch(identity, "a collected version had other content")
+            head = chain.head
+            if head is not None and version <= head.version:
+                raise FailedPrecondition(
+                    f"version {version} is not newer than the current {head.version}",
+                    reason="VERSION_NOT_NEWER",
+                    metadata={"version": str(version), "current_version": str(head.version)},
+                )
+            if tensors.keys() != records.keys():
+                raise FailedPrecondition(
+                    f"{identity!r} changed while it was being published; publish it again",
+                    reason="PUBLISH_RACED",
+                )
+            full = head is None or chain.deltas_since_root() + 1 >= self.config.full_every
+            try:
+                self._write_version(policy, record, head, full, tensors, files)
+            except OSError as exc:
+                raise disk_full(exc, f"cannot store {identity!r}") from exc
+            chain.add(record)
+            self.counters["versions_published"] += 1
+            if record.kind == "delta":
+                try:
+                    self.cache.put_full(policy, record, tensors, files)
+                except OSError:
+                    log.warning("%s: no full copy cached for %s", policy, identity, exc_info=True)
+            self._set_current(policy, record)
+            self.cache.keep_full(policy, {identity, record.base} | self._inflight_ids(policy))
+            self.gc(policy)
+            return record, False
+
+    def _new_policy(self, policy: str) -> Chain:
+        self.policy_dir(policy).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.policy_dir(policy) / "policy.json", {"policy": policy})
+        chain = self._chains[policy] = Chain()
+        return chain
+
+    def _write_version(
+        self,
+        policy: str,
+        record: VersionRecord,
+        head: VersionRecord | None,
+        full: bool,
+        tensors: Mapping[str, Tensor],
+        files: dict[str, bytes],
+    ) -> None:
+        """Writes versions/<identity>/ in one rename: the commit point of a publish."""
+        durable, level, identity = self.config.durable, self.config.zstd_level, record.identity
+        with staged_dir(self.version_dir(policy, identity), durable=durable) as stage:
+            if head is not None:
+                record.base = head.identity
+                base_full = self.cache.full_dir(policy, head)
+                try:
+                    written = write_delta(
+                        base_full, tensors, stage / "delta", identity, head.identity,
+                        level=level, durable=durable,
+                    )  # fmt: skip
+                    record.has_delta = True
+                    record.num_stored_tensors = written["changed_tensor_count"]
+                except LayoutChanged as exc:
+                    log.info("%s: %s; %s is stored full", policy, exc.message, identity)
+                    full = True
+            record.kind = "full" if full else "delta"
+            if full:
+                write_full(stage / "full", tensors, version=identity, durable=durable)
+                record.num_stored_tensors = len(tensors)
+            put_files(stage / record.primary, files, durable=durable)
+            record.file_sha256 = tree_sha256(stage)
+            record.size_bytes = sum(p.stat().st_size for p in stage.rglob("*") if p.is_file())
+            record.save(stage)

@@ -1,0 +1,115 @@
+"""What one fetch streams: the plan's encoded directory, opened once, plus the target's files.
+
+`open_source` decides the plan on the chain, registers the receiver with what
+it holds, pins the versions the plan uses (collection spares them while the
+stream runs), and opens the encoded directory the plan reads: the stored
+delta, a composed delta or a full copy, each built at most once and shared by
+every stream. Tensor headers always carry the target's own dtype, shape and
+Adler-32. Never touches gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from astra.weights.chain import Plan
+from astra.weights.layout import Version
+from astra.weights.records import TensorRecord, VersionRecord
+from astra.weights.safetensors_io import FormatError
+
+if TYPE_CHECKING:
+    from astra.weights.store import Store
+
+RAW, XOR_ZSTD = "raw", "xor_zstd"
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """One tensor as a stream sends it."""
+
+    name: str
+    record: TensorRecord  # the target's dtype, shape, size and Adler-32
+    encoding: str
+    encoded_size: int
+
+
+@dataclass
+class FetchSource:
+    """An open plan; `close` releases the mapping and the pins."""
+
+    plan: Plan
+    target: VersionRecord
+    encoding: str
+    version: Version | None
+    files: dict[str, bytes]
+    _release: object = field(default=None, repr=False)
+
+    def tensors(self) -> list[WireTensor]:
+        if self.version is None:
+            return []
+        return [
+            WireTensor(name, self.target.tensors[name], self.encoding, e.info.nbytes)
+            for name, e in sorted(self.version.entries.items())
+        ]
+
+    def chunks(self, name: str, chunk_bytes: int, start: int = 0) -> Iterator[memoryview]:
+        """Zero-copy slices of one tensor's encoded bytes."""
+        assert self.version is not None
+        view = self.version.view(name)
+        try:
+            for pos in range(start, view.nbytes, chunk_bytes):
+                yield view[pos : pos + chunk_bytes]
+        finally:
+            view.release()
+
+    def close(self) -> None:
+        if self.version is not None:
+            self.version.close()
+            self.version = None
+        if callable(self._release):
+            self._release()
+            self._release = None
+
+
+def open_source(
+    store: Store, policy: str, target_id: str, held: Iterable[str], receiver_id: str = ""
+) -> FetchSource:
+    """Plans and opens a fetch of `target_id` (empty: the current version)."""
+    held = [h for h in held if h]
+    target = store.get(policy, target_id) if target_id else store.current(policy)
+    if receiver_id:
+        store.register_receiver(policy, receiver_id, held)
+    plan = store.chain(policy).plan(target.identity, held, store.config.max_chain)
+    pins = {target.identity, plan.base, *plan.steps} - {""}
+    store.pin(policy, pins, +1)
+    try:
+        version, encoding = None, ""
+        if plan.kind == "delta":
+            path = store.cache.delta_dir(policy, target, plan.base, plan.steps)
+            version, encoding = Version(path), XOR_ZSTD
+            store.counters["fetch_plans_delta"] += 1
+        elif plan.kind == "full":
+            version, encoding = Version(store.cache.full_dir(policy, target)), RAW
+            store.counters["fetch_plans_full"] += 1
+        unknown = sorted(set(version.entries) - set(target.tensors)) if version else []
+        if unknown:
+            version.close()
+            raise FormatError("encoded tensor is not in the target", tensor=unknown[0])
+        files = store.read_files(policy, target)
+    except BaseException:
+        store.pin(policy, pins, -1)
+        raise
+    return FetchSource(plan, target, encoding, version, files, lambda: store.pin(policy, pins, -1))
+
+
+def stored_tensors(store: Store, policy: str, identity: str) -> list[WireTensor]:
+    """The tensors a version stores in its primary form (changed ones only for a delta)."""
+    record = store.get(policy, identity)
+    with Version(store.version_dir(policy, identity) / record.primary) as version:
+        encoding = RAW if record.kind == "full" else XOR_ZSTD
+        return [
+            WireTensor(name, record.tensors[name], encoding, e.info.nbytes)
+            for name, e in sorted(version.entries.items())
+        ]

@@ -1,0 +1,275 @@
+"""Faults on the weight streams: disconnects, SIGKILLed receivers and services, corrupt bytes, relays."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from astra.clients.weights import WeightClient
+from astra.clients.weights_stream import Receiver, publish_version
+from astra.servers.weights import start_weights
+from astra.weights.checksum import adler32_hex
+from astra.weights.store import Store, StoreConfig
+from astra.weights.store_fetch import FetchSource
+from astra.weights.v1 import weight_service_pb2 as pb
+from tests.procs import Proc
+from tests.test_weights_service import ThreadServer, run, serving
+from tests.test_weights_store import chain_of, same
+
+T = 20
+
+
+def wait_for(predicate, timeout_s: float = T) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.02)
+
+
+def staged(directory: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in directory.glob("staging/*/tensors.jsonl"))
+
+
+def test_receiver_cancelled_mid_stream_resumes_after_acknowledged_tensors(tmp_path: Path) -> None:
+    model = chain_of(1, seed=11, size=1 << 15)[0]  # 4 tensors of 64 KiB
+    rx = tmp_path / "rx"
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, model)
+            slow = Receiver(server.address, "p", rx, durable=False, max_bytes_per_second=400_000)
+            task = asyncio.create_task(slow.fetch())
+            await asyncio.wait_for(_until(lambda: staged(rx) >= 2), T)
+            task.cancel()  # the connection drops mid-version
+            await asyncio.gather(task, return_exceptions=True)
+            await slow.close()
+            assert slow.current_path is None, "nothing half-fetched is ever current"
+            async with Receiver(server.address, "p", rx, durable=False) as again:
+                result = await again.fetch()
+            assert result.tensors_resumed >= 2
+            assert result.tensors_received == 4 - result.tensors_resumed
+            assert same(again.current_path, model)
+            assert server.store.counters["fetch_tensors_resumed"] >= 2
+
+    run(body())
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)
+
+
+def test_corrupt_chunk_on_the_wire_is_refused_then_resent(tmp_path: Path, monkeypatch) -> None:
+    models = chain_of(2, seed=12)
+    original = FetchSource.chunks
+    corrupted: list[str] = []
+
+    def flip_once(self, name, chunk_bytes, start=0):
+        for piece in original(self, name, chunk_bytes, start):
+            if not corrupted:
+                corrupted.append(name)
+                bad = bytearray(piece)
+                bad[len(bad) // 2] ^= 0x01
+                piece = memoryview(bytes(bad))
+            yield piece
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            monkeypatch.setattr(FetchSource, "chunks", flip_once)
+            async with Receiver(
+                server.address, "p", tmp_path / "rx", durable=False, backoff_s=0.01
+            ) as receiver:
+                result = await receiver.fetch()
+                assert corrupted and result.attempts == 2
+                assert same(receiver.current_path, models[0])
+
+    run(body())
+
+
+FETCH = "from astra.weights.cli import weights; weights()"
+
+
+def test_receiver_killed_by_sigkill_resumes_in_a_new_process(tmp_path: Path) -> None:
+    model = chain_of(1, seed=13, size=1 << 15)[0]
+    server = ThreadServer(tmp_path / "store")
+    rx = tmp_path / "rx"
+    args = [sys.executable, "-c", FETCH, "fetch", "--server", server.address, "--policy", "p"]
+    args += ["--out", str(rx), "--no-fsync"]
+    try:
+        asyncio.run(publish_version(server.address, "p", "v0", 0, model))
+        proc = subprocess.Popen([*args, "--max-bytes-per-second", "300000"])
+        try:
+            wait_for(lambda: staged(rx) >= 2 or proc.poll() is not None)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(T)
+        assert not (rx / "current").exists()
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["tensors_resumed"] >= 2 and same(rx / "current", model)
+    finally:
+        server.close()
+
+
+SERVE = (
+    "import asyncio, sys; from astra.servers.weights import serve_weights; "
+    "asyncio.run(serve_weights(sys.argv[1], port=int(sys.argv[2])))"
+)
+
+
+def _serve(store: Path, port: int, log: Path) -> Proc:
+    return Proc([sys.executable, "-c", SERVE, str(store), str(port)], log=log)
+
+
+def test_service_sigkilled_mid_publish_resumes_after_restart(tmp_path: Path) -> None:
+    models = chain_of(2, seed=14)
+    names = sorted(models[0])
+    first = _serve(tmp_path / "store", 0, tmp_path / "w1.log")
+    port = int(first.address.rsplit(":", 1)[1])
+
+    async def partial() -> None:
+        async with WeightClient(first.address) as client:
+            call = client.stub.PublishVersion()
+            header = pb.PublishHeader(policy_id="p", version_id="v0", version=0, num_tensors=4)
+            await call.write(pb.PublishVersionRequest(header=header))
+            assert (await call.read()).HasField("accepted")
+            for name in names[:2]:
+                dtype, shape, data = models[0][name]
+                h = pb.TensorHeader(name=name, dtype=dtype, shape=list(shape))
+                h.adler32, h.size_bytes = adler32_hex(data), len(data)
+                await call.write(pb.PublishVersionRequest(tensor=h))
+                chunk = pb.TensorChunk(offset=0, data=data)
+                await call.write(pb.PublishVersionRequest(chunk=chunk))
+                assert (await asyncio.wait_for(call.read(), T)).tensor_ack.name == name
+            first.signal(signal.SIGKILL)  # the service dies mid-publish
+            first.wait(T)
+
+    async def resume() -> None:
+        task = asyncio.create_task(
+            publish_version(
+                f"127.0.0.1:{port}", "p", "v0", 0, models[0], backoff_s=0.1, max_attempts=8
+            )
+        )
+        await asyncio.sleep(0.3)  # the first attempts find nobody listening
+        second = await asyncio.to_thread(_serve, tmp_path / "store", port, tmp_path / "w2.log")
+        try:
+            result = await asyncio.wait_for(task, 60)
+            assert (result.tensors_skipped, result.tensors_sent) == (2, 2) and result.attempts > 1
+            await publish_version(second.address, "p", "v1", 1, models[1])
+            async with Receiver(second.address, "p", tmp_path / "rx", durable=False) as receiver:
+                await receiver.fetch("v0")
+                assert same(receiver.current_path, models[0])
+                assert (await receiver.fetch()).plan == "delta"
+                assert same(receiver.current_path, models[1])
+        finally:
+            second.close()
+
+    try:
+        run(partial())
+        run(resume())
+    finally:
+        first.close()
+
+
+def test_relay_serves_what_it_fetched_to_the_next_tier(tmp_path: Path) -> None:
+    models = chain_of(3, seed=15)
+
+    async def body() -> None:
+        async with serving(tmp_path / "origin") as origin:
+            relay_store = Store(tmp_path / "relay-store", StoreConfig(durable=False))
+            relay_server = await start_weights(tmp_path / "relay-store", store=relay_store)
+            try:
+                relay = Receiver(
+                    origin.address, "p", tmp_path / "relay", relay=relay_store, durable=False
+                )
+                leaf = Receiver(relay_server.address, "p", tmp_path / "leaf", durable=False)
+                for i, m in enumerate(models):
+                    await publish_version(origin.address, "p", f"v{i}", i, m)
+                    if i == 1:
+                        continue  # the relay tier misses v1
+                    await relay.fetch()
+                    result = await leaf.fetch()
+                    assert result.identity == f"v{i}" and same(leaf.current_path, m)
+                assert result.plan == "delta" and result.base == "v0"
+                async with WeightClient(relay_server.address) as client:
+                    status = await client.get_status()
+                    assert status.current_versions[0].version_id == "v2"
+                await relay.close()
+                await leaf.close()
+            finally:
+                await relay_server.stop(0)
+
+    run(body())
+
+
+def test_fetch_with_no_acknowledgements_times_out_and_frees_the_stream(tmp_path: Path) -> None:
+    model = chain_of(1, seed=16)[0]
+
+    async def body() -> None:
+        from astra.servers.weights_fetch import StreamSettings
+
+        server = await start_weights(
+            tmp_path / "store",
+            config=StoreConfig(durable=False),
+            settings=StreamSettings(ack_timeout_s=0.3, window_bytes=1),
+        )
+        try:
+            await publish_version(server.address, "p", "v0", 0, model)
+            async with WeightClient(server.address) as client:
+                call = client.stub.FetchVersion()
+                await call.write(pb.FetchVersionRequest(start=pb.FetchStart(policy_id="p")))
+                try:
+                    async for _ in call:  # never acknowledges anything
+                        pass
+                    raise AssertionError("the stream should fail")
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                status = await client.get_status()
+                assert status.active_fetches == 0
+        finally:
+            await server.stop(0)
+
+    run(body())
+
+
+def test_disk_full_at_commit_is_resource_exhausted_and_the_publish_resumes(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import errno
+
+    import astra.weights.store as store_module
+    from astra.errors import ResourceExhausted
+
+    models = chain_of(2, seed=17)
+    real = store_module.write_delta
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            monkeypatch.setattr(store_module, "write_delta", full_disk)
+            try:
+                await publish_version(server.address, "p", "v1", 1, models[1])
+                raise AssertionError("the publish should fail")
+            except ResourceExhausted as exc:
+                assert exc.reason == "DISK_FULL"
+            async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
+                assert (await rx.fetch()).identity == "v0", "the previous version is still served"
+                monkeypatch.setattr(store_module, "write_delta", real)
+                result = await publish_version(server.address, "p", "v1", 1, models[1])
+                assert result.tensors_skipped == 4, "verified tensors stayed staged"
+                assert (await rx.fetch()).plan == "delta" and same(rx.current_path, models[1])
+
+    run(body())
