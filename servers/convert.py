@@ -210,7 +210,7 @@ def incoming_group(
                     part.sequences.extend(s for s in t.sequences if s.policy_id == policy_id)
                     payload = part.SerializeToString()
                 tid = t.trajectory_id or f"{result.group_id}/{t.sample_index}"
-                reward = t.agent_rewards.get(policy_id, t.reward) if not single else t.reward
+                reward = t.reward if single else _policy_reward(t, policy_id)
                 out.per_policy.setdefault(policy_id, []).append(
                     TrajectoryRecord(tid, reward, vmin, vmax, ntok, payload, failed)
                 )
@@ -218,6 +218,12 @@ def incoming_group(
         out.per_policy = {}
         out.invalid = str(exc)
     return out
+
+
+def _policy_reward(t: rollout_pb2.Trajectory, policy_id: str) -> float:
+    """A policy's reward in a multi-policy episode: the mean of its sequences' rewards."""
+    rewards = [s.reward for s in t.sequences if s.policy_id == policy_id]
+    return sum(rewards) / len(rewards) if rewards else t.reward
 
 
 def _struct(record: dict) -> struct_pb2.Struct:

@@ -94,14 +94,14 @@ def test_array_byte_length_must_match_shape():
 
 
 def test_multi_policy_episode_is_split_per_policy():
+    solver = sequence(policy="solver", versions=(2, 2))
+    verifier = sequence(policy="verifier", versions=(7, 7))
+    solver.reward, verifier.reward = 1.0, 0.5
     t = rollout_pb2.Trajectory(
         trajectory_id="s/0/1/0",
         reward=1.0,
         agent_rewards={"solver": 1.0, "verifier": 0.5},
-        sequences=[
-            sequence(policy="solver", versions=(2, 2)),
-            sequence(policy="verifier", versions=(7, 7)),
-        ],
+        sequences=[solver, verifier],
     )
     g = incoming_group(result(t), "raas")
     assert set(g.per_policy) == {"solver", "verifier"}

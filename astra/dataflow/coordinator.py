@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from astra.dataflow.batches import BatchDesk
 from astra.dataflow.buffer import BufferConfig, PolicyBuffer
@@ -548,7 +548,12 @@ class Dataflow:
             return f"failed: {r.error}"
         self.counters["completed_groups"] += 1
         outcomes = []
-        for policy_id, trajectories in r.per_policy.items():
+        per_policy = dict(r.per_policy)
+        # Failed samples may carry no sequence, hence no policy: they belong to the group's.
+        orphans = per_policy.pop("", [])
+        for policy_id in w.item.policy_ids if orphans else ():
+            per_policy.setdefault(policy_id, []).extend(replace(t) for t in orphans)
+        for policy_id, trajectories in per_policy.items():
             buf = self.buffers.get(policy_id)
             if buf is None:
                 self.counters["foreign_policy_dropped"] += 1

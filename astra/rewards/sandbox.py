@@ -1,0 +1,175 @@
+"""Runs untrusted Python in a subprocess with time, memory, file-size and output limits.
+
+Used by the `python` tool and the `code_tests` reward. The child is a fresh
+`python -I` (isolated: no user site, no PYTHON* variables) in an empty
+temporary directory with an empty environment, in its own session so a
+timeout kills everything it started. A small launcher sets the rlimits in
+the child itself (soft = hard, so the code cannot raise them) and then execs
+the code: `preexec_fn` would do the same but is unsafe in a process with
+threads, as an event loop with `to_thread` is. This is resource isolation,
+not a security boundary: the code can still read files and use the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_LAUNCHER = """\
+import os, resource, sys
+cpu, mem, fsize = (int(a) for a in sys.argv[1:4])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+os.execv(sys.executable, [sys.executable, "-I", "-B", "main.py"])
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxLimits:
+    """Bounds of one run: wall time, address space, bytes written per file, output returned."""
+
+    time_s: float = 5.0
+    memory_bytes: int = 512 << 20
+    file_bytes: int = 4 << 20
+    output_chars: int = 16_384
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxResult:
+    """What a run produced: the start of stdout, the end of stderr (where the error is).
+
+    `reason` is "ok", "exit N", "timeout", "memory", "output_limit",
+    "cpu_limit" or "signal NAME".
+    """
+
+    stdout: str
+    stderr: str
+    returncode: int | None
+    reason: str
+    wall_s: float
+    truncated: bool = False
+    files: dict[str, str] = field(default_factory=dict)  # the `keep` files the code left
+
+    @property
+    def ok(self) -> bool:
+        return self.reason == "ok"
+
+
+def run_python(
+    code: str,
+    *,
+    stdin: str = "",
+    limits: SandboxLimits | None = None,
+    keep: tuple[str, ...] = (),
+) -> SandboxResult:
+    """Runs `code` as a script under `limits`; blocks until it ends or is killed.
+
+    `keep` names files of the working directory to return in `files` (at most
+    `output_chars` of each).
+    """
+    limits = limits or SandboxLimits()
+    with tempfile.TemporaryDirectory(prefix="astra-sandbox-") as tmp:
+        root = Path(tmp)
+        (root / "main.py").write_text(code, encoding="utf-8")
+        (root / "stdin").write_text(stdin, encoding="utf-8")
+        cpu_s = math.ceil(limits.time_s) + 1
+        argv = [sys.executable, "-I", "-c", _LAUNCHER, str(cpu_s), str(limits.memory_bytes)]
+        argv.append(str(limits.file_bytes))
+        start = time.monotonic()
+        with (
+            (root / "stdin").open("rb") as fin,
+            (root / "stdout").open("wb") as fout,
+            (root / "stderr").open("wb") as ferr,
+        ):
+            proc = subprocess.Popen(
+                argv,
+                stdin=fin,
+                stdout=fout,
+                stderr=ferr,
+                cwd=root,
+                env={"LANG": "C.UTF-8"},
+                start_new_session=True,
+                close_fds=True,
+            )
+            timed_out = False
+            try:
+                proc.wait(timeout=limits.time_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc.pid)
+                proc.wait()
+            # Whatever the code left running in its session goes with it.
+            _kill_group(proc.pid)
+        wall_s = time.monotonic() - start
+        # Python ignores SIGXFSZ: a write past the limit fails (EFBIG) and the code exits.
+        full = any((root / n).stat().st_size >= limits.file_bytes for n in ("stdout", "stderr"))
+        stdout, cut_out = _read(root / "stdout", limits.output_chars)
+        stderr, cut_err = _read(root / "stderr", limits.output_chars, tail=True)
+        files = {
+            name: _read(root / name, limits.output_chars)[0]
+            for name in keep
+            if "/" not in name and (root / name).is_file()
+        }
+    rc = proc.returncode
+    return SandboxResult(
+        stdout=stdout,
+        stderr=stderr,
+        returncode=None if timed_out else rc,
+        reason="timeout" if timed_out else "output_limit" if full and rc else _reason(rc, stderr),
+        wall_s=wall_s,
+        truncated=cut_out or cut_err,
+        files=files,
+    )
+
+
+async def run_python_async(
+    code: str,
+    *,
+    stdin: str = "",
+    limits: SandboxLimits | None = None,
+    keep: tuple[str, ...] = (),
+) -> SandboxResult:
+    """`run_python` in a worker thread, so the event loop keeps serving."""
+    return await asyncio.to_thread(run_python, code, stdin=stdin, limits=limits, keep=keep)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _read(path: Path, limit: int, *, tail: bool = False) -> tuple[str, bool]:
+    """At most `limit` characters of a file: its start, or its end when `tail`."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if tail:
+            f.seek(max(0, size - 4 * limit - 4))
+        data = f.read(4 * limit + 4)
+    text = data.decode("utf-8", errors="replace")
+    if len(text) <= limit:
+        return text, size > len(data)
+    return (text[-limit:] if tail else text[:limit]), True
+
+
+def _reason(returncode: int, stderr: str) -> str:
+    if returncode == 0:
+        return "ok"
+    if "MemoryError" in stderr:
+        return "memory"
+    if returncode < 0:
+        sig = -returncode
+        if sig == signal.SIGXCPU:
+            return "cpu_limit"
+        return f"signal {signal.Signals(sig).name}"
+    return f"exit {returncode}"

@@ -1,0 +1,47 @@
+"""Workflows: how one prompt becomes one scored episode, found by name.
+
+Built-ins: single_turn (RLVR), multi_turn_tools (calculator and Python
+sandbox tools), multi_agent (solver and verifier). Plugins: entry-point group
+`astra.workflows` (workflows) and `astra.tools` (tools).
+"""
+
+from astra.workflows import multi_agent, multi_turn, single_turn
+from astra.workflows.base import (
+    RewardFailed,
+    Workflow,
+    WorkflowContext,
+    run_episode,
+    sample_seed,
+)
+from astra.workflows.episode import GenerationFailed, SequenceBuilder
+from astra.workflows.registry import (
+    WORKFLOWS,
+    UnknownWorkflow,
+    get_workflow,
+    known_workflows,
+    register_workflow,
+)
+from astra.workflows.tools import TOOLS, ToolError, UnknownTool, register_tool, run_tool
+
+__all__ = [
+    "TOOLS",
+    "WORKFLOWS",
+    "GenerationFailed",
+    "RewardFailed",
+    "SequenceBuilder",
+    "ToolError",
+    "UnknownTool",
+    "UnknownWorkflow",
+    "Workflow",
+    "WorkflowContext",
+    "get_workflow",
+    "known_workflows",
+    "multi_agent",
+    "multi_turn",
+    "register_tool",
+    "register_workflow",
+    "run_episode",
+    "run_tool",
+    "sample_seed",
+    "single_turn",
+]

@@ -1,0 +1,90 @@
+"""The `multi_agent` workflow: a solver and a verifier, two policies in one episode.
+
+The solver (`policy_ids[0]`, agent "solver") answers the prompt. The verifier
+(`policy_ids[1]`, agent "verifier"; the solver's policy again when the group
+names only one) reads the problem and the solver's answer and replies
+"correct" or "incorrect". Rewards: the solver's is the reward function's
+score of its answer; the verifier's is 1 when its verdict matches whether
+that score reaches `correct_threshold` (default 1.0), else 0 (no verdict: 0).
+The team reward (TrajectorySpec.reward) is the solver's score. `agent_rewards`
+holds each individual reward under the agent id and, when the agents are two
+policies, under the policy id too (Dataflow computes a policy's advantage
+from agent_rewards[policy_id]). Each agent has
+its own sequence, tagged with its policy and agent id; the other agent's
+text is context in the verifier's prompt, never trained on.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from astra.raas.backend import TrajectorySpec
+from astra.workflows.base import WorkflowContext
+from astra.workflows.episode import SequenceBuilder, generated_text
+from astra.workflows.registry import register_workflow
+
+SOLVER, VERIFIER = "solver", "verifier"
+VERIFIER_TEMPLATE = (
+    "Problem:\n{problem}\n\nProposed answer:\n{answer}\n\n"
+    'Is the proposed answer correct? Reply "correct" or "incorrect".\nVerdict: '
+)
+_VERDICT = re.compile(r"\b(incorrect|correct)\b", re.IGNORECASE)
+
+
+def parse_verdict(text: str) -> bool | None:
+    """True for "correct", False for "incorrect" (the first one written), None for neither."""
+    match = _VERDICT.search(text)
+    return None if match is None else match.group(1).lower() == "correct"
+
+
+@register_workflow("multi_agent")
+class SolverVerifier:
+    """Options: `verifier_template` (str.format with problem, answer), `correct_threshold`."""
+
+    default_reward = "numeric"
+
+    async def run(self, ctx: WorkflowContext) -> TrajectorySpec:
+        policies = ctx.group.policy_ids
+        solver_policy = policies[0]
+        verifier_policy = policies[1] if len(policies) > 1 else policies[0]
+        threshold = float(ctx.options.get("correct_threshold", 1.0))
+        template = str(ctx.options.get("verifier_template", VERIFIER_TEMPLATE))
+
+        solver = SequenceBuilder(solver_policy, ctx.prompt_ids(solver_policy), SOLVER)
+        gen = await ctx.engine.generate(
+            solver_policy, list(solver.token_ids), ctx.sampling(salt=(SOLVER,))
+        )
+        solver.add_generation(gen)
+        answer = generated_text(gen, ctx.tokenizer(solver_policy))
+        solver_reward, info = await ctx.reward(answer, policy_id=solver_policy, agent_id=SOLVER)
+        correct = solver_reward >= threshold
+
+        verifier_tok = ctx.tokenizer(verifier_policy)
+        prompt = template.format(problem=ctx.prompt_text(solver_policy), answer=answer)
+        verifier = SequenceBuilder(verifier_policy, verifier_tok.encode(prompt), VERIFIER)
+        gen = await ctx.engine.generate(
+            verifier_policy, list(verifier.token_ids), ctx.sampling(salt=(VERIFIER,))
+        )
+        verifier.add_generation(gen)
+        verdict = parse_verdict(generated_text(gen, verifier_tok))
+        verifier_reward = float(verdict is not None and verdict == correct)
+
+        agent_rewards = {SOLVER: solver_reward, VERIFIER: verifier_reward}
+        if verifier_policy != solver_policy:
+            agent_rewards |= {solver_policy: solver_reward, verifier_policy: verifier_reward}
+        metadata: dict[str, Any] = {
+            "workflow": ctx.workflow,
+            "reward_fn": ctx.reward_name,
+            "solver_correct": correct,
+            "verdict": "none" if verdict is None else ("correct" if verdict else "incorrect"),
+        }
+        if info:
+            metadata["reward_info"] = info
+        return TrajectorySpec(
+            sample_index=ctx.sample_index,
+            sequences=[solver.build(solver_reward), verifier.build(verifier_reward)],
+            reward=solver_reward,
+            agent_rewards=agent_rewards,
+            metadata=metadata,
+        )

@@ -1,0 +1,183 @@
+"""Rewards on known inputs, the code sandbox's limits, lookup by name, dotted path and entry
+point, and the synthetic task generators whose answers the rewards must accept."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from astra.dataflow.dataset import load_records
+from astra.raas.tasks import generate_records, write_dataset
+from astra.rewards import REWARDS, Scored, UnknownReward, get_reward, known_rewards, score
+from astra.rewards.answers import arithmetic, countdown, exact_match, numeric
+from astra.rewards.code_tests import code_tests, extract_program
+from astra.rewards.safe_math import UnsafeExpression, evaluate, format_number
+
+
+def half_reward(record, completion, **context):
+    return 0.5 + 0 * len(completion)
+
+
+# ----- answer checking -----------------------------------------------------------------------
+
+
+def test_exact_match_normalises_whitespace_and_case():
+    assert exact_match({"answer": "New  York"}, "  new york\n") == 1.0
+    assert exact_match({"answer": "Paris"}, "I think <answer> PARIS </answer>") == 1.0
+    assert exact_match({"answer": "Paris"}, "Paris, France") == 0.0
+    with pytest.raises(KeyError, match="no 'answer' field"):
+        exact_match({}, "x")
+
+
+def test_numeric_takes_the_last_number_with_tolerance():
+    assert numeric({"answer": "72"}, "3 bags of 24 makes 72.") == 1.0
+    assert numeric({"answer": "#### 1,000"}, "total: 1000.0000001") == 1.0
+    assert numeric({"answer": 0.5}, "about 0.5000001") == 1.0
+    assert numeric({"answer": 3.14, "tolerance": 0.01}, "pi is 3.1416") == 1.0
+    assert numeric({"answer": "72"}, "72 no, 71") == 0.0
+    assert numeric({"answer": "-4"}, "<answer>-4</answer> then 9") == 1.0
+    nothing = numeric({"answer": "1"}, "no digits")
+    assert nothing == 0.0 and nothing.metadata["reason"] == "no number in the completion"
+    with pytest.raises(ValueError, match="holds no number"):
+        numeric({"answer": "none"}, "1")
+
+
+def test_arithmetic_takes_the_first_number():
+    assert arithmetic({"answer": "19"}, "19 and then 12+7=19") == 1.0
+    assert arithmetic({"answer": "-25"}, "-25") == 1.0
+    assert arithmetic({"answer": "19"}, "18") == 0.0
+
+
+def test_countdown_checks_numbers_and_target():
+    rec = {"numbers": [3, 5, 7, 2], "target": 24}
+    assert countdown(rec, "(5+7)*2") == 1.0
+    assert countdown(rec, "(5+7)*2 = 24\nbecause...") == 1.0
+    assert countdown({"numbers": [8.0, 3.0, 8, 3], "target": 24.0}, "8/(3-8/3)") == 1.0  # exact
+    assert countdown(rec, "(5+7)*2*1") == 0.0  # 1 is not given
+    assert countdown(rec, "(5+7+5)") == 0.0  # 5 twice
+    assert countdown(rec, "5+7") == 0.0  # wrong target
+    assert countdown(rec, "3**2").metadata["reason"].startswith("invalid expression")
+    assert countdown(rec, "__import__('os')").metadata["reason"].startswith("invalid")
+    assert countdown(rec, "") == 0.0
+
+
+def test_safe_math_refuses_everything_but_arithmetic():
+    assert evaluate("2*(3+4) - 10 // 3 % 2") == 13 and format_number(evaluate("1/4")) == "0.25"
+    for bad in ("a", "f(1)", "[1]", "1 if 1 else 2", "'s'", "True+1", "9**9**9", "1 < 2", "x.y"):
+        with pytest.raises(UnsafeExpression):
+            evaluate(bad)
+    with pytest.raises(UnsafeExpression):
+        evaluate("1" * 600)
+    with pytest.raises(UnsafeExpression, match="ZeroDivisionError"):
+        evaluate("1/0")
+
+
+# ----- code execution ------------------------------------------------------------------------
+
+ADD = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
+
+
+def test_code_tests_fraction_passed_and_program_extraction():
+    rec = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "assert add(0, 0) == 0"]}
+    r = code_tests(rec, ADD)
+    assert r == pytest.approx(2 / 3) and r.metadata["passed"] == 2 and r.metadata["tests"] == 3
+    assert extract_program("no fence: x = 1") == "no fence: x = 1"
+    assert code_tests({"test_list": "assert add(1, 1) == 2"}, ADD) == 1.0  # MBPP field name
+
+
+def test_code_tests_timeout_crash_and_load_failure_score_zero_with_reason():
+    rec = {"tests": ["assert f() == 1"], "time_limit_s": 1}
+    slow = code_tests(rec, "def f():\n    while True:\n        pass")
+    assert slow == 0.0 and slow.metadata["reason"] == "timeout"
+    hog = code_tests(
+        {"tests": ["assert f()"], "memory_limit_mb": 200}, "def f():\n    return bytearray(1 << 30)"
+    )
+    assert hog == 0.0 and hog.metadata["passed"] == 0  # MemoryError in the test: a failure
+    broken = code_tests(rec, "def f(:")
+    assert broken == 0.0 and broken.metadata["reason"] == "program failed to load"
+    exiting = code_tests(rec, "import os\nos._exit(0)")
+    assert exiting == 0.0 and exiting.metadata["reason"] == "no result"
+    with pytest.raises(KeyError, match="no 'tests'"):
+        code_tests({}, ADD)
+
+
+# ----- lookup --------------------------------------------------------------------------------
+
+
+def test_lookup_by_name_dotted_path_and_unknown():
+    assert {"exact_match", "numeric", "arithmetic", "countdown", "code_tests"} <= set(
+        known_rewards()
+    )
+    assert get_reward("numeric") is numeric
+    # pytest imports this file under another module name: compare by behaviour.
+    for path in ("tests.test_rewards:half_reward", "tests.test_rewards.half_reward"):
+        fn = get_reward(path)
+        assert fn.__name__ == "half_reward" and fn({}, "abc") == 0.5
+    for name, why in [
+        ("nope", "known: arithmetic"),
+        ("no_such_pkg.mod:f", "cannot import no_such_pkg.mod"),
+        ("tests.test_rewards:missing", "has no callable 'missing'"),
+        ("tests.test_rewards:json", "has no callable 'json'"),
+    ]:
+        with pytest.raises(UnknownReward, match=why):
+            get_reward(name)
+
+
+def test_score_checks_the_value():
+    assert score(half_reward, {}, "x") == (0.5, {})
+    assert score(lambda r, c, **k: True, {}, "x") == (1.0, {})
+    assert score(lambda r, c, **k: Scored(0.0, reason="r"), {}, "x") == (0.0, {"reason": "r"})
+    with pytest.raises(ValueError, match="finite"):
+        score(lambda r, c, **k: math.nan, {}, "x")
+    with pytest.raises(TypeError, match="expected a float"):
+        score(lambda r, c, **k: "1.0", {}, "x")
+
+
+def test_reward_plugin_from_an_entry_point(tmp_path: Path, monkeypatch):
+    (tmp_path / "astra_reward_plugin_mod.py").write_text(
+        "def always_quarter(record, completion, **context):\n    return 0.25\n"
+    )
+    info = tmp_path / "astra_reward_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: astra-reward-plugin\nVersion: 1.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[astra.rewards]\nquarter_plugin = astra_reward_plugin_mod:always_quarter\n"
+    )
+    with pytest.raises(UnknownReward):
+        get_reward("quarter_plugin")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert get_reward("quarter_plugin")({}, "") == 0.25
+        assert "quarter_plugin" in known_rewards()
+    finally:
+        REWARDS.remove("quarter_plugin")
+
+
+# ----- synthetic tasks -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["arithmetic", "countdown"])
+def test_tasks_are_seeded_and_their_answers_score_one(kind, tmp_path: Path):
+    records = generate_records(kind, 200, seed=3)
+    assert records == generate_records(kind, 200, seed=3) != generate_records(kind, 200, seed=4)
+    reward = get_reward(kind)
+    assert all(reward(r, r["answer"]) == 1.0 for r in records)
+    assert all(isinstance(r["prompt"], str) and r["prompt"] for r in records)
+    path = write_dataset(kind, tmp_path / "d" / f"{kind}.jsonl", 50, seed=1)
+    loaded = load_records(path)
+    assert loaded == generate_records(kind, 50, seed=1)
+    # Records cross the wire as a protobuf Struct: numbers come back as floats.
+    as_floats = json.loads(json.dumps(loaded[0]), parse_int=float)
+    assert reward(as_floats, loaded[0]["answer"]) == 1.0
+
+
+def test_task_generator_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="unknown task kind"):
+        generate_records("sudoku", 1)
+    with pytest.raises(ValueError, match="n must be"):
+        generate_records("arithmetic", 0)
