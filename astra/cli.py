@@ -10,7 +10,6 @@ import sys
 import click
 
 NOT_BUILT = {
-    "raas": "issue 4 (RaaS)",
     "trainer": "issue 5 (Trainer)",
 }
 
@@ -105,11 +104,89 @@ async def _serve_dataflow(config) -> None:
     log.info("dataflow stopped")
 
 
-@serve.command("raas", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def serve_raas(args: tuple[str, ...]) -> None:
-    """Rollout service (not built yet)."""
-    _not_built("raas")
+@serve.command("raas")
+@click.option("--dataflow", default="", help="Dataflow HOST:PORT to register with.")
+@click.option(
+    "--engine",
+    type=click.Choice(["torch"]),
+    default="torch",
+    show_default=True,
+    help="Inference engine (vllm, sglang and openai adapters are not built yet).",
+)
+@click.option("--model", default="tiny", show_default=True, help="tiny, or a local HF directory.")
+@click.option("--policy", "policies", multiple=True, help="Policy served (repeatable).")
+@click.option("--workflow", "workflows", multiple=True, help="Workflow served (repeatable).")
+@click.option(
+    "--reward",
+    "rewards",
+    multiple=True,
+    help="Rewards groups may name (repeatable); default: the registered ones.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=0, show_default=True, help="0 picks one.")
+@click.option(
+    "--capacity",
+    type=click.IntRange(1),
+    default=64,
+    show_default=True,
+    help="Samples generated at once.",
+)
+@click.option("--instance-id", default="", help="Stable id; default from address and time.")
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE (repeatable).")
+@click.option("--state-dir", default="./astra-state/raas", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--on-swap",
+    type=click.Choice(["continue", "finish_old"]),
+    default="continue",
+    show_default=True,
+    help="In-flight sequences on a weight swap.",
+)
+@click.option("--log-level", default="info", show_default=True)
+def serve_raas(
+    dataflow: str,
+    engine: str,
+    model: str,
+    policies: tuple[str, ...],
+    workflows: tuple[str, ...],
+    rewards: tuple[str, ...],
+    host: str,
+    port: int,
+    capacity: int,
+    instance_id: str,
+    labels: tuple[str, ...],
+    state_dir: str,
+    device: str,
+    on_swap: str,
+    log_level: str,
+) -> None:
+    """Run a rollout service with the built-in torch engine."""
+    from astra.servers.raas_serve import RaasOptions
+    from astra.servers.raas_serve import serve_raas as serve
+
+    parsed = {}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
+        parsed[key] = value
+    _logging(log_level)
+    opts = RaasOptions(
+        dataflow=dataflow,
+        model=model,
+        policies=list(policies) or ["policy"],
+        workflows=list(workflows) or ["single_turn"],
+        rewards=list(rewards) or None,
+        host=host,
+        port=port,
+        capacity=capacity,
+        instance_id=instance_id,
+        labels=parsed,
+        state_dir=state_dir,
+        device=device,
+        on_swap=on_swap,
+    )
+    asyncio_run(serve(opts))
 
 
 @serve.command("trainer", context_settings={"ignore_unknown_options": True})

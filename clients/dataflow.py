@@ -12,11 +12,12 @@ from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
 
 class DataflowClient(BaseClient):
     SERVICE = "astra.dataflow.v1.DataflowService"
+    # FetchBatch is idempotent too, but its UNAVAILABLE usually means BATCH_NOT_READY,
+    # which the trainer wants to see (with the reason) rather than have retried blindly.
     IDEMPOTENT = (
         "RegisterInstance",
         "HeartbeatInstance",
         "DeregisterInstance",
-        "FetchBatch",
         "AckBatch",
         "AnnounceVersion",
         "GetStatus",

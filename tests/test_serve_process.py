@@ -70,7 +70,7 @@ def test_unknown_config_key_exits_2_naming_it(tmp_path):
     assert "bogus_key" in out.stderr
 
 
-@pytest.mark.parametrize("service", ["raas", "trainer"])
+@pytest.mark.parametrize("service", ["trainer"])
 def test_unbuilt_services_say_so_and_fail(service):
     out = subprocess.run(
         [sys.executable, "-m", "astra.cli", "serve", service],

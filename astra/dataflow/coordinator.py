@@ -244,6 +244,13 @@ class Dataflow:
         if self.pool.empty:
             return POOL_EMPTY
         state = self.gate_state or self.evaluate_gate()
+        eta = self.config.gate.max_offpolicyness
+        if state.capacity <= 0 and eta is not None and self._in_flight() == 0:
+            versions = {p.id: self.versions.current(p.id) for p in self.config.policies}
+            return (
+                f"off-policy bound reached (eta={eta}, versions {versions}): "
+                "waiting for the trainer's next version"
+            )
         return state.reason
 
     def _in_flight(self) -> int:

@@ -1,0 +1,88 @@
+"""`astra serve raas`: the built-in torch engine behind a RolloutService.
+
+Loads the model for every policy, joins it to the workflows and the weight
+loader, serves RolloutService (health NOT_SERVING until the model is loaded
+and after an engine failure), registers with Dataflow and runs until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RaasOptions:
+    dataflow: str
+    model: str = "tiny"
+    policies: list[str] = field(default_factory=lambda: ["policy"])
+    workflows: list[str] = field(default_factory=lambda: ["single_turn"])
+    rewards: list[str] | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    capacity: int = 64
+    instance_id: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    state_dir: str = "./astra-state/raas"
+    device: str = "cpu"
+    on_swap: str = "continue"
+    grace_s: float = 5.0
+
+
+async def serve_raas(opts: RaasOptions) -> None:
+    from astra.engine.tiny import load_model
+    from astra.engine.torch_engine import TorchEngine
+    from astra.raas.engine_backend import EngineBackend
+    from astra.servers.raas import start_raas
+    from astra.servers.raas_weights import ReceiverWeightLoader
+    from astra.servers.runtime import serve_until_signal
+
+    models = {}
+    for policy in opts.policies:
+        models[policy] = await asyncio.to_thread(load_model, opts.model, opts.device)
+    engine = TorchEngine(models, opts.device, max_batch=opts.capacity, on_swap=opts.on_swap)
+    state = Path(opts.state_dir)
+    loader = ReceiverWeightLoader(state / "weights", receiver_prefix=opts.instance_id or "raas")
+    backend = EngineBackend(engine, opts.workflows, loader, rewards=opts.rewards)
+    server, servicer, registrar = await start_raas(
+        backend,
+        capacity=opts.capacity,
+        dataflow_address=opts.dataflow or None,
+        host=opts.host,
+        port=opts.port,
+        instance_id=opts.instance_id or None,
+        labels=opts.labels,
+        grace_s=opts.grace_s,
+    )
+    print(
+        json.dumps(
+            {"service": "raas", "address": server.address, "instance_id": servicer.instance_id}
+        ),
+        flush=True,
+    )
+    log.info("raas %s serving %s on %s", servicer.instance_id, opts.policies, server.address)
+
+    async def watch_engine() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if not engine.healthy:
+                log.error("engine failed: serving NOT_SERVING so Dataflow routes away")
+                await server.set_serving(False)
+                return
+
+    watcher = asyncio.create_task(watch_engine())
+
+    async def on_stop() -> None:
+        watcher.cancel()
+        if registrar is not None:
+            await registrar.stop()
+        await servicer.close()
+        await loader.close()
+        await engine.close()
+
+    await serve_until_signal(server, on_stop=on_stop)
