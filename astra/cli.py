@@ -9,10 +9,6 @@ import sys
 
 import click
 
-NOT_BUILT = {
-    "trainer": "issue 5 (Trainer)",
-}
-
 
 def _logging(level: str) -> None:
     logging.basicConfig(
@@ -28,10 +24,12 @@ def main() -> None:
     """Astra: asynchronous RL post-training over gRPC services."""
 
 
-def _add_weights_commands() -> None:
+def _add_subcommands() -> None:
+    from astra.trainer.cli import trainer_command
     from astra.weights.cli import weights
 
     main.add_command(weights)
+    serve.add_command(trainer_command, "trainer")
 
 
 @main.group()
@@ -189,13 +187,6 @@ def serve_raas(
     asyncio_run(serve(opts))
 
 
-@serve.command("trainer", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def serve_trainer(args: tuple[str, ...]) -> None:
-    """Trainer (not built yet)."""
-    _not_built("trainer")
-
-
 @serve.command("weights")
 @click.option(
     "--store",
@@ -251,11 +242,6 @@ def serve_weights(
     asyncio_run(run())
 
 
-def _not_built(name: str) -> None:
-    click.echo(f"astra serve {name}: not built yet (tracked in {NOT_BUILT[name]})", err=True)
-    sys.exit(3)
-
-
 @main.command("status")
 @click.option("--dataflow", "address", required=True, help="HOST:PORT of Dataflow.")
 @click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True)
@@ -288,7 +274,7 @@ def asyncio_run(coro) -> None:
     asyncio.run(coro)
 
 
-_add_weights_commands()
+_add_subcommands()
 
 if __name__ == "__main__":
     main()

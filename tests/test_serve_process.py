@@ -68,15 +68,3 @@ def test_unknown_config_key_exits_2_naming_it(tmp_path):
     )
     assert out.returncode == 2
     assert "bogus_key" in out.stderr
-
-
-@pytest.mark.parametrize("service", ["trainer"])
-def test_unbuilt_services_say_so_and_fail(service):
-    out = subprocess.run(
-        [sys.executable, "-m", "astra.cli", "serve", service],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert out.returncode != 0
-    assert "not built yet" in out.stderr

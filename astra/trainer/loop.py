@@ -1,0 +1,255 @@
+"""`Trainer`: fetch a batch, take one optimiser step, hand the new version to the publisher.
+
+Per iteration on rank 0: fetch under a stable request id (astra.trainer.feed);
+a batch that fails validation is counted, acknowledged and skipped; every
+rank trains its share (rank 0 broadcasts the batch); a non-finite loss
+stops the step with nothing applied or published; otherwise AckBatch, copy
+the full state to host memory and queue it for the background publish and
+announce (astra.trainer.publisher) — the step waits only for the copy.
+Version = optimiser steps, carried across restarts (setup.agree_version).
+Compute runs on one worker thread, so the event loop (and a TrainerService
+beside it) stays responsive. Ranks > 0 run `run_follower`. Checkpoints:
+astra.trainer.state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from astra.engine.torch_weights import torch_dtype
+from astra.trainer import ranks, setup
+from astra.trainer.batch import BatchRejected, TrainBatch
+from astra.trainer.config import TrainerConfig
+from astra.trainer.feed import Feed
+from astra.trainer.losses import StalenessMetrics
+from astra.trainer.parallel import broadcast_object, full_state, init_distributed, world
+from astra.trainer.publisher import Publisher
+from astra.trainer.sources import BatchSource, WeightSink, retrying
+from astra.trainer.state import StateMixin
+from astra.trainer.step import TrainingStepResult, train_on_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """One iteration (Flux's StepResult); `skipped` names why no update was applied."""
+
+    step: int
+    training_result: TrainingStepResult | None
+    staleness_metrics: StalenessMetrics | None
+    batch_size: int
+    num_trajectories: int
+    elapsed_ms: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    version: int = 0
+    skipped: str = ""
+
+
+class Trainer(StateMixin):
+    """Policy optimisation over a BatchSource, publishing to a WeightSink; usable without a CLI."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        source: BatchSource | None = None,
+        sink: WeightSink | None = None,
+    ) -> None:
+        self.config, self.source, self.sink = config, source, sink
+        self.rank, self.world_size, self.step, self.version = 0, 1, 0, 0
+        self.counters: Counter[str] = Counter()
+        self.timings: Counter[str] = Counter()
+        self.feed = Feed(config, self.counters, on_wait=self._serve_checkpoint_requests)
+        self.last: StepResult | None = None
+        self.initialized = False
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="astra-train")
+        self._sync_loop: asyncio.AbstractEventLoop | None = None
+        self._init_checkpoints()
+
+    @property
+    def attempt(self) -> int:
+        return self.feed.attempt
+
+    @attempt.setter
+    def attempt(self, value: int) -> None:
+        self.feed.attempt = value
+
+    async def _compute(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def initialize(self) -> None:
+        """Builds the (sharded) model and optimiser, resumes, agrees versions, publishes v0."""
+        c = self.config
+        torch.manual_seed(c.seed)
+        random.seed(c.seed)
+        mesh = await self._compute(init_distributed, c.device)
+        self.rank, self.world_size = world()
+        self.model_cfg, self.hf_config, initial = await asyncio.to_thread(
+            setup.load_weights, c.model
+        )
+        self.feed.model_cfg = self.model_cfg
+        self.model = await self._compute(setup.make_model, c, self.model_cfg, initial, mesh)
+        self.ref_model = await self._compute(setup.make_reference, c, initial, mesh)
+        self.optimizer = setup.make_optimizer(c, self.model)
+        if c.checkpoint.resume:
+            await self._compute(self.load_checkpoint, c.checkpoint.dir)
+        first = False
+        if self.rank == 0:
+            self.source = self.source or setup.make_source(c)
+            self.sink = self.sink or setup.make_sink(c, self.hf_config)
+            self.feed.source = self.source
+            both = self.source is not None and self.sink is not None
+            announce = self.source.announce if both else None  # type: ignore[union-attr]
+            self.publisher = Publisher(self.sink, announce, max_pending=c.publish.max_pending)
+            self.version, held = await retrying(
+                lambda: setup.agree_version(self.version, self.source, self.sink, announce=both),
+                "agreeing versions with Dataflow and the WeightService",
+            )
+            first = not held and self.sink is not None and c.publish.publish_initial
+        self.version, first = await self._compute(broadcast_object, (self.version, first))
+        if first:  # collective: every rank takes part in gathering the state
+            host = await self._compute(self._host_copy)
+            if self.rank == 0:
+                await self.publisher.submit(self.version, host)
+                await self.publisher.drain()
+        self.initialized = True
+
+    async def shutdown(self) -> None:
+        if self.rank == 0 and self.world_size > 1 and self.initialized:
+            await self._compute(broadcast_object, {"kind": "stop"})
+        if self.rank == 0 and self.initialized:
+            try:
+                await self.publisher.drain()
+            finally:
+                await self.publisher.close()
+                for part in (self.source, self.sink):
+                    if part is not None:
+                        await part.close()
+        self._pool.shutdown(wait=True)
+
+    def _host_copy(self) -> dict[str, torch.Tensor]:
+        dtype = self.config.publish.dtype
+        return full_state(self.model, None if dtype == "model" else torch_dtype(dtype))
+
+    def _train(self, batch: TrainBatch, version: int, publish: bool) -> tuple[Any, ...]:
+        """Every rank: one step on its share, then (if applied and published) the host copy."""
+        result, stale = train_on_batch(
+            self.model,
+            self.optimizer,
+            batch,
+            self.config,
+            version=version,
+            ref_model=self.ref_model,
+        )
+        start = time.perf_counter()
+        host = self._host_copy() if result.applied and publish else {}
+        return result, stale, host, time.perf_counter() - start
+
+    async def train_step_async(self) -> StepResult:
+        """One iteration on rank 0 (see the module docstring)."""
+        self._busy = True
+        try:
+            return await self._iteration()
+        finally:
+            self._busy = False
+
+    async def _iteration(self) -> StepResult:
+        t0 = time.perf_counter()
+        fetched = await self.feed.fetch(self.version + 1)
+        t_fetch = time.perf_counter()
+        n_traj = len(fetched.trajectories)
+        try:
+            batch = await asyncio.to_thread(self.feed.build, fetched.trajectories)
+        except BatchRejected as exc:
+            log.warning("batch %s rejected: %s", fetched.batch_id, exc)
+            self.counters["batches_rejected"] += 1
+            self.feed.consumed_without_update(exc.reason)
+            await self.feed.ack(fetched.batch_id)
+            ms = (time.perf_counter() - t0) * 1e3
+            return self._finish(
+                StepResult(self.step, None, None, 0, n_traj, ms, {}, self.version, exc.reason)
+            )
+        publish = self.sink is not None
+        if self.world_size > 1:
+            plan = ranks.train_plan(fetched.trajectories, self.version, publish)
+            await self._compute(broadcast_object, plan)
+        result, stale, host, copy_s = await self._compute(self._train, batch, self.version, publish)
+        t_step = time.perf_counter()
+        await self.feed.ack(fetched.batch_id)
+        skipped, blocked = "", copy_s
+        if result.applied:
+            self.step, self.version, self.attempt = self.step + 1, self.version + 1, 0
+            self.counters["tokens_trained"] += result.num_tokens
+            if host:
+                blocked += await self.publisher.submit(self.version, host)
+        else:
+            skipped = "NON_FINITE_LOSS"
+            log.error("batch %s: loss %s, step not applied", fetched.batch_id, result.loss)
+            self.feed.consumed_without_update(skipped)
+        end = time.perf_counter()
+        timing = {
+            "fetch_s": t_fetch - t0,
+            "compute_s": t_step - t_fetch - copy_s,
+            "publish_blocked_s": blocked,
+            "total_s": end - t0,
+        }
+        self.timings.update(timing)
+        metrics = {**result.metrics, **vars(stale)}
+        metrics.update({k[:-2] + "_ms": v * 1e3 for k, v in timing.items()})
+        metrics["tokens_per_s"] = result.num_tokens / max(end - t0, 1e-9)
+        out = StepResult(
+            self.step, result, stale, len(batch.sequences), n_traj, (end - t0) * 1e3,
+            metrics, self.version, skipped,
+        )  # fmt: skip
+        await self._after_step(result.applied)
+        return self._finish(out)
+
+    def _finish(self, result: StepResult) -> StepResult:
+        self.counters["iterations"] += 1
+        self.last = result
+        return result
+
+    async def run_training_async(self, num_steps: int | None = None) -> AsyncIterator[StepResult]:
+        """Yields one StepResult per iteration (skipped ones included); None or 0: no end."""
+        if not self.initialized:
+            await self.initialize()
+        done = 0
+        while not num_steps or done < num_steps:
+            yield await self.train_step_async()
+            done += 1
+        await self.publisher.drain()
+
+    def run_training(self, num_steps: int) -> Iterator[StepResult]:
+        """The synchronous form, on an event loop of its own kept across calls (see `close`)."""
+        if self._sync_loop is None:
+            self._sync_loop = asyncio.new_event_loop()
+        loop, steps = self._sync_loop, self.run_training_async(num_steps)
+        while True:
+            try:
+                yield loop.run_until_complete(anext(steps))
+            except StopAsyncIteration:
+                return
+
+    def close(self) -> None:
+        """`shutdown` for users of `run_training`."""
+        if self._sync_loop is not None:
+            self._sync_loop.run_until_complete(self.shutdown())
+            self._sync_loop.close()
+            self._sync_loop = None
+
+    async def run_follower(self) -> None:
+        """Ranks > 0: obey rank 0's plans until it stops (astra.trainer.ranks)."""
+        if not self.initialized:
+            await self.initialize()
+        await ranks.follow(self)

@@ -1,0 +1,220 @@
+"""Token-level GRPO/PPO losses, their aggregation, and the staleness signals of a step.
+
+Pure tensor functions: no model, optimiser, process group or I/O. Per trained
+token (loss mask m = 1): logp is the current policy's log-prob (with gradient),
+prox the proximal policy's (detached; the parameters at the start of the step,
+since a batch gets exactly one optimiser step, so by default prox = sg(logp)),
+mu the behaviour log-prob the rollout engine reported, A the sequence's
+advantage, sg() stop-gradient.
+
+    r          = exp(logp - base)
+    l_clip     = max(-A*r, -A*clamp(r, 1 - clip_low, 1 + clip_high))
+    dual clip  = for A < 0: min(l_clip, -c*A)  (Ye et al. 2020; c > 1)
+
+kinds:
+    ppo        base = mu; l = l_clip (dual-clipped).
+    decoupled  AReaL's decoupled PPO: base = prox; l = w * l_clip with the behaviour
+               weight w = sg(exp(prox - mu)), truncated to min(w, C) ("truncate") or
+               its token dropped when w > C ("mask", AReaL's behav_imp_weight_cap).
+    tis        truncated importance sampling: l = -sg(min(exp(logp - mu), C)) * A * logp,
+               whose gradient is min(r, C) * A * grad(logp) (IMPALA's truncated rho).
+
+KL to a frozen reference, d = ref - logp: k1 = -d, k2 = d^2 / 2,
+k3 = exp(d) - d - 1 (unbiased and non-negative). Per-token total:
+l + kl_coef * k - entropy_coef * H, H the entropy of the next-token distribution.
+
+Aggregation over a micro-batch laid out [B, T] (one sequence per row), with
+normalisers counted over the whole step (every micro-batch and every rank), so
+gradient accumulation yields the gradient of the full batch:
+    token      sum(m * l) / N_tokens
+    sequence   sum_rows(sum_t(m * l) / n_row) / N_sequences   (rows with n_row > 0)
+
+Staleness (Flux's three signals): version gap = trainer version - token version
+(max and token mean); KL(behaviour || current) by k3 over tokens sampled from
+the behaviour policy, mean(r - 1 - log r) with r = exp(logp - mu); the variance
+of r. score = 0.4*min(1, KL/0.1) + 0.3*min(1, var/2) + 0.3*min(1, mean gap/5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from astra.trainer.config import LossConfig
+
+
+@dataclass
+class TokenLosses:
+    """Per-token outputs of `token_losses`; all but `loss` detached."""
+
+    loss: Tensor
+    policy: Tensor
+    ratio: Tensor
+    clipped: Tensor
+    dual_clipped: Tensor
+    behaviour_weight: Tensor
+    capped: Tensor
+    kl: Tensor | None
+    entropy: Tensor | None
+
+
+def clipped_surrogate(
+    ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, clip active, dual clip active) of the PPO surrogate per token."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = (clipped > unclipped).detach()
+    dual_active = torch.zeros_like(clip_active)
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        dual_active = ((adv < 0) & (loss > bound)).detach()
+        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
+    return loss, clip_active, dual_active
+
+
+def capped_weight(log_w: Tensor, cap: float | None, mode: str) -> tuple[Tensor, Tensor]:
+    """(weight exp(log_w) capped at `cap` by truncation or masking, where the cap bound)."""
+    w = log_w.detach().exp()
+    if cap is None:
+        return w, torch.zeros_like(w, dtype=torch.bool)
+    over = w > cap
+    return torch.where(
+        over, torch.zeros_like(w) if mode == "mask" else torch.full_like(w, cap), w
+    ), over
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
+    """KL(π ‖ π_ref) per token, estimated from tokens sampled from π."""
+    delta = ref_logp - logp
+    if estimator == "k1":
+        return -delta
+    if estimator == "k2":
+        return 0.5 * delta.square()
+    return delta.exp() - delta - 1.0
+
+
+def token_losses(
+    logp: Tensor,
+    behaviour_logp: Tensor,
+    adv: Tensor,
+    cfg: LossConfig,
+    *,
+    proximal_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> TokenLosses:
+    """Per-token loss of the configured kind (see the module docstring); same shapes in and out."""
+    behaviour_logp = behaviour_logp.to(logp.dtype)
+    adv = adv.to(logp.dtype)
+    prox = logp.detach() if proximal_logp is None else proximal_logp.to(logp.dtype).detach()
+    if cfg.kind == "tis":
+        ratio = (logp - behaviour_logp).exp()
+        weight, capped = capped_weight(logp - behaviour_logp, cfg.behaviour_cap, "truncate")
+        policy = -weight * adv * logp
+        clip_active = dual_active = torch.zeros_like(capped)
+    else:
+        base = behaviour_logp if cfg.kind == "ppo" else prox
+        ratio = (logp - base).exp()
+        policy, clip_active, dual_active = clipped_surrogate(
+            ratio, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip
+        )
+        if cfg.kind == "decoupled":
+            weight, capped = capped_weight(
+                prox - behaviour_logp, cfg.behaviour_cap, cfg.behaviour_mode
+            )
+            policy = weight * policy
+        else:
+            weight, capped = torch.ones_like(ratio).detach(), torch.zeros_like(clip_active)
+    loss = policy
+    kl = None
+    if ref_logp is not None and cfg.kl_coef > 0:
+        kl = kl_penalty(logp, ref_logp.to(logp.dtype).detach(), cfg.kl_estimator)
+        loss = loss + cfg.kl_coef * kl
+    if entropy is not None and cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * entropy
+    return TokenLosses(
+        loss=loss,
+        policy=policy.detach(),
+        ratio=ratio.detach(),
+        clipped=clip_active,
+        dual_clipped=dual_active,
+        behaviour_weight=weight,
+        capped=capped,
+        kl=None if kl is None else kl.detach(),
+        entropy=None if entropy is None else entropy.detach(),
+    )
+
+
+def aggregate(
+    loss_BT: Tensor, mask_BT: Tensor, mode: str, num_tokens: int, num_sequences: int
+) -> Tensor:
+    """The micro-batch's share of the step loss; `num_*` count the whole step."""
+    mask = mask_BT.to(loss_BT.dtype)
+    if mode == "token":
+        return (loss_BT * mask).sum() / max(num_tokens, 1)
+    per_row = (loss_BT * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    return per_row.sum() / max(num_sequences, 1)
+
+
+def staleness_score(kl: float, iw_variance: float, version_gap: float) -> float:
+    """Flux's combined staleness in [0, 1]."""
+    terms = ((0.4, kl, 0.1), (0.3, iw_variance, 2.0), (0.3, version_gap, 5.0))
+    return sum(w * min(1.0, max(0.0, x) / scale) for w, x, scale in terms)
+
+
+@dataclass
+class StalenessMetrics:
+    """Staleness of one step's trained tokens."""
+
+    version_gap_max: int
+    version_gap_mean: float
+    kl_behaviour_current: float
+    importance_weight_mean: float
+    importance_weight_variance: float
+    score: float
+    num_tokens: int
+
+
+class StalenessAccumulator:
+    """Sums over micro-batches (and, through `sums`, ranks) of the staleness signals."""
+
+    def __init__(self) -> None:
+        self.sums = torch.zeros(5, dtype=torch.float64)  # n, Σr, Σr², Σk3, Σgap
+        self.max_gap = torch.zeros(1, dtype=torch.float64)
+
+    @torch.no_grad()
+    def add(
+        self, logp: Tensor, behaviour_logp: Tensor, versions: Tensor, mask: Tensor, version: int
+    ) -> None:
+        m = mask.bool()
+        log_r = (logp.detach().double() - behaviour_logp.double())[m]
+        r = log_r.exp()
+        gap = (version - versions[m]).double()
+        n = float(m.sum())
+        k3 = (r - 1.0 - log_r).sum()
+        self.sums += torch.stack(
+            (torch.tensor(n, dtype=torch.float64), r.sum(), r.square().sum(), k3, gap.sum())
+        )
+        if gap.numel():
+            self.max_gap = torch.maximum(self.max_gap, gap.max().reshape(1))
+
+    def finish(self) -> StalenessMetrics:
+        n, s_r, s_r2, s_kl, s_gap = (float(x) for x in self.sums)
+        d = max(n, 1.0)
+        mean_r = s_r / d if n else 1.0
+        var = max(s_r2 / d - mean_r * mean_r, 0.0) if n else 0.0
+        kl, gap_mean = s_kl / d, s_gap / d
+        gap_max = int(self.max_gap.item())
+        return StalenessMetrics(
+            version_gap_max=gap_max,
+            version_gap_mean=gap_mean,
+            kl_behaviour_current=kl,
+            importance_weight_mean=mean_r,
+            importance_weight_variance=var,
+            score=staleness_score(kl, var, gap_mean),
+            num_tokens=int(n),
+        )

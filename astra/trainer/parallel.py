@@ -1,0 +1,147 @@
+"""FSDP2 for the policy: process group and mesh, one `parallelize`, full state in and out.
+
+torchtitan's order: the model is built on the meta device, `parallelize`
+applies `fully_shard` to every decoder layer and then to the root (tied
+embedding and lm_head stay one parameter, in the root's group), and only
+then are parameters materialised and filled from a full (unsharded) state
+dict. FSDP averages gradients over ranks; the step multiplies its loss by
+the world size, since losses are already normalised by step-wide counts
+(a divide factor of 1 would need PREMUL_SUM, which gloo lacks).
+Backends: gloo on CPU, nccl on CUDA; the single mesh axis is named "dp".
+With one process there is no process group and the model stays plain.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from astra.engine.model import CausalLM
+from astra.engine.model_config import ModelConfig
+
+DP = "dp"
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process; (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed(device: str) -> DeviceMesh | None:
+    """Joins the torchrun process group when WORLD_SIZE > 1; returns the "dp" mesh or None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
+        return None
+    device_type = torch.device(device).type
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend)
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=(DP,))
+
+
+def parallelize(model: CausalLM, mesh: DeviceMesh) -> CausalLM:
+    """FSDP2 over the "dp" axis: each decoder layer, then the root."""
+    assert mesh.mesh_dim_names == (DP,), f"expected a mesh with one axis {DP!r}"
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def build_model(
+    cfg: ModelConfig,
+    state: dict[str, Tensor],
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    mesh: DeviceMesh | None = None,
+) -> CausalLM:
+    """A trainable model: meta -> (parallelize) -> materialise -> load the full `state`."""
+    with torch.device("meta"):
+        model = CausalLM(cfg).to(dtype)
+    if mesh is not None:
+        parallelize(model, mesh)
+    model.to_empty(device=device)
+    if mesh is None:
+        model.tie()  # to_empty gives each module its own tensor
+    load_full_state(model, state)
+    return model.train()
+
+
+def load_full_state(model: CausalLM, state: dict[str, Tensor]) -> None:
+    """Loads HF-named full tensors into a plain or sharded model (every rank passes them)."""
+    full = dict(state)
+    if model.cfg.tie_word_embeddings:
+        full["lm_head.weight"] = full["model.embed_tokens.weight"]
+    model.check_state(full, partial=False)
+    ref = dict(model.named_parameters(remove_duplicate=False))
+    full = {k: v.to(ref[k].dtype) for k, v in full.items()}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+
+
+def full_state(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """HF-named full CPU tensors with their own memory (rank 0; other ranks get {}).
+
+    Collective under FSDP: every rank calls it. A tied lm_head is left out.
+    """
+    state = get_model_state_dict(model, options=FULL)
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return {
+        k: v.detach().to(device="cpu", dtype=dtype or v.dtype, copy=True).contiguous()
+        for k, v in state.items()
+    }
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name, unsharded, on CPU (collective)."""
+    return get_optimizer_state_dict(model, optimizer, options=FULL)
+
+
+def load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    set_optimizer_state_dict(
+        model, optimizer, state, options=StateDictOptions(full_state_dict=True)
+    )
+
+
+def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
+    """In-place all-reduce of a CPU tensor across ranks (no-op alone; via CUDA under nccl)."""
+    if world()[1] > 1:
+        buf = t.cuda() if dist.get_backend() == "nccl" else t
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        if buf is not t:
+            t.copy_(buf.cpu())
+    return t
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (no-op alone)."""
+    if world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if world()[1] > 1:
+        dist.barrier()

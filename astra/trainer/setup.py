@@ -1,0 +1,113 @@
+"""Builds what a trainer starts from: weights, model, optimiser, source and sink; agrees versions.
+
+Version agreement after a (re)start: the trainer continues from the largest
+of its checkpoint's version, the WeightService's newest version and
+Dataflow's current version, so versions stay monotonic across restarts; a
+version the WeightService holds but Dataflow never heard of (the trainer
+died between the two) is announced first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from astra.engine.model import CausalLM
+from astra.engine.model_config import ModelConfig
+from astra.engine.tiny import TINY, TINY_CONFIG, tiny_model
+from astra.engine.torch_weights import load_state, torch_dtype
+from astra.trainer.config import TrainerConfig
+from astra.trainer.parallel import build_model
+from astra.trainer.sources import (
+    BatchSource,
+    DataflowSource,
+    WeightServiceSink,
+    WeightSink,
+    model_files,
+)
+
+log = logging.getLogger(__name__)
+
+
+def load_weights(model: str) -> tuple[ModelConfig, dict[str, Any], dict[str, Tensor]]:
+    """(architecture, config.json contents, HF-named CPU tensors) of 'tiny' or a directory."""
+    if model == TINY:
+        return ModelConfig.from_hf(TINY_CONFIG), dict(TINY_CONFIG), tiny_model().hf_state_dict()
+    raw = json.loads((Path(model) / "config.json").read_text())
+    return ModelConfig.from_hf(raw), raw, load_state(model)
+
+
+def make_model(
+    config: TrainerConfig,
+    cfg: ModelConfig,
+    state: dict[str, Tensor],
+    mesh: DeviceMesh | None,
+    *,
+    frozen: bool = False,
+) -> CausalLM:
+    model = build_model(
+        cfg, state, device=config.device, dtype=torch_dtype(config.dtype), mesh=mesh
+    )
+    if frozen:
+        model.eval().requires_grad_(False)
+    return model
+
+
+def make_reference(
+    config: TrainerConfig, initial: dict[str, Tensor], mesh: DeviceMesh | None
+) -> CausalLM | None:
+    """The frozen KL reference, or None when the loss has no KL term."""
+    if config.reference_model is None or config.loss.kl_coef == 0:
+        return None
+    if config.reference_model == "initial":
+        cfg = load_weights(config.model)[0]
+        return make_model(config, cfg, initial, mesh, frozen=True)
+    cfg, _, state = load_weights(config.reference_model)
+    return make_model(config, cfg, state, mesh, frozen=True)
+
+
+def make_optimizer(config: TrainerConfig, model: CausalLM) -> torch.optim.Optimizer:
+    o = config.optim
+    return torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+    )
+
+
+def make_source(config: TrainerConfig) -> BatchSource | None:
+    if config.dataflow is None:
+        return None
+    return DataflowSource(
+        config.dataflow,
+        config.policy_id,
+        trainer_id=config.trainer_id,
+        weights_address=config.weights or "",
+        max_wait_s=config.batch.max_wait_s,
+    )
+
+
+def make_sink(config: TrainerConfig, hf_config: dict[str, Any]) -> WeightSink | None:
+    if config.weights is None or not config.publish.enabled:
+        return None
+    return WeightServiceSink(config.weights, config.policy_id, model_files(config.model, hf_config))
+
+
+async def agree_version(
+    version: int, source: BatchSource | None, sink: WeightSink | None, *, announce: bool
+) -> tuple[int, bool]:
+    """(version to continue from, whether the sink holds any version)."""
+    latest = await sink.latest_version() if sink is not None else None
+    current = await source.current_version() if source is not None else None
+    if announce and source is not None and latest is not None and current is not None:
+        for v in range(current + 1, latest + 1):
+            log.info("announcing version %d, published before the restart", v)
+            await source.announce(v, str(v))
+    agreed = max(version, latest if latest is not None else 0, current or 0)
+    if agreed != version:
+        log.warning("continuing at version %d (checkpoint had %d)", agreed, version)
+    return agreed, latest is not None

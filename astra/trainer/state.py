@@ -1,0 +1,182 @@
+"""A `Trainer`'s state: checkpoints (save, load, on request, every N steps) and statistics.
+
+Saving is collective under FSDP (every rank gathers the full model and
+optimiser state; rank 0 writes, astra.trainer.checkpoint), so rank 0 first
+broadcasts a "checkpoint" plan to its followers. Requests from the
+TrainerService are idempotent by request id and served between steps (or
+at once when no step is running). A checkpoint holds step, version and fetch
+attempt, so a resumed run asks Dataflow for the same request ids and, with
+fixed seeds, takes the same next step as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from pathlib import Path
+from typing import Any
+
+from astra.trainer.checkpoint import (
+    latest_checkpoint,
+    read_checkpoint,
+    restore_rng,
+    write_checkpoint,
+)
+from astra.trainer.parallel import (
+    barrier,
+    broadcast_object,
+    full_optimizer_state,
+    full_state,
+    load_full_state,
+    load_optimizer_state,
+)
+
+log = logging.getLogger(__name__)
+MAX_REMEMBERED = 1024
+
+
+class StateMixin:
+    """Mixed into Trainer; uses its model, optimizer, step, version, attempt and counters."""
+
+    config: Any
+    model: Any
+    optimizer: Any
+    hf_config: dict[str, Any]
+    rank: int
+    world_size: int
+    step: int
+    version: int
+    attempt: int
+    counters: Any
+    timings: Any
+    last: Any
+    initialized: bool
+    publisher: Any
+    _compute: Any
+
+    def _init_checkpoints(self) -> None:
+        self.last_checkpoint: Path | None = None
+        self.last_checkpoint_time: datetime.datetime | None = None
+        self._requests: dict[str, asyncio.Future[tuple[Path, int]]] = {}
+        self._busy = False
+
+    def _root(self, path: str | Path | None) -> Path:
+        root = path or self.config.checkpoint.dir
+        if root is None:
+            raise ValueError("no checkpoint directory: set checkpoint.dir or pass a path")
+        return Path(root)
+
+    def _write_checkpoint(self, root: str | Path) -> Path | None:
+        """Every rank: gather the full state; rank 0 writes it. Returns the path on rank 0."""
+        model_state = full_state(self.model)
+        optim_state = full_optimizer_state(self.model, self.optimizer)
+        path = None
+        if self.rank == 0:
+            trainer_state = {
+                "version": self.version,
+                "attempt": self.attempt,
+                "policy_id": self.config.policy_id,
+                "world_size": self.world_size,
+                "counters": dict(self.counters),
+            }
+            path = write_checkpoint(
+                root,
+                self.step,
+                model_state,
+                self.hf_config,
+                optim_state,
+                trainer_state,
+                keep_last=self.config.checkpoint.keep_last,
+            )
+            self.last_checkpoint = path
+            self.last_checkpoint_time = datetime.datetime.now(datetime.UTC)
+            self.counters["checkpoints_written"] += 1
+            log.info("checkpoint %s written", path)
+        barrier()
+        return path
+
+    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+        """Writes `<path or checkpoint.dir>/step-N` now (between steps); returns it."""
+        root = self._root(path)
+        if self.world_size > 1:
+            broadcast_object({"kind": "checkpoint", "root": str(root)})
+        written = self._write_checkpoint(root)
+        assert written is not None
+        return written
+
+    def load_checkpoint(self, path: str | Path | None = None) -> None:
+        """Restores model, optimiser, RNG, step, version; `path` is a checkpoint or a root."""
+        target = self._root(path)
+        if not (target / "trainer.json").is_file():
+            found = latest_checkpoint(target)
+            if found is None:
+                log.info("no checkpoint under %s: starting fresh", target)
+                return
+            target = found
+        ckpt = read_checkpoint(target)
+        load_full_state(self.model, ckpt.model)
+        load_optimizer_state(self.model, self.optimizer, ckpt.optimizer)
+        restore_rng(ckpt.rng)
+        self.step, self.version = int(ckpt.trainer["step"]), int(ckpt.trainer["version"])
+        self.attempt = int(ckpt.trainer.get("attempt", 0))
+        self.counters.update(ckpt.trainer.get("counters", {}))
+        self.last_checkpoint = target
+        log.info("resumed from %s at step %d, version %d", target, self.step, self.version)
+
+    async def _checkpoint_now(self) -> tuple[Path, int]:
+        root = self._root(None)
+        if self.world_size > 1:
+            await self._compute(broadcast_object, {"kind": "checkpoint", "root": str(root)})
+        path = await self._compute(self._write_checkpoint, root)
+        return path, self.step
+
+    async def checkpoint_async(self, request_id: str) -> tuple[Path, int]:
+        """(path, step) of the checkpoint for `request_id`; a repeat returns the first answer."""
+        fut = self._requests.get(request_id)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._requests[request_id] = fut
+            while len(self._requests) > MAX_REMEMBERED:
+                self._requests.pop(next(iter(self._requests)))
+            if not self._busy:
+                await self._serve_checkpoint_requests()
+        return await asyncio.shield(fut)
+
+    async def _serve_checkpoint_requests(self) -> None:
+        pending = [f for f in self._requests.values() if not f.done()]
+        if not pending:
+            return
+        try:
+            result = await self._checkpoint_now()
+        except Exception as exc:
+            for f in pending:
+                f.set_exception(exc)
+            return
+        for f in pending:
+            f.set_result(result)
+
+    async def _after_step(self, applied: bool) -> None:
+        every = self.config.checkpoint.every_steps
+        if applied and every and self.config.checkpoint.dir and self.step % every == 0:
+            await self._checkpoint_now()
+        await self._serve_checkpoint_requests()
+
+    def get_statistics(self) -> dict[str, Any]:
+        """Step, version, counters (fetches, rejections by reason, NaN steps, acks), timings,
+        the fraction of step time blocked on publishing, publisher figures, last metrics."""
+        total = self.timings["total_s"]
+        stats: dict[str, Any] = {
+            "policy_id": self.config.policy_id,
+            "step": self.step,
+            "version": self.version,
+            "world_size": self.world_size,
+            "counters": dict(self.counters),
+            "timings_s": dict(self.timings),
+            "publish_blocked_fraction": self.timings["publish_blocked_s"] / total if total else 0.0,
+            "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "last_step": dict(self.last.metrics) if self.last is not None else {},
+        }
+        if self.rank == 0 and self.initialized:
+            stats["publisher"] = vars(self.publisher.stats)
+        return stats

@@ -1,0 +1,142 @@
+"""TrainerService servicer and `serve_trainer`: the training loop and its control surface.
+
+One process (rank 0 under torchrun) runs the Trainer loop and a grpc.aio
+server on the same event loop; training compute runs on the trainer's
+worker thread, so status calls are answered during a step. Health is
+NOT_SERVING until the model is loaded and versions are agreed, then
+SERVING. Ranks > 0 only follow rank 0's broadcasts and serve nothing.
+SaveCheckpoint is idempotent by request_id and served between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from typing import Any
+
+from astra import __version__
+from astra.common.v1 import capabilities_pb2
+from astra.errors import FailedPrecondition, Unavailable
+from astra.servers.convert import check_id
+from astra.servers.runtime import GrpcServer
+from astra.trainer.config import TrainerConfig
+from astra.trainer.loop import Trainer
+from astra.trainer.v1 import trainer_service_pb2 as pb
+from astra.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+CONTRACT_VERSION = "1.0.0"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerService"].full_name
+
+
+class TrainerServicer(pb_grpc.TrainerServiceServicer):
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
+        t = self.trainer
+        resp = pb.GetStatusResponse(
+            policy_id=t.config.policy_id,
+            step=t.step,
+            version=t.publisher.stats.last_published if t.initialized else -1,
+            world_size=t.world_size,
+        )
+        if t.last is not None:
+            resp.loss = float(t.last.metrics.get("loss", float("nan")))
+            resp.metrics.update({k: float(v) for k, v in t.last.metrics.items()})
+        if t.last_checkpoint is not None:
+            resp.last_checkpoint_path = str(t.last_checkpoint)
+        if t.last_checkpoint_time is not None:
+            resp.last_checkpoint_time.FromDatetime(t.last_checkpoint_time)
+        return resp
+
+    async def SaveCheckpoint(
+        self, request: pb.SaveCheckpointRequest, context: Any
+    ) -> pb.SaveCheckpointResponse:
+        check_id(request.request_id, "request_id")
+        if not self.trainer.initialized:
+            raise Unavailable("the trainer is starting", reason="TRAINER_STARTING", retry_after_s=1)
+        if self.trainer.config.checkpoint.dir is None:
+            raise FailedPrecondition(
+                "no checkpoint directory configured", reason="NO_CHECKPOINT_DIR"
+            )
+        path, step = await self.trainer.checkpoint_async(request.request_id)
+        return pb.SaveCheckpointResponse(path=str(path), step=step)
+
+    async def GetCapabilities(
+        self, request: pb.GetCapabilitiesRequest, context: Any
+    ) -> pb.GetCapabilitiesResponse:
+        return pb.GetCapabilitiesResponse(
+            capabilities=capabilities_pb2.Capabilities(
+                contract_version=CONTRACT_VERSION,
+                features=["fsdp2", "ppo", "grpo"],
+                implementation="astra-trainer",
+                implementation_version=__version__,
+            )
+        )
+
+
+async def start_trainer(
+    config: TrainerConfig, *, source: Any = None, sink: Any = None, grace_s: float = 5.0
+) -> tuple[GrpcServer | None, Trainer]:
+    """Starts the TrainerService (unless port is None), then loads the model; SERVING after."""
+    trainer = Trainer(config, source=source, sink=sink)
+    server = None
+    if config.port is not None:
+        server = GrpcServer(config.host, config.port, grace_s=grace_s)
+        server.add_service(
+            pb_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(trainer), SERVICE_NAME
+        )
+        await server.start(serving=False)
+    await trainer.initialize()
+    if server is not None:
+        await server.set_serving(True)
+    return server, trainer
+
+
+async def _train(trainer: Trainer, num_steps: int) -> None:
+    async for result in trainer.run_training_async(num_steps or None):
+        log.info(
+            "step %d version %d loss %s %s",
+            result.step,
+            result.version,
+            result.metrics.get("loss"),
+            result.skipped,
+        )
+
+
+async def serve_trainer(config: TrainerConfig) -> None:
+    """`astra serve trainer`: train `num_steps` (0: until SIGTERM/SIGINT), serving status."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        follower = Trainer(config)
+        try:
+            await follower.run_follower()
+        finally:
+            await follower.shutdown()
+        return
+    server, trainer = await start_trainer(config)
+    address = server.address if server is not None else None
+    print(json.dumps({"service": "trainer", "address": address}), flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    training = asyncio.create_task(_train(trainer, config.num_steps))
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({training, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (training, stopper):
+            task.cancel()
+        outcome, _ = await asyncio.gather(training, stopper, return_exceptions=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if server is not None:
+            await server.stop()
+        await trainer.shutdown()
+    log.info("trainer stopped at step %d, version %d", trainer.step, trainer.version)
+    if isinstance(outcome, Exception):
+        raise outcome

@@ -1,0 +1,106 @@
+"""`python -m astra.trainer --nproc 2` (torchrun, FSDP2 on gloo) against real Dataflow,
+WeightService and a scripted rollout service: it trains, announces, checkpoints and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from astra.engine.tiny import TINY_CONFIG, random_model, save_model
+from astra.raas.scripted import VOCAB_SIZE, ScriptedGenerator
+from astra.servers.raas import start_raas
+from astra.servers.weights import start_weights
+from astra.trainer.checkpoint import list_checkpoints
+from astra.weights.store import StoreConfig
+from tests.conftest import make_config, running_dataflow
+
+STEPS = 2
+
+
+@pytest.mark.slow
+def test_two_rank_trainer_process_trains_announces_and_checkpoints(
+    tmp_path: Path, dataset: Path
+) -> None:
+    model_cfg = {**TINY_CONFIG, "vocab_size": VOCAB_SIZE}  # the scripted RaaS's vocabulary
+    save_model(tmp_path / "model", random_model(model_cfg, 1), model_cfg)
+    env = {
+        **os.environ,
+        "ASTRA_TRAINER__BATCH__NUM_GROUPS": "2",
+        "ASTRA_TRAINER__CHECKPOINT__EVERY_STEPS": str(STEPS),
+    }
+
+    async def body() -> None:
+        weights = await start_weights(tmp_path / "store", config=StoreConfig(durable=False))
+        config = make_config(dataset, tmp_path / "df", grace_s=0.1)
+        async with running_dataflow(config) as (df_server, _, client):
+            server, _, registrar = await start_raas(
+                ScriptedGenerator(delay_s=0.01),
+                capacity=16,
+                dataflow_address=df_server.address,
+                instance_id="raas",
+                grace_s=0.1,
+            )
+            args = ["--nproc", "2", "--dataflow", df_server.address, "--weights"]
+            args += [weights.address, "--policy", "policy", "--model", str(tmp_path / "model")]
+            args += ["--port", "0", "--num-steps", str(STEPS), "--checkpoint-dir"]
+            args += [str(tmp_path / "ckpt")]
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "astra.trainer",
+                *args,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+            )
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), 80)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                await registrar.stop()
+                await server.stop(0)
+            assert proc.returncode == 0, err.decode()[-3000:]
+            line = next(json.loads(x) for x in out.decode().splitlines() if x.startswith("{"))
+            assert line["service"] == "trainer" and line["address"]
+            (policy,) = (await client.get_status()).policies
+            assert policy.current_version == STEPS and policy.leased_groups == 0
+        await weights.stop(0)
+
+    asyncio.run(asyncio.wait_for(body(), 100))
+    (ckpt,) = list_checkpoints(tmp_path / "ckpt")
+    assert ckpt.name == f"step-{STEPS:09d}" and (ckpt / "model" / "config.json").is_file()
+    assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 2
+
+
+def test_flags_env_and_yaml_make_one_validated_config(tmp_path: Path, monkeypatch) -> None:
+    from click.testing import CliRunner
+
+    import astra.servers.trainer as served
+    from astra.trainer.cli import _argv, trainer_command
+
+    seen = {}
+
+    async def fake_serve(config) -> None:
+        seen["config"] = config
+
+    monkeypatch.setattr(served, "serve_trainer", fake_serve)
+    monkeypatch.setenv("ASTRA_TRAINER__LOSS__CLIP_HIGH", "0.3")
+    path = tmp_path / "t.yaml"
+    path.write_text("policy_id: from-yaml\noptim:\n  lr: 0.01\ncheckpoint:\n  keep_last: 5\n")
+    args = ["--config", str(path), "--policy", "p", "--checkpoint-dir", "/ck", "--resume"]
+    result = CliRunner().invoke(trainer_command, args)
+    assert result.exit_code == 0, result.output
+    c = seen["config"]
+    assert (c.policy_id, c.optim.lr, c.loss.clip_high) == ("p", 0.01, 0.3)
+    assert (c.checkpoint.dir, c.checkpoint.resume, c.checkpoint.keep_last) == ("/ck", True, 5)
+    bad = CliRunner().invoke(trainer_command, ["--policy", "p", "--resume"])
+    assert bad.exit_code == 2 and "checkpoint.resume needs checkpoint.dir" in bad.output
+    argv = _argv(str(path), "/ck", True, "info", {"policy_id": "p", "port": 0, "model": None})
+    assert argv[:3] == ["--log-level=info", "--policy=p", "--port=0"]
+    assert argv[3:] == [f"--config={path}", "--checkpoint-dir=/ck", "--resume"]

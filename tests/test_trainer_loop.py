@@ -1,0 +1,183 @@
+"""The Trainer loop on the tiny model with an in-memory source and sink: steps, versions,
+bad input, non-finite losses, checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from astra.config import ConfigError, load_config
+from astra.servers.convert import to_array
+from astra.trainer.checkpoint import list_checkpoints, read_checkpoint
+from astra.trainer.config import TrainerConfig
+from astra.trainer.loop import Trainer
+from astra.trainer.parallel import full_state
+from astra.trainer.synthetic import MemorySink, SyntheticSource
+
+
+def config(**over) -> TrainerConfig:
+    raw = {
+        "policy_id": "p",
+        "port": None,
+        "optim": {"lr": 1e-3},
+        "batch": {"num_groups": 2, "max_tokens_per_microbatch": 48},
+    }
+    raw.update(over)
+    return TrainerConfig.model_validate(raw)
+
+
+def trainer(cfg: TrainerConfig | None = None, **kw) -> tuple[Trainer, SyntheticSource, MemorySink]:
+    source = kw.pop("source", None) or SyntheticSource("p", vocab_size=100, max_lag=1, **kw)
+    sink = MemorySink()
+    return Trainer(cfg or config(), source=source, sink=sink), source, sink
+
+
+def as_bytes(state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {k: v.contiguous().view(torch.uint8).numpy().tobytes() for k, v in state.items()}
+
+
+def test_steps_publish_every_version_in_order_and_ack_each_batch() -> None:
+    t, source, sink = trainer()
+    results = list(t.run_training(3))
+    assert [r.step for r in results] == [1, 2, 3] and [r.version for r in results] == [1, 2, 3]
+    for r in results:
+        assert not r.skipped and math.isfinite(r.training_result.loss)
+        assert r.batch_size == r.num_trajectories == 8 and r.staleness_metrics.num_tokens > 0
+        assert {"loss", "grad_norm", "clip_fraction", "kl_behaviour_current"} <= set(r.metrics)
+    assert results[-1].staleness_metrics.version_gap_max <= 1
+    assert source.announced == [(v, str(v)) for v in range(4)]  # version 0 = initial weights
+    assert source.acked == [f"b-trainer-v{v}-a0" for v in (1, 2, 3)]
+    stored = {k: b for k, (_, _, b) in sink.versions[3].items()}
+    assert stored == as_bytes(full_state(t.model))  # the published bytes are the weights
+    stats = t.get_statistics()
+    assert stats["step"] == 3 and stats["publisher"]["announced"] == 4
+    assert 0 <= stats["publish_blocked_fraction"] < 1
+    t.close()
+
+
+def test_a_bad_batch_is_counted_acked_and_skipped_then_training_goes_on() -> None:
+    def poison(request_id, trajectories):
+        if request_id == "trainer-v2-a0":
+            seq = trajectories[1].sequences[0]
+            n = seq.token_ids.shape[0]
+            seq.logprobs.CopyFrom(to_array(np.full(n, np.nan, np.float32)))
+
+    t, source, sink = trainer(mutate=poison)
+    results = list(t.run_training(3))
+    assert [r.skipped for r in results] == ["", "NAN_LOGPROB", ""]
+    assert results[1].training_result is None and results[1].version == 1
+    assert source.acked == ["b-trainer-v1-a0", "b-trainer-v2-a0", "b-trainer-v2-a1"]
+    assert t.counters["batches_rejected"] == 1 and t.counters["skipped_NAN_LOGPROB"] == 1
+    assert sorted(sink.versions) == [0, 1, 2]
+    t.close()
+
+
+def test_a_non_finite_loss_applies_and_publishes_nothing() -> None:
+    def overflow(request_id, trajectories):
+        if request_id == "trainer-v2-a0":  # ratio exp(logp + 3e38) overflows
+            seq = trajectories[0].sequences[0]
+            seq.logprobs.CopyFrom(to_array(np.full(seq.token_ids.shape[0], -3e38, np.float32)))
+
+    t, _, sink = trainer(config(loss={"kind": "ppo"}), mutate=overflow)
+    first = next(iter(t.run_training(1)))
+    before = as_bytes(full_state(t.model))
+    second = next(iter(t.run_training(1)))
+    assert second.skipped == "NON_FINITE_LOSS" and not second.training_result.applied
+    assert second.version == first.version == 1 and sorted(sink.versions) == [0, 1]
+    assert as_bytes(full_state(t.model)) == before
+    third = next(iter(t.run_training(1)))
+    assert third.version == 2 and not third.skipped and t.counters["skipped_NON_FINITE_LOSS"] == 1
+    t.close()
+
+
+def test_the_loop_waits_out_a_batch_that_is_not_ready() -> None:
+    t, source, _ = trainer()
+    source.not_ready = 3
+    (r,) = list(t.run_training(1))
+    assert r.version == 1 and t.counters["fetch_waits"] == 3
+    t.close()
+
+
+def _run(cfg: TrainerConfig, steps: int, source: SyntheticSource, sink: MemorySink):
+    t = Trainer(cfg, source=source, sink=sink)
+    losses = [r.training_result.loss for r in t.run_training(steps)]
+    return t, losses
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    cfg = config(checkpoint={"dir": str(tmp_path / "a"), "keep_last": 2, "every_steps": 1})
+    full, losses = _run(cfg, 4, SyntheticSource("p", vocab_size=100, max_lag=1), MemorySink())
+    final = as_bytes(full_state(full.model))
+    assert [p.name for p in list_checkpoints(tmp_path / "a")] == [
+        "step-000000003",
+        "step-000000004",
+    ]
+    full.close()
+
+    root = tmp_path / "b"
+    source, sink = SyntheticSource("p", vocab_size=100, max_lag=1), MemorySink()
+    first, head = _run(config(checkpoint={"dir": str(root)}), 2, source, sink)
+    path = first.save_checkpoint()
+    first.close()
+    (root / ".tmp-step-000000009").mkdir()  # a crash mid-write leaves only a temporary
+    ckpt = read_checkpoint(path)
+    assert ckpt.trainer["step"] == ckpt.trainer["version"] == 2
+    assert (path / "model" / "config.json").is_file() and ckpt.optimizer["state"]
+    resumed_cfg = config(checkpoint={"dir": str(root), "resume": True})
+    second, tail = _run(resumed_cfg, 2, source, sink)
+    assert head + tail == losses  # bit-identical: same batches, same optimiser state
+    assert as_bytes(full_state(second.model)) == final
+    assert second.version == 4 and sorted(sink.versions) == [0, 1, 2, 3, 4]
+    second.save_checkpoint()
+    assert not (root / ".tmp-step-000000009").exists()
+    second.close()
+
+
+def test_versions_stay_monotonic_when_services_are_ahead_of_the_checkpoint() -> None:
+    source, sink = SyntheticSource("p", vocab_size=100), MemorySink()
+    source.version = 5
+    sink.versions = {5: {}, 6: {}}  # published 6, died before announcing it
+    t = Trainer(config(), source=source, sink=sink)
+    (r,) = list(t.run_training(1))
+    assert source.announced[0] == (6, "6") and r.version == 7
+    assert source.acked == ["b-trainer-v7-a0"]
+    t.close()
+
+
+def test_checkpoint_requests_are_idempotent_by_request_id(tmp_path: Path) -> None:
+    async def body() -> None:
+        t, _, _ = trainer(config(checkpoint={"dir": str(tmp_path)}))
+        await t.initialize()
+        first = await t.checkpoint_async("r1")
+        await t.train_step_async()
+        again = await t.checkpoint_async("r1")
+        other = await t.checkpoint_async("r2")
+        assert first == again and first[1] == 0 and other[1] == 1
+        await t.shutdown()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_config_refuses_unknown_keys_and_inconsistent_settings(tmp_path: Path) -> None:
+    path = tmp_path / "trainer.yaml"
+    path.write_text("policy_id: p\nloss:\n  kind: ppo\n  clip_hgih: 0.3\n")
+    with pytest.raises(ConfigError, match="clip_hgih"):
+        load_config(TrainerConfig, path, env_prefix="ASTRA_TRAINER")
+    with pytest.raises(ValueError, match="reference_model"):
+        config(loss={"kl_coef": 0.1})
+    with pytest.raises(ValueError, match="policy_id"):
+        config(policy_id="bad/name")
+
+
+def test_kl_to_the_initial_weights_is_zero_at_first_and_grows() -> None:
+    cfg = config(reference_model="initial", loss={"kl_coef": 0.1, "entropy_coef": 0.01})
+    t, _, _ = trainer(cfg)
+    results = list(t.run_training(3))
+    assert results[0].metrics["kl_ref"] == pytest.approx(0.0, abs=1e-7)
+    assert results[-1].metrics["kl_ref"] > 0 and results[-1].metrics["entropy"] > 0
+    t.close()

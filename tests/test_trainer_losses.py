@@ -1,0 +1,124 @@
+"""Every trainer loss against values worked out by hand on tiny tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from astra.trainer.config import LossConfig
+from astra.trainer.losses import (
+    StalenessAccumulator,
+    aggregate,
+    clipped_surrogate,
+    kl_penalty,
+    staleness_score,
+    token_losses,
+)
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def lg(*probs: float) -> torch.Tensor:
+    return t(*probs).log()
+
+
+def close(a: torch.Tensor, b: torch.Tensor | list[float]) -> None:
+    torch.testing.assert_close(
+        a.double(), torch.as_tensor(b, dtype=torch.float64), atol=1e-6, rtol=0
+    )
+
+
+def test_clipped_surrogate_separate_low_and_high_clip_and_dual_clip() -> None:
+    ratio, adv = t(0.5, 1.5, 0.5, 2.0, 1.0), t(1, 1, -1, -1, 2)
+    # r=0.5,A=1: max(-0.5, -0.8) = -0.5; r=1.5,A=1: max(-1.5, -1.3) = -1.3 (clipped high at 1.3);
+    # r=0.5,A=-1: max(0.5, 0.8) = 0.8 (clipped low at 0.8); r=2,A=-1: 2.0; r=1,A=2: -2.
+    loss, clipped, dual = clipped_surrogate(ratio, adv, 0.2, 0.3, None)
+    close(loss, [-0.5, -1.3, 0.8, 2.0, -2.0])
+    assert clipped.tolist() == [False, True, True, False, False] and not dual.any()
+    loss, _, dual = clipped_surrogate(ratio, adv, 0.2, 0.3, 1.8)  # -A*c = 1.8 bounds the 2.0
+    close(loss, [-0.5, -1.3, 0.8, 1.8, -2.0])
+    assert dual.tolist() == [False, False, False, True, False]
+
+
+def test_ppo_ratio_is_against_behaviour_and_clipped_tokens_have_no_gradient() -> None:
+    cfg = LossConfig(kind="ppo", clip_low=0.2, clip_high=0.3)
+    logp = lg(0.5, 0.6).requires_grad_()
+    out = token_losses(logp, lg(1.0, 0.4), t(1.0, 1.0), cfg)  # r = 0.5, 1.5
+    close(out.loss.detach(), [-0.5, -1.3])
+    out.loss.sum().backward()
+    close(logp.grad, [-0.5, 0.0])  # d(-A r)/dlogp = -A r; clipped: 0
+
+
+def test_decoupled_weight_is_proximal_over_behaviour_truncated_or_masked() -> None:
+    logp = lg(0.5, 0.4).requires_grad_()
+    mu = lg(0.25, 0.05)  # w = 2, 8
+    out = token_losses(logp, mu, t(1.0, 1.0), LossConfig(behaviour_cap=5.0))
+    close(out.loss.detach(), [-2.0, -5.0])  # r = 1 (proximal = current), w truncated to 5
+    assert out.capped.tolist() == [False, True]
+    out.loss.sum().backward()
+    close(logp.grad, [-2.0, -5.0])
+    masked = token_losses(logp, mu, t(1.0, 1.0), LossConfig(behaviour_mode="mask"))
+    close(masked.loss.detach(), [-2.0, 0.0])
+    # An explicit proximal policy: r = 0.6 / 0.5 = 1.2 (inside 1 + 0.28), w = 0.5 / 0.25 = 2.
+    out = token_losses(lg(0.6), lg(0.25), t(1.0), LossConfig(), proximal_logp=lg(0.5))
+    close(out.loss, [-2.4])
+    close(out.ratio, [1.2])
+
+
+def test_truncated_importance_sampling() -> None:
+    logp = lg(0.5).requires_grad_()
+    out = token_losses(logp, lg(0.1), t(1.5), LossConfig(kind="tis", behaviour_cap=2.0))
+    close(out.loss.detach(), [-2.0 * 1.5 * math.log(0.5)])  # weight min(5, 2) = 2
+    out.loss.sum().backward()
+    close(logp.grad, [-3.0])
+
+
+def test_kl_estimators_and_entropy_bonus() -> None:
+    logp, ref = lg(0.5), lg(0.25)
+    d = math.log(0.5)  # ref - logp
+    close(kl_penalty(logp, ref, "k1"), [-d])
+    close(kl_penalty(logp, ref, "k2"), [0.5 * d * d])
+    close(kl_penalty(logp, ref, "k3"), [math.exp(d) - d - 1])
+    cfg = LossConfig(kind="ppo", kl_coef=0.1, entropy_coef=0.01)
+    out = token_losses(logp, logp, t(1.0), cfg, ref_logp=ref, entropy=t(2.0))
+    close(out.loss, [-1.0 + 0.1 * (math.exp(d) - d - 1) - 0.01 * 2.0])
+
+
+def test_token_and_sequence_aggregation_use_step_wide_normalisers() -> None:
+    loss = t(1, 2, 3, 4, 5, 6).reshape(2, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    close(aggregate(loss, mask, "token", 3, 2), 7 / 3)
+    close(aggregate(loss, mask, "token", 6, 2), 7 / 6)  # other micro-batches hold 3 more tokens
+    close(aggregate(loss, mask, "sequence", 3, 2), (1.5 + 4.0) / 2)
+    close(aggregate(loss, mask, "sequence", 3, 4), (1.5 + 4.0) / 4)
+
+
+def test_staleness_signals() -> None:
+    acc = StalenessAccumulator()
+    logp, mu = lg(0.5, 0.5, 0.2), lg(0.5, 0.25, 0.4)  # r = 1, 2, 0.5
+    versions = torch.tensor([3, 2, 1])
+    acc.add(logp[:2], mu[:2], versions[:2], torch.ones(2, dtype=torch.bool), 4)
+    acc.add(logp[2:], mu[2:], versions[2:], torch.ones(1, dtype=torch.bool), 4)
+    acc.add(logp, mu, versions, torch.zeros(3, dtype=torch.bool), 4)  # nothing trained
+    m = acc.finish()
+    assert m.num_tokens == 3 and m.version_gap_max == 3
+    assert m.version_gap_mean == pytest.approx(2.0)
+    assert m.importance_weight_mean == pytest.approx(3.5 / 3)
+    assert m.importance_weight_variance == pytest.approx(5.25 / 3 - (3.5 / 3) ** 2)
+    kl = (0 + (1 - math.log(2)) + (-0.5 + math.log(2))) / 3
+    assert m.kl_behaviour_current == pytest.approx(kl)
+    assert m.score == pytest.approx(0.4 * 1 + 0.3 * m.importance_weight_variance / 2 + 0.3 * 2 / 5)
+    assert staleness_score(0.0, 0.0, 0.0) == 0.0 and staleness_score(1, 10, 10) == 1.0
+
+
+def test_on_policy_tokens_are_not_stale() -> None:
+    acc = StalenessAccumulator()
+    logp = lg(0.3, 0.7)
+    acc.add(logp, logp, torch.tensor([5, 5]), torch.ones(2, dtype=torch.bool), 5)
+    m = acc.finish()
+    assert (m.version_gap_max, m.kl_behaviour_current, m.importance_weight_variance) == (0, 0, 0)
+    assert m.score == 0.0
