@@ -106,10 +106,24 @@ async def _serve_dataflow(config) -> None:
 @click.option("--dataflow", default="", help="Dataflow HOST:PORT to register with.")
 @click.option(
     "--engine",
-    type=click.Choice(["torch"]),
+    type=click.Choice(["torch", "vllm", "sglang", "openai"]),
     default="torch",
     show_default=True,
-    help="Inference engine (vllm, sglang and openai adapters are not built yet).",
+    help="Inference engine.",
+)
+@click.option("--engine-url", default="", help="Attach to a running engine server (HTTP).")
+@click.option("--engine-args", default="", help="Extra arguments for a launched engine server.")
+@click.option("--engine-python", default="", help="Python that runs a launched vLLM/SGLang server.")
+@click.option(
+    "--served-model-name",
+    default="policy",
+    show_default=True,
+    help="Model name on an OpenAI-compatible server.",
+)
+@click.option(
+    "--hot-loaded",
+    is_flag=True,
+    help="openai: the endpoint is hot-loaded externally; swaps only relabel versions.",
 )
 @click.option("--model", default="tiny", show_default=True, help="tiny, or a local HF directory.")
 @click.option("--policy", "policies", multiple=True, help="Policy served (repeatable).")
@@ -144,6 +158,11 @@ async def _serve_dataflow(config) -> None:
 def serve_raas(
     dataflow: str,
     engine: str,
+    engine_url: str,
+    engine_args: str,
+    engine_python: str,
+    served_model_name: str,
+    hot_loaded: bool,
     model: str,
     policies: tuple[str, ...],
     workflows: tuple[str, ...],
@@ -158,7 +177,7 @@ def serve_raas(
     on_swap: str,
     log_level: str,
 ) -> None:
-    """Run a rollout service with the built-in torch engine."""
+    """Run a rollout service (built-in torch engine, or vLLM / SGLang / OpenAI over HTTP)."""
     from astra.servers.raas_serve import RaasOptions
     from astra.servers.raas_serve import serve_raas as serve
 
@@ -183,6 +202,12 @@ def serve_raas(
         state_dir=state_dir,
         device=device,
         on_swap=on_swap,
+        engine=engine,
+        engine_url=engine_url,
+        engine_args=engine_args,
+        engine_python=engine_python,
+        served_model_name=served_model_name,
+        hot_loaded=hot_loaded,
     )
     asyncio_run(serve(opts))
 

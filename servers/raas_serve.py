@@ -32,20 +32,26 @@ class RaasOptions:
     device: str = "cpu"
     on_swap: str = "continue"
     grace_s: float = 5.0
+    engine: str = "torch"
+    engine_url: str = ""
+    engine_args: str = ""
+    engine_python: str = ""
+    served_model_name: str = "policy"
+    hot_loaded: bool = False
 
 
 async def serve_raas(opts: RaasOptions) -> None:
-    from astra.engine.tiny import load_model
-    from astra.engine.torch_engine import TorchEngine
     from astra.raas.engine_backend import EngineBackend
     from astra.servers.raas import start_raas
+    from astra.servers.raas_engines import build_engine
     from astra.servers.raas_weights import ReceiverWeightLoader
     from astra.servers.runtime import serve_until_signal
 
-    models = {}
-    for policy in opts.policies:
-        models[policy] = await asyncio.to_thread(load_model, opts.model, opts.device)
-    engine = TorchEngine(models, opts.device, max_batch=opts.capacity, on_swap=opts.on_swap)
+    if not opts.engine_python:
+        import sys
+
+        opts.engine_python = sys.executable
+    engine = await build_engine(opts)
     state = Path(opts.state_dir)
     loader = ReceiverWeightLoader(state / "weights", receiver_prefix=opts.instance_id or "raas")
     backend = EngineBackend(engine, opts.workflows, loader, rewards=opts.rewards)

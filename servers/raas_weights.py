@@ -9,7 +9,6 @@ engine then swaps from those verified files.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +37,13 @@ class ReceiverWeightLoader:
     async def fetch(
         self, policy_id: str, version: VersionSpec, weights_address: str
     ) -> tuple[dict[str, Any], int]:
-        from astra.engine.torch_weights import load_state
+        from astra.engine.http import WeightsDir
 
         receiver = self._receiver(policy_id, weights_address)
         result = await receiver.fetch(version.version_id or str(version.version))
-        state = await asyncio.to_thread(load_state, result.path)
-        return state, result.bytes_received
+        # A verified local directory: HTTP engines load it by path, the torch engine
+        # reads its tensors lazily on its own worker thread.
+        return WeightsDir(result.path), result.bytes_received
 
     async def close(self) -> None:
         for rec in self._receivers.values():

@@ -147,3 +147,78 @@ def test_raas_load_announced_version_and_stamp_tokens(dataset, tmp_path):
     assert status.counters["weight_loads"] >= 2
     logs = json.dumps([p.log.read_text()[-500:] for p in raas])
     assert "Traceback" not in logs, logs
+
+
+FAKE_SGLANG = """
+import json, signal, threading
+from astra.testing.fake_engines import FakeEngineServer
+fake = FakeEngineServer("sglang").start()
+print(json.dumps({"service": "fake-sglang", "address": fake.url}), flush=True)
+done = threading.Event()
+signal.signal(signal.SIGTERM, lambda *a: done.set())
+done.wait()
+fake.stop()
+"""
+
+
+def test_raas_on_a_fake_sglang_server_serves_dataflow_and_loads_versions(dataset, tmp_path):
+    """`astra serve raas --engine sglang --engine-url` against the FAKE SGLang server."""
+    config = make_config(dataset, tmp_path / "df-state")
+    df = start_dataflow(config, tmp_path)
+    weights = start_weights(tmp_path)
+    fake = Proc([sys.executable, "-c", FAKE_SGLANG], log=tmp_path / "fake.log")
+    args = [
+        sys.executable,
+        "-m",
+        "astra.cli",
+        "serve",
+        "raas",
+        "--dataflow",
+        df.address,
+        "--engine",
+        "sglang",
+        "--engine-url",
+        fake.address,
+        "--model",
+        "tiny",
+        "--policy",
+        "policy",
+        "--capacity",
+        "8",
+        "--instance-id",
+        "raas-sglang",
+        "--state-dir",
+        str(tmp_path / "raas-sglang"),
+    ]
+    procs = [weights, df, fake]
+    procs.append(Proc(args, log=tmp_path / "raas-sglang.log", timeout_s=60))
+
+    async def body():
+        from astra.clients.weights import publish_version
+
+        client = DataflowClient(df.address, timeout_s=10)
+        try:
+            header, trajs, _ = await client.fetch_batch("policy", 2, "b0", max_wait_s=30)
+            await client.ack_batch(header.batch_id)
+            assert trajs and all(t.sequences[0].logprobs.data for t in trajs)
+            await publish_version(weights.address, "policy", "1", 1, perturbed_tiny())
+            await client.announce_version("policy", 1, weights.address, version_id="1")
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                status = await client.get_status()
+                held = {v.policy_id: v.version for i in status.instances for v in i.loaded_versions}
+                if held.get("policy") == 1:
+                    break
+                await asyncio.sleep(0.3)
+            return held
+        finally:
+            await client.close()
+
+    try:
+        held = asyncio.run(body())
+    finally:
+        for p in procs:
+            p.close()
+    assert held.get("policy") == 1, held
+    log = (tmp_path / "raas-sglang.log").read_text()
+    assert "Traceback" not in log, log[-2000:]

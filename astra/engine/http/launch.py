@@ -1,0 +1,106 @@
+"""`ServerProcess`: launches an engine server as a child process and waits until it answers.
+
+Used by the vLLM and SGLang adapters' `launch` constructors. The child runs in
+its own process group with its output in a log file (never a pipe that could
+fill); `wait_ready` polls a health path with a deadline and fails fast, with
+the log's tail, when the child exits; `stop` sends SIGTERM to the group, then
+SIGKILL after a grace period. Nothing here knows a particular engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from astra.engine.http.client import JSONClient
+from astra.errors import AstraError, Unavailable
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (another process may still take it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """One child engine server; `url` is where it listens."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        url: str,
+        *,
+        log_path: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        health_path: str = "/health",
+    ) -> None:
+        self.argv = list(argv)
+        self.url = url
+        self.health_path = health_path
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def log_tail(self, chars: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-chars:]
+        return ""
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Returns once `health_path` answers 2xx; raises Unavailable on exit or deadline."""
+        client = JSONClient(self.url, timeout_s=10.0, connect_timeout_s=2.0, max_concurrency=2)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise Unavailable(
+                        f"engine server exited with {code} before it was ready: "
+                        f"{' '.join(self.argv)}\n--- {self.log_path} ---\n{self.log_tail()}",
+                        reason="ENGINE_EXITED",
+                    )
+                with contextlib.suppress(AstraError):
+                    await client.request("GET", self.health_path, expect_json=False)
+                    return
+                if time.monotonic() > deadline:
+                    raise Unavailable(
+                        f"engine server not ready after {timeout_s:g} s: {' '.join(self.argv)}"
+                        f"\n--- {self.log_path} ---\n{self.log_tail()}",
+                        reason="ENGINE_TIMEOUT",
+                    )
+                await asyncio.sleep(1.0)
+        finally:
+            await client.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to the child's process group, SIGKILL after `grace_s`; idempotent."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()

@@ -1,0 +1,238 @@
+"""`OpenAIEngine`: a policy served by any OpenAI-compatible `/v1/completions` endpoint.
+
+For frozen policies (a reference or opponent model) or policies whose server
+is hot-loaded by someone else. Request: `POST /v1/completions` with
+`model`, `prompt` as a list of token ids, `max_tokens`, `temperature`,
+`top_p`, `seed`, `stop` (strings), `logprobs: 1`, `n: 1`, `echo: false`.
+With `extensions=True` (vLLM, SGLang) it also sends `top_k`,
+`stop_token_ids`, `min_p: 0`, `repetition_penalty: 1` (so the server's
+generation_config defaults do not change the distribution) and
+`return_tokens_as_token_ids: true`.
+
+Response fields required in `choices[0]`: `finish_reason` ("stop" or
+"length"; "abort" is read as aborted), `logprobs.token_logprobs` (one float
+per new token), and the new token ids, either as `token_ids` (vLLM's
+`return_token_ids`) or as `logprobs.tokens` strings "token_id:<id>" (vLLM's
+`return_tokens_as_token_ids`). An endpoint that returns neither gets
+Unavailable(ENGINE_BAD_RESPONSE): text tokens cannot be mapped back to ids
+reliably. `stop_reason` (vLLM: the matched string or token id) is read when
+present.
+
+Log-probs are whatever the server reports; vLLM's default
+(`--logprobs-mode raw_logprobs`) is log_softmax of the raw logits, i.e. the
+built-in engine's convention only at temperature 1 (or 0). Versions: every
+token carries the engine's label; `swap_weights` raises FailedPrecondition
+(FROZEN_ENDPOINT) unless `hot_loaded=True`, where it only relabels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from astra.engine.api import Sampling, Tokenizer
+from astra.engine.http.base import HTTPEngine, OnSwap, Segment
+from astra.engine.http.client import JSONClient
+from astra.engine.http.launch import ServerProcess
+from astra.errors import FailedPrecondition, Unavailable, invalid_field
+
+RAW_LOGPROBS = (
+    "server log-probs as reported; for vLLM's default raw_logprobs: log_softmax(logits) of the "
+    "sampled token before temperature, top-k and top-p (the built-in convention at temperature "
+    "1 or 0 only)"
+)
+TOKEN_ID_PREFIX = "token_id:"
+
+
+def completion_body(
+    model: str,
+    context: list[int],
+    sampling: Sampling,
+    max_new: int,
+    *,
+    extensions: bool,
+) -> dict[str, Any]:
+    """The /v1/completions request for one continuation of `context`."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": context,
+        "max_tokens": max_new,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "n": 1,
+        "echo": False,
+        "stream": False,
+        "logprobs": 1,
+    }
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    if sampling.stop_strings:
+        body["stop"] = list(sampling.stop_strings)
+    if extensions:
+        body["top_k"] = sampling.top_k if sampling.top_k > 0 else -1
+        body["min_p"] = 0.0
+        body["repetition_penalty"] = 1.0
+        body["return_tokens_as_token_ids"] = True
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+    return body
+
+
+def _bad(msg: str) -> Unavailable:
+    return Unavailable(f"completion response: {msg}", reason="ENGINE_BAD_RESPONSE")
+
+
+def parse_completion(answer: Any) -> Segment:
+    """Reads `choices[0]` of a /v1/completions response (see the module docstring)."""
+    try:
+        choice = answer["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise _bad(f"no choices in {str(answer)[:200]}") from None
+    finish = choice.get("finish_reason")
+    lp = choice.get("logprobs") or {}
+    token_logprobs = lp.get("token_logprobs")
+    ids = choice.get("token_ids")
+    if ids is None and isinstance(lp.get("tokens"), list):
+        try:
+            ids = [int(str(t).removeprefix(TOKEN_ID_PREFIX)) for t in lp["tokens"]]
+        except ValueError:
+            raise _bad(
+                "logprobs.tokens are text, not token ids; the server must support "
+                "return_tokens_as_token_ids or return_token_ids"
+            ) from None
+    if ids is None or token_logprobs is None:
+        if finish == "abort":
+            return Segment([], [], "abort")  # aborted before anything usable came back
+        raise _bad("no token ids or no logprobs.token_logprobs in choices[0]")
+    if len(ids) != len(token_logprobs) or any(x is None for x in token_logprobs):
+        if finish == "abort":
+            return Segment([], [], "abort")
+        raise _bad(f"{len(ids)} token ids but {len(token_logprobs)} log-probs")
+    stop = choice.get("stop_reason")
+    return Segment(
+        [int(t) for t in ids],
+        [float(x) for x in token_logprobs],
+        str(finish),
+        stop if isinstance(stop, str | int) and not isinstance(stop, bool) else None,
+    )
+
+
+class CompletionsEngine(HTTPEngine):
+    """Shared by OpenAIEngine and VLLMEngine: generation through /v1/completions."""
+
+    logprob_convention = RAW_LOGPROBS
+    extensions = True
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        policy_id: str,
+        tokenizer: Tokenizer,
+        *,
+        version: int = 0,
+        api_key: str | None = None,
+        max_seq_len: int | None = None,
+        max_running: int = 256,
+        request_timeout_s: float = 600.0,
+        on_swap: OnSwap = "continue",
+        drain_timeout_s: float = 10.0,
+        process: ServerProcess | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        client = JSONClient(
+            base_url, timeout_s=request_timeout_s, headers=headers, max_concurrency=max_running
+        )
+        super().__init__(
+            client,
+            policy_id,
+            tokenizer,
+            version=version,
+            max_seq_len=max_seq_len,
+            max_running=max_running,
+            on_swap=on_swap,
+            drain_timeout_s=drain_timeout_s,
+            process=process,
+        )
+        self.model = model
+
+    async def _probe(self) -> None:
+        await self.client.request("GET", "/v1/models", timeout_s=10.0)
+
+    def _check_sampling(self, sampling: Sampling) -> None:
+        if not self.extensions and sampling.top_k > 0:
+            raise invalid_field(
+                "sampling.top_k", f"not supported by the {self.name} endpoint (extensions off)"
+            )
+
+    def _segment_request(
+        self, context: list[int], sampling: Sampling, max_new: int, rid: str
+    ) -> tuple[str, dict[str, Any]]:
+        body = completion_body(self.model, context, sampling, max_new, extensions=self.extensions)
+        return "/v1/completions", body
+
+    def _parse_segment(self, answer: Any, sampling: Sampling) -> Segment:
+        return parse_completion(answer)
+
+
+class OpenAIEngine(CompletionsEngine):
+    """A frozen (or externally hot-loaded) policy behind an OpenAI-compatible endpoint.
+
+    `extensions=False` sends only the standard OpenAI fields: top_k > 0 is then
+    refused (InvalidArgument naming sampling.top_k) and stop token ids are
+    enforced on the client (the server may generate past them; the tokens
+    after the stop are dropped). The endpoint must still return token ids.
+    """
+
+    name = "openai"
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        policy_id: str,
+        tokenizer: Tokenizer,
+        version: int = 0,
+        *,
+        hot_loaded: bool = False,
+        extensions: bool = True,
+        api_key: str | None = None,
+        max_seq_len: int | None = None,
+        max_running: int = 256,
+        request_timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(
+            base_url,
+            model,
+            policy_id,
+            tokenizer,
+            version=version,
+            api_key=api_key,
+            max_seq_len=max_seq_len,
+            max_running=max_running,
+            request_timeout_s=request_timeout_s,
+        )
+        self.hot_loaded = hot_loaded
+        self.extensions = extensions
+
+    async def swap_weights(
+        self, versions: Mapping[str, int], state: Mapping[str, Mapping[str, object]]
+    ) -> None:
+        """Relabels the version when `hot_loaded`; a frozen endpoint refuses (FROZEN_ENDPOINT)."""
+        for policy in (*versions, *state):
+            self._policy(policy, "versions")
+        if not self.hot_loaded:
+            raise FailedPrecondition(
+                f"policy {self._policy_id!r} is served by a frozen OpenAI-compatible endpoint "
+                f"({self.client.base_url}, model {self.model!r}); it cannot load weights",
+                reason="FROZEN_ENDPOINT",
+                metadata={"policy_id": self._policy_id},
+            )
+        if any(not isinstance(v, int) or isinstance(v, bool) for v in versions.values()):
+            raise invalid_field("versions", "versions must be integers")
+        if self._policy_id in versions:
+            self._version = int(versions[self._policy_id])  # weights were loaded externally
+
+    async def _swap_from_disk(self, version: int, path: Path) -> None:  # pragma: no cover
+        raise FailedPrecondition("frozen endpoint", reason="FROZEN_ENDPOINT")
