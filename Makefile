@@ -10,8 +10,8 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-run: $(VENV)/.installed  ## Dataflow with the example config (the full `astra run` is not built yet)
-	$(VENV)/bin/astra serve dataflow --config configs/dataflow-example.yaml
+run: $(VENV)/.installed  ## the whole system on the embedded default recipe (tiny model, CPU)
+	$(VENV)/bin/astra run --run-dir runs/default
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -28,4 +28,4 @@ bench: $(VENV)/.installed
 	$(PY) tools/bench/control_plane.py
 
 clean:
-	rm -rf $(VENV) build astra-state
+	rm -rf $(VENV) build astra-state runs

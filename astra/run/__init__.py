@@ -1,0 +1,1 @@
+"""`astra run`: the whole system from one recipe (supervisor, live view, metrics, summary)."""

@@ -1,0 +1,151 @@
+"""Child service processes: started in their own session, found by their address line, stopped
+by process group.
+
+Each child is `python -m astra.cli serve ...`, which prints one JSON line with its
+address on stdout and logs on stderr. The child's stderr goes to its log file;
+after the address line, whatever else it writes on stdout is copied there too (so
+the pipe never fills). `start_new_session=True` makes each child the leader of a
+process group of its own: Ctrl-C in the terminal reaches only the supervisor,
+which decides the order of shutdown, and a stop signals the whole group
+(torchrun ranks included): SIGTERM, a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+from collections import deque
+from pathlib import Path
+from typing import Any, BinaryIO
+
+log = logging.getLogger(__name__)
+
+
+class ChildFailed(RuntimeError):
+    """A child that did not start, or died; the message carries the tail of its log."""
+
+
+class Child:
+    def __init__(
+        self, name: str, role: str, args: list[str], log_path: Path, env: dict[str, str]
+    ) -> None:
+        self.name, self.role, self.args, self.log_path, self.env = name, role, args, log_path, env
+        self.proc: asyncio.subprocess.Process | None = None
+        self.info: dict[str, Any] = {}
+        self.stopping = False
+        self.log_offset = 0  # size of the log when this process started (logs are appended to)
+        self._log: BinaryIO | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def address(self) -> str:
+        return str(self.info.get("address") or "")
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc is not None else None
+
+    async def spawn(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self.log_offset = self._log.tell()
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
+
+    async def read_address(self, timeout_s: float) -> dict[str, Any]:
+        """Waits for the JSON address line; raises ChildFailed (with the log tail) otherwise."""
+        assert self.proc is not None and self.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        except TimeoutError:
+            raise ChildFailed(f"{self.name}: no address line within {timeout_s:.0f}s") from None
+        if not line:
+            await self.proc.wait()
+            raise ChildFailed(f"{self.name} exited ({self.proc.returncode}) before serving")
+        try:
+            self.info = json.loads(line)
+        except json.JSONDecodeError:
+            raise ChildFailed(f"{self.name}: unexpected first line {line[:200]!r}") from None
+        self._drain = asyncio.create_task(self._copy_stdout())
+        return self.info
+
+    async def _copy_stdout(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None and self._log is not None
+        while line := await self.proc.stdout.readline():
+            self._log.write(line)
+            self._log.flush()
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        return await self.proc.wait()
+
+    def signal_group(self, sig: int) -> None:
+        """Signals the child's process group (it is the group leader: pgid == pid)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    async def stop(self, grace_s: float) -> int | None:
+        """SIGTERM to the group, wait `grace_s`, then SIGKILL; returns the exit status."""
+        if self.proc is None:
+            return None
+        self.stopping = True
+        if self.proc.returncode is None:
+            self.signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), grace_s)
+            except TimeoutError:
+                log.warning("%s did not stop within %.0fs: SIGKILL", self.name, grace_s)
+        # Leftover members of the group (ranks, helpers) go too, even after the leader exited.
+        self.signal_group(signal.SIGKILL)
+        rc = await self.proc.wait()
+        if self._drain is not None:
+            with contextlib.suppress(asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(self._drain, 2.0)
+        self.close()
+        return rc
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def tail(self, lines: int) -> str:
+        """The last `lines` lines of the child's log."""
+        if lines <= 0 or not self.log_path.is_file():
+            return ""
+        with self.log_path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            last = deque(f.read().decode("utf-8", "replace").splitlines(), maxlen=lines)
+        return "\n".join(last)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "role": self.role,
+            "pid": self.pid,
+            "address": self.address,
+            "log": str(self.log_path),
+            "command": self.args,
+        }
+
+
+async def stop_all(groups: list[list[Child]], grace_s: float) -> None:
+    """Stops children group by group (each group concurrently), in the order given."""
+    for group in groups:
+        await asyncio.gather(*(c.stop(grace_s) for c in group), return_exceptions=True)

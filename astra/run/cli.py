@@ -1,0 +1,88 @@
+"""`astra run [RECIPE] [--run-dir DIR] [--set KEY=VALUE ...] [--resume DIR]`.
+
+Without RECIPE: the embedded default (astra.run.recipe.Recipe()). The run
+directory defaults to runs/<recipe name>-<UTC time>; --resume DIR reads
+DIR/recipe.yaml back (overrides still apply), keeps Dataflow's state, the
+weight store and the RaaS directories, and restarts each trainer from its newest
+checkpoint for the steps it has left. Exit status: 0 when every trainer finished,
+1 when a child failed, 128 + signal number when stopped by a signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+import click
+
+
+@click.command("run")
+@click.argument("recipe", required=False, type=click.Path(dir_okay=False, exists=True))
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Where logs and outputs go.")
+@click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Dotted override (repeatable)."
+)
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False, exists=True),
+    help="Continue the run in this directory.",
+)
+@click.option("--print-recipe", is_flag=True, help="Print the resolved recipe and exit.")
+@click.option("--log-level", default="info", show_default=True)
+def run_command(
+    recipe: str | None,
+    run_dir: str | None,
+    overrides: tuple[str, ...],
+    resume_dir: str | None,
+    print_recipe: bool,
+    log_level: str,
+) -> None:
+    """Run the whole system (Dataflow, WeightService, RaaS, trainers) from one recipe."""
+    from astra.run.layout import RunDir
+    from astra.run.recipe import RecipeError, dump_recipe, load_recipe
+
+    if resume_dir is not None:
+        if recipe is not None:
+            raise click.UsageError("--resume reads DIR/recipe.yaml: give no RECIPE")
+        if run_dir is not None and Path(run_dir).resolve() != Path(resume_dir).resolve():
+            raise click.UsageError("--resume DIR is the run directory: no --run-dir")
+        recipe = str(Path(resume_dir) / "recipe.yaml")
+        if not Path(recipe).is_file():
+            raise click.UsageError(f"{recipe}: not found (not a run directory?)")
+        run_dir = resume_dir
+    try:
+        resolved = load_recipe(recipe, overrides)
+    except RecipeError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if print_recipe:
+        click.echo(dump_recipe(resolved), nl=False)
+        return
+    if run_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        run_dir = str(Path("runs") / f"{resolved.name}-{stamp}")
+    rd = RunDir(Path(run_dir))
+    if resume_dir is None and rd.recipe.exists():
+        raise click.UsageError(f"{rd.root} holds a run: use --resume DIR or another --run-dir")
+    _logging(log_level, rd.log("supervisor"))
+    from astra.run.supervisor import Supervisor
+
+    code = asyncio.run(Supervisor(resolved, rd, resume=resume_dir is not None).run())
+    sys.exit(code)
+
+
+def _logging(level: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(path)):
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+
+
+if __name__ == "__main__":
+    run_command()

@@ -1,0 +1,234 @@
+"""The run directory and the command line of every child service, built from a recipe.
+
+Layout of a run directory:
+    recipe.yaml              the resolved recipe (what --resume reads back)
+    run.json                 children: name, role, pid, address, command
+    data/prompts.jsonl       the synthetic dataset (kind != file)
+    config/*.yaml            Dataflow and trainer configs as the services read them
+    state/dataflow/          Dataflow's SQLite state and blob log
+    state/weights/           the WeightService's version store
+    state/<raas name>/       each RaaS's receiver directories
+    checkpoints/<policy>/    trainer checkpoints
+    logs/<child>.log         each child's stderr (and anything after its address line)
+    metrics.jsonl            one row per trainer step observed (astra.run.observe)
+    summary.json             end-of-run figures (astra.run.summary)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from astra.dataflow.config import DataflowConfig
+from astra.run.recipe import PolicySpec, Recipe, dump_recipe
+from astra.trainer.config import TrainerConfig
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", self.root.resolve())
+
+    @property
+    def recipe(self) -> Path:
+        return self.root / "recipe.yaml"
+
+    @property
+    def run_json(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def dataset(self) -> Path:
+        return self.root / "data" / "prompts.jsonl"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def dataflow_state(self) -> Path:
+        return self.state / "dataflow"
+
+    @property
+    def weights_store(self) -> Path:
+        return self.state / "weights"
+
+    def log(self, child: str) -> Path:
+        return self.root / "logs" / f"{child}.log"
+
+    def checkpoints(self, policy_id: str) -> Path:
+        return self.root / "checkpoints" / policy_id
+
+
+def prepare(recipe: Recipe, rd: RunDir) -> Path:
+    """Creates the directories, writes the recipe and the dataset; returns the dataset path."""
+    for d in (rd.config, rd.state, rd.root / "logs", rd.root / "data"):
+        d.mkdir(parents=True, exist_ok=True)
+    rd.recipe.write_text(dump_recipe(recipe))
+    ds = recipe.dataset
+    if ds.kind == "file":
+        assert ds.path is not None  # the recipe checks it
+        path = Path(ds.path).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset.path: {path} is not a file")
+        return path
+    if not rd.dataset.is_file():  # on --resume the file is kept: Dataflow refuses a changed one
+        from astra.raas.tasks import write_dataset
+
+        write_dataset(ds.kind, rd.dataset, ds.size, ds.seed)
+    return rd.dataset
+
+
+def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path) -> DataflowConfig:
+    section = recipe.dataflow.model_dump(mode="json")
+    ds = recipe.dataset
+    policies = [
+        {"id": p.id, "batch_groups": recipe.batch_groups(p), "buffer": p.buffer.model_dump()}
+        for p in recipe.policies
+    ]
+    streams = [
+        {
+            "name": s.name,
+            "dataset": {
+                "path": str(dataset),
+                "num_epochs": ds.num_epochs,
+                "shuffle": ds.shuffle,
+                "seed": ds.seed,
+            },
+            "workflow": s.workflow,
+            "policy_ids": recipe.stream_policies(s),
+            "group_size": s.group_size,
+            "reward": recipe.stream_reward(s),
+            "sampling": s.sampling.model_dump(),
+        }
+        for s in recipe.streams
+    ]
+    raw = {**section, "host": "127.0.0.1", "port": 0, "state_dir": str(rd.dataflow_state)}
+    return DataflowConfig.model_validate({**raw, "policies": policies, "streams": streams})
+
+
+def trainer_config(
+    recipe: Recipe, policy: PolicySpec, rd: RunDir, *, dataflow: str, weights: str, resume: bool
+) -> TrainerConfig:
+    t = recipe.trainer
+    done = checkpoint_step(rd.checkpoints(policy.id)) if resume else None
+    raw = {
+        "policy_id": policy.id,
+        "model": policy.model,
+        "dataflow": dataflow,
+        "weights": weights,
+        "trainer_id": f"trainer-{policy.id}"[:64],
+        "host": "127.0.0.1",
+        "port": 0,
+        "device": t.device,
+        "dtype": t.dtype,
+        "seed": t.seed,
+        "num_steps": max(1, t.num_steps - (done or 0)),
+        "loss": t.loss.model_dump(),
+        "optim": t.optim.model_dump(),
+        "publish": t.publish.model_dump(),
+        "batch": {
+            "num_groups": recipe.batch_groups(policy),
+            "max_wait_s": t.max_wait_s,
+            "max_tokens_per_microbatch": t.max_tokens_per_microbatch,
+        },
+        "checkpoint": {
+            "dir": str(rd.checkpoints(policy.id)),
+            "every_steps": t.checkpoint.every_steps,
+            "keep_last": t.checkpoint.keep_last,
+            "resume": done is not None,
+        },
+    }
+    return TrainerConfig.model_validate(raw)
+
+
+def checkpoint_step(root: Path) -> int | None:
+    """Step of the newest complete checkpoint under `root` (astra.trainer.checkpoint layout)."""
+    found = sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+    if not found:
+        return None
+    meta = found[-1] / "trainer.json"
+    if meta.is_file():
+        return int(json.loads(meta.read_text()).get("step", 0))
+    return int(found[-1].name.removeprefix("step-"))
+
+
+def remaining_steps(recipe: Recipe, rd: RunDir) -> dict[str, int]:
+    """Steps each policy's trainer still has to run (recipe steps minus its checkpoint)."""
+    return {
+        p.id: recipe.trainer.num_steps - (checkpoint_step(rd.checkpoints(p.id)) or 0)
+        for p in recipe.policies
+    }
+
+
+def serve_command(service: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "astra.cli", "serve", service, *args]
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def dataflow_command(recipe: Recipe, rd: RunDir, dataset: Path) -> list[str]:
+    config = dataflow_config(recipe, rd, dataset)
+    path = write_yaml(rd.config / "dataflow.yaml", config.model_dump(mode="json"))
+    return serve_command("dataflow", "--config", str(path))
+
+
+def previous_port(rd: RunDir, child: str) -> int:
+    """The port `child` had in the run dir's run.json (0 if none): on --resume the WeightService
+    comes back on it, because Dataflow keeps each announced version's weights address."""
+    if not rd.run_json.is_file():
+        return 0
+    for c in json.loads(rd.run_json.read_text()).get("children", []):
+        if c.get("name") == child and c.get("address"):
+            return int(str(c["address"]).rpartition(":")[2])
+    return 0
+
+
+def weights_command(recipe: Recipe, rd: RunDir, port: int = 0) -> list[str]:
+    w = recipe.weights
+    return serve_command(
+        "weights",
+        *("--store", str(rd.weights_store), "--port", str(port)),
+        *("--full-every", str(w.full_every), "--max-chain", str(w.max_chain)),
+        *("--keep-versions", str(w.keep_versions)),
+    )
+
+
+def raas_command(recipe: Recipe, index: int, rd: RunDir, dataflow: str) -> list[str]:
+    spec, name = recipe.raas[index], recipe.raas_names[index]
+    policies = recipe.raas_policies(spec)
+    model = spec.model or next(p.model for p in recipe.policies if p.id == policies[0])
+    args = ["--dataflow", dataflow, "--model", model, "--capacity", str(spec.capacity)]
+    args += ["--instance-id", name, "--state-dir", str(rd.state / name), "--port", "0"]
+    args += ["--device", spec.device, "--on-swap", spec.on_swap]
+    args += [a for p in policies for a in ("--policy", p)]
+    args += [a for w in recipe.raas_workflows(spec) for a in ("--workflow", w)]
+    args += [a for k, v in sorted(spec.labels.items()) for a in ("--label", f"{k}={v}")]
+    return serve_command("raas", *args)
+
+
+def trainer_command(recipe: Recipe, policy: PolicySpec, rd: RunDir, **kw: object) -> list[str]:
+    config = trainer_config(recipe, policy, rd, **kw)  # type: ignore[arg-type]
+    path = write_yaml(rd.config / f"trainer-{policy.id}.yaml", config.model_dump(mode="json"))
+    return serve_command("trainer", "--config", str(path))

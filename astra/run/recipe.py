@@ -1,0 +1,167 @@
+"""The typed recipe of `astra run`: what to start, with which settings, and how to supervise it.
+
+A recipe is YAML; every field is documented and bounded here and unknown keys
+are an error naming the key. `Recipe()` (no file) is the embedded default: the
+`tiny` model on a synthetic arithmetic dataset, CPU only, with Dataflow, a
+WeightService, two RaaS and one trainer. Dotted overrides (`trainer.num_steps=5`,
+`raas.0.capacity=4`; values parsed as YAML scalars) apply on top of the file.
+The sections (astra.run.sections) reuse the Dataflow and trainer config models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from astra.config import ConfigError
+from astra.dataflow.config import POLICY_ID_PATTERN, BufferSettings
+from astra.run.overrides import OverrideError, apply_override, parse_overrides
+from astra.run.sections import (
+    DataflowSection,
+    DatasetSpec,
+    ObserveSpec,
+    PolicySpec,
+    RaasSpec,
+    StreamSpec,
+    SupervisionSpec,
+    TrainerSpec,
+    WeightsSpec,
+    _Strict,
+)
+
+TASK_REWARDS = {"arithmetic": "arithmetic", "countdown": "countdown"}
+
+
+class RecipeError(ConfigError):
+    """A recipe that cannot be used; the message names the key."""
+
+
+__all__ = [
+    "DatasetSpec",
+    "OverrideError",
+    "PolicySpec",
+    "RaasSpec",
+    "Recipe",
+    "RecipeError",
+    "StreamSpec",
+    "TrainerSpec",
+    "dump_recipe",
+    "load_recipe",
+]
+
+
+class Recipe(_Strict):
+    """One run of the whole system."""
+
+    name: str = Field("default", pattern=POLICY_ID_PATTERN, description="Run name.")
+    description: str = Field("", description="Free text.")
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec, description="Prompts.")
+    policies: list[PolicySpec] = Field(
+        default_factory=lambda: [
+            PolicySpec(id="policy", buffer=BufferSettings(drop_equal_rewards=False))
+        ],
+        min_length=1,
+        description="Policies trained, one trainer each.",
+    )
+    streams: list[StreamSpec] = Field(
+        default_factory=lambda: [StreamSpec()], min_length=1, description="Prompt streams."
+    )
+    dataflow: DataflowSection = Field(  # type: ignore[valid-type]
+        default_factory=lambda: DataflowSection(grace_s=2.0), description="Dataflow settings."
+    )
+    weights: WeightsSpec = Field(default_factory=WeightsSpec, description="WeightService.")
+    raas: list[RaasSpec] = Field(
+        default_factory=lambda: [RaasSpec(), RaasSpec()], min_length=1, description="RaaS."
+    )
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Every trainer.")
+    on_raas_death: Literal["continue", "stop"] = Field(
+        "continue", description="A RaaS that dies: carry on, or stop the run. Others: stop."
+    )
+    supervision: SupervisionSpec = Field(default_factory=SupervisionSpec, description="Children.")
+    observe: ObserveSpec = Field(default_factory=ObserveSpec, description="Outputs.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra child environment.")
+
+    @model_validator(mode="after")
+    def _refs(self) -> Recipe:
+        ids = [p.id for p in self.policies]
+        if len(set(ids)) != len(ids):
+            raise ValueError("policies: duplicate policy id")
+        for kind, names in (("streams", [s.name for s in self.streams]), ("raas", self.raas_names)):
+            if len(set(names)) != len(names):
+                raise ValueError(f"{kind}: duplicate name")
+        for label, refs in [(f"streams.{s.name}", s.policy_ids) for s in self.streams] + [
+            (f"raas.{n}", r.policies) for n, r in zip(self.raas_names, self.raas, strict=True)
+        ]:
+            if unknown := [p for p in refs if p not in ids]:
+                raise ValueError(f"{label}: unknown policies {unknown}")
+        for s in self.streams:
+            if not any(
+                set(self.stream_policies(s)) <= set(self.raas_policies(r))
+                and s.workflow in self.raas_workflows(r)
+                for r in self.raas
+            ):
+                raise ValueError(f"streams.{s.name}: no RaaS serves its workflow and policies")
+            temperature = s.sampling.temperature
+            if temperature > 0 and temperature != self.trainer.loss.temperature:
+                raise ValueError(
+                    f"streams.{s.name}.sampling.temperature {temperature} differs from "
+                    f"trainer.loss.temperature {self.trainer.loss.temperature}"
+                )
+        return self
+
+    @property
+    def raas_names(self) -> list[str]:
+        return [r.name or f"raas-{i}" for i, r in enumerate(self.raas)]
+
+    def stream_policies(self, stream: StreamSpec) -> list[str]:
+        return stream.policy_ids or [p.id for p in self.policies]
+
+    def raas_policies(self, raas: RaasSpec) -> list[str]:
+        return raas.policies or [p.id for p in self.policies]
+
+    def raas_workflows(self, raas: RaasSpec) -> list[str]:
+        return raas.workflows or sorted({s.workflow for s in self.streams})
+
+    def batch_groups(self, policy: PolicySpec) -> int:
+        return policy.batch_groups or self.trainer.batch_groups
+
+    def stream_reward(self, stream: StreamSpec) -> str:
+        return stream.reward or TASK_REWARDS.get(self.dataset.kind, "")
+
+
+def load_recipe(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Recipe:
+    """The recipe in `path` (None: the embedded default) with dotted overrides applied."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise RecipeError(f"{path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise RecipeError(f"{path}: the top level must be a mapping")
+        data = loaded or {}
+    defaults = Recipe().model_dump(mode="json")
+    try:
+        for keys, value in parse_overrides(overrides):
+            apply_override(data, keys, value, defaults)
+    except OverrideError as exc:
+        raise RecipeError(str(exc)) from exc
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
+        )
+        raise RecipeError(f"invalid recipe{f' {path}' if path else ''}: {problems}") from exc
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The resolved recipe as YAML (what the run dir keeps, and what --resume reads)."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,155 @@
+"""The sections of an `astra run` recipe (astra.run.recipe): every field documented and bounded,
+unknown keys refused.
+
+The Dataflow section reuses astra.dataflow.config: it is DataflowConfig with the
+fields the run owns (host, port, state_dir, policies, streams) left out; buffers
+and sampling are DataflowConfig's own models, the trainer's loss, optimiser and
+publishing are TrainerConfig's (astra.trainer.config).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from astra.dataflow.config import (
+    POLICY_ID_PATTERN,
+    BufferSettings,
+    DataflowConfig,
+    SamplingSettings,
+)
+from astra.trainer.config import LossConfig, OptimConfig, PublishConfig
+
+RUN_OWNED_DATAFLOW_FIELDS = frozenset({"host", "port", "state_dir", "policies", "streams"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# Every DataflowConfig field the run does not own, with its type, default, bound and docs.
+DataflowSection: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    "DataflowSection",
+    __base__=_Strict,
+    __doc__="Dataflow settings passed through to DataflowConfig (astra/dataflow/config.py).",
+    **{
+        name: (info.annotation, info)
+        for name, info in DataflowConfig.model_fields.items()
+        if name not in RUN_OWNED_DATAFLOW_FIELDS
+    },
+)
+
+
+class DatasetSpec(_Strict):
+    """The prompts: a synthetic task (astra.raas.tasks) written into the run dir, or a file."""
+
+    kind: Literal["arithmetic", "countdown", "file"] = Field(
+        "arithmetic", description="Synthetic task, or 'file' to read `path`."
+    )
+    size: int = Field(512, ge=1, le=10_000_000, description="Synthetic records generated.")
+    seed: int = Field(0, ge=0, description="Seed of the synthetic generator.")
+    path: str | None = Field(None, description="JSONL or Parquet file; required by kind 'file'.")
+    num_epochs: int = Field(0, ge=0, description="Epochs Dataflow runs; 0 means unbounded.")
+    shuffle: bool = Field(True, description="Shuffle each epoch (seeded by `seed`).")
+
+    @model_validator(mode="after")
+    def _path(self) -> DatasetSpec:
+        if (self.kind == "file") != (self.path is not None):
+            raise ValueError("path is required with kind 'file' and only then")
+        return self
+
+
+class PolicySpec(_Strict):
+    """One policy: trained by its own trainer process, served by the RaaS that name it."""
+
+    id: str = Field(pattern=POLICY_ID_PATTERN, description="Policy id.")
+    model: str = Field("tiny", description="'tiny' or a local Hugging Face directory.")
+    batch_groups: int | None = Field(
+        None, ge=1, le=65536, description="Groups per step; None: trainer.batch_groups."
+    )
+    buffer: BufferSettings = Field(default_factory=BufferSettings, description="Its buffer.")
+
+
+class StreamSpec(_Strict):
+    """A prompt stream over the recipe's dataset."""
+
+    name: str = Field("main", pattern=POLICY_ID_PATTERN, description="Prefix of group ids.")
+    workflow: str = Field("single_turn", min_length=1, description="Workflow name.")
+    policy_ids: list[str] = Field(default_factory=list, description="Policies; empty: all.")
+    group_size: int = Field(4, ge=1, le=1024, description="Samples per prompt.")
+    reward: str = Field(
+        "", description="Reward name; empty: the synthetic task's, else the workflow default."
+    )
+    sampling: SamplingSettings = Field(
+        default_factory=lambda: SamplingSettings(max_new_tokens=8),
+        description="Sampling of the rollouts.",
+    )
+
+
+class WeightsSpec(_Strict):
+    """Options of `astra serve weights`."""
+
+    full_every: int = Field(20, ge=1, le=64, description="A full version every K versions.")
+    max_chain: int = Field(128, ge=1, le=128, description="Most deltas a fetch plan bridges.")
+    keep_versions: int = Field(8, ge=1, description="Newest versions always kept.")
+
+
+class RaasSpec(_Strict):
+    """One rollout service process (`astra serve raas`)."""
+
+    name: str | None = Field(
+        None, pattern=POLICY_ID_PATTERN, description="Instance id; None: raas-<index>."
+    )
+    capacity: int = Field(16, ge=1, le=1 << 20, description="Samples generated at once.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels for routing.")
+    policies: list[str] = Field(default_factory=list, description="Policies; empty: all.")
+    workflows: list[str] = Field(default_factory=list, description="Workflows; empty: streams'.")
+    model: str | None = Field(None, description="Model; None: its first policy's model.")
+    device: str = Field("cpu", description="Torch device.")
+    on_swap: Literal["continue", "finish_old"] = Field("continue", description="On weight swap.")
+
+
+class CheckpointSpec(_Strict):
+    """Trainer checkpoints under <run dir>/checkpoints/<policy>."""
+
+    every_steps: int = Field(10, ge=0, description="A checkpoint every N steps; 0: never.")
+    keep_last: int = Field(3, ge=1, description="Checkpoints kept per policy.")
+
+
+class TrainerSpec(_Strict):
+    """Settings of every trainer (one process per policy)."""
+
+    num_steps: int = Field(50, ge=1, le=10_000_000, description="Steps; the run ends after.")
+    batch_groups: int = Field(
+        4, ge=1, le=65536, description="Groups per step (also Dataflow's batch_groups)."
+    )
+    device: str = Field("cpu", description="Torch device.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    seed: int = Field(0, ge=0, description="Seed of torch and Python RNGs.")
+    max_wait_s: float = Field(10.0, gt=0, le=60, description="FetchBatch max_wait per call.")
+    max_tokens_per_microbatch: int = Field(4096, ge=1, description="Padded tokens per forward.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="Policy loss.")
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=1e-4), description="AdamW and clipping."
+    )
+    publish: PublishConfig = Field(default_factory=PublishConfig, description="Weights out.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
+
+
+class SupervisionSpec(_Strict):
+    """How children are started and stopped."""
+
+    startup_timeout_s: float = Field(180.0, gt=0, description="Wait for a child's address line.")
+    stop_grace_s: float = Field(15.0, ge=0, description="SIGTERM to SIGKILL.")
+    log_tail_lines: int = Field(20, ge=0, le=1000, description="Log lines shown on a death.")
+
+
+class ObserveSpec(_Strict):
+    """The live view, metrics.jsonl and summary.json."""
+
+    poll_interval_s: float = Field(1.0, gt=0, le=60, description="GetStatus period.")
+    baseline_samples: int = Field(
+        64, ge=0, le=100_000, description="Samples of the initial model for the random baseline."
+    )
+    status_every_s: float = Field(5.0, gt=0, description="Status line period when not a TTY.")

@@ -1,0 +1,150 @@
+"""summary.json: the figures of a finished (or stopped) run, and how each is computed.
+
+Sources, read after every child has stopped:
+- Dataflow's last GetStatus (taken after the trainers and the RaaS stopped): the
+  run-level counters (durable across restarts) and each policy's current version.
+- Dataflow's SQLite state (read-only): the work table (one row per group ever pulled:
+  pending / leased / done, with its dispatch attempts) and the batches table (the
+  group keys of every batch a trainer acknowledged; the newest 4096 are kept).
+- The observer's metrics rows (trainer GetStatus per step).
+- The trainers' own last log line ("trainer stopped at step N").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+_STOPPED = re.compile(rb"trainer stopped at step (\d+), version (\d+)")
+WINDOW = 10
+
+
+def read_state(state_dir: Path) -> dict[str, Any]:
+    """Dispatch and batch figures from Dataflow's SQLite file, opened read-only."""
+    path = state_dir / "dataflow.sqlite"
+    if not path.is_file():
+        return {}
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT state, attempts FROM work").fetchall()
+        batches = conn.execute("SELECT policy_id, state, groups FROM batches").fetchall()
+    finally:
+        conn.close()
+    dispatched = [(s, a) for s, a in rows if a >= 1 or s == "done"]
+    trained: Counter[tuple[str, str]] = Counter()
+    for policy_id, state, groups in batches:
+        if state == "acked":
+            trained.update((policy_id, gid) for gid, replay in json.loads(groups) if not replay)
+    return {
+        "dispatched": len(dispatched),
+        "with_outcome": sum(1 for s, _ in dispatched if s == "done"),
+        "unfinished": sum(1 for s, _ in dispatched if s != "done"),
+        "acked_batches": sum(1 for _, s, _ in batches if s == "acked"),
+        "trained_keys": sum(trained.values()),
+        "duplicated": sum(n - 1 for n in trained.values() if n > 1),
+    }
+
+
+def trainer_final_step(log_path: Path) -> int | None:
+    """The step a trainer reported when it stopped (its last log line of that form)."""
+    if not log_path.is_file():
+        return None
+    found = _STOPPED.findall(log_path.read_bytes()[-65536:])
+    return int(found[-1][0]) if found else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def build_summary(
+    *,
+    status: str,
+    wall_seconds: float,
+    dataflow: dict[str, Any],
+    state: dict[str, Any],
+    rows: dict[str, list[dict[str, Any]]],
+    final_steps: dict[str, int | None],
+    baseline: dict[str, Any],
+) -> dict[str, Any]:
+    counters: dict[str, int] = dataflow.get("counters", {})
+    outcomes = sum(counters.get(k, 0) for k in ("completed_groups", "failed_groups"))
+    outcomes += counters.get("malformed_results", 0)
+    steps = {
+        p: max(final_steps.get(p) or 0, max((r["step"] for r in rs), default=0))
+        for p, rs in rows.items()
+    }
+    accuracy = [r["accuracy"] for rs in rows.values() for r in rs if r["accuracy"] is not None]
+    lost = None
+    if state:
+        lost = state["dispatched"] - outcomes - state["unfinished"]
+    notes = []
+    if not accuracy:
+        notes.append(
+            "accuracy_first10/last10 are null: the trainers report no per-step reward "
+            "('accuracy' or 'reward_mean' in TrainerService GetStatus metrics)"
+        )
+    return {
+        "status": status,
+        "steps": min(steps.values(), default=0),
+        "steps_per_policy": steps,
+        "wall_seconds": round(wall_seconds, 2),
+        "accuracy_first10": _mean(accuracy[:WINDOW]),
+        "accuracy_last10": _mean(accuracy[-WINDOW:]),
+        "accuracy_steps_observed": len(accuracy),
+        "random_baseline_accuracy": baseline.get("accuracy"),
+        "random_baseline": baseline,
+        "groups_dispatched": state.get("dispatched"),
+        "groups_trained": counters.get("consumed_groups", 0),
+        "groups_lost": lost,
+        "groups_duplicated": state.get("duplicated"),
+        "groups_unfinished_at_end": state.get("unfinished"),
+        "groups_with_outcome": outcomes,
+        "versions_published": sum(dataflow.get("versions", {}).values()),
+        "versions_per_policy": dataflow.get("versions", {}),
+        "counters": {
+            k: counters.get(k, 0)
+            for k in (
+                "dispatched",
+                "redispatched",
+                "completed_groups",
+                "failed_groups",
+                "malformed_results",
+                "duplicates_dropped",
+                "consumed_groups",
+                "consumed_trajectories",
+                "batch_leases_expired",
+                "leases_expired",
+                "instances_confirmed_dead",
+                "versions_announced",
+            )
+        },
+        "how": {
+            "steps": "each trainer's last step (its per-step and final log lines); the least "
+            "over policies",
+            "accuracy_first10": "mean of the per-step 'accuracy' (or 'reward_mean') trainer "
+            "metric over the first 10 observed steps (all policies)",
+            "accuracy_last10": "the same over the last 10 observed steps",
+            "random_baseline_accuracy": baseline.get("method", ""),
+            "groups_dispatched": "distinct groups handed to a RaaS at least once (work table)",
+            "groups_trained": "Dataflow counter consumed_groups: groups in acknowledged batches",
+            "groups_lost": "groups_dispatched - outcomes counted (completed + failed + malformed "
+            "counters) - dispatched groups still pending or leased at the end (kept durably, "
+            "dispatched again on --resume)",
+            "groups_duplicated": "non-replay (policy, group) keys found in more than one "
+            "acknowledged batch (batches table), counted once per extra batch",
+            "versions_published": "sum over policies of the last version announced to Dataflow "
+            "(version 0, the initial weights, not counted)",
+        },
+        "notes": notes,
+    }
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)

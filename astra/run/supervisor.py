@@ -1,0 +1,245 @@
+"""`astra run`'s supervisor: starts the services as separate processes, watches them, stops them.
+
+Order: Dataflow and the WeightService (together), then every RaaS (--dataflow),
+then one trainer per policy (--dataflow, --weights); each waits for the address
+lines of the stage before. While the run goes on, a child that exits is
+reported with the tail of its log; a RaaS may die (`on_raas_death: continue`),
+any other death stops the run. The run ends when every trainer exits 0 after
+its num_steps. SIGINT/SIGTERM (a second one: no more grace) stop everything.
+Shutdown goes trainers, RaaS, then Dataflow and the WeightService, each group
+SIGTERM -> grace -> SIGKILL by process group, so no child outlives the run.
+Then summary.json is written (astra.run.summary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+from typing import Any
+
+from astra.run import layout
+from astra.run.children import Child, ChildFailed, stop_all
+from astra.run.layout import RunDir
+from astra.run.observe import Observer
+from astra.run.recipe import Recipe
+from astra.run.summary import build_summary, read_state, trainer_final_step, write_summary
+
+log = logging.getLogger("astra.run")
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+class Interrupted(Exception):
+    pass
+
+
+class Supervisor:
+    def __init__(self, recipe: Recipe, run_dir: RunDir, *, resume: bool = False) -> None:
+        self.recipe, self.rd, self.resume = recipe, run_dir, resume
+        self.children: dict[str, list[Child]] = {"core": [], "raas": [], "trainer": []}
+        self.stop = asyncio.Event()
+        self.signals: list[int] = []
+        self.grace_s = recipe.supervision.stop_grace_s
+        self.observer: Observer | None = None
+
+    def _child(self, name: str, role: str, args: list[str]) -> Child:
+        child = Child(name, role, args, self.rd.log(name), self.recipe.env)
+        self.children["core" if role in ("dataflow", "weights") else role].append(child)
+        return child
+
+    def _on_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+        if len(self.signals) > 1:  # asked twice: no more waiting
+            self.grace_s = 0.0
+            for child in (c for group in self.children.values() for c in group):
+                child.signal_group(signal.SIGKILL)
+        log.warning("%s: stopping every child", signal.Signals(sig).name)
+        self.stop.set()
+
+    async def _until_stop(self, coro: Any) -> Any:
+        task, stopped = asyncio.ensure_future(coro), asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            raise Interrupted
+        return task.result()
+
+    async def _start(self, group: list[Child]) -> None:
+        for child in group:
+            await child.spawn()
+        timeout = self.recipe.supervision.startup_timeout_s
+        reads = asyncio.gather(*(c.read_address(timeout) for c in group), return_exceptions=True)
+        results = await self._until_stop(reads)
+        self._write_run_json()
+        for child, result in zip(group, results, strict=True):
+            if isinstance(result, BaseException):
+                raise ChildFailed(f"{result}\n{self._tail(child)}") from result
+        for child in group:
+            log.info("%s (pid %s) serving on %s", child.name, child.pid, child.address)
+
+    def _tail(self, child: Child) -> str:
+        lines = self.recipe.supervision.log_tail_lines
+        return f"--- last lines of {child.log_path} ---\n{child.tail(lines)}"
+
+    def _write_run_json(self) -> None:
+        every = [c.describe() for group in self.children.values() for c in group]
+        tmp = self.rd.run_json.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"children": every}, indent=2) + "\n")
+        tmp.replace(self.rd.run_json)  # readers see the old list or the new one
+
+    async def _start_all(self, dataset: Any, steps: dict[str, int]) -> None:
+        r, rd = self.recipe, self.rd
+        df = self._child("dataflow", "dataflow", layout.dataflow_command(r, rd, dataset))
+        port = layout.previous_port(rd, "weights") if self.resume else 0
+        weights = self._child("weights", "weights", layout.weights_command(r, rd, port))
+        try:
+            await self._start([df, weights])
+        except ChildFailed:
+            if not port or weights.returncode is None:
+                raise
+            log.warning("WeightService could not take port %d again; any port instead", port)
+            await weights.stop(0)
+            self.children["core"].remove(weights)
+            weights = self._child("weights", "weights", layout.weights_command(r, rd))
+            await self._start([weights])
+        await self._start(
+            [
+                self._child(name, "raas", layout.raas_command(r, i, rd, df.address))
+                for i, name in enumerate(r.raas_names)
+            ]
+        )
+        await self._start(
+            [
+                self._child(
+                    f"trainer-{p.id}",
+                    "trainer",
+                    layout.trainer_command(
+                        r, p, rd, dataflow=df.address, weights=weights.address, resume=self.resume
+                    ),
+                )
+                for p in r.policies
+                if steps[p.id] > 0
+            ]
+        )
+
+    async def _watch(self) -> tuple[str, int]:
+        """Until every trainer finished, a fatal death, or a signal: (status, exit code)."""
+        waits = {
+            asyncio.ensure_future(c.wait()): c for group in self.children.values() for c in group
+        }
+        stopped = asyncio.ensure_future(self.stop.wait())
+        left = {c.name for c in self.children["trainer"]}
+        try:
+            while left:
+                done, _ = await asyncio.wait({*waits, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if stopped in done:
+                    return "interrupted", 128 + self.signals[0]
+                for task in done:
+                    child, rc = waits.pop(task), task.result()
+                    if child.role == "trainer" and rc == 0:
+                        log.info("%s finished its steps", child.name)
+                        left.discard(child.name)
+                        continue
+                    log.error(
+                        "%s (pid %s) exited with %s\n%s",
+                        child.name,
+                        child.pid,
+                        rc,
+                        self._tail(child),
+                    )
+                    if child.role != "raas" or self.recipe.on_raas_death == "stop":
+                        return f"failed: {child.name} exited with {rc}", EXIT_FAILED
+                    if not any(c.returncode is None for c in self.children["raas"]):
+                        log.warning("no RaaS left: the run waits for one to join")
+            return "completed", EXIT_OK
+        finally:
+            for task in (*waits, stopped):
+                task.cancel()
+
+    async def run(self) -> int:
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        dataset = layout.prepare(self.recipe, self.rd)
+        steps = (
+            layout.remaining_steps(self.recipe, self.rd)
+            if self.resume
+            else {p.id: self.recipe.trainer.num_steps for p in self.recipe.policies}
+        )
+        if all(n <= 0 for n in steps.values()):
+            log.info("every trainer already ran its %d steps", self.recipe.trainer.num_steps)
+            return EXIT_OK
+        observing: asyncio.Task[None] | None = None
+        status, code = "failed: startup", EXIT_FAILED
+        try:
+            await self._start_all(dataset, steps)
+            trainers = {c.name.removeprefix("trainer-"): c for c in self.children["trainer"]}
+            self.observer = Observer(
+                self.children["core"][0].address,
+                {p: c.address for p, c in trainers.items()},
+                {p: (c.log_path, c.log_offset) for p, c in trainers.items()},
+                self.rd.metrics,
+                num_steps=self.recipe.trainer.num_steps,
+                poll_interval_s=self.recipe.observe.poll_interval_s,
+                status_every_s=self.recipe.observe.status_every_s,
+                name=self.recipe.name,
+            )
+            observing = asyncio.create_task(self.observer.run())
+            status, code = await self._watch()
+        except Interrupted:
+            status, code = "interrupted", 128 + self.signals[0]
+        except ChildFailed as exc:
+            log.error("%s", exc)
+        finally:
+            if observing is not None:
+                observing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await observing
+            await self._shutdown(status, time.monotonic() - started, dataset)
+        log.info("run %s: %s (%s)", self.recipe.name, status, self.rd.root)
+        return code
+
+    async def _shutdown(self, status: str, wall: float, dataset: Any) -> None:
+        obs = self.observer
+        await stop_all([self.children["trainer"], self.children["raas"]], self.grace_s)
+        dataflow = self.children["core"][0] if self.children["core"] else None
+        if obs is not None:
+            obs.read_logs()  # the steps logged since the last tick
+            obs.flush()
+        if obs is not None and dataflow is not None and dataflow.returncode is None:
+            await obs.poll_dataflow()  # the last view: no trainer, no RaaS
+            obs.print_status(force=True)
+            obs.end_line()
+        await stop_all([self.children["core"]], self.grace_s)
+        if obs is not None:
+            await obs.close()
+        if dataflow is None:
+            return
+        baseline: dict[str, Any] = {"accuracy": None, "method": "not measured: run not completed"}
+        if status == "completed":
+            from astra.run.baseline import random_baseline
+
+            samples = self.recipe.observe.baseline_samples
+            baseline = await asyncio.to_thread(random_baseline, self.recipe, dataset, samples)
+        summary = build_summary(
+            status=status,
+            wall_seconds=wall,
+            dataflow=obs.last_dataflow if obs is not None else {},
+            state=read_state(self.rd.dataflow_state),
+            rows=obs.rows if obs is not None else {},
+            final_steps={
+                c.name.removeprefix("trainer-"): trainer_final_step(c.log_path)
+                for c in self.children["trainer"]
+            },
+            baseline=baseline,
+        )
+        write_summary(self.rd.summary, summary)
+        keys = ("steps", "groups_trained", "groups_lost", "groups_duplicated", "versions_published")
+        log.info("summary %s: %s", self.rd.summary, {k: summary[k] for k in keys})

@@ -1,0 +1,159 @@
+"""`astra run` end to end with real processes: the default recipe trains a few steps and writes
+summary.json; SIGTERM stops every child; a RaaS killed with SIGKILL does not stop the run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+SMALL = ["--set", "dataset.size=64", "--set", "observe.baseline_samples=8"]
+SMALL += ["--set", "supervision.stop_grace_s=10"]
+
+
+class Run:
+    """`python -m astra.run` in a session of its own, with its output in a file."""
+
+    def __init__(self, run_dir: Path, *args: str) -> None:
+        self.run_dir = run_dir
+        self.out = (run_dir.parent / f"{run_dir.name}.out").open("wb")
+        cmd = [sys.executable, "-m", "astra.run", "--run-dir", str(run_dir), *SMALL, *args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def children(self) -> list[dict]:
+        path = self.run_dir / "run.json"
+        return json.loads(path.read_text())["children"] if path.is_file() else []
+
+    def wait_for_children(self, roles: set[str], timeout_s: float) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            children = self.children()
+            if roles <= {c["role"] for c in children}:
+                return children
+            time.sleep(0.2)
+        raise AssertionError(f"children {roles} not started: {self.output()}")
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"astra run still running: {self.output()}") from None
+
+    def output(self) -> str:
+        self.out.flush()
+        return Path(self.out.name).read_text(errors="replace")[-4000:]
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def cleanup(self) -> None:
+        """Kills whatever this test started and is still there (by process group)."""
+        groups = [self.proc.pid, *(c["pid"] for c in self.children() if c["pid"])]
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.out.close()
+
+
+@pytest.fixture
+def run_factory(tmp_path: Path) -> Iterator:
+    runs: list[Run] = []
+
+    def make(*args: str) -> Run:
+        runs.append(Run(tmp_path / f"run{len(runs)}", *args))
+        return runs[-1]
+
+    yield make
+    for r in runs:
+        r.cleanup()
+
+
+def gone(pid: int) -> bool:
+    """No process left in the group `pid` led (children are group leaders)."""
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_default_recipe_runs_end_to_end(run_factory) -> None:
+    run = run_factory("--set", "trainer.num_steps=3")
+    assert run.wait(100) == 0, run.output()
+    s = run.summary()
+    assert s["status"] == "completed" and s["steps"] == 3
+    assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+    assert s["versions_published"] >= 3
+    assert s["groups_trained"] == 3 * 4 and s["groups_dispatched"] >= s["groups_trained"]
+    assert s["wall_seconds"] > 0 and 0 <= s["random_baseline_accuracy"] <= 1
+    assert {"accuracy_first10", "accuracy_last10"} <= s.keys()
+    rows = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    names = {c["name"] for c in run.children()}
+    assert names == {"dataflow", "weights", "raas-0", "raas-1", "trainer-policy"}
+    for name in names:
+        assert (run.run_dir / "logs" / f"{name}.log").stat().st_size > 0
+    assert all(gone(c["pid"]) for c in run.children())
+
+
+def test_sigterm_stops_every_child(run_factory) -> None:
+    run = run_factory("--set", "trainer.num_steps=100000")
+    children = run.wait_for_children({"dataflow", "weights", "raas", "trainer"}, 90)
+    time.sleep(1.0)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(60) == 128 + signal.SIGTERM, run.output()
+    assert run.summary()["status"] == "interrupted"
+    left = [c["name"] for c in children if not gone(c["pid"])]
+    assert not left, f"children left running: {left}"
+
+
+def test_killed_raas_does_not_stop_the_run(run_factory) -> None:
+    run = run_factory("--set", "trainer.num_steps=12", "--set", "on_raas_death=continue")
+    children = run.wait_for_children({"trainer"}, 90)
+    victim = next(c for c in children if c["name"] == "raas-1")
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert run.wait(100) == 0, run.output()
+    s = run.summary()
+    assert s["status"] == "completed" and s["steps"] == 12
+    assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+    supervisor_log = (run.run_dir / "logs" / "supervisor.log").read_text()
+    assert "raas-1 (pid" in supervisor_log and "exited with -9" in supervisor_log
+    assert all(gone(c["pid"]) for c in children)
+
+
+def test_resume_continues_a_stopped_run(run_factory) -> None:
+    first = run_factory(
+        "--set", "trainer.num_steps=100000", "--set", "trainer.checkpoint.every_steps=2"
+    )
+    ckpts = first.run_dir / "checkpoints" / "policy"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not list(ckpts.glob("step-*")):
+        time.sleep(0.2)
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait(60) == 128 + signal.SIGTERM, first.output()
+    before = {c["name"]: c["address"] for c in first.children()}
+    done = int(sorted(ckpts.glob("step-*"))[-1].name.removeprefix("step-"))
+    cmd = [sys.executable, "-m", "astra.run", "--resume", str(first.run_dir)]
+    cmd += ["--set", f"trainer.num_steps={done + 2}"]
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    s = first.summary()
+    assert s["status"] == "completed" and s["steps"] == done + 2
+    assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+    assert s["versions_published"] >= done + 2
+    # Dataflow keeps each version's weights address: the WeightService comes back on its port.
+    assert {c["name"]: c["address"] for c in first.children()}["weights"] == before["weights"]
+    trainer_log = (first.run_dir / "logs" / "trainer-policy.log").read_text()
+    assert f"resumed from {ckpts}/step-{done:09d}" in trainer_log
