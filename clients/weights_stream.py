@@ -15,9 +15,12 @@ WeightService of its own serves to the next tier (a tree across regions).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,8 @@ __all__ = ["FetchResult", "PublishResult", "Receiver", "publish_version"]
 
 log = logging.getLogger(__name__)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+MAX_QUEUED_BYTES = 64 << 20  # chunk bytes read but not yet written to the stage
+FINISH_WORKERS = max(2, min(4, os.cpu_count() or 1))  # decode + fsync of completed tensors
 ENCODINGS = {pb.TENSOR_ENCODING_RAW: "raw", pb.TENSOR_ENCODING_XOR_ZSTD: "xor_zstd"}
 
 
@@ -150,42 +155,51 @@ class Receiver:
                     f"planned from {plan.base_version_id!r}, not held", reason="WRONG_BASE"
                 )
             base = open_full(base_path) if base_path is not None else None
+            pipe = _Pipeline(call)
             incoming = None
             try:
                 while done is None:
                     resp = await call.read()
                     if resp is grpc.aio.EOF:
                         raise DataLoss("stream ended before FetchDone", reason="TRUNCATED_STREAM")
+                    pipe.check()
                     part = resp.WhichOneof("part")
                     if part == "tensor":
+                        if incoming is not None:
+                            raise DataLoss(
+                                f"{incoming.name}: the next tensor began before it ended",
+                                reason="TRUNCATED_TENSOR",
+                                metadata={"tensor": incoming.name},
+                            )
                         h = resp.tensor
                         header = {"name": h.name, "dtype": h.dtype, "shape": list(h.shape)}
                         header.update(encoding=ENCODINGS.get(h.encoding), adler32=h.adler32)
                         header.update(
                             size_bytes=h.size_bytes, encoded_size_bytes=h.encoded_size_bytes
                         )
-                        incoming = stage.receive(header, base)
+                        incoming = await pipe.begin(stage, header, base)
                     elif part == "chunk":
-                        incoming.write(resp.chunk.offset, resp.chunk.data)
+                        if incoming is None:
+                            raise DataLoss("a chunk before any tensor", reason="BAD_CHUNK")
+                        await pipe.write(incoming, resp.chunk.offset, resp.chunk.data)
                         nbytes += len(resp.chunk.data)
                     elif part == "file":
                         stage.add_file(resp.file.name, resp.file.content)
                     elif part == "done":
                         done = resp.done
                     if incoming is not None and incoming.complete:
-                        try:
-                            await asyncio.to_thread(incoming.finish)
-                        except DataLoss as exc:
-                            nack = pb.TensorAck(name=incoming.name)
-                            nack.status.code, nack.status.message = 15, exc.message  # DATA_LOSS
-                            with contextlib.suppress(Exception):
-                                await call.write(pb.FetchVersionRequest(ack=nack))
-                            raise
-                        await call.write(
-                            pb.FetchVersionRequest(ack=pb.TensorAck(name=incoming.name))
-                        )
+                        pipe.finish(incoming)
                         incoming, received = None, received + 1
+                await pipe.drain()
+            except asyncio.CancelledError:
+                if pipe.error is None:
+                    raise
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                raise pipe.error from None
             finally:
+                await pipe.close()
                 if base is not None:
                     base.close()
             await call.done_writing()
@@ -211,3 +225,111 @@ class Receiver:
             nbytes,
             0,
         )
+
+
+class _Pipeline:
+    """Stages a fetch's tensors off the event loop while the stream keeps being read.
+
+    Chunk writes (pwrite + Adler-32) run in order on one writer thread, at
+    most `MAX_QUEUED_BYTES` behind the reader; each completed tensor is then
+    decoded, verified, fsynced and recorded on a worker pool, overlapping the
+    next tensors, and acknowledged as soon as it is recorded (acks may come
+    out of order). The first failure nacks its tensor, is kept in `error` and
+    cancels the reading task, which raises it.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self.call, self.error = call, None
+        self.loop = asyncio.get_running_loop()
+        self.reader = asyncio.current_task()
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="fetch-write")
+        self.workers = ThreadPoolExecutor(FINISH_WORKERS, thread_name_prefix="fetch-finish")
+        self.queued: collections.deque[tuple[asyncio.Future[None], int]] = collections.deque()
+        self.queued_bytes = 0
+        self.last: dict[int, asyncio.Future[None]] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.opened: list[Any] = []
+        self.ack_lock = asyncio.Lock()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    async def begin(self, stage: Any, header: dict[str, Any], base: Any) -> Any:
+        incoming = await self.loop.run_in_executor(self.workers, stage.receive, header, base)
+        self.opened.append(incoming)
+        return incoming
+
+    async def write(self, incoming: Any, offset: int, data: bytes) -> None:
+        incoming.queue(offset, len(data))
+        future = self.loop.run_in_executor(self.writer, incoming.write, offset, data)
+        self.last[id(incoming)] = future
+        self.queued.append((future, len(data)))
+        self.queued_bytes += len(data)
+        while self.queued and (self.queued_bytes > MAX_QUEUED_BYTES or self.queued[0][0].done()):
+            oldest, n = self.queued.popleft()
+            self.queued_bytes -= n
+            await oldest
+
+    def finish(self, incoming: Any) -> None:
+        task = asyncio.create_task(self._finish(incoming, self.last.pop(id(incoming), None)))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _finish(self, incoming: Any, last: asyncio.Future[None] | None) -> None:
+        try:
+            if last is not None:
+                await last
+            await self.loop.run_in_executor(self.workers, incoming.finish)
+        except asyncio.CancelledError:
+            raise
+        except DataLoss as exc:
+            nack = pb.TensorAck(name=incoming.name)
+            nack.status.code, nack.status.message = 15, exc.message  # DATA_LOSS
+            with contextlib.suppress(Exception):
+                await self._send(nack)
+            self._fail(exc)
+            return
+        except BaseException as exc:  # raised by the reading task
+            self._fail(exc)
+            return
+        try:
+            await self._send(pb.TensorAck(name=incoming.name))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+
+    async def _send(self, ack: pb.TensorAck) -> None:
+        async with self.ack_lock:
+            await self.call.write(pb.FetchVersionRequest(ack=ack))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+            if self.reader is not None:
+                self.reader.cancel()
+
+    async def drain(self) -> None:
+        """Until every finished tensor is recorded and acknowledged; raises the first failure."""
+        while self.tasks:
+            await asyncio.gather(*self.tasks)
+        while self.queued:
+            await self.queued.popleft()[0]
+        self.check()
+
+    async def close(self) -> None:
+        """Stops what is in flight and drops every unfinished tensor."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for future, _ in self.queued:
+            future.cancel()
+
+        def stop() -> None:
+            self.writer.shutdown(wait=True, cancel_futures=True)
+            self.workers.shutdown(wait=True, cancel_futures=True)
+            for incoming in self.opened:
+                incoming.abort()
+
+        await asyncio.shield(asyncio.to_thread(stop))

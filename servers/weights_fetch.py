@@ -40,7 +40,10 @@ class StreamSettings:
     """Stream tuning; the chunk size was chosen by measurement (servers/weights.py)."""
 
     chunk_bytes: int = 1 * MiB
-    window_bytes: int = 64 * MiB  # encoded bytes sent but not yet acknowledged
+    # Encoded bytes sent but not yet acknowledged. A receiver acknowledges a tensor only once it
+    # is verified and fsynced, so the window must span more than the largest tensor (an embedding
+    # is ~130-500 MiB) or every big tensor stalls the stream for the receiver's fsync.
+    window_bytes: int = 256 * MiB
     ack_timeout_s: float = 60.0
     first_message_timeout_s: float = 30.0
 

@@ -16,6 +16,7 @@ from astra.clients.weights import WeightClient
 from astra.clients.weights_stream import Receiver, publish_version
 from astra.servers.weights import start_weights
 from astra.weights.checksum import adler32_hex
+from astra.weights.layout import Version
 from astra.weights.store import Store, StoreConfig
 from astra.weights.store_fetch import FetchSource
 from astra.weights.v1 import weight_service_pb2 as pb
@@ -271,5 +272,55 @@ def test_disk_full_at_commit_is_resource_exhausted_and_the_publish_resumes(
                 result = await publish_version(server.address, "p", "v1", 1, models[1])
                 assert result.tensors_skipped == 4, "verified tensors stayed staged"
                 assert (await rx.fetch()).plan == "delta" and same(rx.current_path, models[1])
+
+    run(body())
+
+
+def test_delta_fetch_links_unchanged_tensors_and_rewrites_nothing(tmp_path: Path) -> None:
+    first = chain_of(1, seed=15)[0]
+    second = dict(first)
+    changed = sorted(first)[0]
+    dtype, shape, data = first[changed]
+    flipped = bytearray(data)
+    flipped[7] ^= 0x01
+    second[changed] = (dtype, shape, bytes(flipped))
+    rx = tmp_path / "rx"
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, first)
+            await publish_version(server.address, "p", "v1", 1, second)
+            async with Receiver(server.address, "p", rx, durable=False) as receiver:
+                await receiver.fetch("v0")
+                result = await receiver.fetch("v1")
+            assert result.plan == "delta" and result.tensors_received == 1
+            assert same(rx / "versions" / "v0", first) and same(rx / "current", second)
+            assert not list((rx / "staging").iterdir()), "the stage goes once installed"
+
+    run(body())
+    with Version(rx / "versions" / "v0") as v0, Version(rx / "versions" / "v1") as v1:
+        for name in first:
+            old, new = v0.entries[name].shard.path, v1.entries[name].shard.path
+            shared = old.stat().st_ino == new.stat().st_ino
+            assert shared == (name != changed), name  # unchanged tensors are the same file
+            assert v1.entries[name].checksum == adler32_hex(bytes(second[name][2]))
+
+
+def test_a_stage_left_by_an_older_layout_is_fetched_again(tmp_path: Path) -> None:
+    model = chain_of(1, seed=16)[0]
+    rx = tmp_path / "rx"
+    stage = rx / "staging" / "v0"
+    (stage / "files").mkdir(parents=True)
+    old = {"name": sorted(model)[0], "file": "t-000000.bin", "adler32": "00000001"}
+    (stage / "t-000000.bin").write_bytes(b"\0" * 16)
+    (stage / "tensors.jsonl").write_text(json.dumps(old) + "\n")
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, model)
+            async with Receiver(server.address, "p", rx, durable=False) as receiver:
+                result = await receiver.fetch()
+            assert result.tensors_resumed == 0 and result.tensors_received == len(model)
+            assert same(rx / "current", model)
 
     run(body())

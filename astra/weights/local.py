@@ -3,11 +3,13 @@
 Layout: versions/<identity>/ (full checkpoints, each written whole and
 renamed into place), current (a symlink to one of them, replaced by rename,
 so a reader that resolves it sees the old version or the new, never a mix),
-staging/<identity>/ (the tensors of the version being fetched, each verified
-against its Adler-32 before it is recorded; they survive a disconnect or a
-kill, so a fetch resumes after the last acknowledged tensor) and receiver_id.
-A new version is assembled from staged tensors plus the unchanged tensors of
-its base, checked again, and only then made current. Never touches gRPC.
+staging/<identity>/ (the tensors of the version being fetched, each a
+single-tensor shard verified against its Adler-32 before it is recorded;
+they survive a disconnect or a kill, so a fetch resumes after the last
+acknowledged tensor) and receiver_id. A new version is assembled by linking
+the staged shards plus the unchanged tensors of its base (one shard per
+tensor), its headers checked against the verified checksums, and only then
+made current. Never touches gRPC.
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ import uuid
 from pathlib import Path
 
 from astra.errors import DataLoss
-from astra.weights.checkpoint import write_full
 from astra.weights.checksum import adler32_hex
-from astra.weights.layout import ChecksumMismatch, Tensor, Version, open_full, read_index
+from astra.weights.layout import ChecksumMismatch, Version, open_full, read_index
 from astra.weights.receive_stage import FetchStage
 from astra.weights.records import dirname_for, fsync_path
-from astra.weights.store_cache import put_files
+from astra.weights.tensor_files import assemble, copy_range, pwrite_all, tensor_header
 
 
 def identity_of(directory: Path) -> str:
@@ -95,52 +96,103 @@ class LocalVersions:
         return final
 
     def install(self, stage: FetchStage, base_dir: Path | None, num_tensors: int) -> Path:
-        """Assembles the staged version (plus its base's unchanged tensors), checks it, swaps it in."""
+        """Links the staged shards (plus its base's unchanged tensors) into a version, swaps it in.
+
+        Staged tensors were verified as they landed and are already complete
+        single-tensor shards: nothing is rewritten or hashed again. A base
+        tensor is linked when it already sits alone in a shard of a version
+        this directory installed (verified then, immutable since); otherwise
+        it is copied in the kernel into a shard of its own and checked
+        against its recorded Adler-32 first.
+        """
         final = self.root / "versions" / dirname_for(stage.target)
         if final.is_dir():
             self.make_current(final)
             stage.remove()
             return final
-        staged = stage.tensors()
-        expected = {n: e["adler32"] for n, e in stage.entries.items()}
-        tensors: dict[str, Tensor] = dict(staged)
+        entries = dict(stage.entries)
+        if base_dir is None and len(entries) != num_tensors:
+            raise DataLoss(
+                f"{len(entries)} tensors staged, the plan has {num_tensors}",
+                reason="INCOMPLETE_FETCH",
+            )
+        expected = {n: e["adler32"] for n, e in entries.items()}
+        sizes = {n: e["size_bytes"] for n, e in entries.items()}
+        shards = {n: stage.shard(n) for n in entries}
+        out = stage.path / "out"
+        shutil.rmtree(out, ignore_errors=True)
         base = open_full(base_dir) if base_dir is not None else None
         try:
-            if base is None and len(staged) != num_tensors:
-                raise DataLoss(
-                    f"{len(staged)} tensors staged, the plan has {num_tensors}",
-                    reason="INCOMPLETE_FETCH",
-                )
-            for name, entry in base.entries.items() if base else ():
-                if name in staged:
-                    continue
-                view = base.view(name)
-                got = adler32_hex(view)
-                if entry.checksum is not None and got != entry.checksum:
-                    raise ChecksumMismatch(
-                        f"base bytes hash to {got}, its shard says {entry.checksum}",
-                        path=base.path,
-                        tensor=name,
-                    )
-                tensors[name] = Tensor(entry.info.dtype, entry.info.shape, view)
-                expected[name] = got
-            out = stage.path / "out"
-            shutil.rmtree(out, ignore_errors=True)
-            write_full(out, tensors, version=stage.target, durable=self.durable)
+            if base is not None:
+                trusted = self._installed(base_dir)
+                for name, entry in base.entries.items():
+                    if name in entries:
+                        continue
+                    expected[name], sizes[name] = self._base_checksum(base, name), entry.info.nbytes
+                    if trusted and len(entry.shard.tensors) == 1:
+                        shards[name] = entry.shard.path
+                    else:
+                        shards[name] = self._extract(base, name, expected[name], stage)
         finally:
-            tensors.clear()
-            staged.clear()
             if base is not None:
                 base.close()
-        put_files(out, stage.files(), durable=self.durable)
+        assemble(
+            out,
+            shards,
+            sizes,
+            version=stage.target,
+            files=stage.files(),
+            durable=self.durable,
+        )
         with Version(out) as written:
+            if written.entries.keys() != expected.keys():
+                raise DataLoss("assembled tensors differ from the plan", reason="INCOMPLETE_FETCH")
             for name, entry in written.entries.items():
                 if entry.checksum != expected[name]:
                     raise ChecksumMismatch("changed while assembling", path=out, tensor=name)
         os.rename(out, final)
+        if self.durable:
+            fsync_path(final.parent)
         self.make_current(final)
         stage.remove()
         return final
+
+    def _installed(self, directory: Path) -> bool:
+        """True for a version this directory installed (its tensors verified then)."""
+        versions = (self.root / "versions").resolve()
+        return directory.resolve().parent == versions
+
+    def _base_checksum(self, base: Version, name: str) -> str:
+        """The base tensor's Adler-32: recorded and trusted in an installed version, else computed."""
+        entry = base.entries[name]
+        if entry.checksum is not None and self._installed(base.path):
+            return entry.checksum
+        view = base.view(name)
+        try:
+            got = adler32_hex(view)
+        finally:
+            view.release()
+        if entry.checksum is not None and got != entry.checksum:
+            raise ChecksumMismatch(
+                f"base bytes hash to {got}, its shard says {entry.checksum}",
+                path=base.path,
+                tensor=name,
+            )
+        return got
+
+    def _extract(self, base: Version, name: str, checksum: str, stage: FetchStage) -> Path:
+        """Copies one base tensor (in the kernel) into a single-tensor shard in the stage."""
+        info, shard = base.entries[name].info, base.entries[name].shard
+        head = tensor_header(name, info.dtype, info.shape, info.nbytes, checksum)
+        path = stage.path / f"base-{stage.next_file()}"
+        with open(shard.path, "rb") as src, open(path, "wb") as dst:
+            pwrite_all(dst.fileno(), head, 0)
+            copy_range(
+                src.fileno(), shard.data_start + info.begin, dst.fileno(), len(head), info.nbytes
+            )
+            if self.durable:
+                os.fsync(dst.fileno())
+        return path
 
     def prune(self, keep: int = 2) -> list[str]:
         """Drops all but the current version and the newest others, `keep` in all."""

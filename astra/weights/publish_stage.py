@@ -1,7 +1,8 @@
 """The staged tensors of one in-progress publish, kept across restarts so a publish resumes.
 
 A stage is a directory per identity: header.json (what is being published),
-one raw file per verified tensor and tensors.jsonl, a line per tensor
+one single-tensor shard per verified tensor (header, its Adler-32
+included, then the bytes) and tensors.jsonl, a line per tensor
 appended only after its file is complete, checked and (when durable)
 fsynced. A tensor's bytes arrive in order; their Adler-32 and SHA-256 are
 computed as they arrive, so nothing is read twice. A stage for an identity
@@ -23,6 +24,7 @@ from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
 from astra.weights.layout import Tensor
 from astra.weights.records import TensorRecord, disk_full, fsync_path
 from astra.weights.safetensors_io import METADATA_KEY, tensor_nbytes
+from astra.weights.tensor_files import tensor_header
 
 MANIFEST = "tensors.jsonl"
 HEADER = "header.json"
@@ -62,8 +64,17 @@ class TensorSink:
         self.received, self._adler, self._sha = 0, 1, hashlib.sha256()
         self.file = f"t-{len(stage.held) + len(stage.received):06d}.bin"
         self._out = None
+        self.offset = 0
         if stage.expected is None:
+            # A complete single-tensor shard: the store links it in, never rewrites it.
+            head = tensor_header(name, dtype, shape, self.size, adler)
             self._out = open(stage.path / (self.file + ".part"), "wb")  # noqa: SIM115
+            try:
+                self._out.write(head)
+            except OSError as exc:
+                self.abort()
+                raise disk_full(exc, f"cannot stage {name}") from exc
+            self.offset = len(head)
 
     @property
     def complete(self) -> bool:
@@ -133,6 +144,7 @@ class PublishStage:
         self.held: dict[str, tuple[str, TensorRecord]] = {}
         self.received: dict[str, tuple[str, TensorRecord]] = {}
         self.files: dict[str, bytes] = {}
+        self.offsets: dict[str, int] = {}  # where each staged tensor's bytes start (0: bare bytes)
         if expected is not None:
             return
         if path.is_dir() and self._read_header() == header:
@@ -164,6 +176,7 @@ class PublishStage:
                 break  # a torn last line: everything before it is complete
             if (self.path / e["file"]).is_file():
                 self.held[e["name"]] = (e["file"], rec)
+                self.offsets[e["name"]] = e.get("offset", 0)
 
     def _has_manifest(self) -> bool:
         return (self.path / MANIFEST).is_file()
@@ -183,6 +196,7 @@ class PublishStage:
             return
         sink.close_file()
         line = {"name": sink.name, "file": sink.file, "size": record.size_bytes}
+        line["offset"] = sink.offset
         line.update(dtype=record.dtype, shape=list(record.shape))
         line.update(adler32=record.adler32, sha256=record.sha256)
         with open(self.path / MANIFEST, "a") as f:
@@ -191,6 +205,7 @@ class PublishStage:
                 f.flush()
                 os.fsync(f.fileno())
         self.received[sink.name] = (sink.file, record)
+        self.offsets[sink.name] = sink.offset
 
     def records(self) -> dict[str, TensorRecord]:
         return {n: r for n, (_, r) in (self.held | self.received).items()}
@@ -204,8 +219,16 @@ class PublishStage:
                 continue
             with open(self.path / file, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            out[name] = Tensor(rec.dtype, rec.shape, memoryview(mm))
+            start = self.offsets.get(name, 0)
+            out[name] = Tensor(rec.dtype, rec.shape, memoryview(mm)[start : start + rec.size_bytes])
         return out
+
+    def shards(self) -> dict[str, Path] | None:
+        """Every staged tensor's single-tensor shard file, None when any is bare bytes."""
+        staged = self.held | self.received
+        if self.expected is not None or any(not self.offsets.get(n) for n in staged):
+            return None
+        return {name: self.path / file for name, (file, _) in staged.items()}
 
     def remove(self) -> None:
         if self.expected is None:

@@ -1,35 +1,47 @@
-"""A fetch in progress on the receiver: each tensor decoded, verified and recorded as it lands.
+"""A fetch in progress on the receiver: each tensor written once, where it will stay.
 
-Raw tensors are written to a file as their chunks arrive; xor+zstd tensors
-are collected (their frames are small) and decoded against the base straight
-into a mapped file. Either way the Adler-32 of the new bytes is checked
-before the tensor is recorded in tensors.jsonl; only recorded tensors are
-acknowledged and skipped on resume. Staged tensors are target bytes whatever
-the plan was, so a resume with another base still uses them. Never touches
-gRPC.
+Every tensor is staged as a complete single-tensor shard (its header,
+Adler-32 included, is known from the TensorHeader): raw chunks are written
+at their final offsets as they arrive; xor+zstd tensors are collected
+(their frames are small) and decoded against the base straight into the
+shard. Either way the Adler-32 of the new bytes is checked before the
+tensor is recorded in tensors.jsonl; only recorded tensors are acknowledged
+and skipped on resume. Installing links the shards into the version
+directory (astra.weights.local): nothing is rewritten or hashed again.
+Staged tensors are target bytes whatever the plan was, so a resume with
+another base still uses them. Thread-safe across tensors (each tensor's
+writes come in order from one thread); never touches gRPC.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import mmap
 import os
+import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 from astra.errors import DataLoss
-from astra.weights.checksum import adler32, format_adler32
-from astra.weights.delta import DeltaError, decode_xor_zstd_into
-from astra.weights.layout import ChecksumMismatch, Tensor, Version
+from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
+from astra.weights.delta import DeltaError, decode_xor_zstd_to_fd
+from astra.weights.layout import ChecksumMismatch, Version
+from astra.weights.records import disk_full
 from astra.weights.safetensors_io import FormatError, tensor_nbytes
+from astra.weights.tensor_files import pwrite_all, reserve, tensor_header
 
 MANIFEST = "tensors.jsonl"
+LAYOUT = "tensor-shard"  # manifest entries of this layout are complete single-tensor shards
+_FILE = re.compile(r"t-(\d+)\.safetensors")
 
 
 class Incoming:
-    """One tensor's bytes arriving in order; `finish` verifies and records it."""
+    """One tensor's bytes arriving in order; `finish` verifies, syncs and records it.
+
+    `queue` (cheap, on the reader) checks each chunk's place; `write` and
+    `finish` may run on worker threads, `write`s in order.
+    """
 
     def __init__(self, stage: FetchStage, header: dict[str, Any], base: Version | None) -> None:
         self.stage, self.h, self.base = stage, header, base
@@ -39,11 +51,9 @@ class Incoming:
         size = tensor_nbytes(header["dtype"], header["shape"])
         if size != header["size_bytes"]:
             raise FormatError(f"header size {header['size_bytes']} != {size}", tensor=self.name)
-        self.encoded = header["encoded_size_bytes"]
-        self.received, self._adler = 0, 1
-        self.file = f"t-{len(stage.entries):06d}.bin"
-        self._part = stage.path / (self.file + ".part")
-        self._out = open(self._part, "w+b")  # noqa: SIM115
+        if not is_adler32_hex(header["adler32"]):
+            raise FormatError(f"adler32 {header['adler32']!r} is malformed", tensor=self.name)
+        self.size, self.encoded = size, header["encoded_size_bytes"]
         self._frame = bytearray() if header["encoding"] == "xor_zstd" else None
         if self._frame is not None:
             entry = base.entries.get(self.name) if base is not None else None
@@ -51,14 +61,42 @@ class Incoming:
                 header["dtype"],
                 list(header["shape"]),
             ):
-                self.abort()
                 raise FormatError(
                     "delta tensor does not fit the base (wrong base)", tensor=self.name
                 )
+        elif self.encoded != size:
+            raise FormatError(
+                f"raw tensor of {size} bytes sent as {self.encoded}", tensor=self.name
+            )
+        self.queued = self.received = 0
+        self._adler = 1
+        self.head = tensor_header(
+            self.name, header["dtype"], header["shape"], size, header["adler32"]
+        )
+        self.file = stage.next_file()
+        self._part = stage.path / (self.file + ".part")
+        self._fd: int | None = os.open(self._part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            reserve(self._fd, len(self.head) + size)
+            pwrite_all(self._fd, self.head, 0)
+        except OSError as exc:
+            self.abort()
+            raise disk_full(exc, f"cannot stage {self.name}") from exc
 
     @property
     def complete(self) -> bool:
-        return self.received == self.encoded
+        """Every chunk queued (the reader's view; writes may still be in flight)."""
+        return self.queued == self.encoded
+
+    def queue(self, offset: int, nbytes: int) -> None:
+        """Checks a chunk's place before it is handed to `write`."""
+        if offset != self.queued or self.queued + nbytes > self.encoded:
+            raise DataLoss(
+                f"{self.name}: chunk at {offset} (+{nbytes}) after {self.queued} of {self.encoded}",
+                reason="BAD_CHUNK",
+                metadata={"tensor": self.name},
+            )
+        self.queued += nbytes
 
     def write(self, offset: int, data: bytes) -> None:
         if offset != self.received or self.received + len(data) > self.encoded:
@@ -70,21 +108,36 @@ class Incoming:
         if self._frame is not None:
             self._frame += data
         else:
-            self._out.write(data)
+            try:
+                pwrite_all(self._fd, data, len(self.head) + offset)
+            except OSError as exc:
+                raise disk_full(exc, f"cannot stage {self.name}") from exc
             self._adler = adler32(data, self._adler)
         self.received += len(data)
 
     def finish(self) -> None:
-        size = self.h["size_bytes"]
+        if self.received != self.encoded:
+            raise DataLoss(
+                f"{self.name}: {self.received} of {self.encoded} bytes",
+                reason="TRUNCATED_TENSOR",
+                metadata={"tensor": self.name},
+            )
         try:
-            if self._frame is not None:
-                self._out.truncate(size)
-                self._out.flush()
-                if size:
-                    self._adler = self._decode(size)
+            if self._frame is not None and self.size:
+                view = self.base.view(self.name)
+                try:
+                    self._adler = decode_xor_zstd_to_fd(
+                        bytes(self._frame), view, self._fd, len(self.head)
+                    )
+                finally:
+                    view.release()
         except DeltaError as exc:
             self.abort()
             raise FormatError(str(exc), tensor=self.name, reason="CORRUPT_DELTA") from exc
+        except OSError as exc:
+            self.abort()
+            raise disk_full(exc, f"cannot stage {self.name}") from exc
+        self._frame = None
         got = format_adler32(self._adler)
         if got != self.h["adler32"]:
             self.abort()
@@ -94,27 +147,21 @@ class Incoming:
                 tensor=self.name,
             )
         if self.stage.durable:
-            os.fsync(self._out.fileno())
-        self._out.close()
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
         os.replace(self._part, self.stage.path / self.file)
-        self.stage.record(self.name, {**self.h, "file": self.file})
-
-    def _decode(self, size: int) -> int:
-        """Decodes the frame against the base straight into the mapped output file."""
-        mm = mmap.mmap(self._out.fileno(), size)
-        view = self.base.view(self.name)
-        try:
-            value = decode_xor_zstd_into(bytes(self._frame), view, mm)
-            mm.flush()
-            return value
-        finally:
-            view.release()
-            with contextlib.suppress(BufferError):  # a failed decode's traceback may hold a view
-                mm.close()
+        entry = {k: self.h[k] for k in ("dtype", "shape", "adler32", "size_bytes")}
+        entry.update(file=self.file, layout=LAYOUT)
+        self.stage.record(self.name, entry)
 
     def abort(self) -> None:
-        self._out.close()
-        self._part.unlink(missing_ok=True)
+        """Drops an unfinished tensor (a no-op once finished)."""
+        self._frame = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._part.unlink(missing_ok=True)
 
 
 class FetchStage:
@@ -132,23 +179,45 @@ class FetchStage:
                     entry = json.loads(line)
                 except ValueError:
                     break  # a torn last line
-                if (path / entry["file"]).is_file():
+                if entry.get("layout") == LAYOUT and (path / entry["file"]).is_file():
                     self.entries[entry["name"]] = entry
+        used = [int(m.group(1)) for p in path.iterdir() if (m := _FILE.fullmatch(p.name))]
+        self._next = max(used, default=-1) + 1
+        self._lock = threading.Lock()  # guards _next, _pending, _queued, entries
+        self._write_lock = threading.Lock()  # one manifest append at a time
+        self._pending: list[str] = []
+        self._queued = self._written = 0
 
     @property
     def acknowledged(self) -> list[str]:
         return sorted(self.entries)
 
+    def next_file(self) -> str:
+        with self._lock:
+            index, self._next = self._next, self._next + 1
+        return f"t-{index:06d}.safetensors"
+
     def receive(self, header: dict[str, Any], base: Version | None) -> Incoming:
         return Incoming(self, header, base)
 
     def record(self, name: str, entry: dict[str, Any]) -> None:
-        with open(self.path / MANIFEST, "a") as f:
-            f.write(json.dumps({**entry, "name": name}) + "\n")
-            if self.durable:
-                f.flush()
-                os.fsync(f.fileno())
-        self.entries[name] = entry
+        """Appends the tensor to the manifest; concurrent records share one fsync (group commit)."""
+        with self._lock:
+            self._pending.append(json.dumps({**entry, "name": name}) + "\n")
+            self._queued += 1
+            mine = self._queued
+        with self._write_lock:
+            if self._written < mine:
+                with self._lock:
+                    batch, self._pending, upto = self._pending, [], self._queued
+                with open(self.path / MANIFEST, "a") as f:
+                    f.write("".join(batch))
+                    if self.durable:
+                        f.flush()
+                        os.fsync(f.fileno())
+                self._written = upto
+        with self._lock:
+            self.entries[name] = entry
 
     def add_file(self, name: str, content: bytes) -> None:
         if not name or "/" in name or "\\" in name or name.startswith("."):
@@ -158,15 +227,9 @@ class FetchStage:
     def files(self) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted((self.path / "files").iterdir())}
 
-    def tensors(self) -> dict[str, Tensor]:
-        out = {}
-        for name, e in self.entries.items():
-            data: Any = b""
-            if e["size_bytes"]:
-                with open(self.path / e["file"], "rb") as f:
-                    data = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-            out[name] = Tensor(e["dtype"], tuple(e["shape"]), data)
-        return out
+    def shard(self, name: str) -> Path:
+        """The staged single-tensor shard of a recorded tensor."""
+        return self.path / self.entries[name]["file"]
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -45,6 +45,7 @@ from astra.weights.staging import staged_dir
 from astra.weights.store_cache import VersionCache, put_files
 from astra.weights.store_lifecycle import StoreLifecycle
 from astra.weights.store_publish import StorePublishing, check_files
+from astra.weights.tensor_files import assemble
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,14 @@ class Store(StorePublishing, StoreLifecycle):
         *,
         rollback_of: str = "",
         request_id: str = "",
+        shards: Mapping[str, Path] | None = None,
     ) -> tuple[VersionRecord, bool]:
-        """Stores a version whose tensors are verified; idempotent for the same content."""
+        """Stores a version whose tensors are verified; idempotent for the same content.
+
+        `shards`, when given, holds each tensor as a durable single-tensor
+        shard whose header carries its verified Adler-32 (a publish stage):
+        full copies are then linked from them instead of written again.
+        """
         check_files(files)
         if version < 0:
             raise InvalidArgument("version must be >= 0", reason="INVALID_VERSION")
@@ -186,14 +193,14 @@ class Store(StorePublishing, StoreLifecycle):
                 )
             full = head is None or chain.deltas_since_root() + 1 >= self.config.full_every
             try:
-                self._write_version(policy, record, head, full, tensors, files)
+                self._write_version(policy, record, head, full, tensors, files, shards)
             except OSError as exc:
                 raise disk_full(exc, f"cannot store {identity!r}") from exc
             chain.add(record)
             self.counters["versions_published"] += 1
             if record.kind == "delta":
                 try:
-                    self.cache.put_full(policy, record, tensors, files)
+                    self.cache.put_full(policy, record, tensors, files, shards)
                 except OSError:
                     log.warning("%s: no full copy cached for %s", policy, identity, exc_info=True)
             self._set_current(policy, record)
@@ -215,6 +222,7 @@ class Store(StorePublishing, StoreLifecycle):
         full: bool,
         tensors: Mapping[str, Tensor],
         files: dict[str, bytes],
+        shards: Mapping[str, Path] | None = None,
     ) -> None:
         """Writes versions/<identity>/ in one rename: the commit point of a publish."""
         durable, level, identity = self.config.durable, self.config.zstd_level, record.identity
@@ -233,7 +241,11 @@ class Store(StorePublishing, StoreLifecycle):
                     log.info("%s: %s; %s is stored full", policy, exc.message, identity)
                     full = True
             record.kind = "full" if full else "delta"
-            if full:
+            if full and shards is not None and shards.keys() == record.tensors.keys():
+                sizes = {n: t.size_bytes for n, t in record.tensors.items()}
+                assemble(stage / "full", shards, sizes, version=identity, durable=durable)
+                record.num_stored_tensors = len(tensors)
+            elif full:
                 write_full(stage / "full", tensors, version=identity, durable=durable)
                 record.num_stored_tensors = len(tensors)
             put_files(stage / record.primary, files, durable=durable)

@@ -24,6 +24,7 @@ from astra.weights.checkpoint import apply_delta, write_full
 from astra.weights.compose import compose_deltas
 from astra.weights.layout import Tensor, Version, extra_files
 from astra.weights.records import VersionRecord, dirname_for, fsync_path
+from astra.weights.tensor_files import assemble
 
 MAX_COMPOSED = 32
 
@@ -178,13 +179,22 @@ class VersionCache:
         record: VersionRecord,
         tensors: Mapping[str, Tensor],
         files: Mapping[str, bytes],
+        shards: Mapping[str, Path] | None = None,
     ) -> None:
-        """Caches the full copy of a just-published delta version from its raw tensors."""
+        """Caches the full copy of a just-published delta version from its raw tensors.
+
+        With `shards` (the publish stage's verified single-tensor shards) the
+        copy is linked from them: no byte is written or hashed again.
+        """
         path = self._root(policy) / "full" / dirname_for(record.identity)
         work = self._work(policy)
         try:
             durable = self.store.config.durable
-            write_full(work / "out", tensors, version=record.identity, durable=durable)
+            if shards is not None and shards.keys() == record.tensors.keys():
+                sizes = {n: t.size_bytes for n, t in record.tensors.items()}
+                assemble(work / "out", shards, sizes, version=record.identity, durable=durable)
+            else:
+                write_full(work / "out", tensors, version=record.identity, durable=durable)
             put_files(work / "out", files, durable=durable)
             with self._lock(str(path)):
                 if not path.is_dir():

@@ -166,6 +166,7 @@ class PublishSession:
                 records,
                 dict(self.stage.files),
                 self.metadata,
+                shards=self.stage.shards(),
             )
         except AlreadyExists:
             self.stage.remove()  # refused content leaves nothing behind
