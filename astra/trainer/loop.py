@@ -208,6 +208,11 @@ class Trainer(StateMixin):
         metrics = {**result.metrics, **vars(stale)}
         metrics.update({k[:-2] + "_ms": v * 1e3 for k, v in timing.items()})
         metrics["tokens_per_s"] = result.num_tokens / max(end - t0, 1e-9)
+        rewards = [t.reward for t in fetched.trajectories]
+        if rewards:
+            # Rewards of the rollouts this step trained on; accuracy counts full marks.
+            metrics["reward_mean"] = sum(rewards) / len(rewards)
+            metrics["accuracy"] = sum(r >= 1.0 for r in rewards) / len(rewards)
         out = StepResult(
             self.step, result, stale, len(batch.sequences), n_traj, (end - t0) * 1e3,
             metrics, self.version, skipped,
