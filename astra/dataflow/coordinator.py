@@ -273,6 +273,21 @@ class Dataflow:
             g.max_concurrent_groups,
         )
 
+    def buffer_room(self, stream: StreamSettings) -> int:
+        """Groups that may still be dispatched before the stream's buffers would pass the
+        high watermark, counting what is in flight: admission never overfills a buffer."""
+        in_flight = self._in_flight()
+        mark = self.config.gate.buffer_high_watermark
+        return max(
+            0,
+            min(
+                int(mark * self.config.policy(p).buffer.capacity_groups)
+                - len(self.buffers[p])
+                - in_flight
+                for p in stream.policy_ids
+            ),
+        )
+
     def version_floor(self, stream: StreamSettings) -> dict[str, int]:
         """Oldest version an instance may hold to get this stream's work: target - eta.
 
@@ -351,7 +366,7 @@ class Dataflow:
         if not state.can_admit:
             return
         for stream in self.streams.values():
-            budget = self.stream_capacity(stream)
+            budget = min(self.stream_capacity(stream), self.buffer_room(stream))
             floor = self.version_floor(stream)
             while budget > 0:
                 plan: dict[str, list[str]] = {}
