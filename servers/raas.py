@@ -128,6 +128,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 )
             if g.sampling_params.max_new_tokens < 1:
                 raise invalid_field(f"{where}.sampling_params.max_new_tokens", "must be >= 1")
+            check_reward = getattr(self.backend, "check_reward", None)
+            if check_reward is not None:
+                try:
+                    check_reward(g.workflow, g.reward)
+                except LookupError as exc:
+                    raise invalid_field(
+                        f"{where}.reward", str(exc), reason="UNKNOWN_REWARD"
+                    ) from exc
             specs.append(group_spec(g, where))
         admission = self.store.try_accept([(s.group_id, s.num_samples) for s in specs])
         versions = self.loaded_versions

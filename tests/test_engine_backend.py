@@ -203,3 +203,37 @@ def test_rollout_service_over_engine_backend_produces_valid_results():
             await servicer.close()
 
     run(body())
+
+
+def test_unknown_reward_is_refused_at_submit_and_the_server_keeps_serving():
+    async def body():
+        import grpc
+
+        from astra.clients.raas import RolloutClient
+
+        engine = ScriptedTestEngine(lambda *a: "1", ("policy",))
+        backend = EngineBackend(engine, ["single_turn"], FakeLoader())
+        server, servicer, _ = await start_raas(backend, capacity=16, grace_s=0.2)
+        client = RolloutClient(server.address, timeout_s=5.0)
+        try:
+            group = rollout_pb2.PromptGroup(
+                group_id="g1",
+                workflow="single_turn",
+                policy_ids=["policy"],
+                prompt=rollout_pb2.Prompt(text="1="),
+                num_samples=1,
+                sampling_params=rollout_pb2.SamplingParams(max_new_tokens=4),
+                reward="no_such_reward",
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.submit_groups([group])
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "groups[0].reward" in info.value.details()
+            status = await client.get_status()
+            assert status.running_groups == 0 and status.free_slots == 16
+        finally:
+            await client.close()
+            await server.stop(0)
+            await servicer.close()
+
+    run(body())
