@@ -194,3 +194,13 @@ def _decode(what: str, status: int, raw: bytes, expect_json: bool) -> Any:
             reason="ENGINE_BAD_RESPONSE",
             metadata=meta,
         ) from exc
+
+
+def engine_client(
+    base_url: str, *, api_key: str | None, request_timeout_s: float, max_running: int
+) -> JSONClient:
+    """The client an engine adapter talks to its server with (bearer token when given)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return JSONClient(
+        base_url, timeout_s=request_timeout_s, headers=headers, max_concurrency=max_running
+    )

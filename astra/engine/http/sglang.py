@@ -39,7 +39,7 @@ from typing import Any
 
 from astra.engine.api import Sampling, Tokenizer
 from astra.engine.http.base import HTTPEngine, OnSwap, Segment
-from astra.engine.http.client import JSONClient
+from astra.engine.http.client import engine_client
 from astra.engine.http.launch import ServerProcess, free_port
 from astra.errors import AstraError, FailedPrecondition, Unavailable
 
@@ -77,9 +77,8 @@ class SGLangEngine(HTTPEngine):
         api_key: str | None = None,
         process: ServerProcess | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        client = JSONClient(
-            base_url, timeout_s=request_timeout_s, headers=headers, max_concurrency=max_running
+        client = engine_client(
+            base_url, api_key=api_key, request_timeout_s=request_timeout_s, max_running=max_running
         )
         super().__init__(
             client,
