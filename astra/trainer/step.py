@@ -99,7 +99,12 @@ def train_step(
         ids, targets = mb.input_ids.to(device), mb.targets.to(device)
         mask = mb.loss_mask.to(device)
         behaviour = mb.behaviour_logprobs.to(device)
-        logp, ent = token_logprobs(model(ids), targets, cfg.temperature, entropy=True)
+        logits = model(ids)
+        logp, ent = token_logprobs(logits, targets, cfg.temperature, entropy=want_entropy)
+        if ent is None:
+            # Entropy only as a metric: no graph kept for it through backward.
+            with torch.no_grad():
+                ent = token_logprobs(logits.detach(), targets, cfg.temperature, entropy=True)[1]
         ref = None
         if ref_model is not None and cfg.kl_coef > 0:
             with torch.no_grad():
