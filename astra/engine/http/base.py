@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from astra.engine.api import FinishReason, Generation, Sampling, Tokenizer
-from astra.engine.http.client import JSONClient
+from astra.engine.http.client import engine_client
 from astra.engine.http.launch import ServerProcess
 from astra.engine.validate import check_request
 from astra.errors import AstraError, FailedPrecondition, Unavailable, invalid_field
@@ -102,20 +102,24 @@ class HTTPEngine:
 
     def __init__(
         self,
-        client: JSONClient,
+        base_url: str,
         policy_id: str,
         tokenizer: Tokenizer,
         *,
         version: int = 0,
+        api_key: str | None = None,
         max_seq_len: int | None = None,
         max_running: int = 256,
+        request_timeout_s: float = 600.0,
         on_swap: OnSwap = "continue",
         drain_timeout_s: float = 10.0,
         process: ServerProcess | None = None,
     ) -> None:
         if on_swap not in ("continue", "finish_old"):
             raise ValueError(f"on_swap must be 'continue' or 'finish_old', not {on_swap!r}")
-        self.client = client
+        self.client = engine_client(
+            base_url, api_key=api_key, request_timeout_s=request_timeout_s, max_running=max_running
+        )
         self.policy_ids = (policy_id,)
         self._policy_id = policy_id
         self._tok = tokenizer

@@ -32,9 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from astra.engine.api import Sampling, Tokenizer
-from astra.engine.http.base import HTTPEngine, OnSwap, Segment
-from astra.engine.http.client import engine_client
-from astra.engine.http.launch import ServerProcess
+from astra.engine.http.base import HTTPEngine, Segment
 from astra.errors import FailedPrecondition, Unavailable, invalid_field
 
 RAW_LOGPROBS = (
@@ -125,35 +123,10 @@ class CompletionsEngine(HTTPEngine):
     extensions = True
 
     def __init__(
-        self,
-        base_url: str,
-        model: str,
-        policy_id: str,
-        tokenizer: Tokenizer,
-        *,
-        version: int = 0,
-        api_key: str | None = None,
-        max_seq_len: int | None = None,
-        max_running: int = 256,
-        request_timeout_s: float = 600.0,
-        on_swap: OnSwap = "continue",
-        drain_timeout_s: float = 10.0,
-        process: ServerProcess | None = None,
+        self, base_url: str, model: str, policy_id: str, tokenizer: Tokenizer, **kwargs: Any
     ) -> None:
-        client = engine_client(
-            base_url, api_key=api_key, request_timeout_s=request_timeout_s, max_running=max_running
-        )
-        super().__init__(
-            client,
-            policy_id,
-            tokenizer,
-            version=version,
-            max_seq_len=max_seq_len,
-            max_running=max_running,
-            on_swap=on_swap,
-            drain_timeout_s=drain_timeout_s,
-            process=process,
-        )
+        """`kwargs` are HTTPEngine's (version, api_key, max_running, timeouts, process)."""
+        super().__init__(base_url, policy_id, tokenizer, **kwargs)
         self.model = model
 
     async def _probe(self) -> None:

@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from astra.engine.api import Sampling, Tokenizer
-from astra.engine.http.base import HTTPEngine, OnSwap, Segment
-from astra.engine.http.client import engine_client
+from astra.engine.http.base import HTTPEngine, Segment
 from astra.engine.http.launch import ServerProcess, free_port
 from astra.errors import AstraError, FailedPrecondition, Unavailable
 
@@ -66,31 +65,12 @@ class SGLangEngine(HTTPEngine):
         policy_id: str,
         tokenizer: Tokenizer,
         *,
-        version: int = 0,
-        max_seq_len: int | None = None,
-        max_running: int = 256,
-        request_timeout_s: float = 600.0,
         update_timeout_s: float = 900.0,
-        on_swap: OnSwap = "continue",
-        drain_timeout_s: float = 10.0,
         send_seed: bool = False,
-        api_key: str | None = None,
-        process: ServerProcess | None = None,
+        **kwargs: Any,
     ) -> None:
-        client = engine_client(
-            base_url, api_key=api_key, request_timeout_s=request_timeout_s, max_running=max_running
-        )
-        super().__init__(
-            client,
-            policy_id,
-            tokenizer,
-            version=version,
-            max_seq_len=max_seq_len,
-            max_running=max_running,
-            on_swap=on_swap,
-            drain_timeout_s=drain_timeout_s,
-            process=process,
-        )
+        """`kwargs` are HTTPEngine's (version, api_key, max_running, on_swap, timeouts, process)."""
+        super().__init__(base_url, policy_id, tokenizer, **kwargs)
         self.update_timeout_s = update_timeout_s
         self.send_seed = send_seed
 
