@@ -141,7 +141,7 @@ class BatchDesk:
         async with df.data_ready:
             while True:
                 version = df.versions.current(policy_id)
-                self._drop_stale(policy_id, version)
+                # take() drops stale groups first; _persist_dropped deletes them from the store.
                 groups = buf.take(num_groups, version)
                 self._persist_dropped(policy_id)
                 if groups is not None:
@@ -174,12 +174,6 @@ class BatchDesk:
             tx.put_batch(batch.row())
             df.persist_counters(tx)
         return batch
-
-    def _drop_stale(self, policy_id: str, version: int) -> None:
-        stale = self.df.buffers[policy_id].drop_stale(version)
-        if stale:
-            with self.df.store.tx() as tx:
-                tx.delete_groups((g.group_id, g.policy_id) for g in stale)
 
     def _persist_dropped(self, policy_id: str) -> None:
         dropped = self.df.buffers[policy_id].pop_dropped()
