@@ -141,7 +141,7 @@ def test_openai_without_extensions_needs_token_ids() -> None:
                 await engine.generate("p", PROMPT, Sampling(max_new_tokens=4, top_k=5))
             # Without return_tokens_as_token_ids the FAKE (like OpenAI) answers text tokens.
             with pytest.raises(Unavailable, match="token ids") as err:
-                await engine.generate("p", PROMPT, Sampling(max_new_tokens=4))
+                await engine.generate("p", PROMPT, Sampling(max_new_tokens=4, temperature=0))
             assert err.value.reason == "ENGINE_BAD_RESPONSE"
 
         run(lambda: with_engine(fake, body, extensions=False))
