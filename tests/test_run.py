@@ -101,6 +101,8 @@ def test_default_recipe_runs_end_to_end(run_factory) -> None:
     assert 0 <= s["accuracy_first10"] <= 1 and 0 <= s["accuracy_last10"] <= 1
     rows = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert list((run.run_dir / "tensorboard" / "policy").glob("events.out.tfevents.*"))
+    assert (run.run_dir / "plot.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     names = {c["name"] for c in run.children()}
     assert names == {"dataflow", "weights", "raas-0", "raas-1", "trainer-policy"}
     for name in names:
@@ -157,3 +159,5 @@ def test_resume_continues_a_stopped_run(run_factory) -> None:
     assert {c["name"]: c["address"] for c in first.children()}["weights"] == before["weights"]
     trainer_log = (first.run_dir / "logs" / "trainer-policy.log").read_text()
     assert f"resumed from {ckpts}/step-{done:09d}" in trainer_log
+    assert (first.run_dir / "plot.png").is_file()
+    assert list((first.run_dir / "tensorboard" / "policy").glob("events.out.tfevents.*"))

@@ -10,6 +10,15 @@ that step from GetStatus (grad norm, staleness, timings, and `accuracy` /
 `trainer` is null: GetStatus holds only the last step, and tiny-model steps can
 be much shorter than a poll), and the latest Dataflow snapshot (gate, buffer,
 pool, counters).
+
+Each row also goes to TensorBoard event files (astra.run.tboard) and, at the end,
+metrics.jsonl is drawn to plot.png (astra.run.plot). On a terminal the status is a
+live frame redrawn in place (astra.run.view); elsewhere (CI, pipes) a compact line
+every `status_every_s`. None of these outputs may stop a run: an error in one is
+logged once and that output is turned off.
+
+`StatusPoller` is the polling and the snapshot the view draws, without the run's
+files; `astra top` uses it on its own.
 """
 
 from __future__ import annotations
@@ -17,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import re
 import sys
 import time
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import grpc
 
@@ -30,6 +42,11 @@ from astra.clients.dataflow import DataflowClient
 from astra.clients.trainer import TrainerClient
 from astra.dataflow.v1 import dataflow_service_pb2 as dpb
 
+if TYPE_CHECKING:
+    from astra.run.tboard import TensorBoardSink
+    from astra.run.view import LiveView
+
+log = logging.getLogger("astra.run.observe")
 ACCURACY_KEYS = ("accuracy", "reward_mean")  # binary rewards: the mean is the accuracy
 STEP_LINE = re.compile(rb"astra\.servers\.trainer: step (\d+) version (-?\d+) loss (\S+) ?(\S*)")
 
@@ -54,7 +71,156 @@ def dataflow_snapshot(resp: dpb.GetStatusResponse) -> dict[str, Any]:
     }
 
 
-class Observer:
+def _state(state: int) -> str:
+    return dpb.InstanceState.Name(state).removeprefix("INSTANCE_STATE_")
+
+
+def dataflow_detail(resp: dpb.GetStatusResponse) -> dict[str, Any]:
+    """What the live view draws beyond `dataflow_snapshot` (not written to metrics.jsonl)."""
+    return {
+        "gate_capacity": resp.gate.capacity,
+        "policies": {
+            p.policy_id: {
+                "buffered": p.buffered_groups,
+                "capacity": p.buffer_capacity,
+                "replay": p.replay_groups,
+                "leased": p.leased_groups,
+                "target_version": p.target_version,
+            }
+            for p in resp.policies
+        },
+        "instances": [
+            {
+                "id": i.instance_id,
+                "state": _state(i.state),
+                "capacity": i.capacity,
+                "free": i.free_slots,
+                "in_flight": i.in_flight_groups,
+                "failures": i.consecutive_failures,
+                "versions": {v.policy_id: v.version for v in i.loaded_versions},
+            }
+            for i in resp.instances
+        ],
+        "streams": [
+            {
+                "name": st.name,
+                "epoch": st.epoch,
+                "position": st.position,
+                "size": st.size,
+                "num_epochs": st.num_epochs,
+                "exhausted": st.exhausted,
+            }
+            for st in resp.streams
+        ],
+    }
+
+
+class Throughput:
+    """Rates of counters over a sliding window: per key, at most `maxlen` (time, value)
+    samples no older than `window_s` (the oldest one kept as the window's start)."""
+
+    def __init__(self, window_s: float = 30.0, maxlen: int = 256) -> None:
+        self.window_s, self.maxlen = window_s, maxlen
+        self.samples: dict[str, deque[tuple[float, float]]] = {}
+
+    def add(self, now: float, key: str, value: float) -> None:
+        q = self.samples.setdefault(key, deque(maxlen=self.maxlen))
+        if q and value < q[-1][1]:
+            q.clear()  # a counter that went back (a restart): start again
+        q.append((now, value))
+        while len(q) > 2 and now - q[1][0] >= self.window_s:
+            q.popleft()
+
+    def rate(self, key: str) -> float | None:
+        q = self.samples.get(key)
+        if not q or len(q) < 2 or q[-1][0] <= q[0][0]:
+            return None
+        return (q[-1][1] - q[0][1]) / (q[-1][0] - q[0][0])
+
+
+class StatusPoller:
+    """Dataflow's and the trainers' GetStatus, and the snapshot astra.run.view draws."""
+
+    def __init__(
+        self,
+        dataflow: str,
+        trainers: dict[str, str],
+        *,
+        name: str = "run",
+        num_steps: int | None = None,
+        timeout_s: float = 5.0,
+        show_elapsed: bool = True,
+    ) -> None:
+        self.dataflow_address = dataflow
+        self.dataflow = DataflowClient(dataflow, timeout_s=timeout_s)
+        self.trainers = {p: TrainerClient(a, timeout_s=timeout_s) for p, a in trainers.items()}
+        self.name, self.num_steps, self.show_elapsed = name, num_steps, show_elapsed
+        self.started = time.monotonic()
+        self.last_dataflow: dict[str, Any] = {}
+        self.last_detail: dict[str, Any] = {}
+        self.trainer_status: dict[str, dict[str, Any]] = {}
+        self.error: str | None = None
+        self.throughput = Throughput()
+
+    async def poll_dataflow(self) -> dict[str, Any] | None:
+        try:
+            resp = await self.dataflow.get_status()
+        except grpc.aio.AioRpcError as exc:
+            self.error = f"{exc.code().name}: {exc.details()}"
+            return None
+        self.error = None
+        self.last_dataflow = dataflow_snapshot(resp)
+        self.last_detail = dataflow_detail(resp)
+        now = time.monotonic()
+        self.throughput.add(now, "groups", self.last_dataflow["counters"].get("consumed_groups", 0))
+        for policy, version in self.last_dataflow["versions"].items():
+            self.throughput.add(now, f"version:{policy}", version)
+        return self.last_dataflow
+
+    async def poll_trainer(self, policy: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            resp = await self.trainers[policy].get_status()
+            self.trainer_status[policy] = {
+                "step": resp.step,
+                "version": resp.version,
+                "loss": resp.loss,
+                "metrics": {k: round(v, 6) for k, v in sorted(resp.metrics.items())},
+            }
+            self.throughput.add(time.monotonic(), f"step:{policy}", resp.step)
+
+    async def poll(self) -> None:
+        """Dataflow and every trainer, at once."""
+        await asyncio.gather(self.poll_dataflow(), *(self.poll_trainer(p) for p in self.trainers))
+
+    def rates(self) -> dict[str, Any]:
+        policies = {*self.trainer_status, *self.last_dataflow.get("versions", {})}
+        steps = {}
+        for p in sorted(policies):
+            rate = self.throughput.rate(f"step:{p}")
+            steps[p] = rate if rate is not None else self.throughput.rate(f"version:{p}")
+        return {"groups_per_s": self.throughput.rate("groups"), "steps_per_s": steps}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data for astra.run.view (see its docstring)."""
+        return {
+            "name": self.name,
+            "elapsed_s": time.monotonic() - self.started if self.show_elapsed else None,
+            "num_steps": self.num_steps,
+            "dataflow_address": self.dataflow_address,
+            "error": self.error,
+            "dataflow": self.last_dataflow,
+            "detail": self.last_detail,
+            "trainers": self.trainer_status,
+            "rates": self.rates(),
+        }
+
+    async def close(self) -> None:
+        for client in (self.dataflow, *self.trainers.values()):
+            with contextlib.suppress(Exception):
+                await client.close()
+
+
+class Observer(StatusPoller):
     def __init__(
         self,
         dataflow: str,
@@ -67,40 +233,31 @@ class Observer:
         status_every_s: float = 5.0,
         name: str = "run",
         out: TextIO = sys.stderr,
+        tensorboard: Path | None = None,
+        plot: Path | None = None,
+        live: bool | None = None,
     ) -> None:
-        self.dataflow = DataflowClient(dataflow, timeout_s=5.0)
-        self.trainers = {p: TrainerClient(a, timeout_s=5.0) for p, a in trainers.items()}
-        self.metrics_path, self.num_steps, self.name, self.out = metrics_path, num_steps, name, out
+        super().__init__(dataflow, trainers, name=name, num_steps=num_steps)
+        self.metrics_path, self.out = metrics_path, out
         self.poll_interval_s, self.status_every_s = poll_interval_s, status_every_s
-        self.started = time.monotonic()
-        self.last_dataflow: dict[str, Any] = {}
-        self.trainer_status: dict[str, dict[str, Any]] = {}
         self.rows: dict[str, list[dict[str, Any]]] = {p: [] for p in trainers}
         # policy -> [log path, offset read up to, partial last line]
         self.logs: dict[str, list[Any]] = {p: [*where, b""] for p, where in trainer_logs.items()}
         self.pending: list[tuple[str, int, int, float, str]] = []  # step lines not yet rows
         self.tty = out.isatty()
-        self._first: tuple[float, int] | None = None  # (time, consumed groups) of the first poll
         self._last_print = 0.0
+        self.plot_path = plot
+        self.tensorboard: TensorBoardSink | None = None
+        if tensorboard is not None:
+            from astra.run.tboard import TensorBoardSink
 
-    async def poll_dataflow(self) -> dict[str, Any] | None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            self.last_dataflow = dataflow_snapshot(await self.dataflow.get_status())
-            if self._first is None:
-                consumed = self.last_dataflow["counters"].get("consumed_groups", 0)
-                self._first = (time.monotonic(), consumed)
-            return self.last_dataflow
-        return None
+            self.tensorboard = TensorBoardSink(tensorboard)
+        self.live: LiveView | None = None
+        if self.tty if live is None else live:
+            with _failing_output("the live view"):
+                from astra.run.view import LiveView
 
-    async def poll_trainer(self, policy: str) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            resp = await self.trainers[policy].get_status()
-            self.trainer_status[policy] = {
-                "step": resp.step,
-                "version": resp.version,
-                "loss": resp.loss,
-                "metrics": {k: round(v, 6) for k, v in sorted(resp.metrics.items())},
-            }
+                self.live = LiveView(out)
 
     def read_logs(self) -> None:
         """Reads the trainers' new per-step log lines (rows once the next poll has been seen)."""
@@ -122,9 +279,9 @@ class Observer:
 
     def flush(self) -> None:
         """Writes the pending steps as rows, with the trainer figures a poll saw for that step."""
-        for item in self.pending:
+        pending, self.pending = self.pending, []
+        for item in pending:  # a row that fails to write is not tried again
             self._record(*item)
-        self.pending.clear()
 
     def _record(self, policy: str, step: int, version: int, loss: float, skipped: str) -> None:
         status = self.trainer_status.get(policy, {})
@@ -147,17 +304,27 @@ class Observer:
         self.rows[policy].append(row)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.tensorboard is not None:
+            with _failing_output("TensorBoard event files") as failed:
+                self.tensorboard.write_row(row)
+            if failed:
+                self.tensorboard = None
 
     async def run(self) -> None:
         """Polls until cancelled."""
-        tick = 0
+        tick, failures = 0, 0
         while True:
-            if tick % 4 == 0:
-                await self.poll_dataflow()
-            await asyncio.gather(*(self.poll_trainer(p) for p in self.trainers))
-            self.flush()  # lines read last tick: this poll saw their step unless another followed
-            self.read_logs()
-            self.print_status()
+            try:
+                if tick % 4 == 0:
+                    await self.poll_dataflow()
+                await asyncio.gather(*(self.poll_trainer(p) for p in self.trainers))
+                self.flush()  # lines read last tick: this poll saw the step unless another did
+                self.read_logs()
+                self.print_status()
+            except Exception:
+                failures += 1  # observing must not end the run: the next tick tries again
+                if failures == 1 or failures % 100 == 0:
+                    log.warning("observer tick failed (%d so far)", failures, exc_info=True)
             tick += 1
             await asyncio.sleep(self.poll_interval_s / 4)
 
@@ -183,15 +350,20 @@ class Observer:
                 f"groups disp {c.get('dispatched', 0)} done {c.get('groups_done', 0)} "
                 f"trained {c.get('consumed_groups', 0)}"
             )
-            if self._first is not None and time.monotonic() > self._first[0]:
-                rate = (c.get("consumed_groups", 0) - self._first[1]) / (
-                    time.monotonic() - self._first[0]
-                )
+            if (rate := self.throughput.rate("groups")) is not None:
                 parts.append(f"{rate:.2f} groups/s")
         return " | ".join(parts)
 
     def print_status(self, *, force: bool = False) -> None:
         now = time.monotonic()
+        if self.live is not None:
+            if force or now - self._last_print >= min(1.0, self.poll_interval_s / 2):
+                self._last_print = now
+                with _failing_output("the live view") as failed:
+                    self.live.update(self.snapshot())
+                if failed:
+                    self._stop_live()
+            return
         if self.tty:
             self.out.write("\r\x1b[2K" + self.status_line()[:250])
             self.out.flush()
@@ -199,12 +371,51 @@ class Observer:
             self._last_print = now
             print(self.status_line(), file=self.out, flush=True)
 
+    def _stop_live(self) -> None:
+        live, self.live = self.live, None
+        if live is not None:
+            with _failing_output("the live view"):
+                live.stop()
+
     def end_line(self) -> None:
-        if self.tty:
+        if self.live is not None:
+            self._stop_live()
+        elif self.tty:
             self.out.write("\n")
             self.out.flush()
 
     async def close(self) -> None:
-        for client in (self.dataflow, *self.trainers.values()):
-            with contextlib.suppress(Exception):
-                await client.close()
+        self._stop_live()
+        await super().close()
+
+    async def finish(self) -> None:
+        """After the last row: closes the event files, draws metrics.jsonl to the plot."""
+        if self.tensorboard is not None:
+            with _failing_output("TensorBoard event files"):
+                self.tensorboard.close()
+        if self.plot_path is not None and self.metrics_path.is_file():
+            from astra.run.plot import write_plot
+
+            with _failing_output("plot.png"):
+                await asyncio.to_thread(
+                    write_plot, self.metrics_path, self.plot_path, title=self.name
+                )
+
+
+class _Failed:
+    def __init__(self) -> None:
+        self.failed = False
+
+    def __bool__(self) -> bool:
+        return self.failed
+
+
+@contextlib.contextmanager
+def _failing_output(what: str) -> Iterator[_Failed]:
+    """An output of the observer that fails is logged and must not stop the run."""
+    result = _Failed()
+    try:
+        yield result
+    except Exception:
+        result.failed = True
+        log.warning("%s failed; the run goes on without it", what, exc_info=True)

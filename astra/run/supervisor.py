@@ -190,6 +190,8 @@ class Supervisor:
                 poll_interval_s=self.recipe.observe.poll_interval_s,
                 status_every_s=self.recipe.observe.status_every_s,
                 name=self.recipe.name,
+                tensorboard=self.rd.root / "tensorboard",
+                plot=self.rd.root / "plot.png",
             )
             observing = asyncio.create_task(self.observer.run())
             status, code = await self._watch()
@@ -220,6 +222,7 @@ class Supervisor:
         await stop_all([self.children["core"]], self.grace_s)
         if obs is not None:
             await obs.close()
+            await obs.finish()  # event files closed, plot.png drawn from metrics.jsonl
         if dataflow is None:
             return
         baseline: dict[str, Any] = {"accuracy": None, "method": "not measured: run not completed"}

@@ -1,0 +1,400 @@
+"""`astra run`'s outputs beside metrics.jsonl: the live view (astra.run.view), TensorBoard event
+files (astra.run.tboard), plot.png (astra.run.plot), and `astra top` against a real Dataflow."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from astra.run import observe, plot, tboard, view
+from astra.run.observe import Observer, Throughput
+from tests.conftest import make_config
+from tests.procs import start_dataflow, start_scripted_raas
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def snapshot(instances: int = 3) -> dict:
+    states = ["ACTIVE", "SUSPECT", "DEAD", "LEFT"]
+    return {
+        "name": "demo",
+        "elapsed_s": 12.3,
+        "num_steps": 50,
+        "dataflow_address": "127.0.0.1:5555",
+        "error": None,
+        "dataflow": {
+            "gate": "SYNC_BARRIER",
+            "gate_reason": "staleness 0.42 > 0.30",
+            "staleness": 0.4213,
+            "in_flight": 5,
+            "buffer_fill": 0.35,
+            "buffered": {"policy": 6},
+            "versions": {"policy": 7},
+            "raas_active": 1,
+            "raas_states": {f"raas-{i}": states[i % 4] for i in range(instances)},
+            "pool_empty": False,
+            "counters": {"dispatched": 40, "groups_done": 33, "consumed_groups": 28},
+        },
+        "detail": {
+            "gate_capacity": 3,
+            "policies": {
+                "policy": {
+                    "buffered": 6,
+                    "capacity": 64,
+                    "replay": 0,
+                    "leased": 4,
+                    "target_version": 6,
+                }
+            },
+            "instances": [
+                {
+                    "id": f"raas-{i}",
+                    "state": states[i % 4],
+                    "capacity": 8,
+                    "free": 3,
+                    "in_flight": 2,
+                    "failures": i % 2,
+                    "versions": {"policy": 6},
+                }
+                for i in range(instances)
+            ],
+            "streams": [
+                {
+                    "name": "arith",
+                    "epoch": 0,
+                    "position": 96,
+                    "size": 256,
+                    "num_epochs": 2,
+                    "exhausted": False,
+                }
+            ],
+        },
+        "trainers": {
+            "policy": {
+                "step": 7,
+                "version": 7,
+                "loss": 0.0123,
+                "metrics": {
+                    "accuracy": 0.625,
+                    "reward_mean": 0.71,
+                    "score": 0.12,
+                    "version_gap_mean": 1.5,
+                },
+            }
+        },
+        "rates": {"groups_per_s": 2.5, "steps_per_s": {"policy": 0.62}},
+    }
+
+
+def test_frame_shows_every_field() -> None:
+    text = view.render_text(snapshot())
+    assert "\x1b" not in text and text.isascii()
+    for expected in (
+        "astra demo",
+        "elapsed 12s",
+        "gate SYNC_BARRIER (staleness 0.42 > 0.30)",
+        "staleness 0.421",
+        "buffer fill 35%",
+        "in flight 5",
+        "admit capacity 3",
+        "dispatched 40",
+        "trained 28",
+        "2.50 groups/s",
+        "0.62 steps/s",
+        "7/50",  # step of num_steps
+        "7 (pool 6)",  # version, and the version the pool is told to load
+        "0.0123",  # loss
+        "0.62",  # accuracy
+        "0.710",  # reward mean
+        "6/64 +4 leased",  # buffer
+        "arith: epoch 1/2 record 96/256",
+        "RaaS pool: 1 ACTIVE, 1 DEAD, 1 SUSPECT",
+        "policy:v6",
+    ):
+        assert expected in text, f"{expected!r} not in\n{text}"
+    for i, state in enumerate(("ACTIVE", "SUSPECT", "DEAD")):
+        line = next(x for x in text.splitlines() if f"raas-{i}" in x)
+        assert state in line
+
+
+def test_frame_is_bounded_and_takes_ids_literally() -> None:
+    snap = snapshot(instances=40)
+    snap["detail"]["instances"][0]["id"] = "[bold]raas[/bold]"
+    text = view.render_text(snap)
+    assert "[bold]raas[/bold]" in text
+    assert f"... {40 - view.MAX_INSTANCES} more" in text
+    assert sum("raas-" in line for line in text.splitlines()) <= view.MAX_INSTANCES
+
+
+def test_frame_from_an_empty_or_unreachable_snapshot() -> None:
+    text = view.render_text({"name": "x", "error": "UNAVAILABLE: connection refused"})
+    assert "dataflow unreachable: UNAVAILABLE" in text and "no Dataflow status yet" in text
+    # The snapshot of a poller that never reached anything renders too.
+    poller = asyncio.run(_poller_snapshot())
+    assert "no Dataflow status yet" in view.render_text(poller)
+
+
+async def _poller_snapshot() -> dict:
+    poller = observe.StatusPoller("127.0.0.1:1", {"policy": "127.0.0.1:1"}, show_elapsed=False)
+    try:
+        return poller.snapshot()
+    finally:
+        await poller.close()
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_live_view_prints_log_records_above_the_frame() -> None:
+    out = Tty()
+    handler = logging.StreamHandler(out)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        live = view.LiveView(out)
+        live.update(snapshot())
+        assert handler.stream is not out  # records go through the live display meanwhile
+        logging.getLogger("astra.test").warning("a record while the frame is shown")
+        live.update(snapshot())
+        live.stop()
+        assert handler.stream is out
+    finally:
+        root.removeHandler(handler)
+    text = out.getvalue()
+    assert "a record while the frame is shown" in text and "SYNC_BARRIER" in text
+
+
+def test_throughput_window() -> None:
+    t = Throughput(window_s=10.0, maxlen=8)
+    assert t.rate("groups") is None
+    for i in range(30):
+        t.add(float(i), "groups", 2.0 * i)
+    assert t.rate("groups") == pytest.approx(2.0)
+    assert len(t.samples["groups"]) <= 8
+    t.add(31.0, "groups", 0.0)  # a counter that restarted
+    assert t.rate("groups") is None
+
+
+def rows(n: int = 6, policy: str = "policy") -> list[dict]:
+    out = []
+    for step in range(1, n + 1):
+        out.append(
+            {
+                "time": 1_700_000_000.0 + step,
+                "elapsed_s": 1.5 * step,
+                "policy": policy,
+                "step": step,
+                "version": step,
+                "loss": 0.5 / step,
+                "skipped": None,
+                "accuracy": 0.1 * step if step != 3 else None,
+                "trainer": None
+                if step == 3
+                else {
+                    "grad_norm": 2.0 + step,
+                    "reward_mean": 0.1 * step,
+                    "score": 0.05 * step,
+                    "version_gap_mean": 0.5,
+                    "total_ms": 120.0,
+                },
+                "dataflow": {
+                    "gate": "SYNC_BARRIER" if step == 2 else "ASYNC_RUNNING",
+                    "staleness": 0.01 * step,
+                    "buffer_fill": 0.25,
+                    "in_flight": 4,
+                    "buffered": {policy: 3},
+                    "versions": {policy: step},
+                    "raas_active": 2,
+                    "counters": {"consumed_groups": 4 * step},
+                },
+            }
+        )
+    return out
+
+
+def test_crc32c_known_value() -> None:
+    assert tboard.crc32c(b"123456789") == 0xE3069283
+    assert tboard.crc32c(b"") == 0
+
+
+def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_files_hold_the_rows(tmp_path: Path) -> None:
+    sink = tboard.TensorBoardSink(tmp_path / "tensorboard")
+    for row in rows():
+        sink.write_row(row)
+    sink.close()
+    files = list((tmp_path / "tensorboard" / "policy").glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    s = read_scalars(tmp_path / "tensorboard" / "policy")
+    assert [st for st, _ in s["loss"]] == [1, 2, 3, 4, 5, 6]
+    assert s["loss"][1][1] == pytest.approx(0.25)
+    assert [st for st, _ in s["accuracy"]] == [1, 2, 4, 5, 6]  # step 3 had none
+    assert s["trainer/grad_norm"][0] == (1, pytest.approx(3.0))
+    assert s["trainer/reward_mean"][-1][1] == pytest.approx(0.6)
+    assert s["dataflow/staleness"][3][1] == pytest.approx(0.04)
+    assert s["dataflow/buffer_fill"][0][1] == pytest.approx(0.25)
+    assert [v for _, v in s["dataflow/gate_barrier"]] == [0, 1, 0, 0, 0, 0]
+    assert s["dataflow/counters/consumed_groups"][-1][1] == 24
+    assert s["trainer/total_ms"][0][1] == pytest.approx(120.0)
+
+
+def test_plot_is_a_png_of_the_rows(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows(30)) + '{"cut sh')
+    series, n = plot.read_series(metrics)
+    assert n == 30 and len(series["policy"]["accuracy"]) == 29
+    out = plot.write_plot(metrics, tmp_path / "plot.png", title="demo")
+    data = out.read_bytes()
+    assert data.startswith(PNG) and len(data) > 20_000
+    # No rows: still a figure, saying so.
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert plot.write_plot(empty, tmp_path / "empty.png").read_bytes().startswith(PNG)
+
+
+def make_observer(tmp_path: Path, **kw) -> Observer:
+    log_path = tmp_path / "trainer.log"
+    return Observer(
+        "127.0.0.1:1",
+        {"policy": "127.0.0.1:1"},
+        {"policy": (log_path, 0)},
+        tmp_path / "metrics.jsonl",
+        num_steps=3,
+        out=io.StringIO(),
+        tensorboard=tmp_path / "tensorboard",
+        plot=tmp_path / "plot.png",
+        **kw,
+    )
+
+
+def test_observer_rows_go_to_tensorboard_and_the_plot(tmp_path: Path) -> None:
+    async def go() -> None:
+        obs = make_observer(tmp_path)
+        obs.trainer_status["policy"] = {
+            "step": 2,
+            "version": 2,
+            "loss": 0.5,
+            "metrics": {"accuracy": 0.75, "grad_norm": 1.0},
+        }
+        lines = [f"x INFO astra.servers.trainer: step {i} version {i} loss 0.{i}\n" for i in (1, 2)]
+        (tmp_path / "trainer.log").write_text("".join(lines))
+        obs.read_logs()
+        obs.flush()
+        obs.print_status(force=True)
+        await obs.close()
+        await obs.finish()
+
+    asyncio.run(go())
+    got = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [1, 2] and got[1]["accuracy"] == 0.75
+    s = read_scalars(tmp_path / "tensorboard" / "policy")
+    assert s["accuracy"] == [(2, 0.75)] and [st for st, _ in s["loss"]] == [1, 2]
+    assert (tmp_path / "plot.png").read_bytes().startswith(PNG)
+
+
+def test_observer_outputs_that_fail_do_not_stop_it(tmp_path: Path, monkeypatch, caplog) -> None:
+    def broken(*a, **k):
+        raise RuntimeError("broken output")
+
+    monkeypatch.setattr(view, "render", broken)
+    monkeypatch.setattr(plot, "write_plot", broken)
+    monkeypatch.setattr(tboard.TensorBoardSink, "write_row", broken)
+
+    async def go() -> Observer:
+        obs = make_observer(tmp_path, live=True)
+        (tmp_path / "trainer.log").write_text("astra.servers.trainer: step 1 version 1 loss 0.1\n")
+        obs.read_logs()
+        obs.flush()
+        obs.print_status(force=True)  # the live view fails: the compact line instead
+        obs.print_status(force=True)
+        obs.end_line()
+        await obs.close()
+        await obs.finish()
+        return obs
+
+    with caplog.at_level(logging.WARNING, logger="astra.run.observe"):
+        obs = asyncio.run(go())
+    assert obs.live is None and obs.tensorboard is None
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+    failed = [r.getMessage() for r in caplog.records]
+    assert any("live view failed" in m for m in failed)
+    assert any("TensorBoard event files failed" in m for m in failed)
+    assert any("plot.png failed" in m for m in failed)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def dataflow_proc(dataset: Path, tmp_path: Path):
+    proc = start_dataflow(make_config(dataset, tmp_path / "state"), tmp_path)
+    raas = start_scripted_raas(proc.address, tmp_path, "raas-top")
+    try:
+        yield proc
+    finally:
+        raas.close()
+        proc.close()
+
+
+def top(*args: str):
+    from astra.cli import main
+
+    return CliRunner().invoke(main, ["top", *args], catch_exceptions=False)
+
+
+def test_top_once_against_a_running_dataflow(dataflow_proc, tmp_path: Path) -> None:
+    deadline = time.monotonic() + 20
+    while True:  # until the RaaS has registered
+        result = top("--dataflow", dataflow_proc.address, "--once")
+        assert result.exit_code == 0, result.output
+        if "raas-top" in result.output or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    out = result.output
+    assert "\x1b" not in out
+    assert "astra top" in out and f"dataflow {dataflow_proc.address}" in out
+    assert "gate " in out and "buffer fill" in out and "groups/s" in out
+    assert "RaaS pool: 1 ACTIVE" in out
+    assert "raas-top" in out and "ACTIVE" in out
+    assert "policy" in out  # the policy row: buffer and version from Dataflow
+
+    # --run-dir: the addresses from run.json (a trainer that is gone shows no figures).
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    children = [
+        {"name": "dataflow", "role": "dataflow", "address": dataflow_proc.address},
+        {"name": "trainer-policy", "role": "trainer", "address": f"127.0.0.1:{free_port()}"},
+    ]
+    (run_dir / "run.json").write_text(json.dumps({"children": children}))
+    (run_dir / "recipe.yaml").write_text("name: myrun\ntrainer:\n  num_steps: 9\n")
+    result = top("--run-dir", str(run_dir), "--once", "--timeout", "1")
+    assert result.exit_code == 0, result.output
+    assert "astra myrun" in result.output and "raas-top" in result.output
+
+
+def test_top_once_without_a_dataflow(tmp_path: Path) -> None:
+    result = top("--dataflow", f"127.0.0.1:{free_port()}", "--once", "--timeout", "1")
+    assert result.exit_code == 1
+    assert "dataflow unreachable" in result.output
+    assert top("--once").exit_code == 2  # neither --dataflow nor --run-dir
+    assert top("--run-dir", str(tmp_path), "--once").exit_code == 2  # no run.json
