@@ -27,6 +27,7 @@ import pytest
 from astra.clients.dataflow import DataflowClient
 from astra.clients.raas import RolloutClient
 from astra.common.v1 import rollout_pb2
+from astra.dataflow import coordinator
 from astra.dataflow.config import DataflowConfig
 from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.pool import InstanceState
@@ -474,6 +475,34 @@ def test_eta_zero_alone_is_synchronous_even_when_weight_loads_take_time(tmp_path
     assert_consumed_once(trainer.consumed)
     assert set(trainer.consumed) == all_ids(n)
     assert status["counters"][f"buffer.{POLICY}.filtered_stale"] == 0
+
+
+def test_eta_zero_dispatches_as_soon_as_the_new_version_is_loaded(tmp_path, monkeypatch):
+    """eta = 0: after an announcement nothing is dispatched until a RaaS holds the new version.
+    The finished load itself must wake the dispatcher; if it waited for a heartbeat or the idle
+    poll instead, every synchronous step would pay that wait. Here both are 30 s away."""
+    monkeypatch.setattr(coordinator, "IDLE_POLL_S", 30.0)
+    n = 8
+    config = dataflow_config(
+        tmp_path,
+        n,
+        gate={"max_offpolicyness": 0},
+        pool={"heartbeat_interval_s": 30.0, "heartbeat_timeout_s": 60.0},
+    )
+
+    async def body():
+        gen = SlowLoadGenerator(delay_s=0.01, load_delay_s=0.05)
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, gen, capacity=16, name="raas-a"),
+        ):
+            trainer = Trainer(client)
+            await trainer.drain(df, announce=True, check=sync_check, timeout_s=10.0)
+            return trainer, gen
+
+    trainer, gen = run(body())
+    assert set(trainer.consumed) == all_ids(n)
+    assert trainer.version >= 3 and len(gen.load_calls) >= 3
 
 
 # ----- 4. batch leases ----------------------------------------------------------------------------

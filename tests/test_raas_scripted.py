@@ -21,12 +21,13 @@ from astra.dataflow.v1 import dataflow_service_pb2_grpc as df_grpc
 from astra.errors import NotFound, ResourceExhausted
 from astra.raas.backend import GroupSpec
 from astra.raas.results import ResultStore
-from astra.raas.scripted import PROMPT_LENGTH, ScriptedGenerator
+from astra.raas.scripted import PROMPT_LENGTH, LatencyModel, ScriptedGenerator
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.servers.convert import incoming_group
 from astra.servers.raas import start_raas
 from astra.servers.registrar import Registrar
 from astra.servers.runtime import GrpcServer
+from astra.testing import scripted_raas
 from tests.conftest import error_info
 from tests.procs import Proc
 
@@ -175,6 +176,40 @@ def test_scripted_generator_is_deterministic_and_well_formed():
         assert kinds == {"equal", "mixed"}
 
     run(body())
+
+
+def test_latency_model_is_seeded_lognormal_and_a_group_waits_for_its_slowest_sample():
+    model = LatencyModel.parse("lognormal:-3.0,0.5", seed=7)
+    assert (model.mu, model.sigma, model.seed) == (-3.0, 0.5, 7)
+    for bad in ("normal:1,2", "lognormal:1", "lognormal:a,b", "lognormal", "lognormal:0,-1"):
+        with pytest.raises(ValueError):
+            LatencyModel.parse(bad)
+    draws = np.array([model.sample_seconds(f"s/0/{i}", i, 0) for i in range(4000)])
+    logs = np.log(draws)
+    assert abs(np.median(logs) + 3.0) < 0.05 and abs(logs.std() - 0.5) < 0.05
+    # A pure function of (seed, group, group seed, sample): the same workload, the same time.
+    assert model.sample_seconds("g", 1, 2) == LatencyModel(-3.0, 0.5, 7).sample_seconds("g", 1, 2)
+    assert model.sample_seconds("g", 1, 2) != LatencyModel(-3.0, 0.5, 8).sample_seconds("g", 1, 2)
+    assert model.group_seconds("g", 1, 8) == max(model.sample_seconds("g", 1, i) for i in range(8))
+
+    async def body():
+        gen = ScriptedGenerator(latency=LatencyModel(-3.0, 0.5))  # median 50 ms per sample
+        spec = GroupSpec("g/0/3", "single_turn", ("policy",), num_samples=4, max_new_tokens=4)
+        want = gen.latency.group_seconds(spec.group_id, spec.seed, 4)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        out = await gen.generate(spec, {"policy": 0})
+        assert loop.time() - start >= want * 0.99
+        assert {t.metadata["latency_s"] for t in out} == {want}
+        plain = await ScriptedGenerator().generate(spec, {"policy": 0})
+        assert "latency_s" not in plain[0].metadata
+
+    run(body())
+    args = scripted_raas.parse_args(["--latency", "lognormal:-2,0.25", "--latency-seed", "3"])
+    assert args.latency == LatencyModel(-2.0, 0.25, 3) and args.delay == 0.05
+    assert scripted_raas.parse_args([]).latency is None
+    with pytest.raises(SystemExit):
+        scripted_raas.parse_args(["--latency", "uniform:0,1"])
 
 
 # ----- RolloutService over gRPC --------------------------------------------------------------

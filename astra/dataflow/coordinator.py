@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 SUBMIT_BATCH = 32
 INGEST_SLICE = 2
+# The dispatcher runs when woken (registration, heartbeat, result, version, finished weight
+# load, requeue) and at the latest this often.
+IDLE_POLL_S = 0.2
 POOL_EMPTY = "pool empty: waiting for a rollout service to register"
 
 
@@ -351,7 +354,7 @@ class Dataflow:
     async def _dispatch_loop(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.2)
+                await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
             self._wake.clear()
             try:
                 await self._dispatch_round()
@@ -670,6 +673,9 @@ class Dataflow:
             held = await inst.port.load_weights(versions, request_id)
             inst.loaded_versions.update(held)
             self.counters["weight_loads"] += 1
+            # The instance may now pass the version floor (with eta = 0, the only way work
+            # for a new version starts): dispatch now, not at the next heartbeat or poll.
+            self.wake()
         except PortError as exc:
             self.counters["weight_load_failures"] += 1
             log.warning("load %s on %s failed: %s", versions, inst.instance_id, exc)

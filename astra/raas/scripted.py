@@ -5,13 +5,19 @@ rewards of the right shapes and dtypes from a hash of the group id, sample
 index and policy, so tests and benchmarks can drive the whole system (RaaS,
 Dataflow, trainer) without weights or a GPU. The same group always yields the
 same trajectories; only the weight versions follow what was loaded.
+
+Latency: a fixed `delay_s` per group, and optionally a seeded long-tailed `LatencyModel`
+(log-normal seconds per sample; a group is done when its slowest sample is), so benchmarks can
+put a realistic rollout-length tail on the critical path without a model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,6 +34,47 @@ def _hash(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
+@dataclass(frozen=True, slots=True)
+class LatencyModel:
+    """Per-sample generation time: log-normal, `exp(N(mu, sigma))` seconds.
+
+    The median is `exp(mu)` and the mean `exp(mu + sigma**2 / 2)`. A sample's draw is a pure
+    function of (`seed`, group id, group seed, sample index), so the same workload takes the
+    same time wherever and whenever it runs. The samples of a group decode side by side and
+    the group is returned with its slowest sample, so a group takes the maximum of its draws.
+    """
+
+    mu: float
+    sigma: float
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.mu) and math.isfinite(self.sigma)) or self.sigma < 0:
+            raise ValueError("lognormal latency needs finite mu and sigma >= 0")
+
+    @classmethod
+    def parse(cls, text: str, seed: int = 0) -> LatencyModel:
+        """`lognormal:MU,SIGMA` (natural log of seconds), e.g. `lognormal:-1.6,0.8`."""
+        kind, sep, params = text.partition(":")
+        if kind.strip() != "lognormal" or not sep:
+            raise ValueError(f"latency {text!r}: expected lognormal:MU,SIGMA")
+        try:
+            mu, sigma = (float(x) for x in params.split(","))
+        except ValueError as exc:
+            raise ValueError(f"latency {text!r}: expected lognormal:MU,SIGMA") from exc
+        return cls(mu, sigma, seed)
+
+    def sample_seconds(self, group_id: str, group_seed: int, sample: int) -> float:
+        rng = np.random.default_rng(_hash("latency", self.seed, group_id, group_seed, sample))
+        return float(np.exp(rng.normal(self.mu, self.sigma)))
+
+    def group_seconds(self, group_id: str, group_seed: int, num_samples: int) -> float:
+        return max(
+            (self.sample_seconds(group_id, group_seed, i) for i in range(num_samples)),
+            default=0.0,
+        )
+
+
 class ScriptedFailure(RuntimeError):
     """Raised for the groups `fail_every` selects, to exercise failure paths."""
 
@@ -41,7 +88,9 @@ class ScriptedGenerator:
     to `generate`), L in [1, max_new_tokens] from the hash, or exactly
     `tokens_override` when that is > 0. Rewards are 0.0 or 1.0.
 
-    `delay_s` is slept once per group (cancellable). `fail_every` > 0 makes
+    `delay_s` is slept once per group (cancellable), plus, with a `latency` model, the
+    group's long-tailed generation time (see `LatencyModel`), recorded in each trajectory's
+    metadata as `latency_s`. `fail_every` > 0 makes
     about one group in `fail_every` raise ScriptedFailure, chosen by hash.
     """
 
@@ -55,6 +104,7 @@ class ScriptedGenerator:
         delay_s: float = 0.0,
         tokens_override: int = 0,
         fail_every: int = 0,
+        latency: LatencyModel | None = None,
     ) -> None:
         if not policy_ids or not workflows:
             raise ValueError("at least one policy and one workflow are required")
@@ -65,12 +115,21 @@ class ScriptedGenerator:
         self.delay_s = delay_s
         self.tokens_override = tokens_override
         self.fail_every = fail_every
+        self.latency = latency
         self.loaded: dict[str, VersionSpec] = {}
         self.generated_groups = 0
 
     async def generate(self, group: GroupSpec, versions: dict[str, int]) -> list[TrajectorySpec]:
-        if self.delay_s > 0:
-            await asyncio.sleep(self.delay_s)
+        metadata: dict[str, object] = {"engine": self.engine}
+        wait = self.delay_s
+        if self.latency is not None:
+            drawn = self.latency.group_seconds(group.group_id, group.seed, group.num_samples)
+            # What this group was made to take, so a benchmark can tell the generation tail
+            # from the system's own overhead.
+            metadata["latency_s"] = drawn
+            wait += drawn
+        if wait > 0:
+            await asyncio.sleep(wait)
         if self.fail_every and _hash("fail", group.group_id) % self.fail_every == 0:
             raise ScriptedFailure(f"scripted failure of group {group.group_id}")
         rate = SUCCESS_RATES[_hash("rate", group.group_id, group.seed) % len(SUCCESS_RATES)]
@@ -94,7 +153,7 @@ class ScriptedGenerator:
                     sequences=sequences,
                     reward=float(np.mean([s.reward for s in sequences])),
                     agent_rewards=agent_rewards if multi else {},
-                    metadata={"engine": self.engine},
+                    metadata=dict(metadata),
                 )
             )
         self.generated_groups += 1

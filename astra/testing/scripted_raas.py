@@ -1,7 +1,8 @@
 """A runnable RaaS backed by the ScriptedGenerator (no model), for tests and benchmarks.
 
     python -m astra.testing.scripted_raas --dataflow HOST:PORT --port 0 --capacity 64 \
-        --policy policy --workflow single_turn --delay 0.05 --tokens 0 --instance-id ID
+        --policy policy --workflow single_turn --delay 0.05 --tokens 0 --instance-id ID \
+        [--latency lognormal:MU,SIGMA --latency-seed 0]
 
 It serves the real astra.raas.v1.RolloutService over gRPC, registers with
 Dataflow (retrying until it answers), prints one JSON line with its address
@@ -17,7 +18,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from astra.raas.scripted import ScriptedGenerator
+from astra.raas.scripted import LatencyModel, ScriptedGenerator
 from astra.servers.raas import start_raas
 from astra.servers.runtime import install_event_loop_policy, serve_until_signal
 
@@ -35,6 +36,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", action="append", dest="policies", help="policy id (repeatable)")
     p.add_argument("--workflow", action="append", dest="workflows", help="workflow (repeatable)")
     p.add_argument("--delay", type=float, default=0.05, help="seconds slept per group")
+    p.add_argument(
+        "--latency",
+        default="",
+        metavar="lognormal:MU,SIGMA",
+        help="long-tailed time per sample, exp(N(MU, SIGMA)) s; a group waits for its slowest"
+        " sample (added to --delay); empty: none",
+    )
+    p.add_argument("--latency-seed", type=int, default=0, help="seed of the --latency draws")
     p.add_argument("--tokens", type=int, default=0, help="fixed generated length; 0: hashed")
     p.add_argument("--fail-every", type=int, default=0, help="fail ~1 group in N; 0: never")
     p.add_argument("--instance-id", default="", help="instance id; default from address+time")
@@ -58,6 +67,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 p.error(f"--labels: expected K=V, got {item!r}")
             labels[key] = value
     args.labels = labels
+    try:
+        args.latency = LatencyModel.parse(args.latency, args.latency_seed) if args.latency else None
+    except ValueError as exc:
+        p.error(f"--latency: {exc}")
     args.policies = args.policies or ["policy"]
     args.workflows = args.workflows or ["single_turn"]
     return args
@@ -70,6 +83,7 @@ async def amain(args: argparse.Namespace) -> None:
         delay_s=args.delay,
         tokens_override=args.tokens,
         fail_every=args.fail_every,
+        latency=args.latency,
     )
     server, servicer, registrar = await start_raas(
         backend,
