@@ -7,7 +7,11 @@ UNAVAILABLE opens a new stream, which resumes.
 Receiver fetches into a local directory (astra.weights.local): it stages and
 verifies every tensor, acknowledges it, resumes after a disconnect or a
 refused tensor from the last acknowledged one, and only then swaps the new
-version in; on any failure the previous version stays current. With `relay`
+version in; on any failure the previous version stays current. Every wait is
+bounded: a stream on which the service stays silent for `idle_timeout_s`
+while the receiver has nothing of its own in flight is dropped and resumed,
+and a whole `fetch` (every attempt) ends within `timeout_s` with
+DeadlineExceeded naming the version, the service and the last error. With `relay`
 set, each version it installs is also published into a local Store, which a
 WeightService of its own serves to the next tier (a tree across regions).
 """
@@ -19,6 +23,7 @@ import collections
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +33,8 @@ from typing import Any
 import grpc
 
 from astra.clients.weights import PublishResult, WeightClient, domain_error, publish_version
-from astra.errors import AstraError, DataLoss, InvalidArgument
+from astra.errors import AstraError, DataLoss, InvalidArgument, Unavailable
+from astra.weights.deadline import DeadlineExceeded
 from astra.weights.layout import open_full
 from astra.weights.local import LocalVersions, identity_of
 from astra.weights.v1 import weight_service_pb2 as pb
@@ -40,6 +46,11 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Status
 MAX_QUEUED_BYTES = 64 << 20  # chunk bytes read but not yet written to the stage
 FINISH_WORKERS = max(2, min(4, os.cpu_count() or 1))  # decode + fsync of completed tensors
 ENCODINGS = {pb.TENSOR_ENCODING_RAW: "raw", pb.TENSOR_ENCODING_XOR_ZSTD: "xor_zstd"}
+UNARY_TIMEOUT_S = 30.0  # ListVersions and the like, within the fetch deadline
+
+
+class StreamStalled(Unavailable):
+    """The service sent nothing for `idle_timeout_s` while the receiver waited on it."""
 
 
 @dataclass
@@ -71,16 +82,20 @@ class Receiver:
         max_attempts: int = 5,
         backoff_s: float = 0.2,
         timeout_s: float = 3600.0,
+        idle_timeout_s: float = 60.0,
         keep_versions: int = 2,
         durable: bool = True,
     ) -> None:
+        if timeout_s <= 0 or idle_timeout_s <= 0:
+            raise ValueError("timeout_s and idle_timeout_s must be positive")
+        self.address = address
         self.policy, self.relay, self.keep_versions = policy, relay, keep_versions
         self.local = LocalVersions(directory, durable=durable)
         self.receiver_id = receiver_id or self.local.receiver_id
         self.extra_held = {identity_of(Path(p)): Path(p) for p in held_dirs}
         self.max_bytes_per_second, self.max_attempts = max_bytes_per_second, max_attempts
-        self.backoff_s, self.timeout_s = backoff_s, timeout_s
-        self.client = WeightClient(address, timeout_s=timeout_s)
+        self.backoff_s, self.timeout_s, self.idle_timeout_s = backoff_s, timeout_s, idle_timeout_s
+        self.client = WeightClient(address, timeout_s=min(timeout_s, UNARY_TIMEOUT_S))
 
     @property
     def current_path(self) -> Path | None:
@@ -96,36 +111,110 @@ class Receiver:
         await self.close()
 
     async def fetch(self, target: str = "") -> FetchResult:
-        """Fetches `target` (default: the current version), verifies it, makes it current."""
+        """Fetches `target` (default: the current version), verifies it, makes it current.
+
+        Ends within `timeout_s` (DeadlineExceeded) whatever the service does;
+        on any failure the previous version stays current.
+        """
+        deadline = time.monotonic() + self.timeout_s
         try:
             if not target:
-                page = await self.client.list_versions(self.policy, page_size=1)
+                page = await self.client.list_versions(
+                    self.policy, page_size=1, timeout_s=self._left(deadline, UNARY_TIMEOUT_S)
+                )
                 if not page.versions:
                     raise InvalidArgument(
                         f"policy {self.policy!r} has no versions", reason="NO_VERSIONS"
                     )
                 target = page.versions[0].version_id
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise self._timed_out(target or "the current version", 0, exc.details()) from exc
             raise domain_error(exc) from exc
+        last = "no attempt finished"
         for attempt in range(1, self.max_attempts + 1):
+            if deadline - time.monotonic() <= 0:
+                raise self._timed_out(target, attempt - 1, last)
             try:
-                result = await self._attempt(target)
+                result = await self._attempt(target, deadline)
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise self._timed_out(target, attempt, exc.details()) from exc
                 if exc.code() not in RETRYABLE or attempt == self.max_attempts:
                     raise domain_error(exc) from exc
-                log.info("fetch %s: %s; resuming", target, exc.details())
-            except DataLoss as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+                log.info("fetch %s: %s; resuming", target, last)
+            except (DataLoss, StreamStalled) as exc:
                 if attempt == self.max_attempts:
                     raise
+                last = exc.message
                 log.warning("fetch %s: %s; resuming", target, exc.message)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # this fetch was cancelled
+                # A cancellation nobody asked for (the call or one of its futures was
+                # cancelled under the receiver): a failed attempt, never a silent end.
+                last = "the fetch stream was cancelled under the receiver"
+                if attempt == self.max_attempts:
+                    raise Unavailable(
+                        f"fetch {target!r}: {last}", reason="FETCH_CANCELLED"
+                    ) from None
+                log.warning("fetch %s: %s; resuming", target, last)
             else:
                 result.attempts = attempt
                 if self.relay is not None:
                     await asyncio.to_thread(self._relay, result)
                 await asyncio.to_thread(self.local.prune, self.keep_versions)
                 return result
-            await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            pause = min(self.backoff_s * 2 ** (attempt - 1), deadline - time.monotonic())
+            if pause > 0:
+                await asyncio.sleep(pause)
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def _left(deadline: float, cap: float | None = None) -> float:
+        left = max(0.001, deadline - time.monotonic())
+        return left if cap is None else min(left, cap)
+
+    def _timed_out(self, target: str, attempts: int, last: str) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"fetch of {self.policy}/{target} from {self.address} did not complete within "
+            f"{self.timeout_s:g}s ({attempts} attempts; last: {last}); the previous version "
+            "stays current",
+            reason="FETCH_DEADLINE_EXCEEDED",
+            metadata={"policy_id": self.policy, "version_id": target, "address": self.address},
+        )
+
+    async def _read(self, call: Any, pipe: _Pipeline | None, started: float) -> Any:
+        """The next message, or StreamStalled once the service has been silent too long.
+
+        Silence counts only while the receiver itself has nothing in flight (no
+        chunk write, no tensor being verified or acknowledged): the service may
+        be waiting on those acknowledgements.
+        """
+        read = asyncio.ensure_future(call.read())
+        try:
+            while True:
+                progress = pipe.last_progress if pipe is not None else started
+                if pipe is not None and pipe.busy:
+                    progress = time.monotonic()
+                left = progress + self.idle_timeout_s - time.monotonic()
+                if left <= 0:
+                    raise StreamStalled(
+                        f"the WeightService at {self.address} sent nothing for "
+                        f"{self.idle_timeout_s:g}s",
+                        reason="FETCH_STREAM_STALLED",
+                        metadata={"address": self.address},
+                    )
+                done, _ = await asyncio.wait({read}, timeout=min(left, 1.0))
+                if done:
+                    if pipe is not None:
+                        pipe.last_progress = time.monotonic()
+                    return read.result()
+        finally:
+            if not read.done():
+                read.cancel()
 
     def _relay(self, result: FetchResult) -> None:
         try:
@@ -133,11 +222,14 @@ class Receiver:
         except AstraError as exc:
             log.warning("relay store refused %s: %s", result.identity, exc.message)
 
-    async def _attempt(self, target: str) -> FetchResult:
+    async def _attempt(self, target: str, deadline: float) -> FetchResult:
         held = {**self.extra_held, **self.local.held()}
         stage = self.local.stage(target)
         resumed = len(stage.entries)
-        call = self.client.stub.FetchVersion(timeout=self.timeout_s)
+        started = time.monotonic()
+        # The call's deadline is what is left of the fetch's: every write, read and
+        # acknowledgement on it ends by then.
+        call = self.client.stub.FetchVersion(timeout=self._left(deadline))
         start = pb.FetchStart(policy_id=self.policy, target_version_id=target)
         start.held_version_ids.extend(sorted(held))
         start.receiver_id, start.max_bytes_per_second = self.receiver_id, self.max_bytes_per_second
@@ -145,7 +237,7 @@ class Receiver:
         done, received, nbytes = None, 0, 0
         try:
             await call.write(pb.FetchVersionRequest(start=start))
-            first = await call.read()
+            first = await self._read(call, None, started)
             if first is grpc.aio.EOF or not first.HasField("plan"):
                 raise DataLoss("fetch stream did not start with a FetchPlan", reason="NO_PLAN")
             plan = first.plan
@@ -156,52 +248,22 @@ class Receiver:
                 )
             base = open_full(base_path) if base_path is not None else None
             pipe = _Pipeline(call)
-            incoming = None
             try:
-                while done is None:
-                    resp = await call.read()
-                    if resp is grpc.aio.EOF:
-                        raise DataLoss("stream ended before FetchDone", reason="TRUNCATED_STREAM")
-                    pipe.check()
-                    part = resp.WhichOneof("part")
-                    if part == "tensor":
-                        if incoming is not None:
-                            raise DataLoss(
-                                f"{incoming.name}: the next tensor began before it ended",
-                                reason="TRUNCATED_TENSOR",
-                                metadata={"tensor": incoming.name},
-                            )
-                        h = resp.tensor
-                        header = {"name": h.name, "dtype": h.dtype, "shape": list(h.shape)}
-                        header.update(encoding=ENCODINGS.get(h.encoding), adler32=h.adler32)
-                        header.update(
-                            size_bytes=h.size_bytes, encoded_size_bytes=h.encoded_size_bytes
-                        )
-                        incoming = await pipe.begin(stage, header, base)
-                    elif part == "chunk":
-                        if incoming is None:
-                            raise DataLoss("a chunk before any tensor", reason="BAD_CHUNK")
-                        await pipe.write(incoming, resp.chunk.offset, resp.chunk.data)
-                        nbytes += len(resp.chunk.data)
-                    elif part == "file":
-                        stage.add_file(resp.file.name, resp.file.content)
-                    elif part == "done":
-                        done = resp.done
-                    if incoming is not None and incoming.complete:
-                        pipe.finish(incoming)
-                        incoming, received = None, received + 1
-                await pipe.drain()
+                try:
+                    done, received, nbytes = await self._receive(call, pipe, stage, base, started)
+                finally:
+                    await pipe.close()
+                    if base is not None:
+                        base.close()
             except asyncio.CancelledError:
+                # The pipeline cancels this task to stop the read on its first failure
+                # (which may land while it is closing): raise that failure instead.
                 if pipe.error is None:
                     raise
                 task = asyncio.current_task()
                 if task is not None:
                     task.uncancel()
                 raise pipe.error from None
-            finally:
-                await pipe.close()
-                if base is not None:
-                    base.close()
             await call.done_writing()
         finally:
             if done is None:
@@ -225,6 +287,44 @@ class Receiver:
             nbytes,
             0,
         )
+
+    async def _receive(
+        self, call: Any, pipe: _Pipeline, stage: Any, base: Any, started: float
+    ) -> tuple[Any, int, int]:
+        """Reads the stream to FetchDone, staging every tensor; (done, tensors, bytes)."""
+        done, received, nbytes, incoming = None, 0, 0, None
+        while done is None:
+            resp = await self._read(call, pipe, started)
+            if resp is grpc.aio.EOF:
+                raise DataLoss("stream ended before FetchDone", reason="TRUNCATED_STREAM")
+            pipe.check()
+            part = resp.WhichOneof("part")
+            if part == "tensor":
+                if incoming is not None:
+                    raise DataLoss(
+                        f"{incoming.name}: the next tensor began before it ended",
+                        reason="TRUNCATED_TENSOR",
+                        metadata={"tensor": incoming.name},
+                    )
+                h = resp.tensor
+                header = {"name": h.name, "dtype": h.dtype, "shape": list(h.shape)}
+                header.update(encoding=ENCODINGS.get(h.encoding), adler32=h.adler32)
+                header.update(size_bytes=h.size_bytes, encoded_size_bytes=h.encoded_size_bytes)
+                incoming = await pipe.begin(stage, header, base)
+            elif part == "chunk":
+                if incoming is None:
+                    raise DataLoss("a chunk before any tensor", reason="BAD_CHUNK")
+                await pipe.write(incoming, resp.chunk.offset, resp.chunk.data)
+                nbytes += len(resp.chunk.data)
+            elif part == "file":
+                stage.add_file(resp.file.name, resp.file.content)
+            elif part == "done":
+                done = resp.done
+            if incoming is not None and incoming.complete:
+                pipe.finish(incoming)
+                incoming, received = None, received + 1
+        await pipe.drain()
+        return done, received, nbytes
 
 
 class _Pipeline:
@@ -250,6 +350,12 @@ class _Pipeline:
         self.tasks: set[asyncio.Task[None]] = set()
         self.opened: list[Any] = []
         self.ack_lock = asyncio.Lock()
+        self.last_progress = time.monotonic()  # last message read or acknowledgement sent
+
+    @property
+    def busy(self) -> bool:
+        """Work of the receiver's own in flight: the service may be waiting on it."""
+        return bool(self.tasks) or bool(self.queued)
 
     def check(self) -> None:
         if self.error is not None:
@@ -303,6 +409,7 @@ class _Pipeline:
     async def _send(self, ack: pb.TensorAck) -> None:
         async with self.ack_lock:
             await self.call.write(pb.FetchVersionRequest(ack=ack))
+        self.last_progress = time.monotonic()
 
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -332,4 +439,13 @@ class _Pipeline:
             for incoming in self.opened:
                 incoming.abort()
 
-        await asyncio.shield(asyncio.to_thread(stop))
+        # Waited for even through a cancellation: the workers may still read the base.
+        stopping = asyncio.ensure_future(asyncio.to_thread(stop))
+        cancelled = False
+        while not stopping.done():
+            try:
+                await asyncio.shield(stopping)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError

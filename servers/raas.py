@@ -20,7 +20,7 @@ from google.rpc import code_pb2, status_pb2
 
 from astra import __version__
 from astra.common.v1 import capabilities_pb2, rollout_pb2, version_pb2
-from astra.errors import FailedPrecondition, invalid_field
+from astra.errors import FailedPrecondition, Unavailable, invalid_field
 from astra.raas.backend import GroupSpec, RolloutBackend, VersionSpec
 from astra.raas.results import ResultStore
 from astra.raas.v1 import rollout_service_pb2 as pb
@@ -29,6 +29,7 @@ from astra.servers.convert import MAX_ID_CHARS, check_id
 from astra.servers.raas_convert import check_ids, group_result, group_spec
 from astra.servers.registrar import Registrar
 from astra.servers.runtime import GrpcServer
+from astra.weights.deadline import DeadlineExceeded
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,9 @@ CONTRACT_VERSION = "1.0.0"
 MAX_GROUPS, MAX_SAMPLES, MAX_COLLECT = 1024, 1024, 4096
 MAX_GROUP_ID = 256
 MAX_WAIT_S = 30.0
+# A LoadWeights (waiting for an earlier one, fetching, swapping) ends by then with
+# DEADLINE_EXCEEDED and the versions in service unchanged; Dataflow's call allows more.
+LOAD_TIMEOUT_S = 300.0
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -48,8 +52,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         *,
         instance_id: str = "",
         initial_versions: dict[str, int] | None = None,
+        load_timeout_s: float = LOAD_TIMEOUT_S,
     ) -> None:
         self.backend = backend
+        self.load_timeout_s = load_timeout_s
         self.capacity = capacity
         self.instance_id = instance_id
         self.policy_ids = list(backend.policy_ids)
@@ -192,6 +198,30 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if len(v.version_id) > MAX_ID_CHARS:
                 raise invalid_field(f"{where}.version_id", f"longer than {MAX_ID_CHARS} characters")
             wanted[v.policy_id] = VersionSpec(v.version, v.version_id or str(v.version))
+        try:
+            async with asyncio.timeout(self.load_timeout_s) as limit:
+                fetched = await self._load(wanted, request.weights_address)
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            self.counters["weight_load_timeouts"] += 1
+            wanted_txt = {p: s.version for p, s in wanted.items()}
+            log.warning(
+                "load %s from %s timed out after %gs; serving %s",
+                wanted_txt,
+                request.weights_address,
+                self.load_timeout_s,
+                self.loaded_versions,
+            )
+            raise DeadlineExceeded(
+                f"loading {wanted_txt} from {request.weights_address} did not finish within "
+                f"{self.load_timeout_s:g}s; still serving {self.loaded_versions}",
+                reason="LOAD_DEADLINE_EXCEEDED",
+                metadata={"weights_address": request.weights_address},
+            ) from None
+        return pb.LoadWeightsResponse(loaded_versions=self._version_protos(), fetched_bytes=fetched)
+
+    async def _load(self, wanted: dict[str, VersionSpec], address: str) -> int:
         async with self._load_lock:
             for p, spec in wanted.items():
                 held = self._versions[p].version
@@ -202,13 +232,25 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                         metadata={"policy_id": p, "held_version": str(held)},
                     )
             todo = {p: s for p, s in wanted.items() if s.version > self._versions[p].version}
-            fetched = 0
-            if todo:
-                fetched = await self.backend.load_weights(todo, request.weights_address)
-                # One assignment: a group submitted from now on sees the whole new set.
-                self._versions = {**self._versions, **todo}
-                self.counters["weight_loads"] += 1
-        return pb.LoadWeightsResponse(loaded_versions=self._version_protos(), fetched_bytes=fetched)
+            if not todo:
+                return 0
+            try:
+                fetched = await self.backend.load_weights(todo, address)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # the call was cancelled, or its deadline passed
+                # A cancellation from inside the load must still answer the call: a handler
+                # that ends in CancelledError sends no status and the caller waits it out.
+                self.counters["weight_loads_failed"] += 1
+                raise Unavailable(
+                    f"loading {sorted(todo)} from {address} was cancelled inside the RaaS",
+                    reason="LOAD_CANCELLED",
+                ) from None
+            # One assignment: a group submitted from now on sees the whole new set.
+            self._versions = {**self._versions, **todo}
+            self.counters["weight_loads"] += 1
+            return fetched
 
     async def GetStatus(self, request: pb.GetStatusRequest, context):
         return pb.GetStatusResponse(
@@ -254,6 +296,7 @@ async def start_raas(
     labels: dict[str, str] | None = None,
     initial_versions: dict[str, int] | None = None,
     grace_s: float = 5.0,
+    load_timeout_s: float = LOAD_TIMEOUT_S,
 ) -> tuple[GrpcServer, RolloutServicer, Registrar | None]:
     """Starts a RolloutService on host:port (0 = any); registers with Dataflow when given.
 
@@ -261,7 +304,9 @@ async def start_raas(
     without `dataflow_address`) keeps trying in the background; stop it
     before the server to deregister.
     """
-    servicer = RolloutServicer(backend, capacity, initial_versions=initial_versions)
+    servicer = RolloutServicer(
+        backend, capacity, initial_versions=initial_versions, load_timeout_s=load_timeout_s
+    )
     server = GrpcServer(host, port, grace_s=grace_s)
     server.add_service(
         pb_grpc.add_RolloutServiceServicer_to_server,

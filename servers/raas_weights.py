@@ -5,6 +5,13 @@ Implements astra.raas.engine_backend.WeightLoader over the streaming
 directory, so later versions arrive as deltas against what it holds. The
 receiver verifies every tensor before the version becomes current; the
 engine then swaps from those verified files.
+
+One receiver per policy: when Dataflow names another WeightService address
+(the service restarted on a new port) the old receiver is closed and a new
+one opens on the same directory, so what is held and staged carries over.
+Every fetch is bounded: it ends within `fetch_timeout_s` (DeadlineExceeded)
+and a stream on which the service stays silent for `idle_timeout_s` is
+dropped and resumed.
 """
 
 from __future__ import annotations
@@ -15,22 +22,42 @@ from typing import Any
 from astra.clients.weights_stream import Receiver
 from astra.raas.backend import VersionSpec
 
+FETCH_TIMEOUT_S = 240.0  # one fetch, every attempt; below LoadWeights' own deadline
+IDLE_TIMEOUT_S = 30.0  # service silence (while the receiver waits on it) that drops a stream
+
 
 class ReceiverWeightLoader:
-    def __init__(self, root: str | Path, *, receiver_prefix: str = "raas") -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        receiver_prefix: str = "raas",
+        fetch_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        durable: bool = True,
+    ) -> None:
         self.root = Path(root)
         self.receiver_prefix = receiver_prefix
-        self._receivers: dict[tuple[str, str], Receiver] = {}
+        self.fetch_timeout_s = fetch_timeout_s if fetch_timeout_s is not None else FETCH_TIMEOUT_S
+        self.idle_timeout_s = idle_timeout_s if idle_timeout_s is not None else IDLE_TIMEOUT_S
+        self.durable = durable
+        self._receivers: dict[str, Receiver] = {}
 
-    def _receiver(self, policy_id: str, address: str) -> Receiver:
-        key = (policy_id, address)
-        rec = self._receivers.get(key)
+    async def _receiver(self, policy_id: str, address: str) -> Receiver:
+        rec = self._receivers.get(policy_id)
+        if rec is not None and rec.address != address:
+            del self._receivers[policy_id]
+            await rec.close()
+            rec = None
         if rec is None:
-            rec = self._receivers[key] = Receiver(
+            rec = self._receivers[policy_id] = Receiver(
                 address,
                 policy_id,
                 self.root / policy_id,
                 receiver_id=f"{self.receiver_prefix}/{policy_id}",
+                timeout_s=self.fetch_timeout_s,
+                idle_timeout_s=self.idle_timeout_s,
+                durable=self.durable,
             )
         return rec
 
@@ -39,7 +66,7 @@ class ReceiverWeightLoader:
     ) -> tuple[dict[str, Any], int]:
         from astra.engine.http import WeightsDir
 
-        receiver = self._receiver(policy_id, weights_address)
+        receiver = await self._receiver(policy_id, weights_address)
         result = await receiver.fetch(version.version_id or str(version.version))
         # A verified local directory: HTTP engines load it by path, the torch engine
         # reads its tensors lazily on its own worker thread.

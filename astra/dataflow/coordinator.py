@@ -30,7 +30,7 @@ from astra.dataflow.gate import (
     StalenessTracker,
     offpolicy_capacity,
 )
-from astra.dataflow.pool import Instance, InstanceState, Pool
+from astra.dataflow.pool import LOAD_FAILURES_REPORTED, Instance, InstanceState, Pool
 from astra.dataflow.ports import Connector, IncomingGroup, PortError
 from astra.dataflow.records import GroupRecord, WorkItem
 from astra.dataflow.store import StateStore
@@ -660,6 +660,8 @@ class Dataflow:
             running = self._loads.get(inst.instance_id)
             if not want or (running is not None and not running.done()):
                 continue
+            if not self.pool.load_due(inst):  # a failed load is retried after a backoff
+                continue
             self._loads[inst.instance_id] = asyncio.create_task(self._load(inst, want))
 
     async def _load(self, inst: Instance, want: dict) -> None:
@@ -676,19 +678,31 @@ class Dataflow:
             # The instance may now pass the version floor (with eta = 0, the only way work
             # for a new version starts): dispatch now, not at the next heartbeat or poll.
             self.wake()
-        except PortError as exc:
+            self.pool.load_succeeded(inst.instance_id)
+        except Exception as exc:  # PortError, or a bug: either way retried, and counted
             self.counters["weight_load_failures"] += 1
-            log.warning("load %s on %s failed: %s", versions, inst.instance_id, exc)
+            n = self.pool.load_failed(inst.instance_id, str(exc))
+            level = logging.ERROR if n >= LOAD_FAILURES_REPORTED else logging.WARNING
+            log.log(
+                level, "load %s on %s failed (%d in a row): %s", versions, inst.instance_id, n, exc
+            )
 
     # ----- versions (called by the servicer) -----------------------------------------------
 
     def announce(self, policy_id: str, version: int, version_id: str, address: str) -> bool:
+        book = self.versions.policies.get(policy_id)
+        before = book.address if book is not None else ""
         repeat = self.versions.announce(policy_id, version, version_id, address)
-        if not repeat:
-            self.counters["versions_announced"] += 1
+        # Every load of the policy now goes to the newest address (a restarted WeightService).
+        moved = self.versions.address(policy_id) != before
+        if not repeat or moved:
+            if not repeat:
+                self.counters["versions_announced"] += 1
             with self.store.tx() as tx:
                 tx.put("versions", self.versions.state())
                 self.persist_counters(tx)
+            if moved:
+                self.pool.retry_loads_now()
             self._sync_weights()
             self.wake()
         return repeat
@@ -754,6 +768,14 @@ class Dataflow:
         counters["groups_waiting"] = len(self.waiting)
         counters["groups_done"] = len(self.done)
         reason = self.why()
+        failing = self.pool.failing_loads()
+        for i in failing:
+            counters[f"weight_load_failing.{i.instance_id}"] = i.load_failures
+        if failing:
+            reason += "; weight loads failing on " + ", ".join(
+                f"{i.instance_id} ({i.load_failures} in a row: {i.load_error[:200]})"
+                for i in failing
+            )
         return {
             "dataflow_id": self.dataflow_id,
             "instances": instances,

@@ -5,6 +5,12 @@ health probes confirm death, after `confirm_failures` failures in a row; a
 suspect that answers again is restored. Heartbeat silence also makes a
 suspect. Instances join and leave at any time. Never touches the buffer or
 the durable store: it returns the group ids that must be dispatched again.
+
+Weight loads are tracked per instance: a failed (or timed-out) load is
+retried after a backoff that doubles up to `LOAD_RETRY_MAX_S`, and once
+`LOAD_FAILURES_REPORTED` loads in a row have failed the instance is reported
+(`failing_loads`) until one succeeds, so a RaaS that never reaches the target
+version is visible, never silently starved of work.
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ from enum import Enum
 from astra.dataflow.config import PoolSettings
 from astra.dataflow.ports import Connector, RolloutPort
 from astra.errors import NotFound
+
+LOAD_RETRY_BASE_S = 0.5
+LOAD_RETRY_MAX_S = 30.0
+LOAD_FAILURES_REPORTED = 3
 
 
 class InstanceState(Enum):
@@ -47,6 +57,10 @@ class Instance:
     # "silence" (heartbeats stopped) or "call" (a call to it failed). A heartbeat
     # clears only the first: the RaaS may heartbeat while Dataflow cannot reach it.
     suspect_reason: str = ""
+    # Weight loads that failed in a row, the last error, and when the next may start.
+    load_failures: int = 0
+    load_error: str = ""
+    load_retry_at: float = 0.0
 
     def serves(self, workflow: str, policy_ids: Iterable[str]) -> bool:
         return workflow in self.workflows and set(policy_ids) <= self.policy_ids
@@ -88,6 +102,7 @@ class Pool:
             old.loaded_versions = dict(loaded_versions)
             old.state, old.failures, old.last_seen = InstanceState.ACTIVE, 0, now
             old.suspect_reason = ""
+            old.load_retry_at = 0.0  # a RaaS that registers again may load at once
             return already, stale_port
         if old is not None:
             stale_port = old.port
@@ -185,6 +200,39 @@ class Pool:
         for inst in gone:
             del self.instances[inst.instance_id]
         return [i.port for i in gone]
+
+    def load_due(self, inst: Instance) -> bool:
+        """Whether a weight load may start on the instance now (its retry backoff is over)."""
+        return self._clock() >= inst.load_retry_at
+
+    def load_failed(self, instance_id: str, error: str) -> int:
+        """Records a failed weight load; returns the failures in a row."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return 0
+        inst.load_failures += 1
+        inst.load_error = error
+        backoff = min(LOAD_RETRY_MAX_S, LOAD_RETRY_BASE_S * 2 ** (inst.load_failures - 1))
+        inst.load_retry_at = self._clock() + backoff
+        return inst.load_failures
+
+    def load_succeeded(self, instance_id: str) -> None:
+        inst = self.instances.get(instance_id)
+        if inst is not None:
+            inst.load_failures, inst.load_error, inst.load_retry_at = 0, "", 0.0
+
+    def retry_loads_now(self) -> None:
+        """Ends every load backoff (the WeightService address changed)."""
+        for inst in self.instances.values():
+            inst.load_retry_at = 0.0
+
+    def failing_loads(self) -> list[Instance]:
+        """Live instances whose last `LOAD_FAILURES_REPORTED` or more weight loads failed."""
+        return [
+            i
+            for i in self.by_state(InstanceState.ACTIVE, InstanceState.SUSPECT)
+            if i.load_failures >= LOAD_FAILURES_REPORTED
+        ]
 
     def by_state(self, *states: InstanceState) -> list[Instance]:
         return [i for i in self.instances.values() if i.state in states]

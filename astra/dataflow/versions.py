@@ -5,6 +5,12 @@ current version is accepted as idempotent. With several policies the
 barrier decides which set of versions rollout services load together:
 `independent` follows each policy's latest, `lockstep` moves every policy to
 version v only once all of them have announced v. Persisted by the caller.
+
+Every load of a policy uses the WeightService address of its newest
+announcement, whichever version it names: a WeightService that restarted on
+another port serves every stored version, and the address an older version
+was announced with may be dead. A repeated announcement with a new address
+updates it (a trainer announcing again after the restart).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class Announced:
 class PolicyVersions:
     current: int = 0
     history: dict[int, Announced] = field(default_factory=dict)
+    address: str = ""  # WeightService address of the newest announcement
 
 
 class VersionBook:
@@ -34,6 +41,10 @@ class VersionBook:
 
     def current(self, policy_id: str) -> int:
         return self.policies[policy_id].current
+
+    def address(self, policy_id: str) -> str:
+        """The WeightService address every load of the policy uses now."""
+        return self.policies[policy_id].address
 
     def announce(self, policy_id: str, version: int, version_id: str, address: str) -> bool:
         """Records an announcement; returns True if it was a repeat."""
@@ -52,6 +63,8 @@ class VersionBook:
             )
         known = book.history.get(version)
         if known is not None and version == book.current:
+            if address:
+                book.address = address
             return True
         if version not in (book.current, book.current + 1):
             raise FailedPrecondition(
@@ -62,6 +75,8 @@ class VersionBook:
             )
         book.current = version
         book.history[version] = Announced(version, version_id or str(version), address)
+        if address:
+            book.address = address
         # Keep only recent history: lockstep needs the versions since the slowest policy.
         floor = min(p.current for p in self.policies.values())
         for v in [v for v in book.history if v < floor]:
@@ -69,20 +84,26 @@ class VersionBook:
         return False
 
     def targets(self) -> dict[str, Announced]:
-        """The versions rollout services should hold now, per policy."""
+        """The versions rollout services should hold now, per policy, at the newest address."""
         out: dict[str, Announced] = {}
         if self.barrier == "lockstep":
             v = min(p.current for p in self.policies.values())
             for pid, book in self.policies.items():
                 if v in book.history:
-                    out[pid] = book.history[v]
+                    out[pid] = self._at_newest(book, book.history[v])
             if len(out) != len(self.policies):
                 return {}
             return out
         for pid, book in self.policies.items():
             if book.current in book.history:
-                out[pid] = book.history[book.current]
+                out[pid] = self._at_newest(book, book.history[book.current])
         return out
+
+    @staticmethod
+    def _at_newest(book: PolicyVersions, a: Announced) -> Announced:
+        if not book.address or book.address == a.weights_address:
+            return a
+        return Announced(a.version, a.version_id, book.address)
 
     def state(self) -> dict:
         return {
@@ -91,6 +112,7 @@ class VersionBook:
                 "history": {
                     str(v): [a.version_id, a.weights_address] for v, a in b.history.items()
                 },
+                "address": b.address,
             }
             for pid, b in self.policies.items()
         }
@@ -104,3 +126,6 @@ class VersionBook:
             book.history = {
                 int(v): Announced(int(v), vid, addr) for v, (vid, addr) in raw["history"].items()
             }
+            # State saved before the newest address was kept: the newest version's address.
+            newest = book.history[max(book.history)].weights_address if book.history else ""
+            book.address = raw.get("address") or newest
