@@ -28,11 +28,13 @@ def _add_subcommands() -> None:
     from astra.run.cli import run_command
     from astra.run.top import top_command
     from astra.trainer.cli import trainer_command
+    from astra.trainer.sft_cli import sft_command
     from astra.weights.cli import weights
 
     main.add_command(weights)
     main.add_command(run_command)
     main.add_command(top_command)
+    main.add_command(sft_command)
     serve.add_command(trainer_command, "trainer")
 
 

@@ -17,6 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 SMALL = ["--set", "dataset.size=64", "--set", "observe.baseline_samples=8"]
+SMALL += ["--set", "warmup.steps=20", "--set", "trainer.batch_groups=4"]
 SMALL += ["--set", "supervision.stop_grace_s=10"]
 
 

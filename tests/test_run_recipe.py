@@ -23,7 +23,8 @@ def test_embedded_default_is_the_documented_file() -> None:
     assert [p.id for p in default.policies] == ["policy"]
     assert len(default.raas) == 2 and default.raas_names == ["raas-0", "raas-1"]
     assert default.dataset.kind == "arithmetic" and default.trainer.device == "cpu"
-    assert default.stream_reward(default.streams[0]) == "arithmetic"
+    assert default.stream_reward(default.streams[0]) == "exact_match"
+    assert default.warmup.steps > 0 and default.warmup.path is None
 
 
 def test_dotted_overrides_apply_with_yaml_values_and_list_indexes(tmp_path: Path) -> None:
@@ -90,7 +91,7 @@ def test_service_configs_agree_with_the_recipe(tmp_path: Path) -> None:
     assert len(dataset.read_text().splitlines()) == 8 and rd.recipe.is_file()
     df = layout.dataflow_config(r, rd, dataset)
     assert df.port == 0 and df.state_dir == str(rd.dataflow_state)
-    assert df.policies[0].batch_groups == 3 and df.streams[0].reward == "arithmetic"
+    assert df.policies[0].batch_groups == 3 and df.streams[0].reward == "exact_match"
     assert df.streams[0].dataset.path == str(dataset) and df.grace_s == 2.0
     trainer = layout.trainer_config(
         r, r.policies[0], rd, dataflow="h:1", weights="h:2", resume=False

@@ -1,12 +1,15 @@
 """Synthetic datasets for the embedded default and tests: arithmetic and countdown.
 
-`generate_records(kind, n, seed)` returns `n` records, the same ones for the
-same seed; `write_dataset(kind, path, n, seed)` writes them as JSONL, the
+`generate_records(kind, n, seed, **params)` returns `n` records, the same ones
+for the same seed and params; `exclude` leaves out given prompts (the
+supervised warm-up set of `astra run` is disjoint from the RL prompts this
+way). `write_dataset(kind, path, n, seed, **params)` writes them as JSONL, the
 format Dataflow's dataset loader reads. Every record has a `prompt` and an
 `answer`, plus the fields its reward (astra.rewards.answers) checks:
 
 - arithmetic: `{"prompt": "12+7=", "answer": "19", "task": "arithmetic"}`,
-  operators + - *, reward "arithmetic" (or "numeric").
+  operators from `ops` (default + - *), operands 0..`max_operand`; reward
+  "exact_match" (or "arithmetic", "numeric").
 - countdown: `{"prompt": ..., "numbers": [3, 5, 7, 2], "target": 24,
   "answer": "(5+7)*2", "task": "countdown"}`; the answer is one solution,
   reward "countdown" checks any expression.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -32,9 +35,15 @@ COUNTDOWN_PROMPT = (
 MAX_TARGET = 999
 
 
-def arithmetic_record(rng: random.Random, max_operand: int = 99) -> dict[str, Any]:
+def arithmetic_record(
+    rng: random.Random, max_operand: int = 99, ops: str = "+-*"
+) -> dict[str, Any]:
     """One `a op b` problem; products use smaller operands so answers stay short."""
-    op = rng.choice("+-*")
+    if not ops or set(ops) - set("+-*"):
+        raise ValueError(f"ops must be a non-empty string of + - *, got {ops!r}")
+    if max_operand < 1:
+        raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+    op = rng.choice(ops)
     top = max_operand if op != "*" else max(2, int(max_operand**0.5) + 1)
     a, b = rng.randint(0, top), rng.randint(0, top)
     answer = {"+": a + b, "-": a - b, "*": a * b}[op]
@@ -80,30 +89,59 @@ def countdown_record(
     raise RuntimeError(f"no countdown problem found in {attempts} attempts")
 
 
-GENERATORS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
+GENERATORS: dict[str, Callable[..., dict[str, Any]]] = {
     "arithmetic": arithmetic_record,
     "countdown": countdown_record,
 }
 
 
-def generate_records(kind: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """`n` records of task `kind` ("arithmetic" or "countdown"), determined by `seed`."""
+def generate_records(
+    kind: str,
+    n: int,
+    seed: int = 0,
+    *,
+    exclude: Collection[str] = (),
+    max_attempts_per_record: int = 100,
+    **params: Any,
+) -> list[dict[str, Any]]:
+    """`n` records of task `kind` ("arithmetic" or "countdown"), determined by `seed`
+    and `params` (the generator's keyword arguments), none whose prompt is in `exclude`."""
     if kind not in GENERATORS:
         raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(sorted(GENERATORS))}")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     rng = random.Random(f"astra-tasks/{kind}/{seed}")
-    return [GENERATORS[kind](rng) for _ in range(n)]
+    out: list[dict[str, Any]] = []
+    for _ in range(n * max_attempts_per_record):
+        record = GENERATORS[kind](rng, **params)
+        if record["prompt"] not in exclude:
+            out.append(record)
+            if len(out) == n:
+                return out
+    raise ValueError(
+        f"only {len(out)} of {n} {kind} records found outside the {len(exclude)} excluded "
+        "prompts: the task has too few distinct problems"
+    )
 
 
-def write_dataset(kind: str, path: str | Path, n: int, seed: int = 0) -> Path:
-    """Writes `generate_records(kind, n, seed)` to `path` as JSONL; returns the path."""
+def write_records(records: list[dict[str, Any]], path: str | Path) -> Path:
+    """Writes `records` to `path` as JSONL (atomically: a reader sees all or nothing)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    records = generate_records(kind, n, seed)
     tmp = out.with_name(out.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
     tmp.replace(out)
     return out
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_dataset(kind: str, path: str | Path, n: int, seed: int = 0, **params: Any) -> Path:
+    """Writes `generate_records(kind, n, seed, **params)` to `path` as JSONL; returns the path."""
+    return write_records(generate_records(kind, n, seed, **params), path)

@@ -83,6 +83,21 @@ class Child:
         self._drain = asyncio.create_task(self._copy_stdout())
         return self.info
 
+    async def result(self) -> dict[str, Any]:
+        """For a stage that runs to its end (`astra sft`): its one JSON line on stdout once it
+        exits 0; ChildFailed when it exits otherwise or prints no such line."""
+        assert self.proc is not None and self.proc.stdout is not None
+        out = await self.proc.stdout.read()
+        rc = await self.proc.wait()
+        if rc != 0:
+            raise ChildFailed(f"{self.name} exited with {rc}")
+        lines = out.decode("utf-8", "replace").strip().splitlines()
+        try:
+            self.info = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            raise ChildFailed(f"{self.name}: no result line on stdout ({out[-200:]!r})") from None
+        return self.info
+
     async def _copy_stdout(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None and self._log is not None
         while line := await self.proc.stdout.readline():

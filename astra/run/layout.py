@@ -4,6 +4,8 @@ Layout of a run directory:
     recipe.yaml              the resolved recipe (what --resume reads back)
     run.json                 children: name, role, pid, address, command
     data/prompts.jsonl       the synthetic dataset (kind != file)
+    warmup/data.jsonl        the warm-up's prompt/answer records (synthetic, disjoint)
+    warmup/<policy>/model/   each policy's model after the warm-up (what RL starts from)
     config/*.yaml            Dataflow and trainer configs as the services read them
     state/dataflow/          Dataflow's SQLite state and blob log
     state/weights/           the WeightService's version store
@@ -77,6 +79,13 @@ class RunDir:
     def checkpoints(self, policy_id: str) -> Path:
         return self.root / "checkpoints" / policy_id
 
+    @property
+    def warmup_data(self) -> Path:
+        return self.root / "warmup" / "data.jsonl"
+
+    def warmup_model(self, policy_id: str) -> Path:
+        return self.root / "warmup" / policy_id / "model"
+
 
 def prepare(recipe: Recipe, rd: RunDir) -> Path:
     """Creates the directories, writes the recipe and the dataset; returns the dataset path."""
@@ -93,8 +102,45 @@ def prepare(recipe: Recipe, rd: RunDir) -> Path:
     if not rd.dataset.is_file():  # on --resume the file is kept: Dataflow refuses a changed one
         from astra.raas.tasks import write_dataset
 
-        write_dataset(ds.kind, rd.dataset, ds.size, ds.seed)
+        write_dataset(ds.kind, rd.dataset, ds.size, ds.seed, **ds.task_params())
     return rd.dataset
+
+
+def warmup_data(recipe: Recipe, rd: RunDir, dataset: Path) -> Path:
+    """The warm-up's records: warmup.path, or synthetic ones (written once) that share no
+    prompt with the RL dataset, so what RL scores was never shown with its answer."""
+    w, ds = recipe.warmup, recipe.dataset
+    if w.path is not None:
+        path = Path(w.path).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"warmup.path: {path} is not a file")
+        return path
+    if not rd.warmup_data.is_file():
+        from astra.raas.tasks import generate_records, read_records, write_records
+
+        seen = {str(r["prompt"]) for r in read_records(dataset)}
+        records = generate_records(ds.kind, w.size, w.seed, exclude=seen, **ds.task_params())
+        write_records(records, rd.warmup_data)
+    return rd.warmup_data
+
+
+def sft_command(recipe: Recipe, policy: PolicySpec, rd: RunDir, data: Path) -> list[str]:
+    w = recipe.warmup
+    return [
+        *(sys.executable, "-m", "astra.cli", "sft", policy.model, str(data)),
+        *("--out", str(rd.warmup_model(policy.id)), "--steps", str(w.steps)),
+        *("--lr", str(w.lr), "--batch-size", str(w.batch_size), "--seed", str(w.seed)),
+        *("--device", recipe.trainer.device, "--threads", str(w.threads)),
+    ]
+
+
+def after_warmup(recipe: Recipe, rd: RunDir) -> Recipe:
+    """The recipe the services start from: each warmed-up policy's model is its warm-up output
+    (RaaS that name a model of their own keep it)."""
+    if not recipe.warmup.steps:
+        return recipe
+    policies = [p.model_copy(update={"model": str(rd.warmup_model(p.id))}) for p in recipe.policies]
+    return recipe.model_copy(update={"policies": policies})
 
 
 def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path) -> DataflowConfig:

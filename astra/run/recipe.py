@@ -2,8 +2,9 @@
 
 A recipe is YAML; every field is documented and bounded here and unknown keys
 are an error naming the key. `Recipe()` (no file) is the embedded default: the
-`tiny` model on a synthetic arithmetic dataset, CPU only, with Dataflow, a
-WeightService, two RaaS and one trainer. Dotted overrides (`trainer.num_steps=5`,
+`tiny` model on synthetic two-digit additions, CPU only: a supervised warm-up
+on problems disjoint from the RL prompts, then Dataflow, a WeightService, two
+RaaS and one trainer. Dotted overrides (`trainer.num_steps=5`,
 `raas.0.capacity=4`; values parsed as YAML scalars) apply on top of the file.
 The sections (astra.run.sections) reuse the Dataflow and trainer config models.
 """
@@ -28,11 +29,14 @@ from astra.run.sections import (
     StreamSpec,
     SupervisionSpec,
     TrainerSpec,
+    WarmupSpec,
     WeightsSpec,
     _Strict,
 )
 
-TASK_REWARDS = {"arithmetic": "arithmetic", "countdown": "countdown"}
+# The synthetic tasks' rewards: an arithmetic answer is right when the text before
+# end-of-sequence is exactly the number (astra.rewards.answers).
+TASK_REWARDS = {"arithmetic": "exact_match", "countdown": "countdown"}
 
 
 class RecipeError(ConfigError):
@@ -48,6 +52,7 @@ __all__ = [
     "RecipeError",
     "StreamSpec",
     "TrainerSpec",
+    "WarmupSpec",
     "dump_recipe",
     "load_recipe",
 ]
@@ -59,6 +64,10 @@ class Recipe(_Strict):
     name: str = Field("default", pattern=POLICY_ID_PATTERN, description="Run name.")
     description: str = Field("", description="Free text.")
     dataset: DatasetSpec = Field(default_factory=DatasetSpec, description="Prompts.")
+    warmup: WarmupSpec = Field(
+        default_factory=WarmupSpec,
+        description="Supervised warm-up before RL; steps 0 turns it off.",
+    )
     policies: list[PolicySpec] = Field(
         default_factory=lambda: [
             PolicySpec(id="policy", buffer=BufferSettings(drop_equal_rewards=False))
@@ -86,6 +95,11 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _refs(self) -> Recipe:
+        if self.warmup.steps and self.dataset.kind == "file" and self.warmup.path is None:
+            raise ValueError(
+                "warmup: with dataset kind 'file' the warm-up needs warmup.path "
+                "(prompt/answer JSONL), or warmup.steps=0"
+            )
         ids = [p.id for p in self.policies]
         if len(set(ids)) != len(ids):
             raise ValueError("policies: duplicate policy id")

@@ -52,12 +52,40 @@ class DatasetSpec(_Strict):
     path: str | None = Field(None, description="JSONL or Parquet file; required by kind 'file'.")
     num_epochs: int = Field(0, ge=0, description="Epochs Dataflow runs; 0 means unbounded.")
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by `seed`).")
+    ops: str = Field(
+        "+", pattern=r"^[+*-]{1,3}$", description="Arithmetic: operators drawn from, of + - *."
+    )
+    max_operand: int = Field(99, ge=1, le=10**9, description="Arithmetic: operands 0..this.")
 
     @model_validator(mode="after")
     def _path(self) -> DatasetSpec:
         if (self.kind == "file") != (self.path is not None):
             raise ValueError("path is required with kind 'file' and only then")
         return self
+
+    def task_params(self) -> dict[str, object]:
+        """The generator's keyword arguments (astra.raas.tasks) for this kind."""
+        if self.kind == "arithmetic":
+            return {"ops": self.ops, "max_operand": self.max_operand}
+        return {}
+
+
+class WarmupSpec(_Strict):
+    """Supervised warm-up (`astra sft`) of every policy's model before RL starts.
+
+    The records are the synthetic task's, generated with `seed` and disjoint from
+    the RL prompts (no prompt in both), or the prompt/answer JSONL at `path`.
+    The fine-tuned model (<run>/warmup/<policy>/model) is what the RaaS serve and
+    the trainer starts from; summary.json reports the accuracy before and after.
+    """
+
+    steps: int = Field(500, ge=0, le=10_000_000, description="SFT steps; 0: no warm-up.")
+    lr: float = Field(3e-3, gt=0, le=1, description="AdamW learning rate.")
+    batch_size: int = Field(64, ge=1, le=65536, description="Records per step.")
+    size: int = Field(4096, ge=1, le=10_000_000, description="Synthetic records generated.")
+    seed: int = Field(1, ge=0, description="Seed of the records and of the batch order.")
+    path: str | None = Field(None, description="prompt/answer JSONL; None: synthetic.")
+    threads: int = Field(1, ge=0, le=1024, description="torch CPU threads; 0: torch default.")
 
 
 class PolicySpec(_Strict):
@@ -120,9 +148,9 @@ class CheckpointSpec(_Strict):
 class TrainerSpec(_Strict):
     """Settings of every trainer (one process per policy)."""
 
-    num_steps: int = Field(50, ge=1, le=10_000_000, description="Steps; the run ends after.")
+    num_steps: int = Field(300, ge=1, le=10_000_000, description="Steps; the run ends after.")
     batch_groups: int = Field(
-        4, ge=1, le=65536, description="Groups per step (also Dataflow's batch_groups)."
+        8, ge=1, le=65536, description="Groups per step (also Dataflow's batch_groups)."
     )
     device: str = Field("cpu", description="Torch device.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
@@ -150,6 +178,6 @@ class ObserveSpec(_Strict):
 
     poll_interval_s: float = Field(1.0, gt=0, le=60, description="GetStatus period.")
     baseline_samples: int = Field(
-        64, ge=0, le=100_000, description="Samples of the initial model for the random baseline."
+        256, ge=0, le=100_000, description="Samples of the initial model for the random baseline."
     )
     status_every_s: float = Field(5.0, gt=0, description="Status line period when not a TTY.")

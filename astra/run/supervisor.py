@@ -1,6 +1,7 @@
 """`astra run`'s supervisor: starts the services as separate processes, watches them, stops them.
 
-Order: Dataflow and the WeightService (together), then every RaaS (--dataflow),
+Order: the supervised warm-up (`astra sft` per policy, when the recipe has one;
+kept on --resume), then Dataflow and the WeightService (together), then every RaaS (--dataflow),
 then one trainer per policy (--dataflow, --weights); each waits for the address
 lines of the stage before. While the run goes on, a child that exits is
 reported with the tail of its log; a RaaS may die (`on_raas_death: continue`),
@@ -39,7 +40,14 @@ class Interrupted(Exception):
 class Supervisor:
     def __init__(self, recipe: Recipe, run_dir: RunDir, *, resume: bool = False) -> None:
         self.recipe, self.rd, self.resume = recipe, run_dir, resume
-        self.children: dict[str, list[Child]] = {"core": [], "raas": [], "trainer": []}
+        self.children: dict[str, list[Child]] = {
+            "warmup": [],
+            "core": [],
+            "raas": [],
+            "trainer": [],
+        }
+        self.started_recipe = recipe  # after the warm-up: the policies' warmed-up models
+        self.warmup: dict[str, dict[str, Any]] = {}
         self.stop = asyncio.Event()
         self.signals: list[int] = []
         self.grace_s = recipe.supervision.stop_grace_s
@@ -93,8 +101,51 @@ class Supervisor:
         tmp.write_text(json.dumps({"children": every}, indent=2) + "\n")
         tmp.replace(self.rd.run_json)  # readers see the old list or the new one
 
-    async def _start_all(self, dataset: Any, steps: dict[str, int]) -> None:
+    async def _warmup(self, dataset: Any) -> Recipe:
+        """Runs `astra sft` for each policy not warmed up yet; the recipe the services start from."""
         r, rd = self.recipe, self.rd
+        if not r.warmup.steps:
+            return r
+        data = await asyncio.to_thread(layout.warmup_data, r, rd, dataset)
+        for p in r.policies:
+            done = rd.warmup_model(p.id).parent / "result.json"
+            if rd.warmup_model(p.id).is_dir() and done.is_file():
+                self.warmup[p.id] = json.loads(done.read_text())
+                log.info("warm-up of %s: kept from %s", p.id, rd.warmup_model(p.id))
+                continue
+            name = f"warmup-{p.id}"
+            child = Child(name, "warmup", layout.sft_command(r, p, rd, data), rd.log(name), r.env)
+            self.children["warmup"].append(child)
+            await child.spawn()
+            log.info(
+                "warm-up of %s: %d supervised steps on %s (pid %s)",
+                p.id,
+                r.warmup.steps,
+                data,
+                child.pid,
+            )
+            try:
+                result = await self._until_stop(child.result())
+            except ChildFailed as exc:
+                raise ChildFailed(f"{exc}\n{self._tail(child)}") from exc
+            finally:
+                if child.returncode is None:
+                    await child.stop(self.grace_s)
+                child.close()
+                self.children["warmup"].remove(child)
+            done.write_text(json.dumps(result, indent=2) + "\n")
+            self.warmup[p.id] = result
+            log.info(
+                "warm-up of %s done in %.1fs: loss %.3f -> %.3f",
+                p.id,
+                result.get("seconds", 0.0),
+                result.get("loss_first", float("nan")),
+                result.get("loss_last", float("nan")),
+            )
+        return layout.after_warmup(r, rd)
+
+    async def _start_all(self, dataset: Any, steps: dict[str, int]) -> None:
+        r, rd = self.started_recipe, self.rd
         df = self._child("dataflow", "dataflow", layout.dataflow_command(r, rd, dataset))
         port = layout.previous_port(rd, "weights") if self.resume else 0
         weights = self._child("weights", "weights", layout.weights_command(r, rd, port))
@@ -179,6 +230,7 @@ class Supervisor:
         observing: asyncio.Task[None] | None = None
         status, code = "failed: startup", EXIT_FAILED
         try:
+            self.started_recipe = await self._warmup(dataset)
             await self._start_all(dataset, steps)
             trainers = {c.name.removeprefix("trainer-"): c for c in self.children["trainer"]}
             self.observer = Observer(
@@ -226,11 +278,17 @@ class Supervisor:
         if dataflow is None:
             return
         baseline: dict[str, Any] = {"accuracy": None, "method": "not measured: run not completed"}
+        warmup_accuracy = None
         if status == "completed":
             from astra.run.baseline import random_baseline
 
             samples = self.recipe.observe.baseline_samples
             baseline = await asyncio.to_thread(random_baseline, self.recipe, dataset, samples)
+            if self.warmup:  # the same measurement on the warmed-up model: where RL started
+                after = await asyncio.to_thread(
+                    random_baseline, self.started_recipe, dataset, samples
+                )
+                warmup_accuracy = after["accuracy"]
         summary = build_summary(
             status=status,
             wall_seconds=wall,
@@ -243,6 +301,15 @@ class Supervisor:
             },
             baseline=baseline,
         )
+        if self.recipe.warmup.steps:
+            summary["warmup"] = {
+                "steps": self.recipe.warmup.steps,
+                "accuracy_after": warmup_accuracy,
+                "policies": self.warmup,
+                "method": "supervised steps on prompt/answer records disjoint from the RL "
+                "prompts; accuracy_after measured like random_baseline_accuracy, on the "
+                "warmed-up model",
+            }
         write_summary(self.rd.summary, summary)
         keys = ("steps", "groups_trained", "groups_lost", "groups_duplicated", "versions_published")
         log.info("summary %s: %s", self.rd.summary, {k: summary[k] for k in keys})
