@@ -9,7 +9,7 @@ from astra.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 
 class TrainerClient(BaseClient):
     SERVICE = "astra.trainer.v1.TrainerService"
-    IDEMPOTENT = ("GetStatus", "SaveCheckpoint", "GetCapabilities")
+    IDEMPOTENT = ("GetStatus", "SaveCheckpoint", "GetCapabilities", "Pause", "Resume")
 
     def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
         super().__init__(address, timeout_s=timeout_s)
@@ -31,3 +31,13 @@ class TrainerClient(BaseClient):
         return await self.stub.GetCapabilities(
             pb.GetCapabilitiesRequest(), timeout=self._timeout(timeout_s)
         )
+
+    async def pause(
+        self, reason: str = "", *, wait: bool = False, timeout_s: float | None = None
+    ) -> pb.PauseResponse:
+        return await self.stub.Pause(
+            pb.PauseRequest(reason=reason, wait=wait), timeout=self._timeout(timeout_s)
+        )
+
+    async def resume(self, *, timeout_s: float | None = None) -> pb.ResumeResponse:
+        return await self.stub.Resume(pb.ResumeRequest(), timeout=self._timeout(timeout_s))

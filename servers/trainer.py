@@ -5,7 +5,9 @@ server on the same event loop; training compute runs on the trainer's
 worker thread, so status calls are answered during a step. Health is
 NOT_SERVING until the model is loaded and versions are agreed, then
 SERVING. Ranks > 0 only follow rank 0's broadcasts and serve nothing.
-SaveCheckpoint is idempotent by request_id and served between steps.
+SaveCheckpoint is idempotent by request_id and served between steps. Pause
+stops new steps after the one in progress (Resume lets them go on); both are
+idempotent.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from astra import __version__
 from astra.common.v1 import capabilities_pb2
-from astra.errors import FailedPrecondition, Unavailable
+from astra.errors import FailedPrecondition, Unavailable, invalid_field
 from astra.servers.convert import check_id
 from astra.servers.runtime import GrpcServer
 from astra.trainer.config import TrainerConfig
@@ -29,6 +31,7 @@ from astra.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 CONTRACT_VERSION = "1.0.0"
+MAX_REASON_CHARS = 256
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerService"].full_name
 
 
@@ -43,6 +46,9 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             step=t.step,
             version=t.publisher.stats.last_published if t.initialized else -1,
             world_size=t.world_size,
+            paused=t.paused,
+            pause_reason=t.pause_reason,
+            step_in_progress=not t._idle.is_set(),
         )
         if t.last is not None:
             resp.loss = float(t.last.metrics.get("loss", float("nan")))
@@ -57,8 +63,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         self, request: pb.SaveCheckpointRequest, context: Any
     ) -> pb.SaveCheckpointResponse:
         check_id(request.request_id, "request_id")
-        if not self.trainer.initialized:
-            raise Unavailable("the trainer is starting", reason="TRAINER_STARTING", retry_after_s=1)
+        self._started()
         if self.trainer.config.checkpoint.dir is None:
             raise FailedPrecondition(
                 "no checkpoint directory configured", reason="NO_CHECKPOINT_DIR"
@@ -66,13 +71,33 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         path, step = await self.trainer.checkpoint_async(request.request_id)
         return pb.SaveCheckpointResponse(path=str(path), step=step)
 
+    def _started(self) -> Trainer:
+        if not self.trainer.initialized:
+            raise Unavailable("the trainer is starting", reason="TRAINER_STARTING", retry_after_s=1)
+        return self.trainer
+
+    async def Pause(self, request: pb.PauseRequest, context: Any) -> pb.PauseResponse:
+        if len(request.reason) > MAX_REASON_CHARS:
+            raise invalid_field("reason", f"at most {MAX_REASON_CHARS} characters")
+        trainer = self._started()
+        idle = trainer.pause(request.reason)
+        if request.wait and not idle:
+            await trainer.wait_idle()  # the caller's deadline bounds this
+            idle = True
+        return pb.PauseResponse(step=trainer.step, idle=idle)
+
+    async def Resume(self, request: pb.ResumeRequest, context: Any) -> pb.ResumeResponse:
+        trainer = self._started()
+        trainer.resume()
+        return pb.ResumeResponse(step=trainer.step, paused_seconds=trainer.paused_s)
+
     async def GetCapabilities(
         self, request: pb.GetCapabilitiesRequest, context: Any
     ) -> pb.GetCapabilitiesResponse:
         return pb.GetCapabilitiesResponse(
             capabilities=capabilities_pb2.Capabilities(
                 contract_version=CONTRACT_VERSION,
-                features=["fsdp2", "ppo", "grpo"],
+                features=["fsdp2", "ppo", "grpo", "pause"],
                 implementation="astra-trainer",
                 implementation_version=__version__,
             )

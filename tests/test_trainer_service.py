@@ -178,3 +178,41 @@ def test_a_run_against_dataflow_and_a_scripted_rollout_service(tmp_path: Path, d
         await service.stop(0)
 
     run(body())
+
+
+def test_pause_stops_new_steps_until_resume_and_checkpoints_still_work(tmp_path: Path) -> None:
+    async def body() -> None:
+        cfg = config(port=0, checkpoint={"dir": str(tmp_path)})
+        source = SyntheticSource("p", vocab_size=100)
+        server, trainer = await start_trainer(cfg, source=source, sink=MemorySink(), grace_s=0)
+        steps = trainer.run_training_async(0)  # no end: only the pause stops it
+        async with TrainerClient(server.address) as client:
+            await anext(steps)
+            first = await client.pause("operator: look at the buffer", wait=True)
+            assert first.idle and first.step == 1
+            again = await client.pause("second reason")  # idempotent: replaces the reason
+            assert again.idle and again.step == 1
+            status = await client.get_status()
+            assert status.paused and status.pause_reason == "second reason"
+            assert not status.step_in_progress
+            nxt = asyncio.ensure_future(anext(steps))
+            await asyncio.sleep(0.5)
+            assert not nxt.done() and trainer.step == 1 and len(source.batches) == 1
+            saved = await client.save_checkpoint("while-paused")  # served while paused
+            assert saved.step == 1 and Path(saved.path).is_dir()
+            resumed = await client.resume()
+            assert resumed.step == 1 and resumed.paused_seconds >= 0.5
+            result = await asyncio.wait_for(nxt, 10)
+            assert result.step == 2 and not (await client.get_status()).paused
+            assert (await client.resume()).step == 2  # resuming a running trainer: no-op
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await client.pause("x" * 257)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            info, _ = error_info(exc.value)
+            assert info is not None and "reason" in exc.value.details()
+            assert "pause" in (await client.get_capabilities()).capabilities.features
+        await steps.aclose()
+        await server.stop(0)
+        await trainer.shutdown()
+
+    run(body())

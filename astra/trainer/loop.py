@@ -15,6 +15,7 @@ astra.trainer.state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -39,6 +40,9 @@ from astra.trainer.state import StateMixin
 from astra.trainer.step import TrainingStepResult, train_on_batch
 
 log = logging.getLogger(__name__)
+
+
+IDLE_PLAN_S = 60.0  # while paused, rank 0 tells the other ranks it is alive this often
 
 
 @dataclass
@@ -73,6 +77,13 @@ class Trainer(StateMixin):
         self.feed = Feed(config, self.counters, on_wait=self._serve_checkpoint_requests)
         self.last: StepResult | None = None
         self.initialized = False
+        self.pause_reason = ""  # non-empty while paused (TrainerService.Pause)
+        self.paused_s = 0.0  # in all, over finished pauses
+        self._paused_at = 0.0
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._idle = asyncio.Event()  # set while no step is in progress
+        self._idle.set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="astra-train")
         self._sync_loop: asyncio.AbstractEventLoop | None = None
         self._init_checkpoints()
@@ -159,10 +170,45 @@ class Trainer(StateMixin):
     async def train_step_async(self) -> StepResult:
         """One iteration on rank 0 (see the module docstring)."""
         self._busy = True
+        self._idle.clear()
         try:
             return await self._iteration()
         finally:
             self._busy = False
+            self._idle.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    def pause(self, reason: str = "") -> bool:
+        """No new step starts until `resume`; True when no step is in progress now."""
+        self.pause_reason = reason or "paused"
+        if not self.paused:
+            log.info("pausing after step %d: %s", self.step, self.pause_reason)
+            self._paused_at = time.perf_counter()
+            self._resumed.clear()
+        return not self._busy
+
+    async def wait_idle(self) -> None:
+        """Returns once no step is in progress."""
+        await self._idle.wait()
+
+    def resume(self) -> None:
+        if self.paused:
+            log.info("resuming at step %d", self.step)
+            self.paused_s += time.perf_counter() - self._paused_at
+        self.pause_reason = ""
+        self._resumed.set()
+
+    async def _while_paused(self) -> None:
+        """Waits for `resume`; other ranks get an idle plan every IDLE_PLAN_S so their
+        collective never times out while rank 0 waits."""
+        while self.paused:
+            if self.world_size > 1:
+                await self._compute(broadcast_object, {"kind": "idle"})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._resumed.wait(), IDLE_PLAN_S)
 
     async def _iteration(self) -> StepResult:
         t0 = time.perf_counter()
@@ -231,6 +277,8 @@ class Trainer(StateMixin):
             await self.initialize()
         done = 0
         while not num_steps or done < num_steps:
+            if self.paused:
+                await self._while_paused()
             yield await self.train_step_async()
             done += 1
         await self.publisher.drain()

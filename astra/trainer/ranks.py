@@ -6,6 +6,7 @@ enters the same collectives (FSDP forward/backward, the full-state gather)
 in the same order. Plans:
     {"kind": "train", "batch": [serialized Trajectory], "version": V, "publish": bool}
     {"kind": "checkpoint", "root": path}
+    {"kind": "idle"}      (rank 0 is paused: nothing to do, the collective stays alive)
     {"kind": "stop"}
 A follower validates the same bytes with the same code, so it builds the
 same batch; it never publishes, acknowledges or writes files.
@@ -36,6 +37,8 @@ async def follow(trainer: Trainer) -> None:
         plan = await trainer._compute(broadcast_object, None)
         if plan["kind"] == "stop":
             return
+        if plan["kind"] == "idle":
+            continue
         if plan["kind"] == "checkpoint":
             await trainer._compute(trainer._write_checkpoint, plan["root"])
             continue

@@ -26,7 +26,7 @@ from astra.common.v1 import capabilities_pb2 as astra_dot_common_dot_v1_dot_capa
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&astra/trainer/v1/trainer_service.proto\x12\x10\x61stra.trainer.v1\x1a\"astra/common/v1/capabilities.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x12\n\x10GetStatusRequest\"\xb2\x02\n\x11GetStatusResponse\x12\x11\n\tpolicy_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x41\n\x07metrics\x18\x05 \x03(\x0b\x32\x30.astra.trainer.v1.GetStatusResponse.MetricsEntry\x12\x1c\n\x14last_checkpoint_path\x18\x06 \x01(\t\x12\x38\n\x14last_checkpoint_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nworld_size\x18\x08 \x01(\x05\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"+\n\x15SaveCheckpointRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x18\n\x16GetCapabilitiesRequest\"N\n\x17GetCapabilitiesResponse\x12\x33\n\x0c\x63\x61pabilities\x18\x01 \x01(\x0b\x32\x1d.astra.common.v1.Capabilities2\xb3\x02\n\x0eTrainerService\x12T\n\tGetStatus\x12\".astra.trainer.v1.GetStatusRequest\x1a#.astra.trainer.v1.GetStatusResponse\x12\x63\n\x0eSaveCheckpoint\x12\'.astra.trainer.v1.SaveCheckpointRequest\x1a(.astra.trainer.v1.SaveCheckpointResponse\x12\x66\n\x0fGetCapabilities\x12(.astra.trainer.v1.GetCapabilitiesRequest\x1a).astra.trainer.v1.GetCapabilitiesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&astra/trainer/v1/trainer_service.proto\x12\x10\x61stra.trainer.v1\x1a\"astra/common/v1/capabilities.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x12\n\x10GetStatusRequest\"\xf2\x02\n\x11GetStatusResponse\x12\x11\n\tpolicy_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x41\n\x07metrics\x18\x05 \x03(\x0b\x32\x30.astra.trainer.v1.GetStatusResponse.MetricsEntry\x12\x1c\n\x14last_checkpoint_path\x18\x06 \x01(\t\x12\x38\n\x14last_checkpoint_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nworld_size\x18\x08 \x01(\x05\x12\x0e\n\x06paused\x18\t \x01(\x08\x12\x14\n\x0cpause_reason\x18\n \x01(\t\x12\x18\n\x10step_in_progress\x18\x0b \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"+\n\x15SaveCheckpointRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\",\n\x0cPauseRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0c\n\x04wait\x18\x02 \x01(\x08\"+\n\rPauseResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04idle\x18\x02 \x01(\x08\"\x0f\n\rResumeRequest\"6\n\x0eResumeResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epaused_seconds\x18\x02 \x01(\x01\"\x18\n\x16GetCapabilitiesRequest\"N\n\x17GetCapabilitiesResponse\x12\x33\n\x0c\x63\x61pabilities\x18\x01 \x01(\x0b\x32\x1d.astra.common.v1.Capabilities2\xca\x03\n\x0eTrainerService\x12T\n\tGetStatus\x12\".astra.trainer.v1.GetStatusRequest\x1a#.astra.trainer.v1.GetStatusResponse\x12\x63\n\x0eSaveCheckpoint\x12\'.astra.trainer.v1.SaveCheckpointRequest\x1a(.astra.trainer.v1.SaveCheckpointResponse\x12\x66\n\x0fGetCapabilities\x12(.astra.trainer.v1.GetCapabilitiesRequest\x1a).astra.trainer.v1.GetCapabilitiesResponse\x12H\n\x05Pause\x12\x1e.astra.trainer.v1.PauseRequest\x1a\x1f.astra.trainer.v1.PauseResponse\x12K\n\x06Resume\x12\x1f.astra.trainer.v1.ResumeRequest\x1a .astra.trainer.v1.ResumeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=129
   _globals['_GETSTATUSREQUEST']._serialized_end=147
   _globals['_GETSTATUSRESPONSE']._serialized_start=150
-  _globals['_GETSTATUSRESPONSE']._serialized_end=456
-  _globals['_GETSTATUSRESPONSE_METRICSENTRY']._serialized_start=410
-  _globals['_GETSTATUSRESPONSE_METRICSENTRY']._serialized_end=456
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=458
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=501
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=503
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=555
-  _globals['_GETCAPABILITIESREQUEST']._serialized_start=557
-  _globals['_GETCAPABILITIESREQUEST']._serialized_end=581
-  _globals['_GETCAPABILITIESRESPONSE']._serialized_start=583
-  _globals['_GETCAPABILITIESRESPONSE']._serialized_end=661
-  _globals['_TRAINERSERVICE']._serialized_start=664
-  _globals['_TRAINERSERVICE']._serialized_end=971
+  _globals['_GETSTATUSRESPONSE']._serialized_end=520
+  _globals['_GETSTATUSRESPONSE_METRICSENTRY']._serialized_start=474
+  _globals['_GETSTATUSRESPONSE_METRICSENTRY']._serialized_end=520
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=522
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=565
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=567
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=619
+  _globals['_PAUSEREQUEST']._serialized_start=621
+  _globals['_PAUSEREQUEST']._serialized_end=665
+  _globals['_PAUSERESPONSE']._serialized_start=667
+  _globals['_PAUSERESPONSE']._serialized_end=710
+  _globals['_RESUMEREQUEST']._serialized_start=712
+  _globals['_RESUMEREQUEST']._serialized_end=727
+  _globals['_RESUMERESPONSE']._serialized_start=729
+  _globals['_RESUMERESPONSE']._serialized_end=783
+  _globals['_GETCAPABILITIESREQUEST']._serialized_start=785
+  _globals['_GETCAPABILITIESREQUEST']._serialized_end=809
+  _globals['_GETCAPABILITIESRESPONSE']._serialized_start=811
+  _globals['_GETCAPABILITIESRESPONSE']._serialized_end=889
+  _globals['_TRAINERSERVICE']._serialized_start=892
+  _globals['_TRAINERSERVICE']._serialized_end=1350
 # @@protoc_insertion_point(module_scope)

@@ -55,6 +55,16 @@ class TrainerServiceStub:
                 request_serializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.GetCapabilitiesRequest.SerializeToString,
                 response_deserializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.GetCapabilitiesResponse.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/astra.trainer.v1.TrainerService/Pause',
+                request_serializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.PauseRequest.SerializeToString,
+                response_deserializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.PauseResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/astra.trainer.v1.TrainerService/Resume',
+                request_serializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -85,7 +95,30 @@ class TrainerServiceServicer:
 
     def GetCapabilities(self, request, context):
         """Returns the contract version and optional features. Read-only.
-        Features: "fsdp2", "ppo", "grpo".
+        Features: "fsdp2", "ppo", "grpo", "pause".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pause(self, request, context):
+        """Stops the trainer from starting new steps: the step in progress (if any)
+        finishes, is acknowledged and published as usual, then no batch is
+        fetched (so the trainer holds no batch lease and Dataflow keeps buffering
+        within its bounds) until Resume. Checkpoints are still served while
+        paused. Called by operators and tools. Idempotent: pausing a paused
+        trainer only replaces the reason. With wait = true the call returns once
+        no step is in progress (bounded by the caller's deadline:
+        DEADLINE_EXCEEDED leaves the trainer pausing). UNAVAILABLE while the
+        trainer is starting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Lets a paused trainer start steps again. Idempotent: resuming a running
+        trainer does nothing. UNAVAILABLE while the trainer is starting.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +141,16 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetCapabilities,
                     request_deserializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.GetCapabilitiesRequest.FromString,
                     response_serializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.GetCapabilitiesResponse.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.PauseRequest.FromString,
+                    response_serializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.PauseResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.ResumeRequest.FromString,
+                    response_serializer=astra_dot_trainer_dot_v1_dot_trainer__service__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -197,6 +240,60 @@ class TrainerService:
             '/astra.trainer.v1.TrainerService/GetCapabilities',
             astra_dot_trainer_dot_v1_dot_trainer__service__pb2.GetCapabilitiesRequest.SerializeToString,
             astra_dot_trainer_dot_v1_dot_trainer__service__pb2.GetCapabilitiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/astra.trainer.v1.TrainerService/Pause',
+            astra_dot_trainer_dot_v1_dot_trainer__service__pb2.PauseRequest.SerializeToString,
+            astra_dot_trainer_dot_v1_dot_trainer__service__pb2.PauseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/astra.trainer.v1.TrainerService/Resume',
+            astra_dot_trainer_dot_v1_dot_trainer__service__pb2.ResumeRequest.SerializeToString,
+            astra_dot_trainer_dot_v1_dot_trainer__service__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,
