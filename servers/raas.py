@@ -15,6 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from google.rpc import code_pb2, status_pb2
 
@@ -198,6 +199,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if len(v.version_id) > MAX_ID_CHARS:
                 raise invalid_field(f"{where}.version_id", f"longer than {MAX_ID_CHARS} characters")
             wanted[v.policy_id] = VersionSpec(v.version, v.version_id or str(v.version))
+        for p, addr in sorted(request.policy_weights_addresses.items()):
+            where = f"policy_weights_addresses[{p}]"
+            if p not in self.backend.policy_ids:
+                raise invalid_field(where, f"unknown policy {p!r}", reason="UNKNOWN_POLICY")
+            check_id(addr, where, MAX_GROUP_ID)
+            if p in wanted and addr != request.weights_address:
+                # This policy comes from its own WeightService; the set still switches together.
+                wanted[p] = replace(wanted[p], weights_address=addr)
         try:
             async with asyncio.timeout(self.load_timeout_s) as limit:
                 fetched = await self._load(wanted, request.weights_address)

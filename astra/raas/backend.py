@@ -73,10 +73,16 @@ class TrajectorySpec:
 
 @dataclass(frozen=True, slots=True)
 class VersionSpec:
-    """A policy version to load: step counter plus WeightService identity."""
+    """A policy version to load: step counter plus WeightService identity.
+
+    `weights_address` is the WeightService this policy's version comes from when it is not
+    the load's own address (policies published by trainers on different WeightServices);
+    empty: the address `load_weights` is given.
+    """
 
     version: int
     version_id: str = ""
+    weights_address: str = ""
 
 
 class RolloutBackend(Protocol):
@@ -99,7 +105,10 @@ class RolloutBackend(Protocol):
         ...
 
     async def load_weights(self, versions: dict[str, VersionSpec], weights_address: str) -> int:
-        """Loads all `versions` together from the WeightService; returns the bytes fetched.
+        """Loads all `versions` together; returns the bytes fetched.
+
+        Each policy comes from its `VersionSpec.weights_address`, else from
+        `weights_address`.
 
         Raises astra.errors.Unavailable (service unreachable) or DataLoss (a
         checksum failed); either way the previous versions stay in service.

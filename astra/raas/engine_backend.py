@@ -139,6 +139,9 @@ class EngineBackend:
     async def load_weights(self, versions: dict[str, VersionSpec], weights_address: str) -> int:
         """Fetches every policy's weights, then swaps them all at once; returns bytes fetched.
 
+        A policy whose VersionSpec names a `weights_address` is fetched from there, the
+        others from `weights_address`.
+
         A failed fetch (Unavailable, DataLoss, anything) cancels the others and
         propagates before the engine is touched.
         """
@@ -151,7 +154,9 @@ class EngineBackend:
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = {
-                    p: tg.create_task(loader.fetch(p, spec, weights_address))
+                    p: tg.create_task(
+                        loader.fetch(p, spec, spec.weights_address or weights_address)
+                    )
                     for p, spec in versions.items()
                 }
         except BaseExceptionGroup as group:

@@ -4,7 +4,9 @@ Version agreement after a (re)start: the trainer continues from the largest
 of its checkpoint's version, the WeightService's newest version and
 Dataflow's current version, so versions stay monotonic across restarts; a
 version the WeightService holds but Dataflow never heard of (the trainer
-died between the two) is announced first.
+died between the two) is announced first; when Dataflow already has the
+WeightService's newest version, that version is announced again (a repeat,
+idempotent), so Dataflow loads it from the address the trainer uses now.
 """
 
 from __future__ import annotations
@@ -107,6 +109,12 @@ async def agree_version(
         for v in range(current + 1, latest + 1):
             log.info("announcing version %d, published before the restart", v)
             await source.announce(v, str(v))
+        if latest == current:
+            # A repeat, so Dataflow takes this WeightService's address for every load of the
+            # policy: after a restart the service may be on another port, and the address
+            # Dataflow kept may be dead (or another process's).
+            log.info("announcing version %d again, with this WeightService's address", current)
+            await source.announce(current, str(current))
     agreed = max(version, latest if latest is not None else 0, current or 0)
     if agreed != version:
         log.warning("continuing at version %d (checkpoint had %d)", agreed, version)
