@@ -268,6 +268,8 @@ def raas_command(recipe: Recipe, index: int, rd: RunDir, dataflow: str) -> list[
     args = ["--dataflow", dataflow, "--model", model, "--capacity", str(spec.capacity)]
     args += ["--instance-id", name, "--state-dir", str(rd.state / name), "--port", "0"]
     args += ["--device", spec.device, "--on-swap", spec.on_swap]
+    args += ["--engine", spec.engine]
+    args += [f"--engine-args={spec.engine_args}"] if spec.engine_args else []
     args += [a for p in policies for a in ("--policy", p)]
     args += [a for w in recipe.raas_workflows(spec) for a in ("--workflow", w)]
     args += [a for k, v in sorted(spec.labels.items()) for a in ("--label", f"{k}={v}")]

@@ -136,6 +136,10 @@ class RaasSpec(_Strict):
     model: str | None = Field(None, description="Model; None: its first policy's model.")
     device: str = Field("cpu", description="Torch device.")
     on_swap: Literal["continue", "finish_old"] = Field("continue", description="On weight swap.")
+    engine: Literal["torch", "vllm", "sglang", "openai"] = Field(
+        "torch", description="Inference engine (vllm, sglang, openai: one policy per RaaS)."
+    )
+    engine_args: str = Field("", description="Extra arguments of a launched vLLM/SGLang server.")
 
 
 class CheckpointSpec(_Strict):
