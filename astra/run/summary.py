@@ -45,6 +45,7 @@ def read_state(state_dir: Path) -> dict[str, Any]:
         "unfinished": sum(1 for s, _ in dispatched if s != "done"),
         "acked_batches": sum(1 for _, s, _ in batches if s == "acked"),
         "trained_keys": sum(trained.values()),
+        "trained_per_policy": dict(sorted(Counter(p for p, _ in trained.elements()).items())),
         "duplicated": sum(n - 1 for n in trained.values() if n > 1),
     }
 
@@ -88,10 +89,18 @@ def build_summary(
             "accuracy_first10/last10 are null: the trainers report no per-step reward "
             "('accuracy' or 'reward_mean' in TrainerService GetStatus metrics)"
         )
+    per_policy_accuracy = {
+        p: [r["accuracy"] for r in rs if r["accuracy"] is not None] for p, rs in rows.items()
+    }
     return {
         "status": status,
         "steps": min(steps.values(), default=0),
         "steps_per_policy": steps,
+        "groups_trained_per_policy": state.get("trained_per_policy"),
+        "accuracy_per_policy": {
+            p: {"first10": _mean(a[:WINDOW]), "last10": _mean(a[-WINDOW:])}
+            for p, a in sorted(per_policy_accuracy.items())
+        },
         "wall_seconds": round(wall_seconds, 2),
         "accuracy_first10": _mean(accuracy[:WINDOW]),
         "accuracy_last10": _mean(accuracy[-WINDOW:]),
@@ -132,6 +141,9 @@ def build_summary(
             "random_baseline_accuracy": baseline.get("method", ""),
             "groups_dispatched": "distinct groups handed to a RaaS at least once (work table)",
             "groups_trained": "Dataflow counter consumed_groups: groups in acknowledged batches",
+            "groups_trained_per_policy": "non-replay groups in each policy's acknowledged "
+            "batches (batches table: the newest 4096 batches)",
+            "accuracy_per_policy": "accuracy_first10/last10 over each policy's own steps",
             "groups_lost": "groups_dispatched - outcomes counted (completed + failed + malformed "
             "counters) - dispatched groups still pending or leased at the end (kept durably, "
             "dispatched again on --resume)",

@@ -1,0 +1,153 @@
+"""The shipped recipes multi_policy, tool_use and gpu_hf: they load, resolve into the service
+configs and child commands they mean (parsed by the real `astra serve` command lines), and
+tool_use starts and trains a few steps with real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from astra.cli import main as astra_cli
+from astra.run import layout
+from astra.run.layout import RunDir
+from astra.run.recipe import Recipe, RecipeError, load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "configs" / "recipes"
+MODEL = "/models/Qwen3-0.6B"  # never read: only the commands are built
+
+
+def serve_params(args: list[str]) -> dict:
+    """`astra serve <service> ...` parsed by the real click command: its parameters."""
+    assert args[1:4] == ["-m", "astra.cli", "serve"], args
+    serve = astra_cli.commands["serve"]
+    command = serve.commands[args[4]]
+    ctx = command.make_context(args[4], list(args[5:]))
+    return ctx.params
+
+
+def built(recipe: Recipe, tmp_path: Path) -> tuple[RunDir, Path]:
+    rd = RunDir(tmp_path / "run")
+    return rd, layout.prepare(recipe, rd)
+
+
+def test_multi_policy_is_two_trainers_one_stream_under_lockstep(tmp_path: Path) -> None:
+    r = load_recipe(RECIPES / "multi_policy.yaml")
+    assert [p.id for p in r.policies] == ["solver", "verifier"] and r.warmup.steps == 0
+    rd, dataset = built(r, tmp_path)
+    df = layout.dataflow_config(r, rd, dataset)
+    assert df.versions.barrier == "lockstep"
+    (stream,) = df.streams
+    assert stream.workflow == "multi_agent" and stream.policy_ids == ["solver", "verifier"]
+    assert stream.reward == "exact_match"
+    assert [p.id for p in df.policies] == ["solver", "verifier"]
+    assert all(not p.buffer.drop_equal_rewards for p in df.policies)
+    for i in range(len(r.raas)):
+        raas = serve_params(layout.raas_command(r, i, rd, "127.0.0.1:1"))
+        assert raas["policies"] == ("solver", "verifier")  # one RaaS serves both agents
+        assert raas["workflows"] == ("multi_agent",) and raas["engine"] == "torch"
+    for p in r.policies:  # one trainer per policy
+        args = layout.trainer_command(r, p, rd, dataflow="h:1", weights="h:2", resume=False)
+        cfg = layout.trainer_config(r, p, rd, dataflow="h:1", weights="h:2", resume=False)
+        assert serve_params(args)["config_path"] == str(rd.config / f"trainer-{p.id}.yaml")
+        assert cfg.policy_id == p.id and cfg.batch.num_groups == r.trainer.batch_groups
+
+
+def test_tool_use_serves_the_multi_turn_workflow(tmp_path: Path) -> None:
+    r = load_recipe(RECIPES / "tool_use.yaml")
+    rd, dataset = built(r, tmp_path)
+    records = [json.loads(x) for x in dataset.read_text().splitlines()]
+    assert all("*" in rec["prompt"] for rec in records)
+    (stream,) = layout.dataflow_config(r, rd, dataset).streams
+    assert stream.workflow == "multi_turn_tools" and stream.reward == "numeric"
+    raas = serve_params(layout.raas_command(r, 0, rd, "127.0.0.1:1"))
+    assert raas["workflows"] == ("multi_turn_tools",) and raas["model"] == "tiny"
+
+
+def test_gpu_hf_needs_a_model_path_and_resolves_to_cuda_and_vllm(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match=r"policies\.0\.model"):
+        load_recipe(RECIPES / "gpu_hf.yaml")
+    r = load_recipe(RECIPES / "gpu_hf.yaml", [f"policies.0.model={MODEL}"])
+    assert r.warmup.steps == 0 and r.observe.baseline_samples == 0
+    rd, dataset = built(r, tmp_path)
+    (stream,) = layout.dataflow_config(r, rd, dataset).streams
+    assert stream.reward == "countdown" and stream.sampling.stop_strings == ["\n"]
+    raas = serve_params(layout.raas_command(r, 0, rd, "127.0.0.1:1"))
+    assert raas["engine"] == "vllm" and raas["model"] == MODEL and raas["device"] == "cuda"
+    assert raas["engine_args"] == "--gpu-memory-utilization 0.4"
+    assert raas["policies"] == ("policy",) and raas["instance_id"] == "vllm-0"
+    trainer = layout.trainer_config(
+        r, r.policies[0], rd, dataflow="h:1", weights="h:2", resume=False
+    )
+    assert (trainer.model, trainer.device, trainer.dtype) == (MODEL, "cuda", "bfloat16")
+    sglang = load_recipe(
+        RECIPES / "gpu_hf.yaml",
+        [
+            f"policies.0.model={MODEL}",
+            "raas.0.engine=sglang",
+            "raas.0.engine_args=--mem-fraction-static 0.4",
+        ],
+    )
+    raas = serve_params(layout.raas_command(sglang, 0, rd, "127.0.0.1:1"))
+    assert raas["engine"] == "sglang" and raas["engine_args"] == "--mem-fraction-static 0.4"
+    with pytest.raises(RecipeError, match=r"raas\.0\.engine"):
+        load_recipe(RECIPES / "gpu_hf.yaml", [f"policies.0.model={MODEL}", "raas.0.engine=tgi"])
+
+
+def test_the_default_raas_engine_is_torch(tmp_path: Path) -> None:
+    r = load_recipe(None)
+    rd, _ = built(
+        r.model_copy(update={"dataset": r.dataset.model_copy(update={"size": 8})}), tmp_path
+    )
+    args = layout.raas_command(r, 0, rd, "127.0.0.1:1")
+    assert serve_params(args)["engine"] == "torch"
+    assert not any(a.startswith("--engine-args") for a in args)
+
+
+@pytest.mark.slow
+def test_tool_use_recipe_starts_and_trains_a_few_steps(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "astra.run", str(RECIPES / "tool_use.yaml")]
+    cmd += ["--run-dir", str(run_dir)]
+    for override in (
+        "trainer.num_steps=2",
+        "trainer.batch_groups=2",
+        "dataset.size=32",
+        "streams.0.sampling.max_new_tokens=24",
+        "raas=[{capacity: 16}]",
+        "supervision.stop_grace_s=10",
+    ):
+        cmd += ["--set", override]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        pids = [proc.pid]
+        with contextlib.suppress(OSError, ValueError):
+            pids += [c["pid"] for c in json.loads((run_dir / "run.json").read_text())["children"]]
+        for pgid in pids:
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.killpg(pgid, signal.SIGKILL)
+        proc.wait(10)
+    assert proc.returncode == 0, output.decode(errors="replace")[-4000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps_per_policy"] == {"policy": 2}
+    assert s["groups_trained"] == 2 * 2 and s["versions_per_policy"]["policy"] >= 2
+    assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+    assert s["counters"]["failed_groups"] == 0 and s["counters"]["malformed_results"] == 0
+    assert "--workflow multi_turn_tools" in " ".join(
+        next(
+            c
+            for c in json.loads((run_dir / "run.json").read_text())["children"]
+            if c["role"] == "raas"
+        )["command"]
+    )
