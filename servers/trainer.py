@@ -122,8 +122,10 @@ async def start_trainer(
     return server, trainer
 
 
-async def _train(trainer: Trainer, num_steps: int) -> None:
+async def _train(trainer: Trainer, num_steps: int, metrics: Any = None) -> None:
     async for result in trainer.run_training_async(num_steps or None):
+        if metrics is not None:
+            metrics.observe_step(result)
         log.info(
             "step %d version %d loss %s %s",
             result.step,
@@ -144,12 +146,20 @@ async def serve_trainer(config: TrainerConfig) -> None:
         return
     server, trainer = await start_trainer(config)
     address = server.address if server is not None else None
-    print(json.dumps({"service": "trainer", "address": address}), flush=True)
+    metrics = None
+    if config.metrics_port is not None:
+        from astra.trainer.metrics import TrainerMetrics
+
+        metrics = TrainerMetrics(trainer)
+        metrics.serve(config.host, config.metrics_port)
+    line = {"service": "trainer", "address": address}
+    line["metrics_port"] = metrics.port if metrics is not None else None
+    print(json.dumps(line), flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    training = asyncio.create_task(_train(trainer, config.num_steps))
+    training = asyncio.create_task(_train(trainer, config.num_steps, metrics))
     stopper = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({training, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -161,6 +171,8 @@ async def serve_trainer(config: TrainerConfig) -> None:
             loop.remove_signal_handler(sig)
         if server is not None:
             await server.stop()
+        if metrics is not None:
+            metrics.shutdown()
         await trainer.shutdown()
     log.info("trainer stopped at step %d, version %d", trainer.step, trainer.version)
     if isinstance(outcome, Exception):

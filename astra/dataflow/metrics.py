@@ -1,16 +1,17 @@
 """Prometheus metrics of Dataflow, read from its status at scrape time.
 
-A collector on a private registry (so several Dataflows can live in one
-process, as in tests) and an HTTP endpoint on `metrics_port`.
+A collector on a private registry (astra.metrics: several Dataflows can live in
+one process, as in tests) and an HTTP endpoint on `metrics_port`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from astra.metrics import Metrics
 
 
 class StatusCollector(Collector):
@@ -65,9 +66,7 @@ class StatusCollector(Collector):
         )
 
 
-def serve_metrics(status: Callable[[], dict], host: str, port: int) -> tuple[object, int]:
-    """Starts the HTTP endpoint; returns (server, bound port)."""
-    registry = CollectorRegistry()
-    registry.register(StatusCollector(status))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server, server.server_port
+def serve_metrics(status: Callable[[], dict], host: str, port: int) -> tuple[Metrics, int]:
+    """Starts the HTTP endpoint; returns (its Metrics, with shutdown(); bound port)."""
+    metrics = Metrics(StatusCollector(status).collect)
+    return metrics, metrics.serve(host, port)

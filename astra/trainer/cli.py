@@ -40,6 +40,7 @@ def _argv(
 @click.option("--model", default=None, help="'tiny' or a Hugging Face directory.")
 @click.option("--host", default=None, help="TrainerService listen address.")
 @click.option("--port", type=int, default=None, help="TrainerService port (0 picks one).")
+@click.option("--metrics-port", type=int, default=None, help="Prometheus port (0 picks one).")
 @click.option("--device", default=None, help="cpu or cuda.")
 @click.option("--num-steps", type=int, default=None, help="Optimiser steps; 0 runs until stopped.")
 @click.option("--checkpoint-dir", default=None, help="Checkpoint root.")

@@ -124,6 +124,9 @@ class TrainerConfig(_Strict):
     trainer_id: str = Field("trainer", min_length=1, max_length=64, description="Trainer name.")
     host: str = Field("127.0.0.1", description="TrainerService listen address.")
     port: int | None = Field(50053, ge=0, le=65535, description="TrainerService port; 0 picks.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Prometheus /metrics port (rank 0); 0 picks; None: off."
+    )
     device: str = Field("cpu", description="Torch device: cpu or cuda.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
     seed: int = Field(0, ge=0, description="Seed of torch and Python RNGs.")

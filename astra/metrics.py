@@ -1,0 +1,89 @@
+"""Prometheus endpoints of the services: a private registry per server, read at scrape time.
+
+Each service describes its figures as a `Snapshot` (a callable returning metric
+families, built from its own status) plus, where a distribution matters,
+prometheus_client histograms on the same private registry (so several servers
+can live in one process, as in tests). `serve_metrics` starts the HTTP endpoint
+(`/metrics`) on its own thread; scrapes never block the service's event loop
+for longer than building one snapshot.
+
+Helpers turn plain values into families: `gauge`, `counter` (name, help, value or
+{label value: value}).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+Snapshot = Callable[[], Iterable[Metric]]
+
+
+class SnapshotCollector(Collector):
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            yield from self._snapshot()
+        except Exception:  # a scrape must never take the service down
+            log.exception("metrics snapshot failed")
+
+
+def _family(
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    name: str,
+    doc: str,
+    value: float | Mapping[str, float],
+    label: str,
+) -> Metric:
+    if isinstance(value, Mapping):
+        family = kind(name, doc, labels=[label])
+        for key, v in sorted(value.items()):
+            family.add_metric([str(key)], float(v))
+        return family
+    return kind(name, doc, value=float(value))
+
+
+def gauge(name: str, doc: str, value: float | Mapping[str, float], label: str = "name") -> Metric:
+    return _family(GaugeMetricFamily, name, doc, value, label)
+
+
+def counter(name: str, doc: str, value: float | Mapping[str, float], label: str = "name") -> Metric:
+    return _family(CounterMetricFamily, name, doc, value, label)
+
+
+class Metrics:
+    """A private registry: one snapshot collector plus any histograms the service observes."""
+
+    def __init__(self, snapshot: Snapshot | None = None) -> None:
+        self.registry = CollectorRegistry()
+        if snapshot is not None:
+            self.registry.register(SnapshotCollector(snapshot))
+        self._server: object | None = None
+        self.port: int | None = None
+
+    def histogram(
+        self, name: str, doc: str, buckets: Iterable[float], labels: Iterable[str] = ()
+    ) -> Histogram:
+        return Histogram(name, doc, list(labels), registry=self.registry, buckets=list(buckets))
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts /metrics on (host, port) (0 picks a port); returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self.port = server, server.server_port
+        return server.server_port
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()  # type: ignore[attr-defined]
+            self._server = None
+
+
+# Seconds: from sub-millisecond (tiny models, control RPCs) to minutes (long rollouts).
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
