@@ -11,11 +11,9 @@ import click
 
 
 def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from astra.logs import configure
+
+    configure(level)
 
 
 @click.group()

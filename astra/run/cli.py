@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,12 @@ import click
 )
 @click.option("--print-recipe", is_flag=True, help="Print the resolved recipe and exit.")
 @click.option("--log-level", default="info", show_default=True)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default=None,
+    help="Every process's log format (default: $ASTRA_LOG_FORMAT, else text).",
+)
 def run_command(
     recipe: str | None,
     run_dir: str | None,
@@ -40,6 +47,7 @@ def run_command(
     resume_dir: str | None,
     print_recipe: bool,
     log_level: str,
+    log_format: str | None,
 ) -> None:
     """Run the whole system (Dataflow, WeightService, RaaS, trainers) from one recipe."""
     from astra.run.layout import RunDir
@@ -67,6 +75,8 @@ def run_command(
     rd = RunDir(Path(run_dir))
     if resume_dir is None and rd.recipe.exists():
         raise click.UsageError(f"{rd.root} holds a run: use --resume DIR or another --run-dir")
+    if log_format is not None:  # children inherit the environment
+        os.environ["ASTRA_LOG_FORMAT"] = log_format
     _logging(log_level, rd.log("supervisor"))
     from astra.run.supervisor import Supervisor
 
@@ -75,8 +85,10 @@ def run_command(
 
 
 def _logging(level: str, path: Path) -> None:
+    from astra.logs import formatter
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fmt = formatter()
     root = logging.getLogger()
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(path)):

@@ -48,7 +48,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("astra.run.observe")
 ACCURACY_KEYS = ("accuracy", "reward_mean")  # binary rewards: the mean is the accuracy
-STEP_LINE = re.compile(rb"astra\.servers\.trainer: step (\d+) version (-?\d+) loss (\S+) ?(\S*)")
+# The trainer's per-step log line, as text or as a JSON log record (astra.logs).
+STEP_LINE = re.compile(
+    rb'astra\.servers\.trainer(?::|", "msg":) "?step (\d+) version (-?\d+) loss ([^\s"]+) ?([^\s"]*)'
+)
 
 
 def dataflow_snapshot(resp: dpb.GetStatusResponse) -> dict[str, Any]:

@@ -9,7 +9,6 @@ rank 0 trains and serves, the others follow; gloo on CPU, nccl on CUDA.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
 
@@ -71,11 +70,9 @@ def trainer_command(
         argv = _argv(config_path, checkpoint_dir, resume, log_level, flags)
         run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         os.execv(sys.executable, [*run, f"--nproc-per-node={nproc}", "-m", "astra.trainer", *argv])
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.INFO),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from astra.logs import configure
+
+    configure(log_level)
     from astra.servers.trainer import serve_trainer
 
     asyncio.run(serve_trainer(config))

@@ -9,7 +9,6 @@ arguments, 1 when training fails.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -48,11 +47,9 @@ def sft_command(
     log_level: str,
 ) -> None:
     """Fine-tune MODEL ('tiny' or a local HF directory) on the prompt/answer records of DATA."""
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.INFO),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from astra.logs import configure
+
+    configure(log_level)
     import torch
 
     from astra.raas.tasks import read_records

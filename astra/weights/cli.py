@@ -68,11 +68,9 @@ def _emit(result: dict[str, Any]) -> None:
 @click.option("--log-level", default="warning", show_default=True, help="Log level on stderr.")
 def weights(log_level: str) -> None:
     """Validate, diff and apply weight version directories."""
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.WARNING),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from astra.logs import configure
+
+    configure(log_level)
 
 
 @weights.command("inspect")
