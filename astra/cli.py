@@ -158,6 +158,7 @@ async def _serve_dataflow(config) -> None:
     show_default=True,
     help="In-flight sequences on a weight swap.",
 )
+@click.option("--metrics-port", type=int, default=None, help="Prometheus HTTP port (0 picks).")
 @click.option("--log-level", default="info", show_default=True)
 def serve_raas(
     dataflow: str,
@@ -179,6 +180,7 @@ def serve_raas(
     state_dir: str,
     device: str,
     on_swap: str,
+    metrics_port: int | None,
     log_level: str,
 ) -> None:
     """Run a rollout service (built-in torch engine, or vLLM / SGLang / OpenAI over HTTP)."""
@@ -212,6 +214,7 @@ def serve_raas(
         engine_python=engine_python,
         served_model_name=served_model_name,
         hot_loaded=hot_loaded,
+        metrics_port=metrics_port,
     )
     asyncio_run(serve(opts))
 

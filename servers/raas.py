@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any
 
 from google.rpc import code_pb2, status_pb2
 
@@ -63,6 +64,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.workflows = list(backend.workflows)
         self.store = ResultStore(capacity)
         self.counters: Counter[str] = Counter()
+        self.metrics: Any = None  # astra.raas.metrics.RaasMetrics when /metrics is served
         start = initial_versions if initial_versions is not None else {}
         self._versions = {
             p: VersionSpec(start.get(p, 0), str(start.get(p, 0))) for p in backend.policy_ids
@@ -93,9 +95,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     # ----- groups ----------------------------------------------------------------------------
 
     async def _run(self, spec: GroupSpec, versions: dict[str, int]) -> None:
+        started, failed = time.perf_counter(), True
         try:
             trajectories = await self.backend.generate(spec, versions)
             result = group_result(spec.group_id, self.instance_id, trajectories)
+            failed = False
         except Exception as exc:
             log.warning("group %s failed: %s: %s", spec.group_id, type(exc).__name__, exc)
             self.counters["groups_failed"] += 1
@@ -106,6 +110,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         finally:
             if self._tasks.get(spec.group_id) is asyncio.current_task():
                 del self._tasks[spec.group_id]
+        if self.metrics is not None:
+            self.metrics.observe_group(spec.workflow, time.perf_counter() - started, failed)
         self.store.finish(spec.group_id, result)
 
     async def SubmitGroups(self, request: pb.SubmitGroupsRequest, context):
@@ -207,9 +213,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if p in wanted and addr != request.weights_address:
                 # This policy comes from its own WeightService; the set still switches together.
                 wanted[p] = replace(wanted[p], weights_address=addr)
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(self.load_timeout_s) as limit:
                 fetched = await self._load(wanted, request.weights_address)
+            if self.metrics is not None:
+                self.metrics.observe_load(time.perf_counter() - started, fetched)
         except TimeoutError:
             if not limit.expired():
                 raise

@@ -38,6 +38,7 @@ class RaasOptions:
     engine_python: str = ""
     served_model_name: str = "policy"
     hot_loaded: bool = False
+    metrics_port: int | None = None
 
 
 async def serve_raas(opts: RaasOptions) -> None:
@@ -65,12 +66,15 @@ async def serve_raas(opts: RaasOptions) -> None:
         labels=opts.labels,
         grace_s=opts.grace_s,
     )
-    print(
-        json.dumps(
-            {"service": "raas", "address": server.address, "instance_id": servicer.instance_id}
-        ),
-        flush=True,
-    )
+    metrics = None
+    if opts.metrics_port is not None:
+        from astra.raas.metrics import RaasMetrics
+
+        metrics = servicer.metrics = RaasMetrics(servicer)
+        metrics.serve(opts.host, opts.metrics_port)
+    line = {"service": "raas", "address": server.address, "instance_id": servicer.instance_id}
+    line["metrics_port"] = metrics.port if metrics is not None else None
+    print(json.dumps(line), flush=True)
     log.info("raas %s serving %s on %s", servicer.instance_id, opts.policies, server.address)
 
     async def watch_engine() -> None:
@@ -90,5 +94,7 @@ async def serve_raas(opts: RaasOptions) -> None:
         await servicer.close()
         await loader.close()
         await engine.close()
+        if metrics is not None:
+            metrics.shutdown()
 
     await serve_until_signal(server, on_stop=on_stop)

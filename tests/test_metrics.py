@@ -72,3 +72,62 @@ def test_trainer_metrics_follow_the_steps():
             await trainer.shutdown()
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_raas_metrics_follow_groups_and_weight_loads():
+    from astra.clients.raas import RolloutClient
+    from astra.common.v1 import rollout_pb2, version_pb2
+    from astra.raas.engine_backend import EngineBackend
+    from astra.raas.metrics import RaasMetrics
+    from astra.raas.v1 import rollout_service_pb2 as rpb
+    from astra.servers.raas import start_raas
+    from tests.test_engine_backend import FakeLoader
+    from tests.test_workflows import ScriptedTestEngine
+
+    async def body() -> None:
+        engine = ScriptedTestEngine(lambda *a: "2", ("policy",))
+        backend = EngineBackend(engine, ["single_turn"], FakeLoader())
+        server, servicer, _ = await start_raas(backend, capacity=8, grace_s=0.2)
+        metrics = servicer.metrics = RaasMetrics(servicer)
+        port = metrics.serve("127.0.0.1", 0)
+        client = RolloutClient(server.address, timeout_s=5.0)
+        try:
+            group = rollout_pb2.PromptGroup(
+                group_id="g1",
+                workflow="single_turn",
+                policy_ids=["policy"],
+                prompt=rollout_pb2.Prompt(text="1+1="),
+                num_samples=2,
+                sampling_params=rollout_pb2.SamplingParams(max_new_tokens=4),
+            )
+            await client.submit_groups([group])
+            for _ in range(100):
+                if servicer.store.pending:
+                    break
+                await asyncio.sleep(0.05)
+            await client.stub.LoadWeights(
+                rpb.LoadWeightsRequest(
+                    request_id="load-1",
+                    weights_address="127.0.0.1:1",
+                    versions=[version_pb2.PolicyVersion(policy_id="policy", version=3)],
+                ),
+                timeout=5,
+            )
+            samples = await asyncio.to_thread(scrape, port)
+            done = samples["astra_raas_group_seconds_count"]
+            assert [(s.labels, s.value) for s in done] == [
+                ({"workflow": "single_turn", "outcome": "ok"}, 1.0)
+            ]
+            assert samples["astra_raas_capacity"][0].value == 8
+            assert samples["astra_raas_pending_results"][0].value == 1
+            version = samples["astra_raas_policy_version"][0]
+            assert version.labels == {"policy": "policy"} and version.value == 3
+            assert samples["astra_raas_weight_load_seconds_count"][0].value == 1
+            assert samples["astra_raas_weight_load_bytes_sum"][0].value == 100
+        finally:
+            metrics.shutdown()
+            await client.close()
+            await server.stop(0)
+            await servicer.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
