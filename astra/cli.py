@@ -24,6 +24,7 @@ def main() -> None:
 
 def _add_subcommands() -> None:
     from astra.run.cli import run_command
+    from astra.run.raas_cli import raas
     from astra.run.top import top_command
     from astra.trainer.cli import trainer_command
     from astra.trainer.sft_cli import sft_command
@@ -31,6 +32,7 @@ def _add_subcommands() -> None:
 
     main.add_command(weights)
     main.add_command(run_command)
+    main.add_command(raas)
     main.add_command(top_command)
     main.add_command(sft_command)
     serve.add_command(trainer_command, "trainer")

@@ -68,6 +68,10 @@ class StreamSettings(_Strict):
     policy_ids: list[str] = Field(min_length=1, description="Policies of the episodes.")
     group_size: int = Field(8, ge=1, le=1024, description="Samples per prompt.")
     reward: str = Field("", description="Reward function name; empty: workflow default.")
+    raas_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Only instances whose labels include all of these get its work; empty: any.",
+    )
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
 
 

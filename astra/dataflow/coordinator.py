@@ -375,7 +375,11 @@ class Dataflow:
                 plan: dict[str, list[str]] = {}
                 while budget > 0:
                     inst = self.pool.pick(
-                        stream.workflow, stream.policy_ids, stream.group_size, floor
+                        stream.workflow,
+                        stream.policy_ids,
+                        stream.group_size,
+                        floor,
+                        stream.raas_labels,
                     )
                     if inst is None:
                         break

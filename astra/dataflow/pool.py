@@ -62,8 +62,14 @@ class Instance:
     load_error: str = ""
     load_retry_at: float = 0.0
 
-    def serves(self, workflow: str, policy_ids: Iterable[str]) -> bool:
-        return workflow in self.workflows and set(policy_ids) <= self.policy_ids
+    def serves(
+        self, workflow: str, policy_ids: Iterable[str], labels: dict[str, str] | None = None
+    ) -> bool:
+        return (
+            workflow in self.workflows
+            and set(policy_ids) <= self.policy_ids
+            and (not labels or labels.items() <= self.labels.items())
+        )
 
 
 class Pool:
@@ -247,18 +253,20 @@ class Pool:
         policy_ids: Iterable[str],
         slots: int,
         min_versions: dict[str, int] | None = None,
+        labels: dict[str, str] | None = None,
     ) -> Instance | None:
         """The ACTIVE instance serving the work with the most free slots (>= slots).
 
         An instance that holds an older version of a policy than `min_versions` asks
-        for is skipped until it has loaded a newer one.
+        for is skipped until it has loaded a newer one; with `labels`, only instances
+        whose labels include them all are considered.
         """
         policy_ids = tuple(policy_ids)
         best = None
         for inst in self.instances.values():
             if inst.state is not InstanceState.ACTIVE or inst.free_slots < slots:
                 continue
-            if not inst.serves(workflow, policy_ids):
+            if not inst.serves(workflow, policy_ids, labels):
                 continue
             if min_versions and any(
                 inst.loaded_versions.get(p, -1) < v for p, v in min_versions.items()

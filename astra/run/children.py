@@ -36,7 +36,8 @@ class Child:
         self.name, self.role, self.args, self.log_path, self.env = name, role, args, log_path, env
         self.proc: asyncio.subprocess.Process | None = None
         self.info: dict[str, Any] = {}
-        self.stopping = False
+        self.stopping = False  # stopped on purpose: its exit is no death
+        self.extra: dict[str, Any] = {}  # more for run.json (a RaaS: capacity, labels, joined)
         self.log_offset = 0  # size of the log when this process started (logs are appended to)
         self._log: BinaryIO | None = None
         self._drain: asyncio.Task[None] | None = None
@@ -155,6 +156,8 @@ class Child:
             "role": self.role,
             "pid": self.pid,
             "address": self.address,
+            "returncode": self.returncode,
+            **self.extra,
             "log": str(self.log_path),
             "command": self.args,
         }

@@ -2,7 +2,9 @@
 
 Layout of a run directory:
     recipe.yaml              the resolved recipe (what --resume reads back)
-    run.json                 children: name, role, pid, address, command
+    run.json                 supervisor (pid, state), children (name, role, pid, address,
+                             command, returncode), RaaS removed, elastic events
+    control/                 `astra raas add|remove` requests and answers (astra.run.control)
     data/prompts.jsonl       the synthetic dataset (kind != file)
     warmup/data.jsonl        the warm-up's prompt/answer records (synthetic, disjoint)
     warmup/<policy>/model/   each policy's model after the warm-up (what RL starts from)
@@ -26,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from astra.dataflow.config import DataflowConfig
-from astra.run.recipe import PolicySpec, Recipe, dump_recipe
+from astra.run.recipe import PolicySpec, RaasSpec, Recipe, dump_recipe
 from astra.trainer.config import TrainerConfig
 
 
@@ -64,6 +66,10 @@ class RunDir:
     @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
 
     @property
     def dataflow_state(self) -> Path:
@@ -163,6 +169,7 @@ def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path) -> DataflowConfig
             "policy_ids": recipe.stream_policies(s),
             "group_size": s.group_size,
             "reward": recipe.stream_reward(s),
+            "raas_labels": dict(s.raas_labels),
             "sampling": s.sampling.model_dump(),
         }
         for s in recipe.streams
@@ -262,7 +269,13 @@ def weights_command(recipe: Recipe, rd: RunDir, port: int = 0) -> list[str]:
 
 
 def raas_command(recipe: Recipe, index: int, rd: RunDir, dataflow: str) -> list[str]:
-    spec, name = recipe.raas[index], recipe.raas_names[index]
+    return raas_spec_command(recipe, recipe.raas[index], recipe.raas_names[index], rd, dataflow)
+
+
+def raas_spec_command(
+    recipe: Recipe, spec: RaasSpec, name: str, rd: RunDir, dataflow: str
+) -> list[str]:
+    """`astra serve raas` for one RaaS, of the recipe's `raas:` or added during the run."""
     policies = recipe.raas_policies(spec)
     model = spec.model or next(p.model for p in recipe.policies if p.id == policies[0])
     args = ["--dataflow", dataflow, "--model", model, "--capacity", str(spec.capacity)]

@@ -4,8 +4,10 @@ A recipe is YAML; every field is documented and bounded here and unknown keys
 are an error naming the key. `Recipe()` (no file) is the embedded default: the
 `tiny` model on synthetic two-digit additions, CPU only: a supervised warm-up
 on problems disjoint from the RL prompts, then Dataflow, a WeightService, two
-RaaS and one trainer. Dotted overrides (`trainer.num_steps=5`,
-`raas.0.capacity=4`; values parsed as YAML scalars) apply on top of the file.
+RaaS and one trainer. `elastic:` adds and removes RaaS during the run by
+schedule (astra.run.elastic; `astra raas add|remove` does it by hand). Dotted
+overrides (`trainer.num_steps=5`, `raas.0.capacity=4`; values parsed as YAML
+scalars) apply on top of the file.
 The sections (astra.run.sections) reuse the Dataflow and trainer config models.
 """
 
@@ -23,6 +25,7 @@ from astra.run.overrides import OverrideError, apply_override, parse_overrides
 from astra.run.sections import (
     DataflowSection,
     DatasetSpec,
+    ElasticEvent,
     ObserveSpec,
     PolicySpec,
     RaasSpec,
@@ -43,8 +46,19 @@ class RecipeError(ConfigError):
     """A recipe that cannot be used; the message names the key."""
 
 
+# Names of the run's other children (and their logs): a RaaS may not take them.
+RESERVED_NAMES = frozenset({"dataflow", "weights", "supervisor"})
+RESERVED_PREFIXES = ("trainer-", "warmup-")
+
+
+def reserved_name(name: str) -> bool:
+    """Whether `name` is (or may be) another child's: a RaaS may not be called so."""
+    return name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES)
+
+
 __all__ = [
     "DatasetSpec",
+    "ElasticEvent",
     "OverrideError",
     "PolicySpec",
     "RaasSpec",
@@ -85,6 +99,10 @@ class Recipe(_Strict):
     raas: list[RaasSpec] = Field(
         default_factory=lambda: [RaasSpec(), RaasSpec()], min_length=1, description="RaaS."
     )
+    elastic: list[ElasticEvent] = Field(
+        default_factory=list,
+        description="RaaS added and removed during the run, by schedule, in list order.",
+    )
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Every trainer.")
     on_raas_death: Literal["continue", "stop"] = Field(
         "continue", description="A RaaS that dies: carry on, or stop the run. Others: stop."
@@ -106,25 +124,68 @@ class Recipe(_Strict):
         for kind, names in (("streams", [s.name for s in self.streams]), ("raas", self.raas_names)):
             if len(set(names)) != len(names):
                 raise ValueError(f"{kind}: duplicate name")
+        if taken := [n for n in self.raas_names if reserved_name(n)]:
+            raise ValueError(f"raas: names {taken} are the run's other children's")
         for label, refs in [(f"streams.{s.name}", s.policy_ids) for s in self.streams] + [
             (f"raas.{n}", r.policies) for n, r in zip(self.raas_names, self.raas, strict=True)
         ]:
             if unknown := [p for p in refs if p not in ids]:
                 raise ValueError(f"{label}: unknown policies {unknown}")
         for s in self.streams:
-            if not any(
-                set(self.stream_policies(s)) <= set(self.raas_policies(r))
-                and s.workflow in self.raas_workflows(r)
-                for r in self.raas
-            ):
-                raise ValueError(f"streams.{s.name}: no RaaS serves its workflow and policies")
+            if not any(self.serves(r, s) for r in self.raas):
+                raise ValueError(
+                    f"streams.{s.name}: no RaaS serves its workflow, policies and raas_labels"
+                )
             temperature = s.sampling.temperature
             if temperature > 0 and temperature != self.trainer.loss.temperature:
                 raise ValueError(
                     f"streams.{s.name}.sampling.temperature {temperature} differs from "
                     f"trainer.loss.temperature {self.trainer.loss.temperature}"
                 )
+        self._check_elastic()
         return self
+
+    def _check_elastic(self) -> None:
+        """Plays the schedule in list order: every name and step must make sense then."""
+        live = dict(zip(self.raas_names, self.raas, strict=True))
+        last: dict[str, tuple[int, float]] = {}
+        for i, e in enumerate(self.elastic):
+            key = f"elastic.{i}"
+            kind, at = ("at_step", e.at_step) if e.at_step is not None else ("at_s", e.at_s)
+            assert at is not None  # ElasticEvent checks one trigger is given
+            if kind == "at_step" and at > self.trainer.num_steps:
+                raise ValueError(
+                    f"{key}.at_step: {at} is beyond trainer.num_steps "
+                    f"{self.trainer.num_steps}: it would never happen"
+                )
+            if kind in last and at < last[kind][1]:
+                raise ValueError(
+                    f"{key}.{kind}: {at:g} is before elastic.{last[kind][0]}.{kind} "
+                    f"{last[kind][1]:g}: the events happen in list order"
+                )
+            last[kind] = (i, at)
+            if e.add is not None:
+                name = str(e.add.name)
+                if name in live:
+                    raise ValueError(f"{key}.add.name: RaaS {name!r} is already running then")
+                if reserved_name(name):
+                    raise ValueError(f"{key}.add.name: {name!r} is another child's name")
+                ids = [p.id for p in self.policies]
+                if unknown := [p for p in e.add.policies if p not in ids]:
+                    raise ValueError(f"{key}.add.policies: unknown policies {unknown}")
+                live[name] = e.add
+            else:
+                if e.remove not in live:
+                    raise ValueError(
+                        f"{key}.remove: no RaaS {e.remove!r} is running then "
+                        f"(running: {', '.join(live)})"
+                    )
+                del live[str(e.remove)]
+                if not live:
+                    raise ValueError(f"{key}.remove: it would leave no RaaS")
+            for s in self.streams:
+                if not any(self.serves(r, s) for r in live.values()):
+                    raise ValueError(f"{key}: after it no RaaS serves streams.{s.name}")
 
     @property
     def raas_names(self) -> list[str]:
@@ -138,6 +199,14 @@ class Recipe(_Strict):
 
     def raas_workflows(self, raas: RaasSpec) -> list[str]:
         return raas.workflows or sorted({s.workflow for s in self.streams})
+
+    def serves(self, raas: RaasSpec, stream: StreamSpec) -> bool:
+        """Whether Dataflow may route the stream's work to the RaaS (astra.dataflow.pool)."""
+        return (
+            set(self.stream_policies(stream)) <= set(self.raas_policies(raas))
+            and stream.workflow in self.raas_workflows(raas)
+            and stream.raas_labels.items() <= raas.labels.items()
+        )
 
     def batch_groups(self, policy: PolicySpec) -> int:
         return policy.batch_groups or self.trainer.batch_groups

@@ -109,6 +109,10 @@ class StreamSpec(_Strict):
     reward: str = Field(
         "", description="Reward name; empty: the synthetic task's, else the workflow default."
     )
+    raas_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Only RaaS whose labels include all of these serve it; empty: any RaaS.",
+    )
     sampling: SamplingSettings = Field(
         default_factory=lambda: SamplingSettings(max_new_tokens=8),
         description="Sampling of the rollouts.",
@@ -185,3 +189,38 @@ class ObserveSpec(_Strict):
         256, ge=0, le=100_000, description="Samples of the initial model for the random baseline."
     )
     status_every_s: float = Field(5.0, gt=0, description="Status line period when not a TTY.")
+
+
+class ElasticEvent(_Strict):
+    """One scheduled change of the RaaS pool (`elastic:`).
+
+    The events happen in list order, each once its trigger is reached and the one
+    before it has happened: `at_step` when every trainer has reached that step
+    (Dataflow's current version or the trainer's step line, whichever is further),
+    `at_s` that many seconds after the run's services were all up. `add` starts a
+    RaaS (like an entry of `raas:`, its name required); `remove` stops one by name:
+    SIGTERM, it deregisters, and Dataflow dispatches again what it held.
+    """
+
+    at_step: int | None = Field(None, ge=1, le=10_000_000, description="Trainer step reached.")
+    at_s: float | None = Field(
+        None, ge=0, le=31_536_000, description="Seconds after the services were all up."
+    )
+    add: RaasSpec | None = Field(None, description="A RaaS started; `name` is required.")
+    remove: str | None = Field(
+        None, pattern=POLICY_ID_PATTERN, description="Name of a running RaaS to stop."
+    )
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> ElasticEvent:
+        if (self.at_step is None) == (self.at_s is None):
+            raise ValueError("give exactly one of at_step and at_s")
+        if (self.add is None) == (self.remove is None):
+            raise ValueError("give exactly one of add and remove")
+        if self.add is not None and self.add.name is None:
+            raise ValueError("add.name is required")
+        return self
+
+    @property
+    def trigger(self) -> str:
+        return f"step {self.at_step}" if self.at_step is not None else f"{self.at_s:g}s"

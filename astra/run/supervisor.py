@@ -3,13 +3,18 @@
 Order: the supervised warm-up (`astra sft` per policy, when the recipe has one;
 kept on --resume), then Dataflow and the WeightService (together), then every RaaS (--dataflow),
 then one trainer per policy (--dataflow, --weights); each waits for the address
-lines of the stage before. While the run goes on, a child that exits is
-reported with the tail of its log; a RaaS may die (`on_raas_death: continue`),
-any other death stops the run. The run ends when every trainer exits 0 after
-its num_steps. SIGINT/SIGTERM (a second one: no more grace) stop everything.
-Shutdown goes trainers, RaaS, then Dataflow and the WeightService, each group
+lines of the stage before. While the run goes on, RaaS are added and removed by
+the recipe's `elastic:` schedule and by `astra raas add|remove` (astra.run.elastic;
+a removal is no death), and a child that exits is reported with the tail of its
+log; a RaaS may die (`on_raas_death: continue`), any other death stops the run.
+run.json says who runs: the supervisor (pid, state starting / running /
+stopping / ended), every child, the RaaS removed and every elastic change.
+The run ends when every trainer exits 0 after its num_steps. SIGINT/SIGTERM (a
+second one: no more grace) stop everything. Shutdown goes trainers, RaaS (their
+work counters asked first), then Dataflow and the WeightService, each group
 SIGTERM -> grace -> SIGKILL by process group, so no child outlives the run.
-Then summary.json is written (astra.run.summary).
+Then summary.json is written (astra.run.summary; `raas`: each RaaS's capacity,
+labels, how it joined and left, and its work; `elastic`: every change).
 """
 
 from __future__ import annotations
@@ -18,15 +23,17 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import time
 from typing import Any
 
-from astra.run import layout
+from astra.run import control, layout
 from astra.run.children import Child, ChildFailed, stop_all
+from astra.run.elastic import Elastic, raas_work
 from astra.run.layout import RunDir
 from astra.run.observe import Observer
-from astra.run.recipe import Recipe
+from astra.run.recipe import RaasSpec, Recipe
 from astra.run.summary import build_summary, read_state, trainer_final_step, write_summary
 
 log = logging.getLogger("astra.run")
@@ -52,6 +59,22 @@ class Supervisor:
         self.signals: list[int] = []
         self.grace_s = recipe.supervision.stop_grace_s
         self.observer: Observer | None = None
+        self.state = "starting"  # run.json: starting, running, stopping, ended
+        self.changed = asyncio.Event()  # children added, or a failure: the watch looks again
+        self.failure: str | None = None
+        self.raas_specs: dict[str, RaasSpec] = {}
+        self.removed: list[dict[str, Any]] = []  # run.json entries of the RaaS removed
+        self.elastic_events: list[dict[str, Any]] = []
+        self.elastic: Elastic | None = None
+        self.weights_port = 0
+
+    def fail(self, status: str) -> None:
+        """Ends the run as failed (the watch returns `status`)."""
+        self.failure = status
+        self.changed.set()
+
+    def spec_of(self, child: Child) -> RaasSpec:
+        return self.raas_specs.get(child.name) or RaasSpec(name=child.name)
 
     def _child(self, name: str, role: str, args: list[str]) -> Child:
         child = Child(name, role, args, self.rd.log(name), self.recipe.env)
@@ -97,8 +120,14 @@ class Supervisor:
 
     def _write_run_json(self) -> None:
         every = [c.describe() for group in self.children.values() for c in group]
+        data = {
+            "supervisor": {"pid": os.getpid(), "state": self.state},
+            "children": every,
+            "removed": self.removed,
+            "elastic": self.elastic_events,
+        }
         tmp = self.rd.run_json.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"children": every}, indent=2) + "\n")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(self.rd.run_json)  # readers see the old list or the new one
 
     async def _warmup(self, dataset: Any) -> Recipe:
@@ -147,7 +176,7 @@ class Supervisor:
     async def _start_all(self, dataset: Any, steps: dict[str, int]) -> None:
         r, rd = self.started_recipe, self.rd
         df = self._child("dataflow", "dataflow", layout.dataflow_command(r, rd, dataset))
-        port = layout.previous_port(rd, "weights") if self.resume else 0
+        port = self.weights_port
         weights = self._child("weights", "weights", layout.weights_command(r, rd, port))
         try:
             await self._start([df, weights])
@@ -159,12 +188,12 @@ class Supervisor:
             self.children["core"].remove(weights)
             weights = self._child("weights", "weights", layout.weights_command(r, rd))
             await self._start([weights])
-        await self._start(
-            [
-                self._child(name, "raas", layout.raas_command(r, i, rd, df.address))
-                for i, name in enumerate(r.raas_names)
-            ]
-        )
+        raas = []
+        for i, name in enumerate(r.raas_names):
+            spec = self.raas_specs[name] = r.raas[i]
+            raas.append(self._child(name, "raas", layout.raas_command(r, i, rd, df.address)))
+            raas[-1].extra = {"capacity": spec.capacity, "labels": spec.labels, "joined": "recipe"}
+        await self._start(raas)
         await self._start(
             [
                 self._child(
@@ -180,19 +209,34 @@ class Supervisor:
         )
 
     async def _watch(self) -> tuple[str, int]:
-        """Until every trainer finished, a fatal death, or a signal: (status, exit code)."""
-        waits = {
-            asyncio.ensure_future(c.wait()): c for group in self.children.values() for c in group
-        }
+        """Until every trainer finished, a fatal death, or a signal: (status, exit code).
+
+        Children that started serving are watched, those added later too (`changed`); one
+        stopped on purpose (a RaaS removed) ends no run."""
+        waits: dict[asyncio.Future[int], Child] = {}
         stopped = asyncio.ensure_future(self.stop.wait())
+        changed: asyncio.Future[Any] | None = None
         left = {c.name for c in self.children["trainer"]}
         try:
             while left:
-                done, _ = await asyncio.wait({*waits, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                watched = set(waits.values())
+                for c in (c for group in self.children.values() for c in group):
+                    if c not in watched and c.proc is not None and c.address:
+                        waits[asyncio.ensure_future(c.wait())] = c
+                changed = asyncio.ensure_future(self.changed.wait())
+                done, _ = await asyncio.wait(
+                    {*waits, stopped, changed}, return_when=asyncio.FIRST_COMPLETED
+                )
+                changed.cancel()
+                self.changed.clear()
                 if stopped in done:
                     return "interrupted", 128 + self.signals[0]
-                for task in done:
+                if self.failure is not None:
+                    return self.failure, EXIT_FAILED
+                for task in done & waits.keys():
                     child, rc = waits.pop(task), task.result()
+                    if child.stopping:
+                        continue  # removed (astra.run.elastic logs it)
                     if child.role == "trainer" and rc == 0:
                         log.info("%s finished its steps", child.name)
                         left.discard(child.name)
@@ -210,7 +254,7 @@ class Supervisor:
                         log.warning("no RaaS left: the run waits for one to join")
             return "completed", EXIT_OK
         finally:
-            for task in (*waits, stopped):
+            for task in (*waits, stopped, *([changed] if changed else [])):
                 task.cancel()
 
     async def run(self) -> int:
@@ -228,7 +272,12 @@ class Supervisor:
             log.info("every trainer already ran its %d steps", self.recipe.trainer.num_steps)
             return EXIT_OK
         observing: asyncio.Task[None] | None = None
+        elastic: asyncio.Task[None] | None = None
         status, code = "failed: startup", EXIT_FAILED
+        # Read before run.json is written again: on --resume the WeightService takes its port.
+        self.weights_port = layout.previous_port(self.rd, "weights") if self.resume else 0
+        control.clear(self.rd)
+        self._write_run_json()  # state starting: `astra raas` says so
         try:
             self.started_recipe = await self._warmup(dataset)
             await self._start_all(dataset, steps)
@@ -246,23 +295,42 @@ class Supervisor:
                 plot=self.rd.root / "plot.png",
             )
             observing = asyncio.create_task(self.observer.run())
+            self.elastic = Elastic(self)
+            self.state = "running"
+            self._write_run_json()
+            elastic = asyncio.create_task(self.elastic.run())
             status, code = await self._watch()
         except Interrupted:
             status, code = "interrupted", 128 + self.signals[0]
         except ChildFailed as exc:
             log.error("%s", exc)
         finally:
-            if observing is not None:
-                observing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await observing
-            await self._shutdown(status, time.monotonic() - started, dataset)
+            self.state = "stopping"
+            for task in (elastic, observing):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            if elastic is not None and elastic.done() and not elastic.cancelled():
+                with contextlib.suppress(Exception):
+                    elastic.result()
+            for request in control.take_requests(self.rd):
+                control.answer(self.rd, request["id"], {"ok": False, "error": "the run is ending"})
+            try:
+                await self._shutdown(status, time.monotonic() - started, dataset)
+            finally:
+                self.state = "ended"
+                self._write_run_json()
         log.info("run %s: %s (%s)", self.recipe.name, status, self.rd.root)
         return code
 
     async def _shutdown(self, status: str, wall: float, dataset: Any) -> None:
         obs = self.observer
-        await stop_all([self.children["trainer"], self.children["raas"]], self.grace_s)
+        await stop_all([self.children["trainer"]], self.grace_s)
+        raas = self.children["raas"]
+        work = await asyncio.gather(*(raas_work(c) for c in raas))  # before they stop
+        await stop_all([raas], self.grace_s)
+        self._write_run_json()
         dataflow = self.children["core"][0] if self.children["core"] else None
         if obs is not None:
             obs.read_logs()  # the steps logged since the last tick
@@ -310,6 +378,24 @@ class Supervisor:
                 "prompts; accuracy_after measured like random_baseline_accuracy, on the "
                 "warmed-up model",
             }
+        summary["raas"] = {
+            **{
+                str(r["name"]): {
+                    **{k: r.get(k) for k in ("capacity", "labels", "joined", "removed")},
+                    "work": r.get("work", {}),
+                }
+                for r in self.removed
+            },
+            **{
+                c.name: {
+                    **{k: c.extra.get(k) for k in ("capacity", "labels", "joined")},
+                    "removed": None,
+                    "work": w,
+                }
+                for c, w in zip(raas, work, strict=True)
+            },
+        }
+        summary["elastic"] = self.elastic_events
         write_summary(self.rd.summary, summary)
         keys = ("steps", "groups_trained", "groups_lost", "groups_duplicated", "versions_published")
         log.info("summary %s: %s", self.rd.summary, {k: summary[k] for k in keys})
