@@ -4,8 +4,10 @@ Without RECIPE: the embedded default (astra.run.recipe.Recipe()). The run
 directory defaults to runs/<recipe name>-<UTC time>; --resume DIR reads
 DIR/recipe.yaml back (overrides still apply), keeps Dataflow's state, the
 weight store and the RaaS directories, and restarts each trainer from its newest
-checkpoint for the steps it has left. Exit status: 0 when every trainer finished,
-1 when a child failed, 128 + signal number when stopped by a signal.
+checkpoint for the steps it has left. --ray auto|ADDRESS places the same processes
+on a Ray cluster (astra.run.ray_children; `pip install 'astra-rl[ray]'`). Exit
+status: 0 when every trainer finished, 1 when a child failed, 128 + signal number
+when stopped by a signal.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ import click
     type=click.Path(file_okay=False, exists=True),
     help="Continue the run in this directory.",
 )
+@click.option(
+    "--ray",
+    "ray_address",
+    metavar="auto|ADDRESS",
+    help="Place the children on a Ray cluster (auto: the running one, else a local one).",
+)
 @click.option("--print-recipe", is_flag=True, help="Print the resolved recipe and exit.")
 @click.option("--log-level", default="info", show_default=True)
 @click.option(
@@ -45,6 +53,7 @@ def run_command(
     run_dir: str | None,
     overrides: tuple[str, ...],
     resume_dir: str | None,
+    ray_address: str | None,
     print_recipe: bool,
     log_level: str,
     log_format: str | None,
@@ -80,7 +89,18 @@ def run_command(
     _logging(log_level, rd.log("supervisor"))
     from astra.run.supervisor import Supervisor
 
-    code = asyncio.run(Supervisor(resolved, rd, resume=resume_dir is not None).run())
+    resume = resume_dir is not None
+    if ray_address is None:
+        code = asyncio.run(Supervisor(resolved, rd, resume=resume).run())
+        sys.exit(code)
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise click.UsageError("--ray needs ray: pip install 'astra-rl[ray]'")
+    from astra.run.ray_children import ray_cluster
+
+    with ray_cluster(ray_address, resolved) as children:
+        code = asyncio.run(Supervisor(resolved, rd, resume=resume, child_factory=children).run())
     sys.exit(code)
 
 

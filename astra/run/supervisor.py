@@ -45,8 +45,11 @@ class Interrupted(Exception):
 
 
 class Supervisor:
-    def __init__(self, recipe: Recipe, run_dir: RunDir, *, resume: bool = False) -> None:
+    def __init__(
+        self, recipe: Recipe, run_dir: RunDir, *, resume: bool = False, child_factory: Any = None
+    ) -> None:
         self.recipe, self.rd, self.resume = recipe, run_dir, resume
+        self.new_child = child_factory or Child  # --ray: astra.run.ray_children.RayChildren
         self.children: dict[str, list[Child]] = {
             "warmup": [],
             "core": [],
@@ -77,7 +80,7 @@ class Supervisor:
         return self.raas_specs.get(child.name) or RaasSpec(name=child.name)
 
     def _child(self, name: str, role: str, args: list[str]) -> Child:
-        child = Child(name, role, args, self.rd.log(name), self.recipe.env)
+        child = self.new_child(name, role, args, self.rd.log(name), self.recipe.env)
         self.children["core" if role in ("dataflow", "weights") else role].append(child)
         return child
 
@@ -143,7 +146,8 @@ class Supervisor:
                 log.info("warm-up of %s: kept from %s", p.id, rd.warmup_model(p.id))
                 continue
             name = f"warmup-{p.id}"
-            child = Child(name, "warmup", layout.sft_command(r, p, rd, data), rd.log(name), r.env)
+            command = layout.sft_command(r, p, rd, data)
+            child = self.new_child(name, "warmup", command, rd.log(name), r.env)
             self.children["warmup"].append(child)
             await child.spawn()
             log.info(

@@ -1,0 +1,475 @@
+"""`astra run --ray auto|ADDRESS`: the same child processes, placed on a Ray cluster.
+
+Each child gets one Ray actor (`_Process`), created with the child's resources:
+`num_gpus` for a RaaS, a trainer or a warm-up whose device is cuda (as many as a
+trainer's `--nproc`: the multi-GPU path stays torchrun/FSDP2, Ray only places the
+process), one CPU otherwise; Dataflow and the WeightService prefer the
+supervisor's node (soft node affinity). The actor runs the very command line a
+`Child` runs, with `subprocess` on its node, in a session of its own; it keeps
+the first stdout line (the address line), writes the child's stderr and the rest
+of its stdout to the child's log, waits for it and signals its process group.
+The child dies with its actor (PR_SET_PDEATHSIG), and the actors with the
+supervisor (Ray's owner fate-sharing): nothing outlives a run.
+
+`RayChild` has `Child`'s interface (spawn, read_address, result, wait,
+signal_group, stop, tail, describe, pid, returncode, address); run.json records
+each child's placement under `ray` (node id and IP, actor id, worker pid,
+resources).
+
+Addresses: a service placed by Ray listens on its node's IP
+(`--host <ray.util.get_node_ip_address()>`, appended to `astra serve ...`) and
+advertises it, so a child on another node can reach it; without --ray every
+service keeps 127.0.0.1.
+
+The run directory must be on a filesystem every node shares, at the same path:
+children read their configs, the dataset and the model from it, write their
+state, checkpoints and logs to it, and the supervisor reads logs, metrics and
+checkpoints back. On one machine (a local Ray instance) that holds by itself.
+Every node needs the same installation of astra (the same Python path, or the
+node's own Python: a command started with the supervisor's interpreter runs
+with the actor's).
+
+`--ray auto` connects to the running cluster (RAY_ADDRESS, or the one started on
+this machine by `ray start`); when there is none it starts a local instance just
+for this run (no dashboard, as many logical CPUs as the recipe has children) and
+shuts it down at the end. `--ray HOST:PORT` connects to that cluster's GCS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from astra.run.children import Child, ChildFailed
+from astra.run.recipe import Recipe
+
+log = logging.getLogger("astra.run")
+SERVE_ROLES = ("dataflow", "weights", "raas", "trainer")
+CORE_ROLES = ("dataflow", "weights")
+ACTOR_LOST = -int(signal.SIGKILL)  # a child whose actor (or node) died: as if killed
+PR_SET_PDEATHSIG = 1
+
+
+# ----- on the node: the actor ----------------------------------------------------------------
+
+
+def _die_with_parent() -> Any:
+    """A preexec_fn: the child gets SIGKILL when the thread that started it goes (its actor
+    was killed); None where prctl is not there (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+    return preexec
+
+
+class _Process:
+    """One child process on the actor's node (wrapped by ray.remote in `_actor_class`)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.lines: deque[bytes] = deque(maxlen=64)  # stdout's last lines (result())
+        self.first: bytes | None = None
+        self.has_first = threading.Event()  # first line read, or end of stdout
+        self.exited = threading.Event()
+        self.rc: int | None = None
+        self.error: str | None = None
+
+    def placement(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "actor_id": ctx.get_actor_id(),
+            "hostname": socket.gethostname(),
+            "worker_pid": os.getpid(),
+        }
+
+    def start(
+        self, args: list[str], env: dict[str, str], log_path: str, cwd: str, own_python: bool
+    ) -> dict[str, Any]:
+        """Starts the command (`own_python`: with this node's interpreter); returns its pid and
+        the size of the log before it (logs are appended to)."""
+        if own_python:
+            args = [sys.executable, *args[1:]]
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        logf = open(log_path, "ab")  # noqa: SIM115 - the reader thread closes it
+        offset = logf.tell()
+        started = threading.Event()
+        env = {**os.environ, **env}
+        where = cwd if os.path.isdir(cwd) else None
+        reader = threading.Thread(
+            target=self._run, args=(args, env, logf, where, started), daemon=True
+        )
+        reader.start()  # starts the process: PDEATHSIG follows this thread, alive while it is
+        started.wait()
+        if self.proc is None:
+            return {"error": self.error or "not started"}
+        return {"pid": self.proc.pid, "log_offset": offset, "command": args}
+
+    def _run(
+        self,
+        args: list[str],
+        env: dict[str, str],
+        logf: IO[bytes],
+        cwd: str | None,
+        started: threading.Event,
+    ) -> None:
+        try:
+            try:
+                self.proc = subprocess.Popen(
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=logf,
+                    env=env,
+                    cwd=cwd,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent(),
+                )
+            except OSError as exc:
+                self.error = f"{args[0]}: {exc}"
+                return
+            finally:
+                started.set()
+            assert self.proc.stdout is not None
+            for line in iter(self.proc.stdout.readline, b""):
+                self.lines.append(line)
+                if self.first is None:
+                    self.first = line
+                    self.has_first.set()
+                else:  # what it prints after its address line goes to its log
+                    logf.write(line)
+                    logf.flush()
+            self.has_first.set()
+            self.rc = self.proc.wait()
+        finally:
+            logf.close()
+            self.exited.set()
+
+    def first_line(self, timeout_s: float) -> dict[str, Any]:
+        if not self.has_first.wait(timeout_s):
+            return {"timeout": True}
+        if self.first is None:
+            self.exited.wait()
+            return {"eof": True, "returncode": self.rc, "error": self.error}
+        return {"line": self.first.decode("utf-8", "replace")}
+
+    def result(self) -> dict[str, Any]:
+        self.exited.wait()
+        out = b"".join(self.lines).decode("utf-8", "replace")
+        return {"returncode": self.rc, "stdout": out, "error": self.error}
+
+    def wait(self) -> int | None:
+        self.exited.wait()
+        return self.rc
+
+    def signal(self, sig: int) -> None:
+        """Signals the child's process group (it leads it: pgid == pid)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
+
+@functools.cache
+def _actor_class() -> Any:
+    import ray
+
+    return ray.remote(_Process)
+
+
+# ----- in the supervisor ---------------------------------------------------------------------
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of `name VALUE` or `name=VALUE` in a command line (the last one)."""
+    found = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith(name + "="):
+            found = a.partition("=")[2]
+    return found
+
+
+def resources(role: str, args: list[str], trainer_device: str = "cpu") -> dict[str, float]:
+    """Ray resources of one child: GPUs when its device is cuda (a trainer: one per rank), else
+    one CPU."""
+    device = _flag(args, "--device") or (trainer_device if role == "trainer" else "cpu")
+    if role in ("raas", "trainer", "warmup") and device.startswith("cuda"):
+        return {"num_cpus": 1, "num_gpus": int(_flag(args, "--nproc") or 1)}
+    return {"num_cpus": 1, "num_gpus": 0}
+
+
+async def _get(ref: Any) -> Any:
+    return await asyncio.wrap_future(ref.future())
+
+
+class RemoteProcess:
+    """What `Child.proc` stands for: the process runs on a Ray node."""
+
+    def __init__(self, child: RayChild, pid: int) -> None:
+        self.child, self.pid = child, pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.child.returncode
+
+
+class RayChild(Child):
+    """A `Child` whose process a Ray actor starts and watches on the node Ray placed it on."""
+
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str],
+        *,
+        resources: dict[str, float],
+        driver_node: str | None = None,
+        placement_timeout_s: float = 120.0,
+    ) -> None:
+        super().__init__(name, role, args, log_path, env)
+        self.resources = resources
+        self.driver_node = driver_node
+        self.placement_timeout_s = placement_timeout_s
+        self.placement: dict[str, Any] = {}
+        self.proc: Any = None  # RemoteProcess once started
+        self._rc: int | None = None
+        self._exit: asyncio.Future[int] | None = None
+        # Asked for now: the actors of a group (made before the group spawns) start together.
+        self.actor: Any = _actor_class().options(**self._options()).remote()
+        self._placed = self.actor.placement.remote()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._rc
+
+    def _options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {**self.resources, "max_concurrency": 16, "max_restarts": 0}
+        if self.role in CORE_ROLES and self.driver_node:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                self.driver_node, soft=True
+            )
+        return opts
+
+    def _command(self, node_ip: str) -> list[str]:
+        """The child's command on its node: a service listens on (and advertises) the node IP."""
+        if self.role in SERVE_ROLES and "serve" in self.args[:4]:
+            return [*self.args, "--host", node_ip]
+        return list(self.args)
+
+    async def spawn(self) -> None:
+        import ray
+
+        if self.actor is None:
+            raise ChildFailed(f"{self.name}: its Ray actor was released")
+        try:
+            self.placement = await asyncio.wait_for(_get(self._placed), self.placement_timeout_s)
+        except TimeoutError:
+            self.close()
+            raise ChildFailed(
+                f"{self.name}: no Ray node gave {self.resources} within "
+                f"{self.placement_timeout_s:.0f}s (see `ray status`)"
+            ) from None
+        except ray.exceptions.RayError as exc:
+            self.close()
+            raise ChildFailed(f"{self.name}: its Ray actor did not start: {exc}") from exc
+        self.args = self._command(self.placement["node_ip"])
+        env = {k: v for k, v in os.environ.items() if k.startswith("ASTRA_")}
+        own_python = self.args[0] == sys.executable
+        started = await _get(
+            self.actor.start.remote(
+                self.args, {**env, **self.env}, str(self.log_path), os.getcwd(), own_python
+            )
+        )
+        if "error" in started:
+            self.close()
+            raise ChildFailed(f"{self.name}: {started['error']}")
+        self.log_offset = int(started["log_offset"])
+        self.proc = RemoteProcess(self, int(started["pid"]))
+        self._exit = asyncio.ensure_future(self._wait_exit())
+
+    async def _wait_exit(self) -> int:
+        import ray
+
+        try:
+            rc = await _get(self.actor.wait.remote())
+        except ray.exceptions.RayError as exc:
+            if self._rc is None and not self.stopping:
+                log.warning("%s: its Ray actor is gone (%s)", self.name, exc)
+            rc = None
+        if self._rc is None:
+            self._rc = ACTOR_LOST if rc is None else int(rc)
+        return self._rc
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        try:
+            return await _get(getattr(self.actor, method).remote(*args))
+        except ray.exceptions.RayError as exc:
+            raise ChildFailed(f"{self.name}: its Ray actor is gone ({exc})") from exc
+
+    async def read_address(self, timeout_s: float) -> dict[str, Any]:
+        first = await self._call("first_line", timeout_s)
+        if first.get("timeout"):
+            raise ChildFailed(f"{self.name}: no address line within {timeout_s:.0f}s")
+        if first.get("eof"):
+            rc = await self.wait()
+            raise ChildFailed(f"{self.name} exited ({rc}) before serving")
+        line = first["line"]
+        try:
+            self.info = json.loads(line)
+        except json.JSONDecodeError:
+            raise ChildFailed(f"{self.name}: unexpected first line {line[:200]!r}") from None
+        return self.info
+
+    async def result(self) -> dict[str, Any]:
+        done = await self._call("result")
+        rc = self._rc = done["returncode"] if done["returncode"] is not None else ACTOR_LOST
+        if rc != 0:
+            raise ChildFailed(f"{self.name} exited with {rc}")
+        out = str(done["stdout"])
+        lines = out.strip().splitlines()
+        try:
+            self.info = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            raise ChildFailed(f"{self.name}: no result line on stdout ({out[-200:]!r})") from None
+        return self.info
+
+    async def wait(self) -> int:
+        assert self._exit is not None
+        return await asyncio.shield(self._exit)
+
+    def signal_group(self, sig: int) -> None:
+        if self.actor is not None and self.proc is not None:
+            with contextlib.suppress(Exception):
+                self.actor.signal.remote(int(sig))  # not waited for
+
+    async def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ChildFailed):
+            await self._call("signal", int(sig))
+
+    async def stop(self, grace_s: float) -> int | None:
+        """SIGTERM to the group, wait `grace_s`, then SIGKILL; the actor goes after."""
+        if self._exit is None:
+            self.close()
+            return None
+        self.stopping = True
+        if self._rc is None:
+            await self._signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._exit), grace_s)
+            except TimeoutError:
+                log.warning("%s did not stop within %.0fs: SIGKILL", self.name, grace_s)
+        # Leftover members of the group (ranks, helpers) go too, even after the leader exited.
+        await self._signal(signal.SIGKILL)
+        try:
+            rc: int | None = await asyncio.wait_for(asyncio.shield(self._exit), 30.0)
+        except TimeoutError:
+            rc = None
+        self.close()
+        return rc
+
+    def close(self) -> None:
+        """Releases the actor (and so the child's resources); a child still running dies too."""
+        if self.actor is None:
+            return
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+        self.actor = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "ray": {**self.placement, "resources": self.resources}}
+
+
+class RayChildren:
+    """The supervisor's child factory under --ray: `(name, role, args, log_path, env)` ->
+    RayChild with the resources of its role and device."""
+
+    def __init__(self, recipe: Recipe, driver_node: str | None) -> None:
+        self.recipe, self.driver_node = recipe, driver_node
+
+    def __call__(
+        self, name: str, role: str, args: list[str], log_path: Path, env: dict[str, str]
+    ) -> RayChild:
+        return RayChild(
+            name,
+            role,
+            args,
+            log_path,
+            env,
+            resources=resources(role, args, self.recipe.trainer.device),
+            driver_node=self.driver_node,
+            placement_timeout_s=self.recipe.supervision.startup_timeout_s,
+        )
+
+
+def local_cpus(recipe: Recipe) -> int:
+    """Logical CPUs of a local instance: one per child that can run at once (each asks one)."""
+    adds = sum(1 for e in recipe.elastic if e.add is not None)
+    return max(os.cpu_count() or 1, 2 + len(recipe.raas) + len(recipe.policies) + adds + 1)
+
+
+@contextlib.contextmanager
+def ray_cluster(address: str, recipe: Recipe) -> Iterator[RayChildren]:
+    """Connects to the cluster at `address` ("auto": the running one, else a local instance
+    started here and shut down on exit); yields the child factory."""
+    import ray
+
+    started = False
+    if address == "auto":
+        try:
+            ray.init(address="auto", log_to_driver=False)
+        except ConnectionError:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            cpus = local_cpus(recipe)
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            started = True
+    else:
+        ray.init(address=address, log_to_driver=False)
+    try:
+        ctx = ray.get_runtime_context()
+        driver = ctx.get_node_id()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        log.info(
+            "ray: %s (%s), %d node(s), resources %s",
+            "a local instance started for this run" if started else "connected",
+            ctx.gcs_address,
+            len(nodes),
+            {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")},
+        )
+        yield RayChildren(recipe, driver)
+    finally:
+        ray.shutdown()  # a local instance started here stops with it

@@ -1,0 +1,109 @@
+"""`astra run --ray auto` on a local Ray instance started for the run: the same children, each
+placed by a Ray actor, listening on the node's IP; the run completes, and the children, their
+actors and the local instance are gone when it ends."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+SMALL = ["--set", "dataset.size=64", "--set", "observe.baseline_samples=8"]
+SMALL += ["--set", "warmup.steps=20", "--set", "trainer.batch_groups=4"]
+SMALL += ["--set", "trainer.num_steps=3", "--set", "supervision.stop_grace_s=10"]
+NAMES = {"dataflow", "weights", "raas-0", "raas-1", "trainer-policy"}
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture
+def ray_tmp() -> Iterator[Path]:
+    """Ray's temp dir, of this test only (short: Ray's socket paths must fit 107 bytes): `auto`
+    finds no cluster of somebody else's there and starts its own."""
+    path = Path(tempfile.mkdtemp(prefix="astra-ray-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.timeout(200)  # ~35 s on an idle 2-core machine; Ray starts in ~8 s of it
+def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "astra.run", "--ray", "auto", "--run-dir", str(run_dir), *SMALL]
+    with (tmp_path / "run.out").open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    children: list[dict] = []
+    try:
+        try:
+            rc = proc.wait(150)
+        except subprocess.TimeoutExpired:
+            rc = None
+        output = (tmp_path / "run.out").read_text(errors="replace")[-4000:]
+        assert rc == 0, output
+        s = json.loads((run_dir / "summary.json").read_text())
+        assert s["status"] == "completed" and s["steps"] == 3
+        assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+        assert "ray: a local instance started for this run" in output
+        children = json.loads((run_dir / "run.json").read_text())["children"]
+        assert {c["name"] for c in children} == NAMES
+        for c in children:
+            placed = c["ray"]
+            assert placed["actor_id"] and placed["node_id"], c
+            assert placed["resources"] == {"num_cpus": 1, "num_gpus": 0}
+            # A service placed by Ray listens on (and advertises) its node's IP.
+            assert c["address"].rpartition(":")[0] == placed["node_ip"], c
+            assert c["command"][-2:] == ["--host", placed["node_ip"]]
+            assert (run_dir / "logs" / f"{c['name']}.log").stat().st_size > 0
+        assert len({c["ray"]["node_id"] for c in children}) == 1  # one local node
+        assert len({c["ray"]["actor_id"] for c in children}) == len(NAMES)
+        assert all(c["ray"]["worker_pid"] != c["pid"] for c in children)
+        # Children, their actors' workers, and the local instance (the supervisor's process
+        # group: ray.init started GCS, raylet and agents there) all ended with the run.
+        assert all(pid_gone(c["pid"]) for c in children)
+        assert all(pid_gone(c["ray"]["worker_pid"]) for c in children)
+        deadline = time.monotonic() + 15
+        while not group_gone(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert group_gone(proc.pid), "Ray processes left after the run"
+    finally:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            children = children or json.loads((run_dir / "run.json").read_text())["children"]
+        for pgid in [proc.pid, *(c["pid"] for c in children)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        for worker in (c.get("ray", {}).get("worker_pid") for c in children):
+            if isinstance(worker, int) and worker > 1:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
