@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,6 +100,9 @@ def test_default_recipe_runs_end_to_end(run_factory) -> None:
     assert s["versions_published"] >= 3
     assert s["groups_trained"] == 3 * 4 and s["groups_dispatched"] >= s["groups_trained"]
     assert s["wall_seconds"] > 0 and 0 <= s["random_baseline_accuracy"] <= 1
+    assert s["warmup"]["steps"] == 20 and 0 <= s["warmup"]["accuracy_after"] <= 1
+    assert (run.run_dir / "warmup" / "policy" / "model" / "config.json").is_file()
+    assert all(c["metrics_port"] is None for c in run.children())  # observe.prometheus off
     assert 0 <= s["accuracy_first10"] <= 1 and 0 <= s["accuracy_last10"] <= 1
     rows = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -138,12 +142,20 @@ def test_killed_raas_does_not_stop_the_run(run_factory) -> None:
 
 def test_resume_continues_a_stopped_run(run_factory) -> None:
     first = run_factory(
-        "--set", "trainer.num_steps=100000", "--set", "trainer.checkpoint.every_steps=2"
-    )
+        "--set", "trainer.num_steps=100000", "--set", "trainer.checkpoint.every_steps=2",
+        "--set", "observe.prometheus=true",
+    )  # fmt: skip
     ckpts = first.run_dir / "checkpoints" / "policy"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not list(ckpts.glob("step-*")):
         time.sleep(0.2)
+    # Every service but the WeightService serves /metrics on the port run.json records.
+    families = {"dataflow": "astra_dataflow_", "raas": "astra_raas_", "trainer": "astra_trainer_"}
+    for child in first.children():
+        if child["role"] in families:
+            url = f"http://127.0.0.1:{child['metrics_port']}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                assert families[child["role"]] in resp.read().decode(), child["name"]
     first.proc.send_signal(signal.SIGTERM)
     assert first.wait(60) == 128 + signal.SIGTERM, first.output()
     before = {c["name"]: c["address"] for c in first.children()}

@@ -156,6 +156,7 @@ class Child:
             "role": self.role,
             "pid": self.pid,
             "address": self.address,
+            "metrics_port": self.info.get("metrics_port"),
             "returncode": self.returncode,
             **self.extra,
             "log": str(self.log_path),

@@ -175,6 +175,8 @@ def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path) -> DataflowConfig
         for s in recipe.streams
     ]
     raw = {**section, "host": "127.0.0.1", "port": 0, "state_dir": str(rd.dataflow_state)}
+    if recipe.observe.prometheus and raw.get("metrics_port") is None:
+        raw["metrics_port"] = 0
     return DataflowConfig.model_validate({**raw, "policies": policies, "streams": streams})
 
 
@@ -203,6 +205,7 @@ def trainer_config(
             "max_wait_s": t.max_wait_s,
             "max_tokens_per_microbatch": t.max_tokens_per_microbatch,
         },
+        "metrics_port": 0 if recipe.observe.prometheus else None,
         "checkpoint": {
             "dir": str(rd.checkpoints(policy.id)),
             "every_steps": t.checkpoint.every_steps,
@@ -286,6 +289,7 @@ def raas_spec_command(
     args += [a for p in policies for a in ("--policy", p)]
     args += [a for w in recipe.raas_workflows(spec) for a in ("--workflow", w)]
     args += [a for k, v in sorted(spec.labels.items()) for a in ("--label", f"{k}={v}")]
+    args += ["--metrics-port", "0"] if recipe.observe.prometheus else []
     return serve_command("raas", *args)
 
 

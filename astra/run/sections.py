@@ -189,6 +189,11 @@ class ObserveSpec(_Strict):
         256, ge=0, le=100_000, description="Samples of the initial model for the random baseline."
     )
     status_every_s: float = Field(5.0, gt=0, description="Status line period when not a TTY.")
+    prometheus: bool = Field(
+        False,
+        description="Every service serves Prometheus /metrics on a free port (run.json "
+        "`metrics_port`); Dataflow's own `dataflow.metrics_port` wins when set.",
+    )
 
 
 class ElasticEvent(_Strict):
