@@ -68,18 +68,18 @@ def test_tiny_comparison_is_consistent(bench, tmp_path):
     assert ("**Targets: met" in section) != ("**Targets: missed" in section)
 
 
-def test_update_benchmarks_replaces_only_its_section(bench, tmp_path):
+def test_replace_section_replaces_only_its_section(bench, tmp_path):
     path = tmp_path / "BENCHMARKS.md"
     path.write_text("# Benchmarks\n\n## Other\n\nkept\n")
     first = f"{bench.SECTION}\n\nfirst\n"
-    bench.update_benchmarks(path, first)
-    bench.update_benchmarks(path, f"{bench.SECTION}\n\nsecond\n")
+    bench.replace_section(path, bench.SECTION, first)
+    bench.replace_section(path, bench.SECTION, f"{bench.SECTION}\n\nsecond\n")
     text = path.read_text()
     assert text.count(bench.SECTION) == 1
     assert "second" in text and "first" not in text
     assert text.startswith("# Benchmarks\n\n## Other\n\nkept\n")
     # In front of a later section, that section stays.
     path.write_text(f"# Benchmarks\n\n{first}\n## Later\n\nkept too\n")
-    bench.update_benchmarks(path, f"{bench.SECTION}\n\nthird\n")
+    bench.replace_section(path, bench.SECTION, f"{bench.SECTION}\n\nthird\n")
     text = path.read_text()
     assert "third" in text and "first" not in text and text.endswith("## Later\n\nkept too\n")

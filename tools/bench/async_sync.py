@@ -53,6 +53,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import replace_section
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
@@ -623,19 +626,6 @@ def markdown(p, res: dict[str, dict], started: str, took_s: float, load: tuple) 
     return "\n".join(lines) + "\n"
 
 
-def update_benchmarks(path: Path, section: str) -> None:
-    """Replaces the SECTION of `path` (up to the next `## ` heading), or appends it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    if start is None:
-        path.write_text(text.rstrip("\n") + "\n\n\n" + section)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
-    path.write_text("".join(lines[:start]) + section + ("\n\n" + tail if tail else ""))
-
-
 # ----- main -------------------------------------------------------------------------------------
 
 
@@ -704,7 +694,7 @@ def main(argv=None) -> int:
     section = markdown(p, results, started, took, (load0, os.getloadavg()[0]))
     print(section)
     if not p.no_write and not p.quick:
-        update_benchmarks(Path(p.output), section)
+        replace_section(Path(p.output), SECTION, section)
         print(f"updated {p.output}")
     return 0
 

@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import replace_section
+
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Embedded default (`astra run`)"
 VARIANTS: dict[str, list[str]] = {
@@ -140,19 +143,6 @@ def section(results: list[dict[str, Any]], load: str, total_s: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_benchmarks(path: Path, text: str) -> None:
-    """Replaces SECTION of `path` (up to the next `## ` heading), or appends it."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    if start is None:
-        path.write_text(old.rstrip("\n") + "\n\n\n" + text)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
-    path.write_text("".join(lines[:start]) + text + ("\n\n" + tail if tail else ""))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--only", choices=[*VARIANTS, "all"], default="all")
@@ -174,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     text = section(results, load, time.monotonic() - started)
     print(text)
     if not args.no_write and args.only == "all":
-        update_benchmarks(Path(args.output), text)
+        replace_section(Path(args.output), SECTION, text)
     return 0
 
 
