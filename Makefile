@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	touch $@
 
 run: $(VENV)/.installed  ## the whole system on the embedded default recipe (tiny model, CPU)
-	$(VENV)/bin/astra run --run-dir runs/default
+	$(VENV)/bin/astra run  # into runs/default-<UTC time>/
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -24,8 +24,12 @@ lint: $(VENV)/.installed
 generate: $(VENV)/.installed
 	$(PY) tools/codegen.py
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed  ## every benchmark in turn (~40 min); each rewrites its BENCHMARKS.md section
 	$(PY) tools/bench/control_plane.py
+	$(PY) tools/bench/weights.py
+	$(PY) tools/bench/trainer.py
+	$(PY) tools/bench/async_sync.py
+	$(PY) tools/bench/default_run.py
 
 clean:
 	rm -rf $(VENV) build astra-state runs
