@@ -221,11 +221,12 @@ class Supervisor:
         stopped = asyncio.ensure_future(self.stop.wait())
         changed: asyncio.Future[Any] | None = None
         left = {c.name for c in self.children["trainer"]}
+        watched: set[Child] = set()  # each child's exit is handled once (a dead one stays listed)
         try:
             while left:
-                watched = set(waits.values())
                 for c in (c for group in self.children.values() for c in group):
                     if c not in watched and c.proc is not None and c.address:
+                        watched.add(c)
                         waits[asyncio.ensure_future(c.wait())] = c
                 changed = asyncio.ensure_future(self.changed.wait())
                 done, _ = await asyncio.wait(
