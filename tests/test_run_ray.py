@@ -20,7 +20,6 @@ import pytest
 
 pytest.importorskip("ray")
 
-pytestmark = pytest.mark.slow
 SMALL = ["--set", "dataset.size=64", "--set", "observe.baseline_samples=8"]
 SMALL += ["--set", "warmup.steps=20", "--set", "trainer.batch_groups=4"]
 SMALL += ["--set", "trainer.num_steps=3", "--set", "supervision.stop_grace_s=10"]
@@ -52,6 +51,26 @@ def ray_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def test_resources_and_host_per_role() -> None:
+    from astra.run.layout import serve_command
+    from astra.run.ray_children import command_on_node, resources
+
+    cpu, gpu = {"num_cpus": 1, "num_gpus": 0}, {"num_cpus": 1, "num_gpus": 1}
+    raas = serve_command("raas", "--dataflow", "a:1", "--device", "cuda")
+    assert resources("raas", raas) == gpu
+    assert resources("raas", serve_command("raas", "--device=cpu")) == cpu
+    trainer = serve_command("trainer", "--config", "t.yaml")
+    assert resources("trainer", trainer, "cuda") == gpu
+    assert resources("trainer", trainer, "cpu") == cpu
+    assert resources("trainer", [*trainer, "--nproc", "4"], "cuda") == {**gpu, "num_gpus": 4}
+    assert resources("warmup", ["python", "-m", "astra.cli", "sft", "--device", "cuda"]) == gpu
+    assert resources("dataflow", serve_command("dataflow", "--device", "cuda")) == cpu
+    assert command_on_node("raas", raas, "10.0.0.2")[-2:] == ["--host", "10.0.0.2"]
+    sft = ["python", "-m", "astra.cli", "sft", "tiny", "data.jsonl"]
+    assert command_on_node("warmup", sft, "10.0.0.2") == sft
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(200)  # ~35 s on an idle 2-core machine; Ray starts in ~8 s of it
 def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
     run_dir = tmp_path / "run"

@@ -97,10 +97,15 @@ def run_command(
 
     if importlib.util.find_spec("ray") is None:
         raise click.UsageError("--ray needs ray: pip install 'astra-rl[ray]'")
-    from astra.run.ray_children import ray_cluster
+    from astra.run.ray_children import RayUnavailable, ray_cluster
 
-    with ray_cluster(ray_address, resolved) as children:
-        code = asyncio.run(Supervisor(resolved, rd, resume=resume, child_factory=children).run())
+    try:
+        with ray_cluster(ray_address, resolved) as children:
+            code = asyncio.run(
+                Supervisor(resolved, rd, resume=resume, child_factory=children).run()
+            )
+    except RayUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
     sys.exit(code)
 
 

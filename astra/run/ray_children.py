@@ -81,6 +81,10 @@ def _die_with_parent() -> Any:
     return preexec
 
 
+class RayUnavailable(RuntimeError):
+    """No Ray cluster at the address given (or none could be started)."""
+
+
 class _Process:
     """One child process on the actor's node (wrapped by ray.remote in `_actor_class`)."""
 
@@ -221,6 +225,14 @@ def resources(role: str, args: list[str], trainer_device: str = "cpu") -> dict[s
     return {"num_cpus": 1, "num_gpus": 0}
 
 
+def command_on_node(role: str, args: list[str], node_ip: str) -> list[str]:
+    """The child's command on its node: a service listens on (and advertises) the node's IP
+    (`--host` last: it wins over a config's host)."""
+    if role in SERVE_ROLES and "serve" in args[:4]:
+        return [*args, "--host", node_ip]
+    return list(args)
+
+
 async def _get(ref: Any) -> Any:
     return await asyncio.wrap_future(ref.future())
 
@@ -281,12 +293,6 @@ class RayChild(Child):
             )
         return opts
 
-    def _command(self, node_ip: str) -> list[str]:
-        """The child's command on its node: a service listens on (and advertises) the node IP."""
-        if self.role in SERVE_ROLES and "serve" in self.args[:4]:
-            return [*self.args, "--host", node_ip]
-        return list(self.args)
-
     async def spawn(self) -> None:
         import ray
 
@@ -303,7 +309,7 @@ class RayChild(Child):
         except ray.exceptions.RayError as exc:
             self.close()
             raise ChildFailed(f"{self.name}: its Ray actor did not start: {exc}") from exc
-        self.args = self._command(self.placement["node_ip"])
+        self.args = command_on_node(self.role, self.args, self.placement["node_ip"])
         env = {k: v for k, v in os.environ.items() if k.startswith("ASTRA_")}
         own_python = self.args[0] == sys.executable
         started = await _get(
@@ -442,6 +448,13 @@ def local_cpus(recipe: Recipe) -> int:
     return max(os.cpu_count() or 1, 2 + len(recipe.raas) + len(recipe.policies) + adds + 1)
 
 
+def _reachable(address: str, timeout_s: float = 5.0) -> None:
+    """OSError when nothing listens at a GCS HOST:PORT (ray.init would retry for minutes)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if sep and port.isdigit():
+        socket.create_connection((host, int(port)), timeout_s).close()
+
+
 @contextlib.contextmanager
 def ray_cluster(address: str, recipe: Recipe) -> Iterator[RayChildren]:
     """Connects to the cluster at `address` ("auto": the running one, else a local instance
@@ -449,16 +462,20 @@ def ray_cluster(address: str, recipe: Recipe) -> Iterator[RayChildren]:
     import ray
 
     started = False
-    if address == "auto":
-        try:
-            ray.init(address="auto", log_to_driver=False)
-        except ConnectionError:
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            cpus = local_cpus(recipe)
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-            started = True
-    else:
-        ray.init(address=address, log_to_driver=False)
+    try:
+        if address == "auto":
+            try:
+                ray.init(address="auto", log_to_driver=False)
+            except ConnectionError:
+                os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+                cpus = local_cpus(recipe)
+                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+                started = True
+        else:
+            _reachable(address)
+            ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError, OSError) as exc:
+        raise RayUnavailable(f"ray at {address}: {exc}") from exc
     try:
         ctx = ray.get_runtime_context()
         driver = ctx.get_node_id()
