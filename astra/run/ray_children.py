@@ -312,10 +312,8 @@ class RayChild(Child):
         self.args = command_on_node(self.role, self.args, self.placement["node_ip"])
         env = {k: v for k, v in os.environ.items() if k.startswith("ASTRA_")}
         own_python = self.args[0] == sys.executable
-        started = await _get(
-            self.actor.start.remote(
-                self.args, {**env, **self.env}, str(self.log_path), os.getcwd(), own_python
-            )
+        started = await self._call(
+            "start", self.args, {**env, **self.env}, str(self.log_path), os.getcwd(), own_python
         )
         if "error" in started:
             self.close()
