@@ -37,7 +37,9 @@ from astra.errors import AstraError, DataLoss, InvalidArgument, Unavailable
 from astra.weights.deadline import DeadlineExceeded
 from astra.weights.layout import open_full
 from astra.weights.local import LocalVersions, identity_of
+from astra.weights.malloc import keep_freed_memory
 from astra.weights.v1 import weight_service_pb2 as pb
+from astra.weights.wire import deserializer
 
 __all__ = ["FetchResult", "PublishResult", "Receiver", "publish_version"]
 
@@ -95,7 +97,14 @@ class Receiver:
         self.extra_held = {identity_of(Path(p)): Path(p) for p in held_dirs}
         self.max_bytes_per_second, self.max_attempts = max_bytes_per_second, max_attempts
         self.backoff_s, self.timeout_s, self.idle_timeout_s = backoff_s, timeout_s, idle_timeout_s
+        keep_freed_memory()  # chunk buffers come back from the heap, not as fresh pages
         self.client = WeightClient(address, timeout_s=min(timeout_s, UNARY_TIMEOUT_S))
+        # FetchVersion with chunks read as views into the received bytes (astra.weights.wire).
+        self._fetch_version = self.client.channel.stream_stream(
+            "/astra.weights.v1.WeightService/FetchVersion",
+            request_serializer=pb.FetchVersionRequest.SerializeToString,
+            response_deserializer=deserializer(pb.FetchVersionResponse.FromString),
+        )
 
     @property
     def current_path(self) -> Path | None:
@@ -229,7 +238,7 @@ class Receiver:
         started = time.monotonic()
         # The call's deadline is what is left of the fetch's: every write, read and
         # acknowledgement on it ends by then.
-        call = self.client.stub.FetchVersion(timeout=self._left(deadline))
+        call = self._fetch_version(timeout=self._left(deadline))
         start = pb.FetchStart(policy_id=self.policy, target_version_id=target)
         start.held_version_ids.extend(sorted(held))
         start.receiver_id, start.max_bytes_per_second = self.receiver_id, self.max_bytes_per_second

@@ -5,13 +5,14 @@ RPCs are here. Blocking store work runs on worker threads so one slow
 encode never stalls other streams. Errors are domain errors, mapped to
 statuses by the server's interceptor.
 
-Chunk size: 1 MiB, the best of 1, 2 and 4 MiB when a 256 MiB full version
-was streamed through a loopback FetchVersion on the 2-core dev machine
-(service in its own process: 0.35-0.42 GB/s at 1 MiB, 0.32-0.37 at 2 MiB,
-0.11-0.35 at 4 MiB; client and service in one process: 0.69-0.96,
-0.55-0.69, 0.28-0.61). gRPC's default flow control (BDP probing) did as
-well as a fixed 64 MiB window, so it stays. A message is at most a chunk
-plus a header, far below the 8 MiB the contract allows.
+Bulk messages skip protobuf objects (astra.weights.wire): FetchVersion's
+chunks are yielded as their wire bytes and pass the response serializer
+untouched, and PublishVersion's chunks are parsed as views into the received
+bytes; every other message, and any peer, uses protobuf as before (the bytes
+on the wire are the same). Chunk size: just under 4 MiB (gRPC's default
+receive limit, so stock receivers still work); with protobuf copies gone the
+per-message cost is what larger chunks save. gRPC's default flow control
+(BDP probing) did as well as a fixed 64 MiB window, so it stays.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
+
+import grpc
 
 from astra import __version__
 from astra.common.v1 import capabilities_pb2
@@ -31,10 +35,12 @@ from astra.servers.runtime import GrpcServer
 from astra.servers.weights_convert import identity, tensor_header, version_info
 from astra.servers.weights_fetch import StreamSettings, fetch_stream
 from astra.servers.weights_publish import publish_stream
+from astra.weights.malloc import keep_freed_memory
 from astra.weights.store import Store, StoreConfig
 from astra.weights.store_fetch import stored_tensors
 from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.v1 import weight_service_pb2_grpc as pb_grpc
+from astra.weights.wire import deserializer, serialize
 
 log = logging.getLogger(__name__)
 CONTRACT_VERSION = "1.0.0"
@@ -154,6 +160,37 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         )
 
 
+def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, with the two streams' bulk messages passed as wire bytes.
+
+    FetchVersion's responses may be wire bytes (chunks) and PublishVersion's
+    chunk requests arrive as WireChunk views; the rest is protobuf.
+    """
+
+    class Capture:
+        def add_generic_rpc_handlers(self, handlers: Any) -> None:
+            pass
+
+        def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
+            self.name, self.handlers = name, dict(handlers)
+
+    capture = Capture()
+    pb_grpc.add_WeightServiceServicer_to_server(servicer, capture)
+    handlers = capture.handlers
+    handlers["FetchVersion"] = grpc.stream_stream_rpc_method_handler(
+        servicer.FetchVersion,
+        request_deserializer=pb.FetchVersionRequest.FromString,
+        response_serializer=serialize,
+    )
+    handlers["PublishVersion"] = grpc.stream_stream_rpc_method_handler(
+        servicer.PublishVersion,
+        request_deserializer=deserializer(pb.PublishVersionRequest.FromString),
+        response_serializer=pb.PublishVersionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.name, handlers),))
+    server.add_registered_method_handlers(capture.name, handlers)
+
+
 class WeightServer(GrpcServer):
     """A GrpcServer running WeightService over one store."""
 
@@ -171,10 +208,11 @@ async def start_weights(
     grace_s: float = 5.0,
 ) -> WeightServer:
     """Opens the store (recovering it), then serves; health is SERVING once the store is open."""
+    keep_freed_memory()  # chunk buffers come back from the heap, not as fresh pages
     server = WeightServer(host, port, grace_s=grace_s)
     server.store = store or await asyncio.to_thread(Store, store_dir, config)
     server.add_service(
-        pb_grpc.add_WeightServiceServicer_to_server,
+        add_weight_service,
         WeightServicer(server.store, settings),
         SERVICE_NAME,
     )

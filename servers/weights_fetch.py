@@ -31,6 +31,7 @@ from astra.weights.store import Store
 from astra.weights.store_fetch import open_source
 from astra.weights.throttle import TokenBucket
 from astra.weights.v1 import weight_service_pb2 as pb
+from astra.weights.wire import chunk_message
 
 MiB = 1 << 20
 
@@ -39,7 +40,8 @@ MiB = 1 << 20
 class StreamSettings:
     """Stream tuning; the chunk size was chosen by measurement (servers/weights.py)."""
 
-    chunk_bytes: int = 1 * MiB
+    # Below 4 MiB, gRPC's default receive limit, so a stock receiver still reads every message.
+    chunk_bytes: int = 4 * MiB - 64 * 1024
     # Encoded bytes sent but not yet acknowledged. A receiver acknowledges a tensor only once it
     # is verified and fsynced, so the window must span more than the largest tensor (an embedding
     # is ~130-500 MiB) or every big tensor stalls the stream for the receiver's fsync.
@@ -172,9 +174,9 @@ async def fetch_stream(
             for piece in source.chunks(t.name, settings.chunk_bytes):
                 if bucket is not None:
                     await bucket.take(piece.nbytes)
-                yield pb.FetchVersionResponse(
-                    chunk=pb.TensorChunk(offset=offset, data=bytes(piece))
-                )
+                # The message's wire bytes, built with one copy of the piece (servers/weights.py
+                # registers a serializer that passes bytes through).
+                yield chunk_message(offset, piece)
                 offset += piece.nbytes
             sent[t.name] = t.encoded_size
             sent_bytes += t.encoded_size

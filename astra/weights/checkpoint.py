@@ -131,12 +131,16 @@ def write_delta(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     workers: int | None = None,
     durable: bool = True,
+    frames: Mapping[str, tuple[bytes, int] | None] | None = None,
 ) -> dict[str, Any]:
     """Writes the xor+zstd delta taking base_dir to `new` (a full directory or tensors).
 
     `version` defaults to the new directory's index version or name,
-    `base_version` to the base's. Returns sizes and counts.
+    `base_version` to the base's. `frames` holds tensors already encoded
+    against this base (encode_if_changed's result, e.g. while they were
+    received); only the others are encoded here. Returns sizes and counts.
     """
+    frames = frames or {}
     require_absent(out_dir)  # before the encoding work, not only at the rename
     with open_full(base_dir) as base:
         source, tensors = _source_version(new)
@@ -167,7 +171,12 @@ def write_delta(
             with ThreadPoolExecutor(worker_count(workers)) as pool:
                 encoded = list(
                     pool.map(
-                        lambda n: encode_if_changed(tensors[n].data, base.view(n), level), names
+                        lambda n: (
+                            frames[n]
+                            if n in frames
+                            else encode_if_changed(tensors[n].data, base.view(n), level)
+                        ),
+                        names,
                     )
                 )
             changed = {n: e for n, e in zip(names, encoded, strict=True) if e is not None}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,55 @@ def encode_if_changed(new: Any, old: Any, level: int = DEFAULT_LEVEL) -> tuple[b
     return b"".join(parts), value
 
 
+class XorZstdEncoder:
+    """Encodes one tensor's xor+zstd frame as its new bytes stream in, against a base cursor.
+
+    `base` yields the base tensor's bytes in pieces (tensor_files.RangeCursor);
+    `scratch` is a reusable writable buffer, handed back with `release`. `finish`
+    returns (frame, Adler-32) or None when the tensor equals the base, like
+    encode_if_changed, without holding or re-reading the tensor.
+    """
+
+    def __init__(self, base: Any, size: int, level: int, scratch: Any, release: Any = None) -> None:
+        self._base, self._scratch, self._release = base, _u8(scratch), release
+        self._cobj = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(
+            size=size
+        )
+        self._parts: list[bytes] = []
+        self._changed = False
+
+    def update(self, new: Any) -> None:
+        x, pos = _u8(new), 0
+        for old in self._base.take(x.size):
+            y = _u8(old)
+            n, step = y.size, self._scratch.size
+            for k in range(0, n, step):
+                m = min(step, n - k)
+                out = self._scratch[:m]
+                np.bitwise_xor(x[pos + k : pos + k + m], y[k : k + m], out=out)
+                if not self._changed and out.any():
+                    self._changed = True
+                self._parts.append(self._cobj.compress(out))
+            del y
+            pos += n
+
+    def finish(self, adler: int) -> tuple[bytes, int] | None:
+        self.close()
+        if not self._changed:
+            return None
+        self._parts.append(self._cobj.flush())
+        frame = b"".join(self._parts)
+        self._parts = []
+        return frame, adler
+
+    def close(self) -> None:
+        self._base.close()
+        self._scratch = None
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+
 def encode_xor_zstd(new: Any, old: Any, level: int = DEFAULT_LEVEL) -> bytes:
     """One standalone zstd frame (content size declared) of new XOR old."""
     encoded = encode_if_changed(new, old, level)
@@ -154,6 +204,52 @@ def decode_xor_zstd_to_fd(frame: Any, old: Any, fd: int, offset: int) -> int:
                 while done < n:
                     done += os.pwrite(fd, view[done:], offset + pos + done)
                 pos += n
+            if reader.read(1):
+                raise DeltaError(f"frame decodes to more than {expected} bytes")
+    except zstandard.ZstdError as exc:
+        raise DeltaError(f"corrupt zstd frame: {exc}") from exc
+    return value
+
+
+def decode_xor_zstd_to_writer(frame: Any, old: Iterable[Any], expected: int, writer: Any) -> int:
+    """Writes new = decode(frame) XOR old through a ShardWriter; returns the Adler-32 of new.
+
+    `old` is the base tensor as consecutive pieces (one buffer, or pieces read
+    from its file). Decodes straight into the writer's aligned buffer
+    (`region` / `advance`), a cache-sized piece at a time: no full-size
+    buffer, no extra copy. The same checks as decode_xor_zstd_into.
+    """
+    _check_frame(frame, expected)
+    value, pos = 1, 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False) as reader:
+            for piece in old:
+                y = _u8(piece)
+                if pos + y.size > expected:
+                    raise DeltaError(f"base tensor has more than {expected} bytes")
+                k = 0
+                while k < y.size:
+                    region = writer.region(min(_CHUNK, y.size - k))
+                    n, filled = len(region), 0
+                    while filled < n:
+                        got = reader.readinto(region[filled:])
+                        if not got:
+                            region.release()
+                            raise DeltaError(
+                                f"frame decodes to {pos + filled} bytes, expected {expected}"
+                            )
+                        filled += got
+                    chunk = np.frombuffer(region, dtype=np.uint8)
+                    np.bitwise_xor(chunk, y[k : k + n], out=chunk)
+                    value = adler32(chunk, value)
+                    del chunk
+                    region.release()
+                    writer.advance(n)
+                    k += n
+                    pos += n
+                del y
+            if pos != expected:
+                raise DeltaError(f"base tensor has {pos} bytes, expected {expected}")
             if reader.read(1):
                 raise DeltaError(f"frame decodes to more than {expected} bytes")
     except zstandard.ZstdError as exc:

@@ -5,27 +5,36 @@ one single-tensor shard per verified tensor (header, its Adler-32
 included, then the bytes) and tensors.jsonl, a line per tensor
 appended only after its file is complete, checked and (when durable)
 fsynced. A tensor's bytes arrive in order; their Adler-32 and SHA-256 are
-computed as they arrive, so nothing is read twice. A stage for an identity
-that already exists only compares (nothing is written). Never touches gRPC.
+computed as they arrive, and, given a base (the current version), so is the
+tensor's xor+zstd frame against it, so nothing is read or encoded twice: the
+commit writes those frames as the version's delta. Shards are written with
+O_DIRECT where the file system allows (astra.weights.tensor_files). A stage
+for an identity that already exists only compares (nothing is written).
+Never touches gRPC.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
 import os
 import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from astra.errors import AlreadyExists, DataLoss, InvalidArgument
 from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
-from astra.weights.layout import Tensor
+from astra.weights.delta import XorZstdEncoder
+from astra.weights.layout import Tensor, Version
 from astra.weights.records import TensorRecord, disk_full, fsync_path
 from astra.weights.safetensors_io import METADATA_KEY, tensor_nbytes
-from astra.weights.tensor_files import tensor_header
+from astra.weights.tensor_files import ALIGN, BUFFERS, RangeCursor, ShardWriter, tensor_header
 
+_HASHERS = ThreadPoolExecutor(2, thread_name_prefix="publish-sha256")
 MANIFEST = "tensors.jsonl"
 HEADER = "header.json"
 MAX_TENSOR_NAME_CHARS = 1024
@@ -48,7 +57,7 @@ class TensorSink:
     """Receives one tensor's bytes in order; `finish` verifies them and records the tensor."""
 
     def __init__(
-        self, stage: PublishStage, name: str, dtype: str, shape: tuple[int, ...], adler: str
+        self, stage: PublishStage, name: str, dtype: str, shape: tuple[int, ...], adler: str | None
     ):
         if not name or len(name) > MAX_TENSOR_NAME_CHARS or name == METADATA_KEY:
             raise _bad_tensor(name, f"name must be 1-{MAX_TENSOR_NAME_CHARS} characters")
@@ -58,23 +67,27 @@ class TensorSink:
             self.size = tensor_nbytes(dtype, shape)
         except ValueError as exc:
             raise _bad_tensor(name, str(exc)) from exc
-        if not is_adler32_hex(adler):
+        if adler is not None and not is_adler32_hex(adler):
             raise _bad_tensor(name, f"adler32 {adler!r} is not 8 lowercase hex digits")
+        # adler None: the caller's own bytes (an in-process publish), checksummed as they land;
+        # the shard's header is written with a placeholder of the same length and fixed at the end.
         self.stage, self.name, self.dtype, self.shape, self.adler = stage, name, dtype, shape, adler
         self.received, self._adler, self._sha = 0, 1, hashlib.sha256()
-        self.file = f"t-{len(stage.held) + len(stage.received):06d}.bin"
-        self._out = None
+        self._sha_pending: Future[None] | None = None
+        self.file = stage.next_file()
+        self._out: ShardWriter | None = None
+        self._encoder: XorZstdEncoder | None = None
         self.offset = 0
         if stage.expected is None:
             # A complete single-tensor shard: the store links it in, never rewrites it.
-            head = tensor_header(name, dtype, shape, self.size, adler)
-            self._out = open(stage.path / (self.file + ".part"), "wb")  # noqa: SIM115
+            head = tensor_header(name, dtype, shape, self.size, adler or "0" * 8, align=ALIGN)
             try:
-                self._out.write(head)
+                self._out = ShardWriter(stage.path / (self.file + ".part"), head, self.size)
             except OSError as exc:
                 self.abort()
                 raise disk_full(exc, f"cannot stage {name}") from exc
             self.offset = len(head)
+            self._encoder = stage.encoder(name, dtype, tuple(shape), self.size)
 
     @property
     def complete(self) -> bool:
@@ -86,11 +99,17 @@ class TensorSink:
             raise _bad_tensor(self.name, f"chunk at offset {offset}, expected {self.received}")
         if self.received + view.nbytes > self.size:
             raise _bad_tensor(self.name, f"more than its {self.size} bytes")
+        # SHA-256, the dearest pass, runs on its own thread beside the rest (hashlib releases the
+        # GIL); one update in flight per tensor keeps them in order.
+        if self._sha_pending is not None:
+            self._sha_pending.result()
+        self._sha_pending = _HASHERS.submit(self._sha.update, view)
         self._adler = adler32(view, self._adler)
-        self._sha.update(view)
         if self._out is not None:
             try:
                 self._out.write(view)
+                if self._encoder is not None:
+                    self._encoder.update(view)
             except OSError as exc:
                 raise disk_full(exc, f"cannot stage {self.name}") from exc
         self.received += view.nbytes
@@ -98,7 +117,13 @@ class TensorSink:
     def finish(self) -> TensorRecord:
         if not self.complete:
             raise _bad_tensor(self.name, f"{self.received} of {self.size} bytes")
+        self._wait_sha()
         got = format_adler32(self._adler)
+        if self.adler is None:
+            self.adler = got
+            if self._out is not None:
+                head = tensor_header(self.name, self.dtype, self.shape, self.size, got, align=ALIGN)
+                self._out.rewrite_head(head)
         if got != self.adler:
             self.abort()
             raise DataLoss(
@@ -110,21 +135,37 @@ class TensorSink:
         self.stage.accept(self, record)
         return record
 
+    def _wait_sha(self) -> None:
+        if self._sha_pending is not None:
+            pending, self._sha_pending = self._sha_pending, None
+            pending.result()
+
     def close_file(self) -> Path | None:
         if self._out is None:
             return None
-        if self.stage.durable:
-            self._out.flush()
-            os.fsync(self._out.fileno())
-        self._out.close()
+        try:
+            self._out.close(durable=self.stage.durable)
+        except OSError as exc:
+            self.abort()
+            raise disk_full(exc, f"cannot stage {self.name}") from exc
         self._out = None
         final = self.stage.path / self.file
         os.replace(self.stage.path / (self.file + ".part"), final)
+        if self._encoder is not None:
+            frame = self._encoder.finish(self._adler)
+            self._encoder = None
+            with self.stage._lock:
+                self.stage.frames[self.name] = frame
         return final
 
     def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._wait_sha()  # the hasher may still read the caller's buffer
+        if self._encoder is not None:
+            self._encoder.close()
+            self._encoder = None
         if self._out is not None:
-            self._out.close()
+            self._out.abort()
             self._out = None
             (self.stage.path / (self.file + ".part")).unlink(missing_ok=True)
 
@@ -139,8 +180,18 @@ class PublishStage:
         *,
         expected: dict[str, TensorRecord] | None = None,
         durable: bool = True,
+        base: Version | None = None,
+        base_identity: str = "",
+        level: int = 1,
     ) -> None:
         self.path, self.header, self.expected, self.durable = path, header, expected, durable
+        # The version the frames are encoded against (the current one when the stage opened).
+        self.base, self.base_identity, self.level = base, base_identity, level
+        # xor+zstd frame against the base and Adler-32 of each tensor received in this
+        # session (None: identical to the base); tensors held from an earlier session have none.
+        self.frames: dict[str, tuple[bytes, int] | None] = {}
+        self._lock = threading.Lock()  # tensors of one stage may be received on several threads
+        self._next = 0
         self.held: dict[str, tuple[str, TensorRecord]] = {}
         self.received: dict[str, tuple[str, TensorRecord]] = {}
         self.files: dict[str, bytes] = {}
@@ -177,35 +228,62 @@ class PublishStage:
             if (self.path / e["file"]).is_file():
                 self.held[e["name"]] = (e["file"], rec)
                 self.offsets[e["name"]] = e.get("offset", 0)
+        used = [int(p.stem[2:]) for p in self.path.glob("t-*.bin") if p.stem[2:].isdigit()]
+        self._next = max(used, default=-1) + 1
 
     def _has_manifest(self) -> bool:
         return (self.path / MANIFEST).is_file()
 
-    def begin_tensor(self, name: str, dtype: str, shape: tuple[int, ...], adler: str) -> TensorSink:
+    def begin_tensor(
+        self, name: str, dtype: str, shape: tuple[int, ...], adler: str | None
+    ) -> TensorSink:
         if self.expected is not None:
             want = self.expected.get(name)
             if want is None or (want.dtype, want.shape) != (dtype, tuple(shape)):
                 raise content_mismatch(self.header["identity"], "tensors differ", name)
         return TensorSink(self, name, dtype, tuple(shape), adler)
 
+    def encoder(
+        self, name: str, dtype: str, shape: tuple[int, ...], size: int
+    ) -> XorZstdEncoder | None:
+        """An encoder of the tensor against the base's, None when the base has no such tensor."""
+        entry = self.base.entries.get(name) if self.base is not None else None
+        if entry is None or (entry.info.dtype, entry.info.shape) != (dtype, shape) or not size:
+            return None
+        cursor = RangeCursor(entry.shard.path, entry.shard.data_start + entry.info.begin, size)
+        scratch = BUFFERS.get()
+        return XorZstdEncoder(cursor, size, self.level, scratch, lambda: BUFFERS.put(scratch))
+
+    def next_file(self) -> str:
+        with self._lock:
+            index, self._next = self._next, self._next + 1
+        return f"t-{index:06d}.bin"
+
+    def close(self) -> None:
+        if self.base is not None:
+            self.base.close()
+            self.base = None
+
     def accept(self, sink: TensorSink, record: TensorRecord) -> None:
         if self.expected is not None:
             if self.expected[sink.name] != record:
                 raise content_mismatch(self.header["identity"], "tensor bytes differ", sink.name)
-            self.received[sink.name] = ("", record)
+            with self._lock:
+                self.received[sink.name] = ("", record)
             return
         sink.close_file()
         line = {"name": sink.name, "file": sink.file, "size": record.size_bytes}
         line["offset"] = sink.offset
         line.update(dtype=record.dtype, shape=list(record.shape))
         line.update(adler32=record.adler32, sha256=record.sha256)
-        with open(self.path / MANIFEST, "a") as f:
-            f.write(json.dumps(line) + "\n")
-            if self.durable:
-                f.flush()
-                os.fsync(f.fileno())
-        self.received[sink.name] = (sink.file, record)
-        self.offsets[sink.name] = sink.offset
+        with self._lock:
+            with open(self.path / MANIFEST, "a") as f:
+                f.write(json.dumps(line) + "\n")
+                if self.durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            self.received[sink.name] = (sink.file, record)
+            self.offsets[sink.name] = sink.offset
 
     def records(self) -> dict[str, TensorRecord]:
         return {n: r for n, (_, r) in (self.held | self.received).items()}

@@ -25,11 +25,11 @@ from typing import Any
 
 from astra.errors import DataLoss
 from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
-from astra.weights.delta import DeltaError, decode_xor_zstd_to_fd
+from astra.weights.delta import DeltaError, decode_xor_zstd_to_writer
 from astra.weights.layout import ChecksumMismatch, Version
 from astra.weights.records import disk_full
 from astra.weights.safetensors_io import FormatError, tensor_nbytes
-from astra.weights.tensor_files import pwrite_all, reserve, tensor_header
+from astra.weights.tensor_files import ALIGN, ShardWriter, read_range, tensor_header
 
 MANIFEST = "tensors.jsonl"
 LAYOUT = "tensor-shard"  # manifest entries of this layout are complete single-tensor shards
@@ -71,14 +71,13 @@ class Incoming:
         self.queued = self.received = 0
         self._adler = 1
         self.head = tensor_header(
-            self.name, header["dtype"], header["shape"], size, header["adler32"]
+            self.name, header["dtype"], header["shape"], size, header["adler32"], align=ALIGN
         )
         self.file = stage.next_file()
         self._part = stage.path / (self.file + ".part")
-        self._fd: int | None = os.open(self._part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._out: ShardWriter | None = None
         try:
-            reserve(self._fd, len(self.head) + size)
-            pwrite_all(self._fd, self.head, 0)
+            self._out = ShardWriter(self._part, self.head, size, direct=stage.direct)
         except OSError as exc:
             self.abort()
             raise disk_full(exc, f"cannot stage {self.name}") from exc
@@ -108,11 +107,11 @@ class Incoming:
         if self._frame is not None:
             self._frame += data
         else:
+            self._adler = adler32(data, self._adler)
             try:
-                pwrite_all(self._fd, data, len(self.head) + offset)
+                self._out.write(data)
             except OSError as exc:
                 raise disk_full(exc, f"cannot stage {self.name}") from exc
-            self._adler = adler32(data, self._adler)
         self.received += len(data)
 
     def finish(self) -> None:
@@ -124,13 +123,16 @@ class Incoming:
             )
         try:
             if self._frame is not None and self.size:
-                view = self.base.view(self.name)
+                entry = self.base.entries[self.name]
+                pieces = read_range(
+                    entry.shard.path, entry.shard.data_start + entry.info.begin, self.size
+                )
                 try:
-                    self._adler = decode_xor_zstd_to_fd(
-                        bytes(self._frame), view, self._fd, len(self.head)
+                    self._adler = decode_xor_zstd_to_writer(
+                        bytes(self._frame), pieces, self.size, self._out
                     )
                 finally:
-                    view.release()
+                    pieces.close()
         except DeltaError as exc:
             self.abort()
             raise FormatError(str(exc), tensor=self.name, reason="CORRUPT_DELTA") from exc
@@ -146,10 +148,12 @@ class Incoming:
                 path=None,
                 tensor=self.name,
             )
-        if self.stage.durable:
-            os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = None
+        try:
+            self._out.close(durable=self.stage.durable)
+        except OSError as exc:
+            self.abort()
+            raise disk_full(exc, f"cannot stage {self.name}") from exc
+        self._out = None
         os.replace(self._part, self.stage.path / self.file)
         entry = {k: self.h[k] for k in ("dtype", "shape", "adler32", "size_bytes")}
         entry.update(file=self.file, layout=LAYOUT)
@@ -158,17 +162,19 @@ class Incoming:
     def abort(self) -> None:
         """Drops an unfinished tensor (a no-op once finished)."""
         self._frame = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-            self._part.unlink(missing_ok=True)
+        if self._out is not None:
+            self._out.abort()
+            self._out = None
+        self._part.unlink(missing_ok=True)
 
 
 class FetchStage:
     """The staged tensors and files of one target version."""
 
-    def __init__(self, path: Path, target: str, *, durable: bool = True) -> None:
-        self.path, self.target, self.durable = path, target, durable
+    def __init__(
+        self, path: Path, target: str, *, durable: bool = True, direct: bool = True
+    ) -> None:
+        self.path, self.target, self.durable, self.direct = path, target, durable, direct
         self.entries: dict[str, dict[str, Any]] = {}
         (path / "files").mkdir(parents=True, exist_ok=True)
         for part in path.glob("*.part"):

@@ -154,12 +154,15 @@ class Store(StorePublishing, StoreLifecycle):
         rollback_of: str = "",
         request_id: str = "",
         shards: Mapping[str, Path] | None = None,
+        frames: tuple[str, Mapping[str, tuple[bytes, int] | None]] | None = None,
     ) -> tuple[VersionRecord, bool]:
         """Stores a version whose tensors are verified; idempotent for the same content.
 
         `shards`, when given, holds each tensor as a durable single-tensor
         shard whose header carries its verified Adler-32 (a publish stage):
         full copies are then linked from them instead of written again.
+        `frames` is (base identity, tensors already encoded against it); used
+        when that base is still the current version, so the delta is encoded once.
         """
         check_files(files)
         if version < 0:
@@ -193,7 +196,7 @@ class Store(StorePublishing, StoreLifecycle):
                 )
             full = head is None or chain.deltas_since_root() + 1 >= self.config.full_every
             try:
-                self._write_version(policy, record, head, full, tensors, files, shards)
+                self._write_version(policy, record, head, full, tensors, files, shards, frames)
             except OSError as exc:
                 raise disk_full(exc, f"cannot store {identity!r}") from exc
             chain.add(record)
@@ -223,6 +226,7 @@ class Store(StorePublishing, StoreLifecycle):
         tensors: Mapping[str, Tensor],
         files: dict[str, bytes],
         shards: Mapping[str, Path] | None = None,
+        frames: tuple[str, Mapping[str, tuple[bytes, int] | None]] | None = None,
     ) -> None:
         """Writes versions/<identity>/ in one rename: the commit point of a publish."""
         durable, level, identity = self.config.durable, self.config.zstd_level, record.identity
@@ -230,10 +234,11 @@ class Store(StorePublishing, StoreLifecycle):
             if head is not None:
                 record.base = head.identity
                 base_full = self.cache.full_dir(policy, head)
+                done = frames[1] if frames is not None and frames[0] == head.identity else None
                 try:
                     written = write_delta(
                         base_full, tensors, stage / "delta", identity, head.identity,
-                        level=level, durable=durable,
+                        level=level, durable=durable, frames=done,
                     )  # fmt: skip
                     record.has_delta = True
                     record.num_stored_tensors = written["changed_tensor_count"]

@@ -10,18 +10,20 @@ and the commit succeeds when every byte matches. Never touches gRPC.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from astra.errors import AlreadyExists, InvalidArgument, Unavailable
+from astra.errors import AlreadyExists, AstraError, InvalidArgument, Unavailable
 from astra.weights.apply import worker_count
 from astra.weights.checksum import adler32_hex
 from astra.weights.layout import (
     INDEX_NAME,
     SHARD_SUFFIX,
     Tensor,
+    Version,
     check_identity,
     extra_files,
     open_full,
@@ -35,11 +37,13 @@ from astra.weights.records import (
     sha256_bytes,
 )
 from astra.weights.safetensors_io import tensor_nbytes
+from astra.weights.tensor_files import read_range
 
 if TYPE_CHECKING:
     from astra.weights.records import VersionRecord
     from astra.weights.store import Store
 
+log = logging.getLogger(__name__)
 MAX_FILES = 64
 MAX_FILE_BYTES = 8 << 20
 
@@ -108,6 +112,8 @@ class PublishSession:
         self.store, self.policy, self.identity = store, policy, identity
         self.version, self.metadata = version, metadata
         self._key = (policy, identity)
+        self.stage: PublishStage | None = None
+        base: Version | None = None
         with store._guard:
             if self._key in store._publishing:
                 raise Unavailable(
@@ -128,8 +134,14 @@ class PublishSession:
                     raise content_mismatch(identity, "version or metadata differ")
                 expected = self.existing.tensors
             path = store.policy_dir(policy) / "staging" / dirname_for(identity)
-            self.stage = PublishStage(path, header, expected=expected, durable=store.config.durable)
+            base, base_identity = (None, "") if expected is not None else _open_base(store, policy)
+            self.stage = PublishStage(
+                path, header, expected=expected, durable=store.config.durable,
+                base=base, base_identity=base_identity, level=store.config.zstd_level,
+            )  # fmt: skip
         except BaseException:
+            if base is not None and self.stage is None:
+                base.close()
             self.close()
             raise
 
@@ -167,6 +179,7 @@ class PublishSession:
                 dict(self.stage.files),
                 self.metadata,
                 shards=self.stage.shards(),
+                frames=(self.stage.base_identity, dict(self.stage.frames)),
             )
         except AlreadyExists:
             self.stage.remove()  # refused content leaves nothing behind
@@ -177,8 +190,23 @@ class PublishSession:
         return result
 
     def close(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
         with self.store._guard:
             self.store._publishing.discard(self._key)
+
+
+def _open_base(store: Store, policy: str) -> tuple[Version | None, str]:
+    """The current version's full form, which the new tensors are encoded against as they arrive."""
+    chain = store._chains.get(policy)
+    head = chain.head if chain is not None else None
+    if head is None:
+        return None, ""
+    try:
+        return open_full(store.cache.full_dir(policy, head)), head.identity
+    except AstraError as exc:  # no full form to encode against: the commit decides
+        log.info("%s: no base to encode %s against while it streams: %s", policy, head, exc)
+        return None, ""
 
 
 class StorePublishing:
@@ -211,23 +239,107 @@ class StorePublishing:
         items = {
             n: Tensor(d, tuple(s), memoryview(b).cast("B")) for n, (d, s, b) in tensors.items()
         }
-        hashes = hash_tensors(items)
-        return self.commit(
-            policy, identity, version, items, hashes, dict(files or {}), dict(metadata or {})
-        )
+        try:
+            return self._publish_tensors(
+                policy, identity, version, items, dict(files or {}), dict(metadata or {})
+            )
+        finally:
+            items.clear()
 
     def publish_dir(
         self: Store, policy: str, identity: str, version: int, directory: str | Path
     ) -> tuple[VersionRecord, bool]:
         """Publishes a full checkpoint directory (a relay importing what it fetched)."""
         with open_full(directory) as source:
-            tensors = {
-                n: Tensor(e.info.dtype, e.info.shape, source.view(n))
+            sources = {
+                n: Tensor(
+                    e.info.dtype, e.info.shape, (e.shard.path, e.shard.data_start + e.info.begin)
+                )
                 for n, e in source.entries.items()
             }
             files = {p.name: p.read_bytes() for p in extra_files(source)}
-            try:
-                hashes = hash_tensors(tensors)
-                return self.commit(policy, identity, version, tensors, hashes, files, {})
-            finally:
-                tensors.clear()
+            return self._publish_tensors(policy, identity, version, sources, files, {})
+
+    def _publish_tensors(
+        self: Store,
+        policy: str,
+        identity: str,
+        version: int,
+        tensors: Mapping[str, Tensor],
+        files: dict[str, bytes],
+        metadata: dict[str, str],
+    ) -> tuple[VersionRecord, bool]:
+        """Writes each tensor once, as a single-tensor shard, through a publish session.
+
+        Adler-32, SHA-256 and the xor+zstd frame against the current version
+        are computed as the bytes are written (one pass, several tensors at
+        once); the commit then writes those frames as the delta and links the
+        shards as the full copy: nothing is written, hashed or encoded twice.
+        A tensor's data is a buffer, or (path, offset) of its bytes in a file,
+        read without mapping it.
+        """
+        sizes = {n: _checked_size(n, t) for n, t in tensors.items()}
+        with self._lock(policy):  # the policy exists from here on, as when the commit began it
+            if policy not in self._chains:
+                self._new_policy(policy)
+        session = self.begin_publish(policy, identity, version, metadata)
+        try:
+            held = set(session.held)
+            if held:  # an interrupted streamed publish of this identity: its tensors must match
+                staged = session.stage.records()
+                ours = hash_tensors(
+                    {n: _in_memory(t, sizes[n]) for n, t in tensors.items() if n in held}
+                )
+                for name, record in ours.items():
+                    if staged[name] != record:
+                        raise content_mismatch(identity, "tensors differ", name)
+
+            def one(name: str) -> None:
+                t = tensors[name]
+                sink = session.begin_tensor(name, t.dtype, tuple(t.shape), None)
+                try:
+                    if isinstance(t.data, tuple):
+                        path, offset = t.data
+                        pos = 0
+                        for piece in read_range(Path(path), offset, sizes[name]):
+                            sink.write(pos, piece)
+                            pos += piece.nbytes
+                    else:
+                        sink.write(0, t.data)
+                    sink.finish()
+                except BaseException:
+                    sink.abort()
+                    raise
+
+            with ThreadPoolExecutor(worker_count(None)) as pool:
+                list(pool.map(one, sorted(n for n in tensors if n not in held)))
+            for name, content in sorted(files.items()):
+                session.add_file(name, content)
+            return session.commit(len(tensors))
+        finally:
+            session.close()
+
+
+def _checked_size(name: str, t: Tensor) -> int:
+    try:
+        size = tensor_nbytes(t.dtype, t.shape)
+    except ValueError as exc:
+        raise InvalidArgument(
+            f"{name}: {exc}", reason="INVALID_TENSOR", metadata={"tensor": name}
+        ) from exc
+    if not isinstance(t.data, tuple) and memoryview(t.data).nbytes != size:
+        raise InvalidArgument(
+            f"{name}: {memoryview(t.data).nbytes} bytes, {t.dtype}{list(t.shape)} needs {size}",
+            reason="INVALID_TENSOR",
+            metadata={"tensor": name},
+        )
+    return size
+
+
+def _in_memory(t: Tensor, size: int) -> Tensor:
+    if not isinstance(t.data, tuple):
+        return t
+    path, offset = t.data
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return Tensor(t.dtype, t.shape, f.read(size))

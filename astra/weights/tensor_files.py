@@ -11,10 +11,14 @@ versions may share inodes. Never touches gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import mmap
 import os
 import shutil
-from collections.abc import Mapping
+import struct
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +28,222 @@ from astra.weights.records import fsync_path
 from astra.weights.safetensors_io import encode_header
 
 _COPY_CHUNK = 1 << 30
+ALIGN = 4096  # O_DIRECT: file offsets, lengths and memory aligned to this
+BUFFER_BYTES = 8 << 20  # one aligned write buffer; a multiple of ALIGN
 
 
-def tensor_header(name: str, dtype: str, shape: Any, size: int, adler: str) -> bytes:
-    """The header of a shard holding exactly this tensor, its checksum in the metadata."""
-    return encode_header([(name, dtype, tuple(shape), size)], {"format": "pt", name: adler})
+def tensor_header(
+    name: str, dtype: str, shape: Any, size: int, adler: str, *, align: int = 8
+) -> bytes:
+    """The header of a shard holding exactly this tensor, its checksum in the metadata.
+
+    With `align` the JSON is padded with spaces (which the format allows) so
+    the tensor's bytes start at a multiple of `align`.
+    """
+    head = encode_header([(name, dtype, tuple(shape), size)], {"format": "pt", name: adler})
+    pad = -len(head) % align
+    if pad:
+        (length,) = struct.unpack("<Q", head[:8])
+        head = struct.pack("<Q", length + pad) + head[8:] + b" " * pad
+    return head
+
+
+class _Buffers:
+    """Page-aligned buffers reused across shards (O_DIRECT needs aligned memory).
+
+    Fresh anonymous memory costs a page fault per page (dear on a VM), so
+    buffers are kept and reused rather than mapped per shard; transparent
+    huge pages are asked for where the kernel offers them.
+    """
+
+    def __init__(self, size: int = BUFFER_BYTES, keep: int = 8) -> None:
+        self.size, self.keep = size, keep
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        buf = mmap.mmap(-1, self.size)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):
+                buf.madvise(mmap.MADV_HUGEPAGE)
+        return buf
+
+    def put(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+                return
+        # A view may outlive its use; the mapping then goes with the last one.
+        with contextlib.suppress(BufferError):
+            buf.close()
+
+
+BUFFERS = _Buffers()
+
+
+class ShardWriter:
+    """Writes one single-tensor shard front to back: its header, then the tensor's bytes.
+
+    Bytes are gathered in an aligned buffer and written a buffer at a time;
+    with `direct` (and a header padded to ALIGN) the file is opened with
+    O_DIRECT, so no page cache is filled (on a VM, allocating page cache
+    costs more than the copy) and an fsync has only metadata left to flush.
+    Where the file system refuses O_DIRECT it writes through the page cache.
+    `region` + `advance` let a decoder write straight into the buffer. The
+    buffer is held only while bytes are being written (from the first to the
+    last), so shards waiting to be synced hold none. Sequential, one thread
+    at a time.
+    """
+
+    def __init__(self, path: Path, head: bytes, size: int, *, direct: bool = True) -> None:
+        self.path, self.size, self.head_len = path, size, len(head)
+        self.written = 0  # tensor bytes accepted so far
+        self.direct = direct and hasattr(os, "O_DIRECT") and len(head) % ALIGN == 0
+        self.fd: int | None = None
+        self._head: bytes | None = head  # written into the buffer when it is first taken
+        self._buf: mmap.mmap | None = None
+        self._mv: memoryview | None = None
+        self._fill = self._pos = 0  # bytes in the buffer; file offset of the buffer's start
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        if self.direct:
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                self.direct = False
+        if self.fd is None:
+            self.fd = os.open(path, flags, 0o644)
+        try:
+            reserve(self.fd, len(head) + size)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def complete(self) -> bool:
+        return self.written == self.size
+
+    def _take(self) -> memoryview:
+        if self._mv is None:
+            self._buf = BUFFERS.get()
+            self._mv = memoryview(self._buf)
+            head, self._head = self._head, None
+            if head:
+                self._put(memoryview(head))
+        return self._mv
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        if self.written + view.nbytes > self.size:
+            raise ValueError(f"{self.path.name}: more than {self.size} bytes")
+        self._take()
+        self._put(view)
+        self.written += view.nbytes
+        if self.written == self.size:
+            self._drain()
+
+    def region(self, limit: int) -> memoryview:
+        """Free space in the buffer for up to `limit` more tensor bytes; `advance` commits them."""
+        mv = self._take()
+        n = min(len(mv) - self._fill, limit, self.size - self.written)
+        return mv[self._fill : self._fill + n]
+
+    def advance(self, n: int) -> None:
+        self._fill += n
+        self.written += n
+        if self._fill == len(self._mv):
+            self._flush()
+        if self.written == self.size:
+            self._drain()
+
+    def _put(self, view: memoryview) -> None:
+        mv = self._mv
+        while view.nbytes:
+            n = min(len(mv) - self._fill, view.nbytes)
+            mv[self._fill : self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == len(mv):
+                self._flush()
+
+    def _flush(self) -> None:
+        n = self._fill
+        if self.direct:
+            n += -n % ALIGN  # the tail of the last write; truncated away in close()
+            self._mv[self._fill : n] = bytes(n - self._fill)
+        try:
+            pwrite_all(self.fd, self._mv[:n], self._pos)
+        except OSError as exc:
+            if not self.direct or exc.errno != errno.EINVAL:
+                raise
+            # The file system opened with O_DIRECT but refuses its writes: go through the cache.
+            fd = os.open(self.path, os.O_RDWR)
+            os.close(self.fd)
+            self.fd, self.direct = fd, False
+            pwrite_all(self.fd, self._mv[: self._fill], self._pos)
+        self._pos += self._fill
+        self._fill = 0
+
+    def rewrite_head(self, head: bytes) -> None:
+        """Replaces the header (same length) once every byte is written, e.g. with a checksum."""
+        if len(head) != self.head_len or self._mv is not None:
+            raise ValueError("a header is rewritten only after the bytes, at the same length")
+        if self._head is not None:  # never written: an empty tensor
+            self._head = head
+            return
+        if not self.direct:
+            pwrite_all(self.fd, head, 0)
+            return
+        buf = BUFFERS.get()
+        try:
+            with memoryview(buf) as mv:
+                mv[: len(head)] = head
+                pwrite_all(self.fd, mv[: len(head)], 0)  # whole blocks: len(head) % ALIGN == 0
+        finally:
+            BUFFERS.put(buf)
+
+    def _drain(self) -> None:
+        """Writes out what is buffered and gives the buffer back (every byte has arrived)."""
+        if self._mv is None:
+            return
+        if self._fill:
+            self._flush()
+        self._give_back()
+
+    def close(self, *, durable: bool) -> None:
+        """Writes what is buffered, syncs (when durable) and closes; the file then holds the shard."""
+        if self.written != self.size:
+            raise ValueError(f"{self.path.name}: {self.written} of {self.size} bytes")
+        if self._head is not None:  # an empty tensor: only the header
+            self._take()
+        self._drain()
+        if self.direct:
+            os.ftruncate(self.fd, self.head_len + self.size)
+        if durable:
+            os.fsync(self.fd)
+        self._release()
+
+    def abort(self) -> None:
+        """Closes without finishing; the caller removes the file."""
+        self._release()
+
+    def _give_back(self) -> None:
+        if self._mv is not None:
+            self._mv.release()
+            self._mv = None
+        if self._buf is not None:
+            BUFFERS.put(self._buf)
+            self._buf = None
+
+    def _release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self._give_back()
 
 
 def pwrite_all(fd: int, data: Any, offset: int) -> None:
@@ -48,6 +263,79 @@ def reserve(fd: int, size: int) -> None:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
     os.ftruncate(fd, size)
+
+
+def read_range(path: Path, offset: int, size: int) -> Iterator[memoryview]:
+    """A file's bytes [offset, offset + size) as consecutive pieces of one reused aligned buffer.
+
+    Read with O_DIRECT when the range starts aligned (a single-tensor shard
+    this package wrote), so nothing is faulted in or cached; each piece is
+    valid until the next one is asked for.
+    """
+    direct = hasattr(os, "O_DIRECT") and offset % ALIGN == 0
+    fd = -1
+    if direct:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            direct = False
+    if fd < 0:
+        fd = os.open(path, os.O_RDONLY)
+    buf = BUFFERS.get()
+    mv = memoryview(buf)
+    try:
+        pos = 0
+        while pos < size:
+            n = min(len(mv), size - pos)
+            want = n + (-n % ALIGN if direct else 0)
+            got = 0
+            while got < n:
+                try:
+                    k = os.preadv(fd, [mv[got:want]], offset + pos + got)
+                except OSError as exc:
+                    if not direct or exc.errno != errno.EINVAL:
+                        raise
+                    os.close(fd)
+                    fd, direct, want = os.open(path, os.O_RDONLY), False, n
+                    continue
+                if k <= 0:
+                    raise OSError(errno.EIO, f"{path}: ends before byte {offset + size}")
+                got += k
+            piece = mv[:n]
+            yield piece
+            piece.release()
+            pos += n
+    finally:
+        os.close(fd)
+        mv.release()
+        BUFFERS.put(buf)
+
+
+class RangeCursor:
+    """Takes a file range front to back in pieces of any size (over `read_range`)."""
+
+    def __init__(self, path: Path, offset: int, size: int) -> None:
+        self._pieces = read_range(path, offset, size)
+        self._cur: memoryview | None = None
+        self._at = 0
+
+    def take(self, n: int) -> Iterator[memoryview]:
+        """The next n bytes as consecutive views, each valid until the next is asked for."""
+        while n:
+            if self._cur is None or self._at == len(self._cur):
+                self._cur, self._at = next(self._pieces, None), 0
+                if self._cur is None:
+                    raise OSError(errno.EIO, "the range ended early")
+            k = min(n, len(self._cur) - self._at)
+            yield self._cur[self._at : self._at + k]
+            self._at += k
+            n -= k
+
+    def close(self) -> None:
+        self._cur = None
+        self._pieces.close()
 
 
 def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
