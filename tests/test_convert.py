@@ -144,3 +144,40 @@ def test_received_bytes_are_kept_as_the_payload():
     payloads = [t.payload for t in g.per_policy["policy"]]
     assert payloads == [t.SerializeToString() for t in ts]
     assert all(p in raw for p in payloads)
+
+
+def test_version_ranges_of_a_whole_group_match_per_sequence_checks():
+    """The group-wide numpy pass gives each trajectory the same facts as a scalar check."""
+    specs = [
+        dict(n=6, versions=(3, 4)),
+        dict(n=6, weight_versions=np.full(6, -1, dtype=np.int64)),  # nothing generated
+        dict(n=6, weight_versions=np.array([-1, -1, 5, 2, 9, -3], dtype=np.int32)),
+        dict(n=3, versions=(7, 7)),
+    ]
+    ts = [
+        rollout_pb2.Trajectory(trajectory_id=f"t{i}", reward=1.0, sequences=[sequence(**kw)])
+        for i, kw in enumerate(specs)
+    ]
+    empty = rollout_pb2.Sequence(
+        policy_id="policy",
+        token_ids=to_array(np.zeros(0, dtype=np.int32)),
+        logprobs=to_array(np.zeros(0, dtype=np.float32)),
+        loss_mask=to_array(np.zeros(0, dtype=np.uint8)),
+        weight_versions=to_array(np.zeros(0, dtype=np.int64)),
+    )
+    ts.append(rollout_pb2.Trajectory(trajectory_id="t4", reward=1.0, sequences=[empty]))
+    g = incoming_group(result(*ts), "raas")
+    assert g.invalid is None, g.invalid
+    facts = [(r.min_version, r.max_version, r.num_tokens) for r in g.per_policy["policy"]]
+    assert facts == [(3, 4, 6), (-1, -1, 6), (2, 9, 6), (7, 7, 3), (-1, -1, 0)]
+
+
+def test_non_finite_logprobs_are_named_in_a_group_of_several():
+    bad = -np.ones(6, dtype=np.float32)
+    bad[4] = np.inf
+    ts = [
+        rollout_pb2.Trajectory(reward=1.0, sequences=[sequence()]),
+        rollout_pb2.Trajectory(reward=1.0, sequences=[sequence(), sequence(logprobs=bad)]),
+    ]
+    g = incoming_group(result(*ts), "raas")
+    assert g.invalid == "result.trajectories[1].sequences[1].logprobs: not finite"

@@ -16,6 +16,19 @@ from collections import Counter
 from pathlib import Path
 
 SEGMENT_BYTES = 256 << 20
+IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+def _writev_all(fd: int, parts: list) -> None:
+    """writev until every byte of `parts` is written (a regular file rarely writes short)."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        written = os.writev(fd, views)
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
 
 
 class BlobLog:
@@ -38,19 +51,23 @@ class BlobLog:
 
     def append(self, data: bytes) -> tuple[int, int, int]:
         """Writes `data`; returns (segment, offset, length) to store with the row."""
-        if self._size and self._size + len(data) > self.segment_bytes:
+        return self.append_parts([data])
+
+    def append_parts(self, parts: list) -> tuple[int, int, int]:
+        """Writes the concatenation of `parts` (bytes-like) without building it in memory:
+        one `writev` per IOV_MAX parts. Returns (segment, offset, length) like `append`."""
+        length = sum(len(p) for p in parts)
+        if self._size and self._size + length > self.segment_bytes:
             os.close(self._fd)
             self.active += 1
             self._fd = self._open(self.active)
             self._size = 0
         offset = self._size
-        view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        self._size += len(data)
+        for start in range(0, len(parts), IOV_MAX):
+            _writev_all(self._fd, parts[start : start + IOV_MAX])
+        self._size += length
         self.live[self.active] += 1
-        return self.active, offset, len(data)
+        return self.active, offset, length
 
     def read(self, segment: int, offset: int, length: int) -> bytes:
         fd = self._readers.get(segment)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import time
 import uuid
@@ -373,16 +374,15 @@ class Dataflow:
             floor = self.version_floor(stream)
             while budget > 0:
                 plan: dict[str, list[str]] = {}
-                while budget > 0:
-                    inst = self.pool.pick(
-                        stream.workflow,
-                        stream.policy_ids,
-                        stream.group_size,
-                        floor,
-                        stream.raas_labels,
-                    )
-                    if inst is None:
-                        break
+                # Pool.pick once per group, without scanning the pool each time: the
+                # instance with the most free slots, the first in pool order among equals.
+                candidates = self.pool.eligible(
+                    stream.workflow, stream.policy_ids, stream.group_size, floor, stream.raas_labels
+                )
+                heap = [(-inst.free_slots, k, inst) for k, inst in enumerate(candidates)]
+                heapq.heapify(heap)
+                while budget > 0 and heap:
+                    _, k, inst = heapq.heappop(heap)
                     gid = self._next_work(stream)
                     if gid is None:
                         break
@@ -391,6 +391,8 @@ class Dataflow:
                     budget -= 1
                     if len(plan[inst.instance_id]) >= SUBMIT_BATCH:
                         break
+                    if inst.free_slots >= stream.group_size:
+                        heapq.heappush(heap, (-inst.free_slots, k, inst))
                 if not plan:
                     break
                 self._persist_leases([g for gids in plan.values() for g in gids])

@@ -247,6 +247,34 @@ class Pool:
     def empty(self) -> bool:
         return not self.by_state(InstanceState.ACTIVE)
 
+    def eligible(
+        self,
+        workflow: str,
+        policy_ids: Iterable[str],
+        slots: int,
+        min_versions: dict[str, int] | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> list[Instance]:
+        """The ACTIVE instances serving the work with >= `slots` free, in pool order.
+
+        An instance that holds an older version of a policy than `min_versions` asks
+        for is skipped until it has loaded a newer one; with `labels`, only instances
+        whose labels include them all are considered.
+        """
+        wanted = frozenset(policy_ids)
+        out = []
+        for inst in self.instances.values():
+            if inst.state is not InstanceState.ACTIVE or inst.free_slots < slots:
+                continue
+            if not inst.serves(workflow, wanted, labels):
+                continue
+            if min_versions and any(
+                inst.loaded_versions.get(p, -1) < v for p, v in min_versions.items()
+            ):
+                continue
+            out.append(inst)
+        return out
+
     def pick(
         self,
         workflow: str,
@@ -255,23 +283,10 @@ class Pool:
         min_versions: dict[str, int] | None = None,
         labels: dict[str, str] | None = None,
     ) -> Instance | None:
-        """The ACTIVE instance serving the work with the most free slots (>= slots).
-
-        An instance that holds an older version of a policy than `min_versions` asks
-        for is skipped until it has loaded a newer one; with `labels`, only instances
-        whose labels include them all are considered.
-        """
-        policy_ids = tuple(policy_ids)
+        """The eligible instance (see `eligible`) with the most free slots; the first in
+        pool order among equals."""
         best = None
-        for inst in self.instances.values():
-            if inst.state is not InstanceState.ACTIVE or inst.free_slots < slots:
-                continue
-            if not inst.serves(workflow, policy_ids, labels):
-                continue
-            if min_versions and any(
-                inst.loaded_versions.get(p, -1) < v for p, v in min_versions.items()
-            ):
-                continue
+        for inst in self.eligible(workflow, policy_ids, slots, min_versions, labels):
             if best is None or inst.free_slots > best.free_slots:
                 best = inst
         return best
