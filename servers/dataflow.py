@@ -106,10 +106,21 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         max_wait = request.max_wait.ToNanoseconds() / 1e9 if request.HasField("max_wait") else 10.0
         if max_wait < 0:
             raise invalid_field("max_wait", "must not be negative")
-        batch = await self.df.batches.fetch(
-            request.policy_id, request.num_groups, request.request_id, request.trainer_id, max_wait
-        )
-        async with self.df.trainer_first():
+        # Ingest yields to the trainer from the start when the batch is there to take; if
+        # the fetch has to wait for data, not while it waits.
+        turn = self.df.trainer_turn()
+        try:
+            if self.df.batch_ready(request.policy_id, request.num_groups):
+                turn.hold()
+            batch = await self.df.batches.fetch(
+                request.policy_id,
+                request.num_groups,
+                request.request_id,
+                request.trainer_id,
+                max_wait,
+                on_wait=turn.release,
+            )
+            turn.hold()
             header = pb.BatchHeader(
                 batch_id=batch.batch_id,
                 policy_id=batch.policy_id,
@@ -141,6 +152,8 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
                     num_replay_groups=sum(1 for g in batch.groups if g.replay),
                 )
             )
+        finally:
+            turn.release()
 
     async def AckBatch(self, request: pb.AckBatchRequest, context):
         check_id(request.batch_id, "batch_id")

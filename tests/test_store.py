@@ -67,3 +67,41 @@ def test_blob_log_rejects_a_short_read(tmp_path):
     with pytest.raises(OSError, match="short read"):
         log.read(seg, off, length + 5)
     log.close()
+
+
+def test_staged_bytes_written_ahead_are_used_or_given_back(tmp_path):
+    store = StateStore(tmp_path)
+    store.blobs.segment_bytes = 4000  # one group per segment
+    a, b = group("a"), group("b")
+    staged = {st.key: st for st in (store.stage(a), store.stage(b))}
+    StateStore.write_staged(staged.values())  # the writer thread's part
+    with store.tx() as tx:
+        tx.add_groups([a], staged)  # uses a's staged bytes; b is never stored
+    store.discard_staged(staged.values())
+    assert staged[("a", "policy")].used and not staged[("b", "policy")].used
+    assert len(list((tmp_path / "blobs").glob("*.seg"))) == 2  # b's segment is still active
+    c = group("c")
+    with store.tx() as tx:  # not staged: written inside the transaction
+        tx.add_groups([c], staged)
+    assert len(list((tmp_path / "blobs").glob("*.seg"))) == 2  # b's segment dropped
+    store.close()
+    again = StateStore(tmp_path)
+    loaded = {g.group_id: g for g, _ in again.groups()}
+    assert set(loaded) == {"a", "c"}
+    assert loaded["a"].trajectories == a.trajectories
+    again.close()
+
+
+def test_staged_bytes_of_a_rolled_back_transaction_are_given_back(tmp_path):
+    store = StateStore(tmp_path)
+    a = group("a")
+    staged = {("a", "policy"): store.stage(a)}
+    StateStore.write_staged(staged.values())
+    with pytest.raises(RuntimeError), store.tx() as tx:
+        tx.add_groups([a], staged)
+        raise RuntimeError("crash inside the transaction")
+    store.discard_staged(staged.values())
+    assert not staged[("a", "policy")].used
+    assert store.blobs.live[store.blobs.active] == 0
+    assert store.groups() == []
+    store.close()

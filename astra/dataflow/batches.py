@@ -99,8 +99,16 @@ class BatchDesk:
         )
 
     async def fetch(
-        self, policy_id: str, num_groups: int, request_id: str, trainer_id: str, max_wait_s: float
+        self,
+        policy_id: str,
+        num_groups: int,
+        request_id: str,
+        trainer_id: str,
+        max_wait_s: float,
+        on_wait=None,
     ) -> Batch:
+        """The batch of `request_id` (a new one, or the same one again). `on_wait` is called
+        before waiting for data, if the buffer cannot make the batch yet."""
         df = self.df
         if policy_id not in df.buffers:
             raise NotFound(
@@ -155,6 +163,8 @@ class BatchDesk:
                         metadata={"policy_id": policy_id, "buffered_groups": str(len(buf))},
                         retry_after_s=1.0,
                     )
+                if on_wait is not None:
+                    on_wait()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(df.data_ready.wait(), remaining)
         batch = Batch(

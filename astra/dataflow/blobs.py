@@ -19,11 +19,13 @@ SEGMENT_BYTES = 256 << 20
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
-def _writev_all(fd: int, parts: list) -> None:
-    """writev until every byte of `parts` is written (a regular file rarely writes short)."""
+def write_parts(fd: int, offset: int, parts: list) -> None:
+    """pwritev the concatenation of `parts` at `offset`, until every byte is written (a
+    regular file rarely writes short). Touches no BlobLog state: safe on any thread."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
-        written = os.writev(fd, views)
+        written = os.pwritev(fd, views[:IOV_MAX], offset)
+        offset += written
         while views and written >= len(views[0]):
             written -= len(views[0])
             views.pop(0)
@@ -32,6 +34,8 @@ def _writev_all(fd: int, parts: list) -> None:
 
 
 class BlobLog:
+    """Not thread-safe, except `write_parts` on a reservation (see `reserve`)."""
+
     def __init__(self, directory: str | Path, segment_bytes: int = SEGMENT_BYTES) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -39,7 +43,9 @@ class BlobLog:
         self.live: Counter[int] = Counter()
         existing = sorted(int(p.stem) for p in self.dir.glob("*.seg"))
         self.active = (existing[-1] + 1) if existing else 0
-        self._fd = self._open(self.active)
+        # Writers stay open until their segment is dropped, so a write on another thread
+        # never finds its descriptor closed by a rotation.
+        self._writers: dict[int, int] = {self.active: self._open(self.active)}
         self._size = 0
         self._readers: dict[int, int] = {}
 
@@ -47,27 +53,39 @@ class BlobLog:
         return self.dir / f"{segment:08d}.seg"
 
     def _open(self, segment: int) -> int:
-        return os.open(self._path(segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        return os.open(self._path(segment), os.O_WRONLY | os.O_CREAT, 0o644)
 
     def append(self, data: bytes) -> tuple[int, int, int]:
         """Writes `data`; returns (segment, offset, length) to store with the row."""
         return self.append_parts([data])
 
     def append_parts(self, parts: list) -> tuple[int, int, int]:
-        """Writes the concatenation of `parts` (bytes-like) without building it in memory:
-        one `writev` per IOV_MAX parts. Returns (segment, offset, length) like `append`."""
-        length = sum(len(p) for p in parts)
+        """Writes the concatenation of `parts` (bytes-like) without building it in memory.
+        Returns (segment, offset, length) like `append`."""
+        segment, offset, length, fd = self.reserve(sum(len(p) for p in parts))
+        try:
+            write_parts(fd, offset, parts)
+        except BaseException:
+            self.release(segment)
+            raise
+        return segment, offset, length
+
+    def reserve(self, length: int) -> tuple[int, int, int, int]:
+        """Room for `length` bytes: (segment, offset, length, fd). The caller writes them with
+        `write_parts(fd, offset, parts)` (on any thread) before the row that points at them
+        commits, or gives the room back with `release(segment)`. Counts as a live row."""
         if self._size and self._size + length > self.segment_bytes:
-            os.close(self._fd)
+            retired = self.active
             self.active += 1
-            self._fd = self._open(self.active)
+            self._writers[self.active] = self._open(self.active)
             self._size = 0
+            if self.live[retired] <= 0:  # everything in it was released while it was active
+                del self.live[retired]
+                self._drop(retired)
         offset = self._size
-        for start in range(0, len(parts), IOV_MAX):
-            _writev_all(self._fd, parts[start : start + IOV_MAX])
         self._size += length
         self.live[self.active] += 1
-        return self.active, offset, length
+        return self.active, offset, length, self._writers[self.active]
 
     def read(self, segment: int, offset: int, length: int) -> bytes:
         fd = self._readers.get(segment)
@@ -98,13 +116,14 @@ class BlobLog:
                 self._drop(seg)
 
     def _drop(self, segment: int) -> None:
-        fd = self._readers.pop(segment, None)
-        if fd is not None:
-            os.close(fd)
+        for fds in (self._readers, self._writers):
+            fd = fds.pop(segment, None)
+            if fd is not None:
+                os.close(fd)
         self._path(segment).unlink(missing_ok=True)
 
     def close(self) -> None:
-        os.close(self._fd)
-        for fd in self._readers.values():
-            os.close(fd)
-        self._readers.clear()
+        for fds in (self._readers, self._writers):
+            for fd in fds.values():
+                os.close(fd)
+            fds.clear()

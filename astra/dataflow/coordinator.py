@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from astra.dataflow.batches import BatchDesk
@@ -41,7 +42,8 @@ from astra.errors import FailedPrecondition, InvalidArgument
 log = logging.getLogger(__name__)
 
 SUBMIT_BATCH = 32
-INGEST_SLICE = 2
+INGEST_SLICE = 4
+TRAINER_FIRST_MAX_S = 0.5
 # The dispatcher runs when woken (registration, heartbeat, result, version, finished weight
 # load, requeue) and at the latest this often.
 IDLE_POLL_S = 0.2
@@ -57,6 +59,29 @@ class Work:
     instance_id: str | None = None
     lease_expire: float | None = None
     attempts: int = 0
+
+
+class TrainerTurn:
+    """While held, collects, ingest and dispatch wait (see `Dataflow.after_trainers`)."""
+
+    __slots__ = ("df", "held")
+
+    def __init__(self, df: Dataflow) -> None:
+        self.df = df
+        self.held = False
+
+    def hold(self) -> None:
+        if not self.held:
+            self.held = True
+            self.df._streaming += 1
+            self.df._trainers_idle.clear()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.df._streaming -= 1
+            if self.df._streaming == 0:
+                self.df._trainers_idle.set()
 
 
 class Dataflow:
@@ -112,6 +137,8 @@ class Dataflow:
         self._saved_counters: Counter[str] = Counter()
         self._pulled: list[str] = []
         self._ingest_turn = asyncio.Lock()
+        # Writes trajectory bytes to the blob log off the event loop, one batch at a time.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="dataflow-blobs")
         # Set while no batch is being streamed to a trainer: ingest yields to trainers.
         self._trainers_idle = asyncio.Event()
         self._trainers_idle.set()
@@ -171,6 +198,7 @@ class Dataflow:
         for inst in self.pool.instances.values():
             with contextlib.suppress(Exception):
                 await inst.port.close()
+        self._writer.shutdown(wait=True)
         self.store.close()
 
     def _spawn(self, coro) -> None:
@@ -181,14 +209,29 @@ class Dataflow:
     @contextlib.asynccontextmanager
     async def trainer_first(self):
         """While a batch streams to a trainer, ingest waits: the trainer is the scarce resource."""
-        self._streaming += 1
-        self._trainers_idle.clear()
+        turn = self.trainer_turn()
+        turn.hold()
         try:
             yield
         finally:
-            self._streaming -= 1
-            if self._streaming == 0:
-                self._trainers_idle.set()
+            turn.release()
+
+    def trainer_turn(self) -> TrainerTurn:
+        """A hold on `trainer_first` that can be taken and given back more than once."""
+        return TrainerTurn(self)
+
+    async def after_trainers(self) -> None:
+        """Waits while a batch is being served (at most TRAINER_FIRST_MAX_S, so a stream
+        that never closes stalls nothing): new collects, ingest slices and dispatch rounds
+        wait, and the trainer's fetch has the event loop (and more of the CPU) to itself."""
+        if not self._trainers_idle.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._trainers_idle.wait(), TRAINER_FIRST_MAX_S)
+
+    def batch_ready(self, policy_id: str, num_groups: int) -> bool:
+        """Whether a fetch of `num_groups` would find them buffered (no wait for data)."""
+        buf = self.buffers.get(policy_id)
+        return buf is not None and len(buf) >= num_groups
 
     def wake(self) -> None:
         self._wake.set()
@@ -356,6 +399,7 @@ class Dataflow:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
+            await self.after_trainers()
             self._wake.clear()
             try:
                 await self._dispatch_round()
@@ -502,6 +546,7 @@ class Dataflow:
             if inst.state is InstanceState.SUSPECT:
                 await asyncio.sleep(ps.probe_interval_s)
                 continue
+            await self.after_trainers()
             try:
                 received = await inst.port.collect(ps.collect_max_groups, ps.collect_wait_s)
             except PortError as exc:
@@ -515,10 +560,11 @@ class Dataflow:
             # Decoding and committing are CPU work on the event loop: one slice at a time,
             # in turn with the other collectors, so trainer fetches are never starved.
             for start in range(0, len(received), INGEST_SLICE):
-                # Bounded, so a stream that never closes cannot stall ingest.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._trainers_idle.wait(), 0.5)
                 async with self._ingest_turn:
+                    # Checked with the turn held: collectors queued for the turn must not
+                    # run their slices past a trainer that arrived meanwhile. Bounded, so a
+                    # stream that never closes cannot stall ingest.
+                    await self.after_trainers()
                     results = inst.port.decode(received[start : start + INGEST_SLICE])
                     acks += await self.ingest(instance_id, results)
                 await asyncio.sleep(0)
@@ -528,8 +574,50 @@ class Dataflow:
                 # Not lost: the RaaS sends them again and they are dropped as duplicates.
                 log.warning("ack to %s failed: %s", instance_id, exc)
 
+    def _stage(self, instance_id: str, results: list[IncomingGroup]) -> dict:
+        """Reserves blob-log room for the groups the transaction will likely store, so
+        their bytes can be written off the event loop first (see `ingest`)."""
+        staged = {}
+        for r in results:
+            if r.invalid is not None or r.error is not None or r.group_id in self.done:
+                continue
+            w = self.work.get(r.group_id)
+            if w is None:
+                continue
+            for policy_id, trajectories in r.per_policy.items():
+                buf = self.buffers.get(policy_id)
+                kept = [t for t in trajectories if not t.failed]
+                if buf is None or not buf.likely_accepts(kept, self.versions.current(policy_id)):
+                    continue
+                group = GroupRecord(r.group_id, policy_id, w.item.epoch, kept)
+                staged[(r.group_id, policy_id)] = self.store.stage(group)
+        return staged
+
     async def ingest(self, instance_id: str, results: list[IncomingGroup]) -> list[str]:
-        """Takes finished groups into the buffers durably; returns the ids to acknowledge."""
+        """Takes finished groups into the buffers durably; returns the ids to acknowledge.
+
+        The groups' bytes are written to the blob log on the writer thread first (the
+        event loop serves trainers meanwhile); the decisions and the rows are made after,
+        in one transaction, exactly as if nothing had been written ahead: bytes a row does
+        not end up pointing at are given back.
+        """
+        staged = self._stage(instance_id, results)
+        if staged:
+            write = asyncio.get_running_loop().run_in_executor(
+                self._writer, self.store.write_staged, list(staged.values())
+            )
+            try:
+                await write
+            except BaseException:
+                if write.done():  # else the thread may still write there: leave the room
+                    self.store.discard_staged(staged.values())
+                raise
+        try:
+            return await self._ingest(instance_id, results, staged)
+        finally:
+            self.store.discard_staged(staged.values())
+
+    async def _ingest(self, instance_id: str, results: list[IncomingGroup], staged) -> list[str]:
         acks: list[str] = []
         cancel: dict[str, list[str]] = {}
         with self.store.tx() as tx:
@@ -544,7 +632,7 @@ class Dataflow:
                     continue
                 if w.instance_id is not None and w.instance_id != instance_id:
                     cancel.setdefault(w.instance_id, []).append(r.group_id)
-                outcome = self._take_result(tx, w, r)
+                outcome = self._take_result(tx, w, r, staged)
                 inst = self.pool.instances.get(w.instance_id or "")
                 if inst is not None and r.group_id in inst.in_flight:
                     inst.in_flight.discard(r.group_id)
@@ -569,7 +657,7 @@ class Dataflow:
         self.wake()
         return acks
 
-    def _take_result(self, tx, w: Work, r: IncomingGroup) -> str:
+    def _take_result(self, tx, w: Work, r: IncomingGroup, staged=None) -> str:
         if r.invalid is not None:
             self.counters["malformed_results"] += 1
             log.warning("malformed result for %s: %s", r.group_id, r.invalid)
@@ -596,7 +684,7 @@ class Dataflow:
             if outcome == "accepted":
                 self.accepted[policy_id] += 1
                 self.staleness.update(group.staleness(current))
-                tx.add_groups([group])
+                tx.add_groups([group], staged)
         return ",".join(outcomes) or "empty"
 
     async def _cancel(self, inst: Instance, gids: list[str]) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astra.dataflow.blobs import BlobLog
+from astra.dataflow.blobs import BlobLog, write_parts
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
 
 SCHEMA_VERSION = 1
@@ -102,6 +102,10 @@ def _pack(trajectories: list[TrajectoryRecord]) -> tuple[str, list]:
 _LENGTH = struct.Struct("<I")
 
 
+def _same(a: list[TrajectoryRecord], b: list[TrajectoryRecord]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
 def _unpack(meta_json: str, blob: bytes) -> list[TrajectoryRecord]:
     out = []
     pos = 0
@@ -113,6 +117,26 @@ def _unpack(meta_json: str, blob: bytes) -> list[TrajectoryRecord]:
     return out
 
 
+@dataclass(slots=True)
+class Staged:
+    """A group's trajectory bytes, placed in the blob log before its row is written.
+
+    `StateStore.stage` reserves the room (event loop), `write_staged` writes the bytes
+    (any thread, e.g. off the event loop), then `Tx.add_groups(..., staged)` points the
+    row at them. Room not used by a committed row is given back by `discard_staged`.
+    """
+
+    key: tuple[str, str]
+    trajectories: list[TrajectoryRecord]
+    meta: str
+    parts: list
+    segment: int
+    offset: int
+    length: int
+    fd: int
+    used: bool = False
+
+
 class Tx:
     """Operations inside one transaction."""
 
@@ -121,6 +145,7 @@ class Tx:
         self.blobs = blobs
         self.appended: list[int] = []
         self.released: list[int] = []
+        self.staged_used: list[Staged] = []
 
     def put(self, key: str, value: Any) -> None:
         self.c.execute(
@@ -149,11 +174,21 @@ class Tx:
             (group_id, stream, state, instance_id, lease_expire, attempts, outcome),
         )
 
-    def add_groups(self, groups: Iterable[GroupRecord]) -> None:
+    def add_groups(
+        self, groups: Iterable[GroupRecord], staged: dict[tuple[str, str], Staged] | None = None
+    ) -> None:
+        """Inserts the groups' rows; their bytes are written now, or were (`staged`, for the
+        same trajectories) before the transaction began."""
         for g in groups:
-            meta, parts = _pack(g.trajectories)
-            seg, off, length = self.blobs.append_parts(parts)
-            self.appended.append(seg)
+            st = staged.get((g.group_id, g.policy_id)) if staged else None
+            if st is not None and not st.used and _same(st.trajectories, g.trajectories):
+                st.used = True
+                self.staged_used.append(st)
+                meta, seg, off, length = st.meta, st.segment, st.offset, st.length
+            else:
+                meta, parts = _pack(g.trajectories)
+                seg, off, length = self.blobs.append_parts(parts)
+                self.appended.append(seg)
             # A group enters the store once (ingest de-duplicates by id): a second
             # insert is a bug and fails the transaction.
             self.c.execute(
@@ -234,6 +269,8 @@ class StateStore:
             self.conn.execute("ROLLBACK")
             for seg in tx.appended:
                 self.blobs.release(seg)
+            for st in tx.staged_used:  # back to its owner, who discards it
+                st.used = False
             raise
         self.conn.execute("COMMIT")
         for seg in tx.released:
@@ -241,6 +278,34 @@ class StateStore:
         self._commits += 1
         if self._commits % WAL_CHECK_EVERY == 0 and _size(self._wal) > WAL_LIMIT_BYTES:
             self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def stage(self, group: GroupRecord) -> Staged:
+        """Reserves room for the group's bytes (see `Staged`); nothing is written yet."""
+        meta, parts = _pack(group.trajectories)
+        segment, offset, length, fd = self.blobs.reserve(sum(len(p) for p in parts))
+        return Staged(
+            (group.group_id, group.policy_id),
+            list(group.trajectories),
+            meta,
+            parts,
+            segment,
+            offset,
+            length,
+            fd,
+        )
+
+    @staticmethod
+    def write_staged(staged: Iterable[Staged]) -> None:
+        """Writes staged bytes into their room; safe on a thread other than the owner's."""
+        for st in staged:
+            write_parts(st.fd, st.offset, st.parts)
+
+    def discard_staged(self, staged: Iterable[Staged]) -> None:
+        """Gives back the room of staged bytes that no committed row points at."""
+        for st in staged:
+            st.parts = []
+            if not st.used:
+                self.blobs.release(st.segment)
 
     def get(self, key: str, default: Any = None) -> Any:
         row = self.conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()

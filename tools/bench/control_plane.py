@@ -207,26 +207,36 @@ async def astra_trainer(client, log: FetchLog, num_groups: int) -> None:
 
     n = 0
     prefix = uuid.uuid4().hex[:8]
-    while not log.stop:
-        n += 1
-        start = time.perf_counter()
-        try:
-            header, trajectories, _footer = await client.fetch_batch(
-                "policy", num_groups, f"{prefix}-{n}", max_wait_s=10.0, timeout_s=30.0
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                log.errors += 1
-                continue
-            raise
-        took = time.perf_counter() - start
-        await client.ack_batch(header.batch_id)
-        log.records.append((start, took, len(trajectories)))
-        if not log.traj_bytes and trajectories:
-            log.traj_bytes = trajectories[0].ByteSize()
-            log.traj_tokens = trajectories[0].sequences[0].token_ids.shape[0]
-        if log.period_s:
-            await asyncio.sleep(max(0.0, start + log.period_s - time.perf_counter()))
+    # Each batch is acknowledged while the next one is fetched (a trainer prefetches its
+    # next batch while it trains), with at most one acknowledgement outstanding.
+    acking: asyncio.Task | None = None
+    try:
+        while not log.stop:
+            n += 1
+            start = time.perf_counter()
+            try:
+                header, trajectories, _footer = await client.fetch_batch(
+                    "policy", num_groups, f"{prefix}-{n}", max_wait_s=10.0, timeout_s=30.0
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    log.errors += 1
+                    continue
+                raise
+            took = time.perf_counter() - start
+            if acking is not None:
+                await acking
+            acking = asyncio.create_task(client.ack_batch(header.batch_id))
+            log.records.append((start, took, len(trajectories)))
+            if not log.traj_bytes and trajectories:
+                log.traj_bytes = trajectories[0].ByteSize()
+                log.traj_tokens = trajectories[0].sequences[0].token_ids.shape[0]
+            if log.period_s:
+                await asyncio.sleep(max(0.0, start + log.period_s - time.perf_counter()))
+    finally:
+        if acking is not None:
+            with contextlib.suppress(Exception):
+                await acking
 
 
 def baseline_trainer(client, log: FetchLog, num_groups: int) -> None:
