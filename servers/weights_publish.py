@@ -4,7 +4,8 @@ Each tensor's chunks must arrive in order and are checked (offsets, sizes)
 and hashed as they arrive, on a worker thread so the event loop keeps
 serving fetches; a tensor whose bytes do not match its Adler-32 fails the
 stream with DATA_LOSS naming it. Verified tensors stay staged, so the client
-resumes by opening a new stream. A failure after PublishAccepted is also
+resumes by opening a new stream; a tensor is acknowledged once its shard is
+durable (synced in the background while the stream reads on). A failure after PublishAccepted is also
 sent in band, as a TensorAck carrying the error's status, so the client
 stops sending. Every decision is the store's.
 """
@@ -112,59 +113,111 @@ async def _receive(
     requests: AsyncIterator[pb.PublishVersionRequest],
 ) -> AsyncIterator[pb.PublishVersionResponse]:
     sink: TensorSink | None = None
+    # Verified tensors whose shard is still being synced: each is acknowledged once durable
+    # (an acknowledged tensor survives a crash), while the stream goes on reading.
+    syncing: list[TensorSink] = []
+
+    def durable_acks() -> list[pb.PublishVersionResponse]:
+        acks = []
+        while syncing and (syncing[0].synced is None or syncing[0].synced.done()):
+            done = syncing.pop(0)
+            if done.synced is not None:
+                done.synced.result()
+            ack = pb.TensorAck(name=done.name)
+            ack.status.code = 0
+            acks.append(pb.PublishVersionResponse(tensor_ack=ack))
+        return acks
+
+    async def reads() -> AsyncIterator[Any]:
+        """The requests, interleaved with None whenever the oldest syncing tensor became durable."""
+        it = aiter(requests)
+        pending = asyncio.ensure_future(anext(it))
+        try:
+            while True:
+                waits: set[asyncio.Future[Any]] = {pending}
+                if syncing and syncing[0].synced is not None:
+                    waits.add(asyncio.wrap_future(syncing[0].synced))
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if pending not in done:
+                    yield None
+                    continue
+                try:
+                    req = pending.result()
+                except StopAsyncIteration:
+                    return
+                pending = asyncio.ensure_future(anext(it))
+                yield req
+        finally:
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+
     try:
-        async for req in requests:
-            part = req.WhichOneof("part")
-            if part != "chunk" and sink is not None:
-                raise InvalidArgument(
-                    f"{sink.name}: {sink.received} of {sink.size} bytes before the next part",
-                    reason="TRUNCATED_TENSOR",
-                    metadata={"tensor": sink.name},
-                )
-            if part == "tensor":
-                dtype, shape = check_publish_tensor(req.tensor)
-                sink = session.begin_tensor(req.tensor.name, dtype, shape, req.tensor.adler32)
-                if req.tensor.size_bytes != sink.size:
-                    raise invalid_field(
-                        "tensor.size_bytes",
-                        f"{sink.size} for {dtype}{list(shape)}",
-                        reason="INVALID_TENSOR",
+        async with contextlib.aclosing(reads()) as incoming:
+            async for req in incoming:
+                if req is None:  # a synced tensor: acknowledge it
+                    for ack in durable_acks():
+                        yield ack
+                    continue
+                part = req.WhichOneof("part")
+                if part != "chunk" and sink is not None:
+                    raise InvalidArgument(
+                        f"{sink.name}: {sink.received} of {sink.size} bytes before the next part",
+                        reason="TRUNCATED_TENSOR",
+                        metadata={"tensor": sink.name},
                     )
-            elif part == "chunk":
-                if sink is None:
-                    raise invalid_field(
-                        "chunk", "no TensorHeader before it", reason="UNEXPECTED_CHUNK"
+                if part == "tensor":
+                    dtype, shape = check_publish_tensor(req.tensor)
+                    sink = session.begin_tensor(req.tensor.name, dtype, shape, req.tensor.adler32)
+                    if req.tensor.size_bytes != sink.size:
+                        raise invalid_field(
+                            "tensor.size_bytes",
+                            f"{sink.size} for {dtype}{list(shape)}",
+                            reason="INVALID_TENSOR",
+                        )
+                elif part == "chunk":
+                    if sink is None:
+                        raise invalid_field(
+                            "chunk", "no TensorHeader before it", reason="UNEXPECTED_CHUNK"
+                        )
+                    await asyncio.to_thread(sink.write, req.chunk.offset, req.chunk.data)
+                elif part == "file":
+                    session.add_file(req.file.name, req.file.content)
+                elif part == "commit":
+                    if req.commit.num_tensors != h.num_tensors:
+                        raise invalid_field(
+                            "commit.num_tensors",
+                            f"header said {h.num_tensors}",
+                            reason="PUBLISH_INCOMPLETE",
+                        )
+                    for waiting in syncing:
+                        if waiting.synced is not None:
+                            await asyncio.wrap_future(waiting.synced)
+                    for ack in durable_acks():
+                        yield ack
+                    record, existed = await asyncio.to_thread(
+                        session.commit, req.commit.num_tensors
                     )
-                await asyncio.to_thread(sink.write, req.chunk.offset, req.chunk.data)
-            elif part == "file":
-                session.add_file(req.file.name, req.file.content)
-            elif part == "commit":
-                if req.commit.num_tensors != h.num_tensors:
-                    raise invalid_field(
-                        "commit.num_tensors",
-                        f"header said {h.num_tensors}",
-                        reason="PUBLISH_INCOMPLETE",
+                    yield pb.PublishVersionResponse(
+                        committed=pb.PublishCommitted(
+                            version=version_info(record, record is store.chain(h.policy_id).head),
+                            already_existed=existed,
+                        )
                     )
-                record, existed = await asyncio.to_thread(session.commit, req.commit.num_tensors)
-                yield pb.PublishVersionResponse(
-                    committed=pb.PublishCommitted(
-                        version=version_info(record, record is store.chain(h.policy_id).head),
-                        already_existed=existed,
-                    )
-                )
-                return
-            else:
-                raise invalid_field("header", "sent twice", reason="UNEXPECTED_HEADER")
-            if sink is not None and sink.complete:
-                done, sink = sink, None
-                await asyncio.to_thread(done.finish)
-                ack = pb.TensorAck(name=done.name)
-                ack.status.code = 0
-                yield pb.PublishVersionResponse(tensor_ack=ack)
-        raise InvalidArgument(
-            "the stream ended before PublishCommit; verified tensors stay staged",
-            reason="PUBLISH_INCOMPLETE",
-        )
+                    return
+                else:
+                    raise invalid_field("header", "sent twice", reason="UNEXPECTED_HEADER")
+                if sink is not None and sink.complete:
+                    done, sink = sink, None
+                    await asyncio.to_thread(done.finish)
+                    syncing.append(done)
+                for ack in durable_acks():
+                    yield ack
+            raise InvalidArgument(
+                "the stream ended before PublishCommit; verified tensors stay staged",
+                reason="PUBLISH_INCOMPLETE",
+            )
     finally:
         if sink is not None:
             sink.abort()

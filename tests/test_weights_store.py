@@ -261,7 +261,8 @@ def test_kill_9_mid_publish_leaves_versions_absent_or_complete(tmp_path: Path) -
             proc.stdout.close()
         store = Store(tmp_path, StoreConfig(full_every=3))
         assert not list(store.policy_dir("p").glob("versions/.*")), "half-written versions are gone"
-        records = store.list_versions("p")
+        # Killed before the first publish began (a loaded machine): no policy yet, nothing torn.
+        records = store.list_versions("p") if store.policies() else []
         for record in records[:3]:
             assert same(full_copy(store, "p", record.identity), expected[record.version])
         if records:

@@ -35,6 +35,7 @@ from astra.weights.safetensors_io import METADATA_KEY, tensor_nbytes
 from astra.weights.tensor_files import ALIGN, BUFFERS, RangeCursor, ShardWriter, tensor_header
 
 _HASHERS = ThreadPoolExecutor(2, thread_name_prefix="publish-sha256")
+_SYNCERS = ThreadPoolExecutor(4, thread_name_prefix="publish-sync")
 MANIFEST = "tensors.jsonl"
 HEADER = "header.json"
 MAX_TENSOR_NAME_CHARS = 1024
@@ -74,6 +75,7 @@ class TensorSink:
         self.stage, self.name, self.dtype, self.shape, self.adler = stage, name, dtype, shape, adler
         self.received, self._adler, self._sha = 0, 1, hashlib.sha256()
         self._sha_pending: Future[None] | None = None
+        self.synced: Future[None] | None = None  # set once accepted: done when durable and listed
         self.file = stage.next_file()
         self._out: ShardWriter | None = None
         self._encoder: XorZstdEncoder | None = None
@@ -141,10 +143,11 @@ class TensorSink:
             pending.result()
 
     def close_file(self) -> Path | None:
+        """Completes the shard file (synced later, by the stage)."""
         if self._out is None:
             return None
         try:
-            self._out.close(durable=self.stage.durable)
+            self._out.close(durable=False)
         except OSError as exc:
             self.abort()
             raise disk_full(exc, f"cannot stage {self.name}") from exc
@@ -192,6 +195,7 @@ class PublishStage:
         self.frames: dict[str, tuple[bytes, int] | None] = {}
         self._lock = threading.Lock()  # tensors of one stage may be received on several threads
         self._next = 0
+        self._pending: list[Future[None]] = []
         self.held: dict[str, tuple[str, TensorRecord]] = {}
         self.received: dict[str, tuple[str, TensorRecord]] = {}
         self.files: dict[str, bytes] = {}
@@ -260,11 +264,19 @@ class PublishStage:
         return f"t-{index:06d}.bin"
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.flush()
         if self.base is not None:
             self.base.close()
             self.base = None
 
     def accept(self, sink: TensorSink, record: TensorRecord) -> None:
+        """Holds a verified tensor; it is made durable and listed in the manifest in the background.
+
+        A manifest line is appended only once its shard is synced, so a restart
+        holds only complete shards; a line lost in a crash only means the
+        tensor is sent again. `flush` waits for all of them (the commit does).
+        """
         if self.expected is not None:
             if self.expected[sink.name] != record:
                 raise content_mismatch(self.header["identity"], "tensor bytes differ", sink.name)
@@ -277,13 +289,26 @@ class PublishStage:
         line.update(dtype=record.dtype, shape=list(record.shape))
         line.update(adler32=record.adler32, sha256=record.sha256)
         with self._lock:
-            with open(self.path / MANIFEST, "a") as f:
-                f.write(json.dumps(line) + "\n")
-                if self.durable:
-                    f.flush()
-                    os.fsync(f.fileno())
             self.received[sink.name] = (sink.file, record)
             self.offsets[sink.name] = sink.offset
+            sink.synced = _SYNCERS.submit(self._record, sink.file, json.dumps(line))
+            self._pending.append(sink.synced)
+
+    def _record(self, file: str, line: str) -> None:
+        if self.durable:
+            fsync_path(self.path / file)  # concurrent syncs share journal commits
+        with self._lock, open(self.path / MANIFEST, "a") as f:
+            f.write(line + "\n")
+
+    def flush(self) -> None:
+        """Until every accepted tensor is durable and in the manifest; raises the first failure."""
+        while True:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            if not pending:
+                return
+            for future in pending:
+                future.result()
 
     def records(self) -> dict[str, TensorRecord]:
         return {n: r for n, (_, r) in (self.held | self.received).items()}

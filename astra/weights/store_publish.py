@@ -161,6 +161,7 @@ class PublishSession:
 
     def commit(self, num_tensors: int) -> tuple[VersionRecord, bool]:
         """Stores the version (or confirms the existing one); the stage goes once stored."""
+        self.stage.flush()
         records = self.stage.records()
         if num_tensors != len(records):
             raise InvalidArgument(

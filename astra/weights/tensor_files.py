@@ -19,6 +19,7 @@ import shutil
 import struct
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -198,13 +199,12 @@ class ShardWriter:
         if not self.direct:
             pwrite_all(self.fd, head, 0)
             return
-        buf = BUFFERS.get()
+        # Whole pages through the page cache (no synchronous device write); synced with the rest.
+        fd = os.open(self.path, os.O_WRONLY)
         try:
-            with memoryview(buf) as mv:
-                mv[: len(head)] = head
-                pwrite_all(self.fd, mv[: len(head)], 0)  # whole blocks: len(head) % ALIGN == 0
+            pwrite_all(fd, head, 0)
         finally:
-            BUFFERS.put(buf)
+            os.close(fd)
 
     def _drain(self) -> None:
         """Writes out what is buffered and gives the buffer back (every byte has arrived)."""
@@ -265,12 +265,16 @@ def reserve(fd: int, size: int) -> None:
     os.ftruncate(fd, size)
 
 
+_READERS = ThreadPoolExecutor(4, thread_name_prefix="read-ahead")
+
+
 def read_range(path: Path, offset: int, size: int) -> Iterator[memoryview]:
-    """A file's bytes [offset, offset + size) as consecutive pieces of one reused aligned buffer.
+    """A file's bytes [offset, offset + size) as consecutive pieces of reused aligned buffers.
 
     Read with O_DIRECT when the range starts aligned (a single-tensor shard
-    this package wrote), so nothing is faulted in or cached; each piece is
-    valid until the next one is asked for.
+    this package wrote), so nothing is faulted in or cached, and one piece
+    ahead on a reader thread, so the disk works while the caller computes.
+    Each piece is valid until the next one is asked for.
     """
     direct = hasattr(os, "O_DIRECT") and offset % ALIGN == 0
     fd = -1
@@ -283,34 +287,49 @@ def read_range(path: Path, offset: int, size: int) -> Iterator[memoryview]:
             direct = False
     if fd < 0:
         fd = os.open(path, os.O_RDONLY)
-    buf = BUFFERS.get()
-    mv = memoryview(buf)
+    state = {"fd": fd, "direct": direct}
+    bufs = [BUFFERS.get(), BUFFERS.get()]
+    views = [memoryview(b) for b in bufs]
+
+    def fill(mv: memoryview, pos: int) -> int:
+        n = min(len(mv), size - pos)
+        got = 0
+        while got < n:
+            want = n + (-n % ALIGN if state["direct"] else 0)
+            try:
+                k = os.preadv(state["fd"], [mv[got:want]], offset + pos + got)
+            except OSError as exc:
+                if not state["direct"] or exc.errno != errno.EINVAL:
+                    raise
+                os.close(state["fd"])  # O_DIRECT opened but refused: read through the cache
+                state["fd"], state["direct"] = os.open(path, os.O_RDONLY), False
+                continue
+            if k <= 0:
+                raise OSError(errno.EIO, f"{path}: ends before byte {offset + size}")
+            got += k
+        return n
+
+    pending = _READERS.submit(fill, views[0], 0) if size else None
     try:
-        pos = 0
+        pos, i = 0, 0
         while pos < size:
-            n = min(len(mv), size - pos)
-            want = n + (-n % ALIGN if direct else 0)
-            got = 0
-            while got < n:
-                try:
-                    k = os.preadv(fd, [mv[got:want]], offset + pos + got)
-                except OSError as exc:
-                    if not direct or exc.errno != errno.EINVAL:
-                        raise
-                    os.close(fd)
-                    fd, direct, want = os.open(path, os.O_RDONLY), False, n
-                    continue
-                if k <= 0:
-                    raise OSError(errno.EIO, f"{path}: ends before byte {offset + size}")
-                got += k
-            piece = mv[:n]
+            n = pending.result()
+            pending = None
+            if pos + n < size:
+                pending = _READERS.submit(fill, views[1 - i], pos + n)
+            piece = views[i][:n]
             yield piece
             piece.release()
-            pos += n
+            pos, i = pos + n, 1 - i
     finally:
-        os.close(fd)
-        mv.release()
-        BUFFERS.put(buf)
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending.result()
+        os.close(state["fd"])
+        for mv in views:
+            mv.release()
+        for buf in bufs:
+            BUFFERS.put(buf)
 
 
 class RangeCursor:
