@@ -139,6 +139,7 @@ class Dataflow:
         self._ingest_turn = asyncio.Lock()
         # Writes trajectory bytes to the blob log off the event loop, one batch at a time.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="dataflow-blobs")
+        self.store.blobs.defer = self._off_loop
         # Set while no batch is being streamed to a trainer: ingest yields to trainers.
         self._trainers_idle = asyncio.Event()
         self._trainers_idle.set()
@@ -200,6 +201,13 @@ class Dataflow:
                 await inst.port.close()
         self._writer.shutdown(wait=True)
         self.store.close()
+
+    def _off_loop(self, fn) -> None:
+        """Runs `fn` on the writer thread; inline once that has shut down."""
+        try:
+            self._writer.submit(fn)
+        except RuntimeError:
+            fn()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
