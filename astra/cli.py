@@ -252,6 +252,7 @@ def serve_raas(
     show_default=True,
     help="Newest versions kept whatever receivers hold.",
 )
+@click.option("--metrics-port", type=int, default=None, help="Prometheus HTTP port (0 picks).")
 @click.option("--log-level", default="info", show_default=True)
 def serve_weights(
     store_dir: str,
@@ -260,6 +261,7 @@ def serve_weights(
     full_every: int,
     max_chain: int,
     keep_versions: int,
+    metrics_port: int | None,
     log_level: str,
 ) -> None:
     """Run the WeightService over a version store."""
@@ -271,7 +273,7 @@ def serve_weights(
     async def run() -> None:
         from astra.servers.weights import serve_weights as serve
 
-        await serve(store_dir, host, port, config=config)
+        await serve(store_dir, host, port, config=config, metrics_port=metrics_port)
 
     asyncio_run(run())
 

@@ -21,6 +21,7 @@ import asyncio
 import base64
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -62,22 +63,35 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.store = store
         self.settings = settings or StreamSettings()
         self.active_fetches = 0
+        self.metrics: Any = None  # astra.weights.metrics.WeightMetrics when /metrics is served
+
+    def _observe(self, kind: str, started: float, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_stream(kind, time.perf_counter() - started, outcome)
 
     def _is_current(self, policy: str, record) -> bool:
         return record is self.store.chain(policy).head
 
     async def PublishVersion(self, request_iterator, context) -> AsyncIterator:
         first_timeout = self.settings.first_message_timeout_s
-        async for resp in publish_stream(self.store, request_iterator, first_timeout):
-            yield resp
+        started, outcome = time.perf_counter(), "error"
+        try:
+            async for resp in publish_stream(self.store, request_iterator, first_timeout):
+                yield resp
+            outcome = "ok"
+        finally:
+            self._observe("publish", started, outcome)
 
     async def FetchVersion(self, request_iterator, context) -> AsyncIterator:
         self.active_fetches += 1
+        started, outcome = time.perf_counter(), "error"
         try:
             async for resp in fetch_stream(self.store, request_iterator, self.settings):
                 yield resp
+            outcome = "ok"
         finally:
             self.active_fetches -= 1
+            self._observe("fetch", started, outcome)
 
     async def ListVersions(self, request: pb.ListVersionsRequest, context):
         check_id(request.policy_id, "policy_id")
@@ -195,6 +209,7 @@ class WeightServer(GrpcServer):
     """A GrpcServer running WeightService over one store."""
 
     store: Store
+    servicer: WeightServicer
 
 
 async def start_weights(
@@ -211,11 +226,8 @@ async def start_weights(
     keep_freed_memory()  # chunk buffers come back from the heap, not as fresh pages
     server = WeightServer(host, port, grace_s=grace_s)
     server.store = store or await asyncio.to_thread(Store, store_dir, config)
-    server.add_service(
-        add_weight_service,
-        WeightServicer(server.store, settings),
-        SERVICE_NAME,
-    )
+    server.servicer = WeightServicer(server.store, settings)
+    server.add_service(add_weight_service, server.servicer, SERVICE_NAME)
     await server.start(serving=True)
     return server
 
@@ -227,12 +239,26 @@ async def serve_weights(
     *,
     config: StoreConfig | None = None,
     settings: StreamSettings | None = None,
+    metrics_port: int | None = None,
 ) -> None:
-    """`astra serve weights`: serves until SIGTERM/SIGINT; prints one JSON line with the address."""
+    """`astra serve weights`: serves until SIGTERM/SIGINT; prints one JSON line with the address
+    (and the Prometheus port when `metrics_port` is not None)."""
     from astra.servers.runtime import serve_until_signal
 
     server = await start_weights(store_dir, host, port, config=config, settings=settings)
-    print(json.dumps({"service": "weights", "address": server.address}), flush=True)
+    metrics = None
+    if metrics_port is not None:
+        from astra.weights.metrics import WeightMetrics
+
+        metrics = server.servicer.metrics = WeightMetrics(server.servicer)
+        metrics.serve(host, metrics_port)
+    line = {"service": "weights", "address": server.address}
+    line["metrics_port"] = metrics.port if metrics is not None else None
+    print(json.dumps(line), flush=True)
     log.info("weights serving %s on %s", store_dir, server.address)
-    await serve_until_signal(server)
+    try:
+        await serve_until_signal(server)
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
     log.info("weights stopped")

@@ -131,3 +131,41 @@ def test_raas_metrics_follow_groups_and_weight_loads():
             await servicer.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_weight_service_metrics_follow_publishes_and_fetches(tmp_path):
+    from astra.clients.weights_stream import Receiver, publish_version
+    from astra.servers.weights import start_weights
+    from astra.weights.metrics import WeightMetrics
+    from astra.weights.store import StoreConfig
+    from tests.test_weights_store import chain_of
+
+    models = chain_of(3, seed=5)
+
+    async def body() -> None:
+        store = StoreConfig(durable=False, full_every=2)
+        server = await start_weights(tmp_path / "store", config=store)
+        metrics = server.servicer.metrics = WeightMetrics(server.servicer)
+        port = metrics.serve("127.0.0.1", 0)
+        try:
+            receiver = Receiver(server.address, "p", tmp_path / "rx", durable=False)
+            for i, model in enumerate(models):
+                await publish_version(server.address, "p", f"v{i}", i, model)
+                await receiver.fetch()
+            samples = await asyncio.to_thread(scrape, port)
+            assert samples["astra_weights_head_version"][0].value == 2
+            assert samples["astra_weights_versions_stored"][0].value == 3
+            assert samples["astra_weights_receivers"][0].value == 1
+            assert samples["astra_weights_active_fetches"][0].value == 0
+            streams = {
+                (s.labels["kind"], s.labels["outcome"]): s.value
+                for s in samples["astra_weights_stream_seconds_count"]
+            }
+            assert streams == {("publish", "ok"): 3, ("fetch", "ok"): 3}
+            events = {s.labels["event"]: s.value for s in samples["astra_weights_events_total"]}
+            assert events["versions_published"] == 3 and events["fetch_bytes_sent"] > 0
+        finally:
+            metrics.shutdown()
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(body(), 60))

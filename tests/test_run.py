@@ -149,8 +149,9 @@ def test_resume_continues_a_stopped_run(run_factory) -> None:
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not list(ckpts.glob("step-*")):
         time.sleep(0.2)
-    # Every service but the WeightService serves /metrics on the port run.json records.
+    # Every service serves /metrics on the port run.json records.
     families = {"dataflow": "astra_dataflow_", "raas": "astra_raas_", "trainer": "astra_trainer_"}
+    families["weights"] = "astra_weights_head_version"
     for child in first.children():
         if child["role"] in families:
             url = f"http://127.0.0.1:{child['metrics_port']}/metrics"

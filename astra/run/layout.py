@@ -268,6 +268,7 @@ def weights_command(recipe: Recipe, rd: RunDir, port: int = 0) -> list[str]:
         *("--store", str(rd.weights_store), "--port", str(port)),
         *("--full-every", str(w.full_every), "--max-chain", str(w.max_chain)),
         *("--keep-versions", str(w.keep_versions)),
+        *(("--metrics-port", "0") if recipe.observe.prometheus else ()),
     )
 
 
