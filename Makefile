@@ -30,6 +30,7 @@ bench: $(VENV)/.installed  ## every benchmark in turn (~40 min); each rewrites i
 	$(PY) tools/bench/trainer.py
 	$(PY) tools/bench/async_sync.py
 	$(PY) tools/bench/default_run.py
+	$(PY) tools/bench/engine.py  # needs: pip install -e ".[bench]"
 
 clean:
 	rm -rf $(VENV) build astra-state runs
