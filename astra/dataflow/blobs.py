@@ -7,6 +7,10 @@ safe against a process crash: the bytes are written (into the page cache)
 before the SQLite row that points at them commits, so a committed row never
 points at missing bytes, and bytes without a row are garbage. A segment file
 is deleted once it is no longer the active one and no row points into it.
+
+Room can be reserved first (`reserve`, on the owner's thread) and the bytes
+written later on another thread (`write_parts`), so Dataflow writes them off
+its event loop; the row is still committed only after the write returned.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ trainer batch leases, and small key/value state (dataset positions,
 versions, counters). Every change that
 Dataflow acknowledges to anyone is committed here first. WAL with
 synchronous=NORMAL is durable against a process crash; only a power loss can
-drop the last transactions. Knows nothing of gRPC or of the pool.
+drop the last transactions. Checkpoints (WAL into the database file, with an
+fsync) run on a thread of their own, so they never stall the committing event
+loop. Knows nothing of gRPC or of the pool.
 """
 
 from __future__ import annotations
