@@ -35,6 +35,7 @@ from astra.weights.safetensors_io import METADATA_KEY, tensor_nbytes
 from astra.weights.tensor_files import ALIGN, BUFFERS, RangeCursor, ShardWriter, tensor_header
 
 _HASHERS = ThreadPoolExecutor(2, thread_name_prefix="publish-sha256")
+_ENCODERS = ThreadPoolExecutor(2, thread_name_prefix="publish-encode")
 _SYNCERS = ThreadPoolExecutor(4, thread_name_prefix="publish-sync")
 MANIFEST = "tensors.jsonl"
 HEADER = "header.json"
@@ -75,6 +76,7 @@ class TensorSink:
         self.stage, self.name, self.dtype, self.shape, self.adler = stage, name, dtype, shape, adler
         self.received, self._adler, self._sha = 0, 1, hashlib.sha256()
         self._sha_pending: Future[None] | None = None
+        self._encoder_pending: Future[None] | None = None
         self.synced: Future[None] | None = None  # set once accepted: done when durable and listed
         self.file = stage.next_file()
         self._out: ShardWriter | None = None
@@ -109,9 +111,12 @@ class TensorSink:
         self._adler = adler32(view, self._adler)
         if self._out is not None:
             try:
+                if (
+                    self._encoder is not None
+                ):  # XOR + zstd beside the copy (numpy, zstd free the GIL)
+                    self._wait_encoder()
+                    self._encoder_pending = _ENCODERS.submit(self._encoder.update, view)
                 self._out.write(view)
-                if self._encoder is not None:
-                    self._encoder.update(view)
             except OSError as exc:
                 raise disk_full(exc, f"cannot stage {self.name}") from exc
         self.received += view.nbytes
@@ -120,6 +125,7 @@ class TensorSink:
         if not self.complete:
             raise _bad_tensor(self.name, f"{self.received} of {self.size} bytes")
         self._wait_sha()
+        self._wait_encoder()
         got = format_adler32(self._adler)
         if self.adler is None:
             self.adler = got
@@ -136,6 +142,14 @@ class TensorSink:
         record = TensorRecord(self.dtype, self.shape, self.size, got, self._sha.hexdigest())
         self.stage.accept(self, record)
         return record
+
+    def _wait_encoder(self) -> None:
+        if self._encoder_pending is not None:
+            pending, self._encoder_pending = self._encoder_pending, None
+            try:
+                pending.result()
+            except OSError as exc:
+                raise disk_full(exc, f"cannot encode {self.name}") from exc
 
     def _wait_sha(self) -> None:
         if self._sha_pending is not None:
@@ -163,7 +177,9 @@ class TensorSink:
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
-            self._wait_sha()  # the hasher may still read the caller's buffer
+            self._wait_sha()  # the hasher and the encoder may still read the caller's buffer
+        with contextlib.suppress(Exception):
+            self._wait_encoder()
         if self._encoder is not None:
             self._encoder.close()
             self._encoder = None

@@ -19,7 +19,7 @@ import shutil
 import struct
 import threading
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +95,9 @@ class ShardWriter:
     Where the file system refuses O_DIRECT it writes through the page cache.
     `region` + `advance` let a decoder write straight into the buffer. The
     buffer is held only while bytes are being written (from the first to the
-    last), so shards waiting to be synced hold none. Sequential, one thread
-    at a time.
+    last), so shards waiting to be synced hold none. A full buffer is written
+    by a writer thread while the next one fills (one write in flight per
+    shard). Sequential, one thread at a time.
     """
 
     def __init__(self, path: Path, head: bytes, size: int, *, direct: bool = True) -> None:
@@ -108,6 +109,7 @@ class ShardWriter:
         self._buf: mmap.mmap | None = None
         self._mv: memoryview | None = None
         self._fill = self._pos = 0  # bytes in the buffer; file offset of the buffer's start
+        self._inflight: Future[None] | None = None  # the previous buffer's write
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
         if self.direct:
             try:
@@ -162,8 +164,8 @@ class ShardWriter:
             self._drain()
 
     def _put(self, view: memoryview) -> None:
-        mv = self._mv
         while view.nbytes:
+            mv = self._mv  # a flush swaps in a fresh buffer
             n = min(len(mv) - self._fill, view.nbytes)
             mv[self._fill : self._fill + n] = view[:n]
             self._fill += n
@@ -172,22 +174,39 @@ class ShardWriter:
                 self._flush()
 
     def _flush(self) -> None:
+        """Hands the full buffer to a writer thread (one write in flight) and takes a fresh one."""
         n = self._fill
         if self.direct:
             n += -n % ALIGN  # the tail of the last write; truncated away in close()
             self._mv[self._fill : n] = bytes(n - self._fill)
-        try:
-            pwrite_all(self.fd, self._mv[:n], self._pos)
-        except OSError as exc:
-            if not self.direct or exc.errno != errno.EINVAL:
-                raise
-            # The file system opened with O_DIRECT but refuses its writes: go through the cache.
-            fd = os.open(self.path, os.O_RDWR)
-            os.close(self.fd)
-            self.fd, self.direct = fd, False
-            pwrite_all(self.fd, self._mv[: self._fill], self._pos)
-        self._pos += self._fill
+        self._wait()
+        buf, mv, pos, fill = self._buf, self._mv, self._pos, self._fill
+        self._inflight = _WRITERS.submit(self._write, buf, mv, n, pos, fill)
+        self._pos += fill
         self._fill = 0
+        self._buf = BUFFERS.get()
+        self._mv = memoryview(self._buf)
+
+    def _write(self, buf: mmap.mmap, mv: memoryview, n: int, pos: int, fill: int) -> None:
+        try:
+            try:
+                pwrite_all(self.fd, mv[:n], pos)
+            except OSError as exc:
+                if not self.direct or exc.errno != errno.EINVAL:
+                    raise
+                # The file system opened with O_DIRECT but refuses its writes: use the cache.
+                fd = os.open(self.path, os.O_RDWR)
+                os.close(self.fd)
+                self.fd, self.direct = fd, False
+                pwrite_all(self.fd, mv[:fill], pos)
+        finally:
+            mv.release()
+            BUFFERS.put(buf)
+
+    def _wait(self) -> None:
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            inflight.result()
 
     def rewrite_head(self, head: bytes) -> None:
         """Replaces the header (same length) once every byte is written, e.g. with a checksum."""
@@ -213,6 +232,7 @@ class ShardWriter:
         if self._fill:
             self._flush()
         self._give_back()
+        self._wait()
 
     def close(self, *, durable: bool) -> None:
         """Writes what is buffered, syncs (when durable) and closes; the file then holds the shard."""
@@ -229,6 +249,8 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Closes without finishing; the caller removes the file."""
+        with contextlib.suppress(Exception):
+            self._wait()
         self._release()
 
     def _give_back(self) -> None:
@@ -266,6 +288,7 @@ def reserve(fd: int, size: int) -> None:
 
 
 _READERS = ThreadPoolExecutor(4, thread_name_prefix="read-ahead")
+_WRITERS = ThreadPoolExecutor(4, thread_name_prefix="shard-write")
 
 
 def read_range(path: Path, offset: int, size: int) -> Iterator[memoryview]:
