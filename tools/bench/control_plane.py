@@ -189,9 +189,10 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def measure_generation(p, groups: int = 48, repeats: int = 3) -> float:
+def measure_generation(p, groups: int = 32, repeats: int = 7) -> float:
     """CPU ms per trajectory of `ScriptedGenerator.generate` alone, in this process (the
-    rollouts of every system): the floor under any control plane's cost per trajectory."""
+    rollouts of every system): the floor under any control plane's cost per trajectory.
+    The least of several repeats, the one other jobs on the machine disturbed least."""
     from astra.raas.backend import GroupSpec
     from astra.raas.scripted import ScriptedGenerator
 
