@@ -483,7 +483,7 @@ class Bench:
 def run(p, tmp: Path) -> dict:
     from astra.weights.checkpoint import write_full
 
-    res: dict = {"params": {}}
+    res: dict = {"params": {}, "loadavg_start": os.getloadavg()}
     shapes = model_shapes(p.layers, p.vocab)
     say("building the model")
     base = make_model(shapes, seed=1)
@@ -549,6 +549,7 @@ def run(p, tmp: Path) -> dict:
         say(f"raw TCP x4 via link: {res['link_tcp4']['seconds']:.2f} s")
     finally:
         b.stop()
+    res["loadavg_end"] = os.getloadavg()
     return res
 
 
@@ -615,7 +616,10 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         f"Measured {started} with `python tools/bench/weights.py{' --quick' if p.quick else ''}` "
         f"({took:.0f} s) on this machine: {os.cpu_count()} cores, {ram:.0f} GiB RAM, no GPU, ext4 "
         f"on a virtual disk, Python {platform.python_version()}, Linux {platform.release()}. "
-        f"Other jobs shared the machine; figures with a range are median (min{DASH}max) over repeats.",
+        f"Other jobs shared the machine (load average over 1/5/15 min at the start "
+        f"{'/'.join(f'{x:.1f}' for x in res.get('loadavg_start', ()))}, at the end "
+        f"{'/'.join(f'{x:.1f}' for x in res.get('loadavg_end', ()))}, on 2 cores); figures with a "
+        f"range are median (min{DASH}max) over repeats.",
         "",
         f"Parameters: a synthetic bf16 model with TinyLlama-1.1B shapes ({P['layers']} layers, "
         f"vocabulary {P['vocab']:,}): {P['tensors']} tensors ({P['matrices']} matrices, "
@@ -623,7 +627,7 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         f"shards {full / GB:.3f} GB). Each update flips the low 3 mantissa bits of {p.fraction:.0%} "
         "of each matrix's elements at random positions and changes every norm element: "
         f"{P['changed_elements']:,} elements ({P['changed_elements'] / (size / 2):.2%}), every "
-        "tensor touched. zstd level 1, 1 MiB chunks, 4 receivers, fsync on (the product default) "
+        "tensor touched. zstd level 1, chunks just under 4 MiB, 4 receivers, fsync on (the product default) "
         f"unless marked. Repeats: {p.reps_format} per format step, {p.reps_stream} per single "
         f"stream, {p.reps} per loopback end-to-end, 1 through the link.",
         "",
@@ -696,15 +700,17 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         "Where the time goes:",
         "",
         f"- One receiver fetching a full version alone, {rng([r['seconds'] for r in s0])} s: "
-        f"`LocalVersions.install` (the staged tensors written again as shards, hashed again, "
-        f"swapped) {rng([r.get('install_s', 0) for r in s0])} s, staging chunks "
-        f"{rng([r.get('chunk_write_s', 0) for r in s0])} s, per-tensor finish (fsync) "
+        f"`LocalVersions.install` (links the staged single-tensor shards into a version, swaps "
+        f"`current`) {rng([r.get('install_s', 0) for r in s0])} s; on the receiver's writer "
+        f"thread, staging chunks (Adler-32, copy into an aligned buffer written behind with "
+        f"O_DIRECT) {rng([r.get('chunk_write_s', 0) for r in s0])} s; per-tensor finish (fsync) "
         f"{rng([r.get('finish_s', 0) for r in s0])} s; receiver CPU "
         f"{rng([r['cpu_s'] for r in s0])} s (sys {rng([r.get('sys_s', 0) for r in s0])} s), "
         f"service CPU {rng([r['service_cpu_s'] for r in s0])} s. The plain gRPC stream moves "
         f"the same bytes at {rng(grpc1)} GB/s.",
         f"- Delta fetch per receiver (4 at once on 2 cores): decoding each tensor into a staged "
-        f"file {per_rx(deltas, 'finish_s')} s (one tensor at a time), then install "
+        f"file (base read with O_DIRECT, zstd, XOR, Adler-32, written with O_DIRECT) "
+        f"{per_rx(deltas, 'finish_s')} s summed over up to 4 tensors at a time, then install "
         f"{per_rx(deltas, 'install_s')} s; receiver CPU per fetch: delta "
         f"{per_rx(deltas, 'cpu_s')} s, full copy {per_rx(fulls, 'cpu_s')} s.",
         f"- `Store.publish` of a delta version in process (fsync on): {sp_pub['total_s']:.1f} s "
@@ -715,8 +721,19 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         f"{sp_pub.get('write_delta_s', 0):.1f} s; the cached full copy, links to the shards, "
         f"{sp_pub.get('full_copy_s', 0):.1f} s). "
         f"Through the service `publish_version` took "
-        f"{rng([d['publish_s'] for d in deltas + fulls + [ld, lf]])} s (raw tensors over gRPC, "
-        "staged to disk, then that commit).",
+        f"{rng([d['publish_s'] for d in deltas + fulls + [ld, lf]])} s (the trainer's Adler-32 "
+        "pass, then raw tensors over gRPC; the service checks Adler-32 and computes SHA-256 and "
+        "the xor+zstd frame against the current version while staging each tensor with O_DIRECT, "
+        "each tensor synced in the background; the commit writes the frames and links the "
+        "shards).",
+        f"- Disk: a delta fetch rewrites every tensor (every tensor changed), so each receiver "
+        f"reads its base ({full / GB:.2f} GB) and writes the new version ({full / GB:.2f} GB): "
+        f"{8 * full / GB:.1f} GB through one virtual disk for 4 receivers in "
+        f"{med([d['fetch_s'] for d in deltas]):.1f} s on loopback "
+        f"({8 * full / GB / med([d['fetch_s'] for d in deltas]):.2f} GB/s); receiver CPU is "
+        f"{per_rx(deltas, 'cpu_s')} s each. The full copy over the link is bounded by the link: "
+        f"4 {TIMES} {full / GB:.2f} GB at 125 MB/s = {4 * full / LINK_RATE:.1f} s, so 10{TIMES} "
+        f"needs the delta end-to-end (publish + fetch) under {lf['e2e_s'] / 10:.1f} s.",
         "",
         "Method. One invocation builds the model and its updates in memory, writes the base "
         "checkpoint (`write_full`) and measures, in order: baseline (b) with numpy on "
