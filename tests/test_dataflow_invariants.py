@@ -612,6 +612,8 @@ def test_duplicate_and_late_results_are_dropped_by_id_and_counted(tmp_path):
             assert gid in buf and len(buf) == 1
             stored = [g for g, _ in df.store.groups() if g.group_id == gid]
             assert len(stored) == 1 and len(stored[0].trajectories) == GROUP_SIZE
+            # Bytes written ahead for the duplicates were given back: one live blob per row.
+            assert sum(df.store.blobs.live.values()) == len(df.store.groups())
             trainer = Trainer(client)
             batch = await trainer.fetch(1)
             assert batch.group_ids == [gid] and len(batch.trajectories) == GROUP_SIZE

@@ -105,3 +105,15 @@ def test_staged_bytes_of_a_rolled_back_transaction_are_given_back(tmp_path):
     assert store.blobs.live[store.blobs.active] == 0
     assert store.groups() == []
     store.close()
+
+
+def test_staged_room_is_counted_once_per_reservation(tmp_path):
+    """Every reservation is either used by a row or given back: none leaks."""
+    store = StateStore(tmp_path)
+    a = group("a")
+    staged = {("a", "policy"): store.stage(a)}
+    StateStore.write_staged(staged.values())
+    assert store.blobs.live[store.blobs.active] == 1
+    store.discard_staged(staged.values())
+    assert store.blobs.live[store.blobs.active] == 0
+    store.close()

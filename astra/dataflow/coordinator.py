@@ -593,6 +593,8 @@ class Dataflow:
             if w is None:
                 continue
             for policy_id, trajectories in r.per_policy.items():
+                if (r.group_id, policy_id) in staged:  # the same result twice in a batch
+                    continue
                 buf = self.buffers.get(policy_id)
                 kept = [t for t in trajectories if not t.failed]
                 if buf is None or not buf.likely_accepts(kept, self.versions.current(policy_id)):
