@@ -6,7 +6,6 @@ the same malformed arrays with the same field-level messages.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import struct
@@ -19,6 +18,7 @@ from astra.dataflow.config import StreamSettings
 from astra.dataflow.ports import IncomingGroup
 from astra.dataflow.records import TrajectoryRecord, WorkItem
 from astra.errors import invalid_field
+from astra.protowire import read_varint, varint
 
 DTYPES = {
     "bool": np.dtype("bool"),
@@ -217,17 +217,6 @@ def _array_data(msg: array_pb2.NDArray, name: str, n: int, where: str, j: int) -
     return np.frombuffer(data, dtype=DTYPES[dtype])
 
 
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
 def field_slices(buf: bytes, field_number: int, *, copy: bool = True) -> list:
     """The raw bytes of every length-delimited `field_number` at the top level of `buf`.
 
@@ -237,16 +226,16 @@ def field_slices(buf: bytes, field_number: int, *, copy: bool = True) -> list:
     pos, end = 0, len(buf)
     view = memoryview(buf)
     while pos < end:
-        key, pos = _read_varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         wire = key & 7
         if wire == 2:
-            length, pos = _read_varint(buf, pos)
+            length, pos = read_varint(buf, pos)
             if key >> 3 == field_number:
                 part = view[pos : pos + length]
                 out.append(bytes(part) if copy else part)
             pos += length
         elif wire == 0:
-            _, pos = _read_varint(buf, pos)
+            _, pos = read_varint(buf, pos)
         elif wire == 1:
             pos += 8
         elif wire == 5:
@@ -357,20 +346,6 @@ def prompt_group(item: WorkItem, stream: StreamSettings) -> rollout_pb2.PromptGr
         reward=stream.reward,
         epoch=item.epoch,
     )
-
-
-@functools.lru_cache(maxsize=4096)
-def varint(n: int) -> bytes:
-    """Protobuf base-128 varint encoding of a non-negative int."""
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
 
 
 _ADVANTAGE_TAG = bytes([(9 << 3) | 1])  # Trajectory.advantage, fixed64

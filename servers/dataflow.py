@@ -19,7 +19,8 @@ from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
 from astra.errors import invalid_field
-from astra.servers.convert import MAX_ID_CHARS, check_id, trajectories_parts, varint
+from astra.protowire import varint
+from astra.servers.convert import MAX_ID_CHARS, check_id, trajectories_parts
 
 CONTRACT_VERSION = "1.0.0"
 MAX_LIST = 256

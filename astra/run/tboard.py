@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from astra.protowire import varint
+
 
 def _crc_table() -> list[int]:
     table = []
@@ -59,21 +61,8 @@ def tfrecord(data: bytes) -> bytes:
     )
 
 
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # int64 two's complement, as protobuf encodes negative numbers
-    out = bytearray()
-    while True:
-        low = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
-
-
 def _bytes_field(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
 def event(
@@ -83,7 +72,7 @@ def event(
     """One serialised tensorboard.Event (wall_time=1, step=2, file_version=3, summary=5)."""
     out = bytearray(b"\x09" + struct.pack("<d", wall_time))
     if step is not None:
-        out += b"\x10" + _varint(step)
+        out += b"\x10" + varint(step)
     if file_version is not None:
         out += _bytes_field(3, file_version.encode())
     if scalars:

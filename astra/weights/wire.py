@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from astra.protowire import read_varint, varint
+
 # Field 3 (chunk) of FetchVersionResponse and of PublishVersionRequest, length-delimited.
 CHUNK_TAG = (3 << 3) | 2
 _OFFSET_TAG = (1 << 3) | 0  # TensorChunk.offset, varint
@@ -45,37 +47,12 @@ class WireChunk:
         return name == "chunk"
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _read_varint(raw: Any, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(raw) or shift > 63:
-            raise ValueError("truncated varint")
-        byte = raw[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
 def chunk_message(offset: int, data: Any) -> bytes:
     """The wire bytes of a message whose part is TensorChunk(offset, data)."""
     view = memoryview(data).cast("B")
-    inner = (bytes((_OFFSET_TAG,)) + _varint(offset) if offset else b"") + bytes((_DATA_TAG,))
-    inner += _varint(view.nbytes)
-    return b"".join((bytes((CHUNK_TAG,)), _varint(len(inner) + view.nbytes), inner, view))
+    inner = (bytes((_OFFSET_TAG,)) + varint(offset) if offset else b"") + bytes((_DATA_TAG,))
+    inner += varint(view.nbytes)
+    return b"".join((bytes((CHUNK_TAG,)), varint(len(inner) + view.nbytes), inner, view))
 
 
 def parse_chunk(raw: bytes) -> WireChunk | None:
@@ -83,15 +60,15 @@ def parse_chunk(raw: bytes) -> WireChunk | None:
     try:
         if len(raw) < 3 or raw[0] != CHUNK_TAG:
             return None
-        size, pos = _read_varint(raw, 1)
+        size, pos = read_varint(raw, 1)
         if pos + size != len(raw):
             return None
         offset = 0
         if raw[pos] == _OFFSET_TAG:
-            offset, pos = _read_varint(raw, pos + 1)
+            offset, pos = read_varint(raw, pos + 1)
         if pos >= len(raw) or raw[pos] != _DATA_TAG:
             return None
-        size, pos = _read_varint(raw, pos + 1)
+        size, pos = read_varint(raw, pos + 1)
         if pos + size != len(raw):
             return None
     except ValueError:
