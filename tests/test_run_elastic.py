@@ -20,6 +20,7 @@ import pytest
 from astra.dataflow.config import PoolSettings
 from astra.dataflow.pool import Pool
 from astra.run import control
+from astra.run.elastic import RESTORED, hand_added
 from astra.run.layout import RunDir
 from astra.run.recipe import RecipeError, load_recipe
 from tests.test_run import Run, gone
@@ -322,3 +323,49 @@ def test_heterogeneous_recipe_routes_by_capacity_and_shows_labels(runs) -> None:
     work = {name: r["work"]["groups_finished"] for name, r in s["raas"].items()}
     assert work["large-b"] > 0 and work["large-b"] >= work["small-a"], work
     assert s["raas"]["small-a"]["labels"] == {"hardware": "small", "region": "a"}
+
+
+def test_hand_added_raas_are_those_added_by_hand_and_not_removed_since() -> None:
+    spec = {"name": "h", "capacity": 4}
+    events = [
+        {"action": "add", "name": "h", "source": "cli", "spec": spec},
+        {"action": "add", "name": "g", "source": "cli", "spec": {"name": "g"}},
+        {"action": "add", "name": "x", "source": "cli", "error": "did not start"},
+        {"action": "add", "name": "raas-2", "source": "schedule: elastic.0 at step 2", "spec": {}},
+        {"action": "remove", "name": "g", "source": "cli"},
+        {"action": "add", "name": "k", "source": RESTORED, "spec": {"name": "k"}},
+    ]
+    assert hand_added(events) == {"h": spec, "k": {"name": "k"}}
+    assert hand_added([]) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_raas_added_by_hand_comes_back_on_resume(runs) -> None:
+    run = runs(
+        *FAST, "--set", "trainer.num_steps=100000", "--set", "trainer.checkpoint.every_steps=2"
+    )
+    running = lambda: run_json(run).get("supervisor", {}).get("state") == "running"  # noqa: E731
+    wait_until(run, "state running", running, 120)
+    added = raas_cli(run, "add", "--name", "hand", "--capacity", "4", "--label", "by=hand")
+    assert added.returncode == 0, added.stderr
+    ckpts = run.run_dir / "checkpoints" / "policy"
+    wait_until(run, "a checkpoint", lambda: bool(list(ckpts.glob("step-*"))), 90)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(90) == 128 + signal.SIGTERM, run.output()
+    done = int(sorted(ckpts.glob("step-*"))[-1].name.removeprefix("step-"))
+
+    cmd = [sys.executable, "-m", "astra.run", "--resume", str(run.run_dir)]
+    resumed = subprocess.run(
+        [*cmd, "--set", f"trainer.num_steps={done + 2}"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    final = run_json(run)
+    (hand,) = [c for c in final["children"] if c["name"] == "hand"]
+    assert hand["joined"] == RESTORED and hand["labels"] == {"by": "hand"} and hand["capacity"] == 4
+    assert [e["source"] for e in final["elastic"]] == ["cli", RESTORED]
+    s = run.summary()
+    assert s["status"] == "completed" and s["groups_lost"] == 0 and s["groups_duplicated"] == 0

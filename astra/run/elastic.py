@@ -10,7 +10,8 @@ process group, it stops serving, deregisters, and Dataflow puts back in the
 queue every group it held (finished or not: none is lost, a late copy is
 dropped as a duplicate). A removal is a normal event, not a death: run.json
 moves the child to `removed`, and `elastic` lists every change with its source,
-its trigger and the trainer step it happened at.
+its trigger and the trainer step it happened at. On --resume the RaaS added by
+hand and not removed are started again (their specs are in that list).
 """
 
 from __future__ import annotations
@@ -32,6 +33,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("astra.run")
 WORK_COUNTERS = ("groups_accepted", "groups_finished", "results_acknowledged")
+
+
+RESTORED = "resume: added by hand before"
+
+
+def hand_added(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """name -> RaaS spec of every RaaS that `events` (run.json `elastic`, in order) show added
+    by hand (or restored on a resume) and not removed afterwards."""
+    alive: dict[str, dict[str, Any]] = {}
+    for e in events:
+        name = str(e.get("name"))
+        if e.get("action") == "add" and "error" not in e:
+            if e.get("source") in ("cli", RESTORED) and isinstance(e.get("spec"), dict):
+                alive[name] = e["spec"]
+            else:
+                alive.pop(name, None)  # a scheduled add of that name replaces it
+        elif e.get("action") == "remove":
+            alive.pop(name, None)
+    return alive
 
 
 class ElasticError(Exception):
@@ -170,8 +190,20 @@ class Elastic:
             child.pid,
             child.address,
         )
-        self._record({"action": "add", "name": name, "source": source, "pid": child.pid})
+        spec_json = spec.model_dump(mode="json")
+        self._record(
+            {"action": "add", "name": name, "source": source, "pid": child.pid, "spec": spec_json}
+        )
         return child.describe()
+
+    async def restore(self, events: list[dict[str, Any]]) -> None:
+        """On --resume: starts again the RaaS added by hand (or restored) before and not
+        removed since, from the run's previous change list."""
+        for name, spec in hand_added(events).items():
+            try:
+                await self.add(RaasSpec.model_validate(spec), name, RESTORED)
+            except (ElasticError, ValidationError) as exc:
+                log.error("RaaS %s added by hand before --resume: not started again: %s", name, exc)
 
     async def remove(self, name: str, source: str) -> dict[str, Any]:
         """Stops a RaaS (SIGTERM: it deregisters, Dataflow re-dispatches what it held)."""

@@ -250,12 +250,18 @@ def dataflow_command(recipe: Recipe, rd: RunDir, dataset: Path) -> list[str]:
     return serve_command("dataflow", "--config", str(path))
 
 
+def previous_run(rd: RunDir) -> dict:
+    """The run dir's run.json as the last run left it ({} if none or unreadable)."""
+    try:
+        return json.loads(rd.run_json.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def previous_port(rd: RunDir, child: str) -> int:
     """The port `child` had in the run dir's run.json (0 if none): on --resume the WeightService
     comes back on it, because Dataflow keeps each announced version's weights address."""
-    if not rd.run_json.is_file():
-        return 0
-    for c in json.loads(rd.run_json.read_text()).get("children", []):
+    for c in previous_run(rd).get("children", []):
         if c.get("name") == child and c.get("address"):
             return int(str(c["address"]).rpartition(":")[2])
     return 0

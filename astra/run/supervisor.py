@@ -281,6 +281,9 @@ class Supervisor:
         status, code = "failed: startup", EXIT_FAILED
         # Read before run.json is written again: on --resume the WeightService takes its port.
         self.weights_port = layout.previous_port(self.rd, "weights") if self.resume else 0
+        if self.resume:  # the change history goes on; RaaS added by hand come back below
+            self.elastic_events = layout.previous_run(self.rd).get("elastic") or []
+        restore = list(self.elastic_events)
         control.clear(self.rd)
         self._write_run_json()  # state starting: `astra raas` says so
         try:
@@ -301,6 +304,7 @@ class Supervisor:
             )
             observing = asyncio.create_task(self.observer.run())
             self.elastic = Elastic(self)
+            await self.elastic.restore(restore)
             self.state = "running"
             self._write_run_json()
             elastic = asyncio.create_task(self.elastic.run())
