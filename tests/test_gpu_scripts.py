@@ -1,4 +1,8 @@
-"""The GPU check scripts stay runnable: their CPU dry runs (FAKE engine servers; gloo ranks)."""
+"""The GPU trainer check stays runnable: its CPU dry run (gloo ranks, same code as NCCL).
+
+(tools/gpu/run_engines.py --fake is a manual dry run: the HTTP adapters it drives are tested
+against the FAKE servers in tests/test_engine_http.py.)
+"""
 
 from __future__ import annotations
 
@@ -20,11 +24,3 @@ def test_trainer_check_cpu_dry_run():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "fsdp x2 (gloo)" in proc.stdout
     assert proc.stdout.count(" ok") == 3 and "FAILED" not in proc.stdout
-
-
-def test_engine_check_against_the_fake_servers(tmp_path: Path):
-    out = tmp_path / "engines.json"
-    cmd = [sys.executable, str(ROOT / "tools/gpu/run_engines.py"), "--fake", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert out.is_file()

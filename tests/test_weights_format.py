@@ -552,3 +552,23 @@ def test_shard_writer_spans_many_buffers_and_reads_back(tmp_path: Path) -> None:
             start = f.data_start
         assert start % ALIGN == 0
         assert b"".join(bytes(p) for p in read_range(path, start, len(raw))) == raw
+
+
+def test_read_ahead_never_overwrites_the_current_or_the_previous_piece(tmp_path: Path) -> None:
+    import time
+
+    from astra.weights.tensor_files import BUFFER_BYTES, read_range
+
+    data = np.random.default_rng(3).integers(0, 256, size=4 * BUFFER_BYTES + 4096, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    pieces = read_range(path, 0, data.size)
+    held, pos = [], 0
+    for piece in pieces:
+        time.sleep(0.05)  # the read-ahead of the next piece lands meanwhile
+        held = [*held[-1:], (pos, piece[:])]  # a stitching caller holds a view of the previous
+        for start, view in held:
+            assert bytes(view[:64]) == data[start : start + 64].tobytes()
+            assert bytes(view[-64:]) == data[start + len(view) - 64 : start + len(view)].tobytes()
+        pos += len(piece)
+    assert pos == data.size

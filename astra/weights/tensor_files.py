@@ -297,7 +297,10 @@ def read_range(path: Path, offset: int, size: int) -> Iterator[memoryview]:
     Read with O_DIRECT when the range starts aligned (a single-tensor shard
     this package wrote), so nothing is faulted in or cached, and one piece
     ahead on a reader thread, so the disk works while the caller computes.
-    Each piece is valid until the next one is asked for.
+    Each piece stays valid while the caller takes the next one (a caller that
+    stitches pieces, like RangeCursor, still holds the previous one then): three
+    buffers turn, and the one read ahead into is never the current piece's or
+    the previous one's.
     """
     direct = hasattr(os, "O_DIRECT") and offset % ALIGN == 0
     fd = -1
@@ -311,7 +314,7 @@ def read_range(path: Path, offset: int, size: int) -> Iterator[memoryview]:
     if fd < 0:
         fd = os.open(path, os.O_RDONLY)
     state = {"fd": fd, "direct": direct}
-    bufs = [BUFFERS.get(), BUFFERS.get()]
+    bufs = [BUFFERS.get() for _ in range(3)]
     views = [memoryview(b) for b in bufs]
 
     def fill(mv: memoryview, pos: int) -> int:
@@ -339,11 +342,11 @@ def read_range(path: Path, offset: int, size: int) -> Iterator[memoryview]:
             n = pending.result()
             pending = None
             if pos + n < size:
-                pending = _READERS.submit(fill, views[1 - i], pos + n)
+                pending = _READERS.submit(fill, views[(i + 1) % 3], pos + n)
             piece = views[i][:n]
             yield piece
             piece.release()
-            pos, i = pos + n, 1 - i
+            pos, i = pos + n, (i + 1) % 3
     finally:
         if pending is not None:
             with contextlib.suppress(Exception):
