@@ -40,9 +40,6 @@ import json
 import math
 import os
 import platform
-import select
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,12 +51,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procs import Proc, cpu_seconds, stop_all
 from report import replace_section
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SECTION = "## Asynchronous vs synchronous (astra run design)"
 POLICY = "policy"
 # Announced with every version. The scripted RaaS never dials it: it has no weights to fetch.
@@ -71,69 +68,6 @@ TITLES = {"sync": "synchronous (eta = 0)", "async": "asynchronous (eta = 2, mode
 
 
 # ----- processes --------------------------------------------------------------------------------
-
-
-class Proc:
-    """A child process that prints one JSON line with its address on stdout when ready."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.args = args
-        self.log = log
-        self._log = log.open("ab")
-        self.popen = subprocess.Popen(
-            args,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        self.pid = self.popen.pid
-        self.info: dict = {}
-
-    def wait_ready(self, timeout_s: float = 60.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        out = self.popen.stdout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([out], [], [], 0.2)
-            if ready:
-                line = out.readline()
-                if line:
-                    self.info = json.loads(line)
-                    return self.info
-            if self.popen.poll() is not None:
-                break
-        raise RuntimeError(f"{self.args[1:4]} did not start:\n{self.log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-
-    def join(self, timeout_s: float = 15.0) -> None:
-        try:
-            self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(10)
-        self._log.close()
-        if self.popen.stdout:
-            self.popen.stdout.close()
-
-
-def stop_all(procs: list[Proc]) -> None:
-    for proc in procs:
-        proc.stop()
-    for proc in procs:
-        proc.join()
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a live process, in seconds; nan once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            rest = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(rest[11]) + int(rest[12])) / CLK_TCK
 
 
 T0 = time.monotonic()
@@ -192,6 +126,7 @@ def start_system(p, run_dir: Path, eta: int) -> tuple[Proc, list[Proc]]:
     df = Proc(
         [sys.executable, "-m", "astra.cli", "serve", "dataflow", "--config", str(cfg)],
         run_dir / "dataflow.log",
+        wait=False,
     )
     raas: list[Proc] = []
     try:
@@ -202,7 +137,7 @@ def start_system(p, run_dir: Path, eta: int) -> tuple[Proc, list[Proc]]:
             args += ["--instance-id", f"raas-{i}", "--capacity", str(p.capacity)]
             args += ["--policy", POLICY, "--delay", "0", "--tokens", str(p.tokens)]
             args += ["--latency", p.latency, "--latency-seed", str(p.seed), "--grace", "0.2"]
-            raas.append(Proc(args, run_dir / f"raas-{i}.log"))
+            raas.append(Proc(args, run_dir / f"raas-{i}.log", wait=False))
         for r in raas:
             r.wait_ready()
     except Exception:

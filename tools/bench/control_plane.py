@@ -48,8 +48,6 @@ import datetime as dt
 import json
 import os
 import platform
-import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -61,8 +59,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
+from procs import CLK_TCK, Proc, cpu_seconds, stop_all  # noqa: E402
+from report import replace_section  # noqa: E402
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SECTION = "## Control plane (Dataflow)"
 TARGET_RATE = 5000.0
 TARGET_P99_MS = 50.0
@@ -72,78 +71,11 @@ TARGET_SPEEDUP = 3.0
 # ----- processes --------------------------------------------------------------------------------
 
 
-class Proc:
-    """A child process that prints one JSON line with its address on stdout when ready."""
-
-    def __init__(self, args: list[str], log: Path, *, env=None, wait: bool = True):
-        self.args = args
-        self.log = log
-        self._log = log.open("ab")
-        self.popen = subprocess.Popen(
-            args,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
-        self.pid = self.popen.pid
-        self.info: dict = {}
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self, timeout_s: float = 90.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        out = self.popen.stdout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([out], [], [], 0.2)
-            if ready:
-                line = out.readline()
-                if line:
-                    self.info = json.loads(line)
-                    return self.info
-            if self.popen.poll() is not None:
-                break
-        self.terminate(kill=True)
-        self.join()
-        raise RuntimeError(f"{self.args[1:4]} did not start:\n{self.log.read_text()[-3000:]}")
-
-    def terminate(self, *, kill: bool = False) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-
-    def join(self, timeout_s: float = 15.0) -> None:
-        try:
-            self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(10)
-        if not self._log.closed:
-            self._log.close()
-        if self.popen.stdout:
-            self.popen.stdout.close()
-
-
-def stop_all(procs: list[Proc]) -> None:
-    """SIGTERM to all, then wait for each (SIGKILL after 15 s)."""
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        proc.join()
-
-
 T0 = time.monotonic()
 
 
 def say(msg: str) -> None:
     print(f"[{time.monotonic() - T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds (all its threads)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        rest = f.read().rsplit(b")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / CLK_TCK
 
 
 def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
@@ -859,20 +791,6 @@ def notes(p, gen_ms: float = float("nan")) -> list[str]:
     ]
 
 
-def update_benchmarks(path: Path, section: str) -> None:
-    """Replaces the SECTION of `path` (up to the next `## ` heading), or appends it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    if start is None:
-        text = text.rstrip("\n") + "\n\n"
-        path.write_text(text + section)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
-    path.write_text("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
-
-
 # ----- main -------------------------------------------------------------------------------------
 
 
@@ -956,7 +874,7 @@ def main(argv=None) -> int:
     if p.json:
         Path(p.json).write_text(json.dumps(results, indent=2))
     if not p.no_write and not p.profile and not p.pyspy:
-        update_benchmarks(Path(p.output), section)
+        replace_section(Path(p.output), SECTION, section)
         print(f"updated {p.output}")
     return 0
 

@@ -61,6 +61,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import M100_OVERRIDES  # noqa: E402
 from report import replace_section  # noqa: E402
 
 DASH, TIMES = "\u2013", "\u00d7"
@@ -73,21 +74,6 @@ INSTALL_HINT = (
     "tools/bench/engine.py needs transformers for its baseline: "
     "pip install -e '.[bench]'  (or: pip install 'transformers>=4.51')"
 )
-
-# ~100M parameters (100.1M, tied embeddings), Qwen3 architecture: GQA, q/k norm. The same
-# shape as the trainer benchmark's ~100M model.
-M100_OVERRIDES: dict[str, Any] = {
-    "vocab_size": 32000,
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "max_position_embeddings": 4096,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-}
 
 
 @dataclass(frozen=True)

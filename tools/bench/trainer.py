@@ -56,25 +56,13 @@ from typing import Any
 DASH, TIMES = "\u2013", "\u00d7"
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import M100_OVERRIDES  # noqa: E402
+from report import replace_section  # noqa: E402
 
 SECTION = "## Trainer"
 TARGET_BLOCKED = 0.05
 MODES = ("background", "sync", "none")
-
-# ~100M parameters (100.1M, tied embeddings), Qwen3 architecture: GQA, q/k norm.
-M100_OVERRIDES: dict[str, Any] = {
-    "vocab_size": 32000,
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "max_position_embeddings": 4096,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 
 
 @dataclass
@@ -376,7 +364,7 @@ def model_for(shape: Shape, tmp: Path, log) -> tuple[str, dict]:
 
     if shape.name == "tiny":
         return "tiny", dict(TINY_CONFIG)
-    cfg = {**TINY_CONFIG, **M100_OVERRIDES}
+    cfg = {**TINY_CONFIG, **M100_OVERRIDES, "eos_token_id": 2}
     cfg.pop("astra_tokenizer", None)
     t0 = time.perf_counter()
     save_model(tmp / "m100", random_model(cfg, 1), cfg)
@@ -644,23 +632,6 @@ def render(results, args, started: str, seconds: float, loads: tuple, cmd: str) 
     return "\n".join(out)
 
 
-def write_section(text: str) -> None:
-    path = ROOT / "BENCHMARKS.md"
-    doc = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = doc.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    block = text.rstrip("\n") + "\n"
-    if start is None:
-        new = doc.rstrip("\n") + "\n\n" + block
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + block + ("\n" + tail if tail else "")
-    path.write_text(new)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (< 1.5 min); print only")
@@ -703,7 +674,7 @@ def main() -> None:
     print()
     print(text)
     if a.write if a.write is not None else not a.quick:
-        write_section(text)
+        replace_section(ROOT / "BENCHMARKS.md", SECTION, text)
         log("wrote the Trainer section of BENCHMARKS.md")
 
 

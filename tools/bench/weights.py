@@ -54,6 +54,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+from report import replace_section  # noqa: E402
+
 PROCS = HERE / "weights_procs.py"
 SECTION = "## Weights (WeightService)"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -765,19 +768,6 @@ def markdown(p, res: dict, started: str, took: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_benchmarks(path: Path, section: str) -> None:
-    """Replaces SECTION (up to the next `## ` heading) in `path`, or appends it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    if start is None:
-        path.write_text(text.rstrip("\n") + "\n\n" + section)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
-    path.write_text("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer repeats")
@@ -825,7 +815,7 @@ def main(argv=None) -> int:
     section = markdown(p, res, started, took)
     print(section)
     if not p.no_write:
-        update_benchmarks(Path(p.output), section)
+        replace_section(Path(p.output), SECTION, section)
         print(f"updated {p.output}")
     return 0
 
