@@ -48,7 +48,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             world_size=t.world_size,
             paused=t.paused,
             pause_reason=t.pause_reason,
-            step_in_progress=not t._idle.is_set(),
+            step_in_progress=t.step_in_progress,
         )
         if t.last is not None:
             resp.loss = float(t.last.metrics.get("loss", float("nan")))

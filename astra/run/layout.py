@@ -258,10 +258,10 @@ def previous_run(rd: RunDir) -> dict:
         return {}
 
 
-def previous_port(rd: RunDir, child: str) -> int:
-    """The port `child` had in the run dir's run.json (0 if none): on --resume the WeightService
-    comes back on it, because Dataflow keeps each announced version's weights address."""
-    for c in previous_run(rd).get("children", []):
+def previous_port(previous: dict, child: str) -> int:
+    """The port `child` had in a run dir's previous run.json (0 if none): on --resume the
+    WeightService comes back on it, because Dataflow keeps each announced version's address."""
+    for c in previous.get("children", []):
         if c.get("name") == child and c.get("address"):
             return int(str(c["address"]).rpartition(":")[2])
     return 0

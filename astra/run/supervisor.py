@@ -280,9 +280,10 @@ class Supervisor:
         elastic: asyncio.Task[None] | None = None
         status, code = "failed: startup", EXIT_FAILED
         # Read before run.json is written again: on --resume the WeightService takes its port.
-        self.weights_port = layout.previous_port(self.rd, "weights") if self.resume else 0
-        if self.resume:  # the change history goes on; RaaS added by hand come back below
-            self.elastic_events = layout.previous_run(self.rd).get("elastic") or []
+        previous = layout.previous_run(self.rd) if self.resume else {}
+        self.weights_port = layout.previous_port(previous, "weights")
+        # The change history goes on; RaaS added by hand come back below.
+        self.elastic_events = previous.get("elastic") or []
         restore = list(self.elastic_events)
         control.clear(self.rd)
         self._write_run_json()  # state starting: `astra raas` says so

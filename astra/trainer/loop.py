@@ -82,8 +82,6 @@ class Trainer(StateMixin):
         self._paused_at = 0.0
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._idle = asyncio.Event()  # set while no step is in progress
-        self._idle.set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="astra-train")
         self._sync_loop: asyncio.AbstractEventLoop | None = None
         self._init_checkpoints()
@@ -169,12 +167,10 @@ class Trainer(StateMixin):
 
     async def train_step_async(self) -> StepResult:
         """One iteration on rank 0 (see the module docstring)."""
-        self._busy = True
         self._idle.clear()
         try:
             return await self._iteration()
         finally:
-            self._busy = False
             self._idle.set()
 
     @property
@@ -188,7 +184,7 @@ class Trainer(StateMixin):
             log.info("pausing after step %d: %s", self.step, self.pause_reason)
             self._paused_at = time.perf_counter()
             self._resumed.clear()
-        return not self._busy
+        return not self.step_in_progress
 
     async def wait_idle(self) -> None:
         """Returns once no step is in progress."""

@@ -59,7 +59,8 @@ class StateMixin:
         self.last_checkpoint: Path | None = None
         self.last_checkpoint_time: datetime.datetime | None = None
         self._requests: dict[str, asyncio.Future[tuple[Path, int]]] = {}
-        self._busy = False
+        self._idle = asyncio.Event()  # set while no step is in progress
+        self._idle.set()
 
     def _root(self, path: str | Path | None) -> Path:
         root = path or self.config.checkpoint.dir
@@ -131,6 +132,10 @@ class StateMixin:
         path = await self._compute(self._write_checkpoint, root)
         return path, self.step
 
+    @property
+    def step_in_progress(self) -> bool:
+        return not self._idle.is_set()
+
     async def checkpoint_async(self, request_id: str) -> tuple[Path, int]:
         """(path, step) of the checkpoint for `request_id`; a repeat returns the first answer."""
         fut = self._requests.get(request_id)
@@ -139,7 +144,7 @@ class StateMixin:
             self._requests[request_id] = fut
             while len(self._requests) > MAX_REMEMBERED:
                 self._requests.pop(next(iter(self._requests)))
-            if not self._busy:
+            if not self.step_in_progress:
                 await self._serve_checkpoint_requests()
         return await asyncio.shield(fut)
 
