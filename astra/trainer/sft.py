@@ -17,6 +17,7 @@ RaaS engines and the trainer load like any other model.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -173,15 +174,17 @@ def run_sft(
     `out` must not exist; it appears complete or not at all (written beside it,
     then renamed), so a run that dies here starts the stage again.
     """
-    from astra.engine.tiny import load_model
+    from astra.engine.tiny import TINY, TINY_CONFIG, load_model
     from astra.engine.torch_weights import save_state
-    from astra.trainer.setup import load_weights
     from astra.trainer.sources import model_files
 
     target = Path(out)
     if target.exists():
         raise FileExistsError(f"{target} exists")
-    _, hf_config, _ = load_weights(model_path)
+    if model_path == TINY:
+        hf_config = dict(TINY_CONFIG)
+    else:  # the config only: the weights are read once, by load_model
+        hf_config = json.loads((Path(model_path) / "config.json").read_text())
     model, tokenizer = load_model(model_path, device, torch.float32)
     result = supervised_warmup(
         model,
