@@ -141,8 +141,8 @@ class Supervisor:
         data = await asyncio.to_thread(layout.warmup_data, r, rd, dataset)
         for p in r.policies:
             done = rd.warmup_model(p.id).parent / "result.json"
-            if rd.warmup_model(p.id).is_dir() and done.is_file():
-                self.warmup[p.id] = json.loads(done.read_text())
+            if rd.warmup_model(p.id).is_dir():  # astra sft renames it into place when complete
+                self.warmup[p.id] = json.loads(done.read_text()) if done.is_file() else {}
                 log.info("warm-up of %s: kept from %s", p.id, rd.warmup_model(p.id))
                 continue
             name = f"warmup-{p.id}"
