@@ -1,6 +1,8 @@
 """`ServerProcess`: launches an engine server as a child process and waits until it answers.
 
-Used by the vLLM and SGLang adapters' `launch` constructors. The child runs in
+Used by the vLLM and SGLang adapters' `launch` constructors (through
+`start_server`, which builds the `python -m MODULE ... --host H --port P`
+command line they share). The child runs in
 its own process group with its output in a log file (never a pipe that could
 fill); `wait_ready` polls a health path with a deadline and fails fast, with
 the log's tail, when the child exits; `stop` sends SIGTERM to the group, then
@@ -28,6 +30,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def start_server(
+    python: str,
+    module: str,
+    model_args: Sequence[str],
+    *,
+    host: str,
+    port: int | None,
+    extra_args: Sequence[str],
+    log_path: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+) -> ServerProcess:
+    """Starts `python -m module *model_args --host H --port P *extra_args` (a free
+    port when `port` is None or 0), ready when `GET /health` answers."""
+    port = port or free_port(host)
+    argv = [python, "-m", module, *model_args, "--host", host, "--port", str(port), *extra_args]
+    return ServerProcess(
+        argv, f"http://{host}:{port}", log_path=log_path, env=env, health_path="/health"
+    )
 
 
 class ServerProcess:

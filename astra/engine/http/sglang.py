@@ -39,7 +39,7 @@ from typing import Any
 
 from astra.engine.api import Sampling, Tokenizer
 from astra.engine.http.base import HTTPEngine, Segment
-from astra.engine.http.launch import ServerProcess, free_port
+from astra.engine.http.launch import start_server
 from astra.errors import AstraError, FailedPrecondition, Unavailable
 
 SGLANG_LOGPROBS = (
@@ -89,15 +89,16 @@ class SGLangEngine(HTTPEngine):
         **kwargs: Any,
     ) -> SGLangEngine:
         """Starts `python -m sglang.launch_server` on `model_path`; await `wait_ready()` next."""
-        port = port or free_port(host)
-        argv = [
-            python, "-m", "sglang.launch_server",
-            "--model-path", str(model_path), "--host", host, "--port", str(port),
-            *extra_args,
-        ]  # fmt: skip
-        url = f"http://{host}:{port}"
-        proc = ServerProcess(argv, url, log_path=log_path, health_path="/health")
-        return cls(url, policy_id, tokenizer, process=proc, **kwargs)
+        proc = start_server(
+            python,
+            "sglang.launch_server",
+            ["--model-path", str(model_path)],
+            host=host,
+            port=port,
+            extra_args=extra_args,
+            log_path=log_path,
+        )
+        return cls(proc.url, policy_id, tokenizer, process=proc, **kwargs)
 
     # -- generation --------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from astra.engine.api import Tokenizer
-from astra.engine.http.launch import ServerProcess, free_port
+from astra.engine.http.launch import start_server
 from astra.engine.http.openai import CompletionsEngine
 from astra.errors import AstraError, FailedPrecondition
 
@@ -79,16 +79,17 @@ class VLLMEngine(CompletionsEngine):
     ) -> VLLMEngine:
         """Starts `python -m vllm.entrypoints.openai.api_server` in dev mode; await
         `wait_ready()` next."""
-        port = port or free_port(host)
-        argv = [
-            python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_path), "--served-model-name", served_model_name,
-            "--host", host, "--port", str(port),
-            *extra_args,
-        ]  # fmt: skip
-        url = f"http://{host}:{port}"
-        proc = ServerProcess(argv, url, log_path=log_path, env=DEV_MODE_ENV, health_path="/health")
-        return cls(url, served_model_name, policy_id, tokenizer, process=proc, **kwargs)
+        proc = start_server(
+            python,
+            "vllm.entrypoints.openai.api_server",
+            ["--model", str(model_path), "--served-model-name", served_model_name],
+            host=host,
+            port=port,
+            extra_args=extra_args,
+            log_path=log_path,
+            env=DEV_MODE_ENV,
+        )
+        return cls(proc.url, served_model_name, policy_id, tokenizer, process=proc, **kwargs)
 
     async def _pause(self) -> None:
         query = {"mode": "abort", "wait_for_inflight_requests": False, "clear_cache": True}
