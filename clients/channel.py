@@ -8,7 +8,9 @@ itself, with exponential backoff. Every client call also carries a deadline.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
 
 import grpc
 
@@ -62,18 +64,38 @@ def open_channel(
 
 
 class BaseClient:
-    """Owns one channel; subclasses set SERVICE, IDEMPOTENT and the stub."""
+    """Owns one channel and the service's stub.
+
+    Subclasses set SERVICE, IDEMPOTENT, STUB (the generated stub class) and PB
+    (the service's generated message module): every Astra service has GetStatus
+    and GetCapabilities, so those two calls live here.
+    """
 
     SERVICE = ""
     IDEMPOTENT: tuple[str, ...] = ()
+    STUB: Callable[[grpc.aio.Channel], Any]
+    PB: ModuleType
 
     def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.channel = open_channel(address, retry_service_config(self.SERVICE, self.IDEMPOTENT))
+        self.stub = self.STUB(self.channel)
 
     def _timeout(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
+
+    async def get_status(self, *, timeout_s: float | None = None) -> Any:
+        """The service's GetStatusResponse."""
+        return await self.stub.GetStatus(
+            self.PB.GetStatusRequest(), timeout=self._timeout(timeout_s)
+        )
+
+    async def get_capabilities(self, *, timeout_s: float | None = None) -> Any:
+        """The service's GetCapabilitiesResponse."""
+        return await self.stub.GetCapabilities(
+            self.PB.GetCapabilitiesRequest(), timeout=self._timeout(timeout_s)
+        )
 
     async def close(self) -> None:
         await self.channel.close()

@@ -23,10 +23,8 @@ class DataflowClient(BaseClient):
         "GetStatus",
         "GetCapabilities",
     )
-
-    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
-        super().__init__(address, timeout_s=timeout_s)
-        self.stub = pb_grpc.DataflowServiceStub(self.channel)
+    STUB = pb_grpc.DataflowServiceStub
+    PB = pb
 
     async def register_instance(
         self, request: pb.RegisterInstanceRequest, *, timeout_s: float | None = None
@@ -105,13 +103,3 @@ class DataflowClient(BaseClient):
             trainer_id=trainer_id,
         )
         return await self.stub.AnnounceVersion(req, timeout=self._timeout(timeout_s))
-
-    async def get_status(self, *, timeout_s: float | None = None) -> pb.GetStatusResponse:
-        return await self.stub.GetStatus(pb.GetStatusRequest(), timeout=self._timeout(timeout_s))
-
-    async def get_capabilities(
-        self, *, timeout_s: float | None = None
-    ) -> pb.GetCapabilitiesResponse:
-        return await self.stub.GetCapabilities(
-            pb.GetCapabilitiesRequest(), timeout=self._timeout(timeout_s)
-        )

@@ -24,10 +24,11 @@ class RolloutClient(BaseClient):
         "GetStatus",
         "GetCapabilities",
     )
+    STUB = pb_grpc.RolloutServiceStub
+    PB = pb
 
     def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
         super().__init__(address, timeout_s=timeout_s)
-        self.stub = pb_grpc.RolloutServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._collect_raw = self.channel.unary_stream(
             f"/{self.SERVICE}/CollectResults",
@@ -92,16 +93,6 @@ class RolloutClient(BaseClient):
             policy_weights_addresses=policy_weights_addresses or {},
         )
         return await self.stub.LoadWeights(req, timeout=self._timeout(timeout_s))
-
-    async def get_status(self, *, timeout_s: float | None = None) -> pb.GetStatusResponse:
-        return await self.stub.GetStatus(pb.GetStatusRequest(), timeout=self._timeout(timeout_s))
-
-    async def get_capabilities(
-        self, *, timeout_s: float | None = None
-    ) -> pb.GetCapabilitiesResponse:
-        return await self.stub.GetCapabilities(
-            pb.GetCapabilitiesRequest(), timeout=self._timeout(timeout_s)
-        )
 
     async def check_health(self, *, timeout_s: float | None = None) -> bool:
         """True when the instance's grpc.health.v1 answers SERVING."""

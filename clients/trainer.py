@@ -10,26 +10,14 @@ from astra.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 class TrainerClient(BaseClient):
     SERVICE = "astra.trainer.v1.TrainerService"
     IDEMPOTENT = ("GetStatus", "SaveCheckpoint", "GetCapabilities", "Pause", "Resume")
-
-    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
-        super().__init__(address, timeout_s=timeout_s)
-        self.stub = pb_grpc.TrainerServiceStub(self.channel)
-
-    async def get_status(self, *, timeout_s: float | None = None) -> pb.GetStatusResponse:
-        return await self.stub.GetStatus(pb.GetStatusRequest(), timeout=self._timeout(timeout_s))
+    STUB = pb_grpc.TrainerServiceStub
+    PB = pb
 
     async def save_checkpoint(
         self, request_id: str, *, timeout_s: float | None = None
     ) -> pb.SaveCheckpointResponse:
         return await self.stub.SaveCheckpoint(
             pb.SaveCheckpointRequest(request_id=request_id), timeout=self._timeout(timeout_s)
-        )
-
-    async def get_capabilities(
-        self, *, timeout_s: float | None = None
-    ) -> pb.GetCapabilitiesResponse:
-        return await self.stub.GetCapabilities(
-            pb.GetCapabilitiesRequest(), timeout=self._timeout(timeout_s)
         )
 
     async def pause(

@@ -38,10 +38,11 @@ CHUNK_BYTES = 4 * (1 << 20) - (64 << 10)
 class WeightClient(BaseClient):
     SERVICE = "astra.weights.v1.WeightService"
     IDEMPOTENT = ("ListVersions", "GetVersion", "RollbackVersion", "GetStatus", "GetCapabilities")
+    STUB = pb_grpc.WeightServiceStub
+    PB = pb
 
     def __init__(self, address: str, *, timeout_s: float = 30.0) -> None:
         super().__init__(address, timeout_s=timeout_s)
-        self.stub = pb_grpc.WeightServiceStub(self.channel)
 
     async def list_versions(
         self,
@@ -66,16 +67,6 @@ class WeightClient(BaseClient):
         self, request: pb.RollbackVersionRequest, *, timeout_s: float | None = None
     ) -> pb.RollbackVersionResponse:
         return await self.stub.RollbackVersion(request, timeout=self._timeout(timeout_s))
-
-    async def get_status(self, *, timeout_s: float | None = None) -> pb.GetStatusResponse:
-        return await self.stub.GetStatus(pb.GetStatusRequest(), timeout=self._timeout(timeout_s))
-
-    async def get_capabilities(
-        self, *, timeout_s: float | None = None
-    ) -> pb.GetCapabilitiesResponse:
-        return await self.stub.GetCapabilities(
-            pb.GetCapabilitiesRequest(), timeout=self._timeout(timeout_s)
-        )
 
 
 _ERRORS = {
