@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import sys
+from collections.abc import Callable
 
 import click
 
@@ -14,6 +15,16 @@ def _logging(level: str) -> None:
     from astra.logs import configure
 
     configure(level)
+
+
+def _metrics_and_log_level(metrics_help: str = "Prometheus HTTP port (0 picks).") -> Callable:
+    """The `--metrics-port` and `--log-level` options of `astra serve dataflow|raas|weights`."""
+
+    def decorate(f: Callable) -> Callable:
+        f = click.option("--log-level", default="info", show_default=True)(f)
+        return click.option("--metrics-port", type=int, default=None, help=metrics_help)(f)
+
+    return decorate
 
 
 @click.group()
@@ -48,8 +59,7 @@ def serve() -> None:
 @click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
 @click.option("--port", type=int, default=None, help="gRPC port (default 50051; 0 picks one).")
 @click.option("--state-dir", default=None, help="Durable state directory.")
-@click.option("--metrics-port", type=int, default=None, help="Prometheus HTTP port.")
-@click.option("--log-level", default="info", show_default=True)
+@_metrics_and_log_level("Prometheus HTTP port.")
 def serve_dataflow(
     config_path: str | None,
     host: str | None,
@@ -160,8 +170,7 @@ async def _serve_dataflow(config) -> None:
     show_default=True,
     help="In-flight sequences on a weight swap.",
 )
-@click.option("--metrics-port", type=int, default=None, help="Prometheus HTTP port (0 picks).")
-@click.option("--log-level", default="info", show_default=True)
+@_metrics_and_log_level()
 def serve_raas(
     dataflow: str,
     engine: str,
@@ -252,8 +261,7 @@ def serve_raas(
     show_default=True,
     help="Newest versions kept whatever receivers hold.",
 )
-@click.option("--metrics-port", type=int, default=None, help="Prometheus HTTP port (0 picks).")
-@click.option("--log-level", default="info", show_default=True)
+@_metrics_and_log_level()
 def serve_weights(
     store_dir: str,
     host: str,
