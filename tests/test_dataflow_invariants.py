@@ -204,6 +204,35 @@ async def raas(dataflow_address: str, backend: ScriptedGenerator, *, capacity: i
         await r.kill()
 
 
+@asynccontextmanager
+async def with_raas(
+    config: DataflowConfig, backend: ScriptedGenerator, *, capacity: int, name: str
+):
+    """conftest.running_dataflow with one scripted RaaS (`raas`) registering with it:
+    yields (dataflow, client, raas)."""
+    async with (
+        running_dataflow(config) as (server, df, client),
+        raas(server.address, backend, capacity=capacity, name=name) as r,
+    ):
+        yield df, client, r
+
+
+async def in_flight_on(df: Dataflow, name: str, groups: int):
+    """The pool's instance `name` once it holds `groups` groups in flight."""
+    inst = await until(lambda: df.pool.instances.get(name))
+    await until(lambda: len(inst.in_flight) == groups)
+    return inst
+
+
+def probing_pool(confirm_failures: int) -> dict:
+    """Pool settings where failed health probes (every 0.1 s), not heartbeats, find the dead."""
+    return {
+        "confirm_failures": confirm_failures,
+        "probe_interval_s": 0.1,
+        "heartbeat_timeout_s": 30.0,
+    }
+
+
 async def registered(df: Dataflow, *names: str, timeout_s: float = 5.0) -> None:
     def ok():
         return all(
@@ -321,10 +350,7 @@ def test_every_group_of_an_epoch_ends_in_exactly_one_counted_outcome(tmp_path):
 
     async def body():
         gen = MalformingGenerator(fail_every=4, malformed_every=7)
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, gen, capacity=32, name="raas-a"),
-        ):
+        async with with_raas(config, gen, capacity=32, name="raas-a") as (df, client, _):
             trainer = Trainer(client)
 
             def check(batch: Fetched) -> None:
@@ -440,10 +466,7 @@ def test_synchronous_mode_trains_only_tokens_of_the_version_being_trained(tmp_pa
 
     async def body():
         gen = SlowLoadGenerator(delay_s=0.02, load_delay_s=0.05)
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, gen, capacity=16, name="raas-a"),
-        ):
+        async with with_raas(config, gen, capacity=16, name="raas-a") as (df, client, _):
             trainer = Trainer(client)
             await trainer.drain(df, announce=True, check=sync_check)
             return trainer, df.status()
@@ -463,10 +486,7 @@ def test_eta_zero_alone_is_synchronous_even_when_weight_loads_take_time(tmp_path
 
     async def body():
         gen = SlowLoadGenerator(delay_s=0.02, load_delay_s=0.2)
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, gen, capacity=16, name="raas-a"),
-        ):
+        async with with_raas(config, gen, capacity=16, name="raas-a") as (df, client, _):
             trainer = Trainer(client)
             await trainer.drain(df, announce=True, check=sync_check)
             return trainer, df.status()
@@ -492,10 +512,7 @@ def test_eta_zero_dispatches_as_soon_as_the_new_version_is_loaded(tmp_path, monk
 
     async def body():
         gen = SlowLoadGenerator(delay_s=0.01, load_delay_s=0.05)
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, gen, capacity=16, name="raas-a"),
-        ):
+        async with with_raas(config, gen, capacity=16, name="raas-a") as (df, client, _):
             trainer = Trainer(client)
             await trainer.drain(df, announce=True, check=sync_check, timeout_s=10.0)
             return trainer, gen
@@ -513,10 +530,8 @@ def test_expired_batch_lease_puts_groups_back_and_refuses_the_late_ack(tmp_path)
     config = dataflow_config(tmp_path, n, leases={"batch_lease_s": 0.5})
 
     async def body():
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, ScriptedGenerator(), capacity=32, name="raas-a"),
-        ):
+        gen = ScriptedGenerator()
+        async with with_raas(config, gen, capacity=32, name="raas-a") as (df, client, _):
             await until(lambda: len(df.buffers[POLICY]) >= 4, what="4 buffered groups")
             trainer = Trainer(client)
             first = await trainer.fetch(2, "req-1")
@@ -588,12 +603,8 @@ def test_duplicate_and_late_results_are_dropped_by_id_and_counted(tmp_path):
 
     async def body():
         slow = ScriptedGenerator(delay_s=10.0)
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, slow, capacity=8, name="raas-a") as a,
-        ):
-            inst = await until(lambda: df.pool.instances.get("raas-a"))
-            await until(lambda: len(inst.in_flight) == 2)
+        async with with_raas(config, slow, capacity=8, name="raas-a") as (df, client, a):
+            inst = await in_flight_on(df, "raas-a", 2)
             gid = sorted(inst.in_flight)[0]
             # Another RaaS delivers the group leased to raas-a, twice in one collect.
             other = await delivered_by_another_raas(gid, "raas-b")
@@ -629,10 +640,8 @@ def test_lost_ack_results_repeat_the_delivery_and_the_repeat_is_dropped(tmp_path
     config = dataflow_config(tmp_path, n)
 
     async def body():
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, ScriptedGenerator(), capacity=32, name="raas-a") as a,
-        ):
+        gen = ScriptedGenerator()
+        async with with_raas(config, gen, capacity=32, name="raas-a") as (df, client, a):
             store = a.servicer.store
             real_ack, lost = store.ack, []
 
@@ -666,7 +675,7 @@ def test_dead_raas_is_suspected_confirmed_and_its_groups_redispatched(tmp_path):
     config = dataflow_config(
         tmp_path,
         n,
-        pool={"confirm_failures": 3, "probe_interval_s": 0.1, "heartbeat_timeout_s": 30.0},
+        pool=probing_pool(3),
     )
 
     async def body():
@@ -674,8 +683,7 @@ def test_dead_raas_is_suspected_confirmed_and_its_groups_redispatched(tmp_path):
             running_dataflow(config) as (server, df, client),
             raas(server.address, ScriptedGenerator(delay_s=30.0), capacity=8, name="a") as a,
         ):
-            inst = await until(lambda: df.pool.instances.get("a"))
-            await until(lambda: len(inst.in_flight) == 2)
+            inst = await in_flight_on(df, "a", 2)
             orphans = set(inst.in_flight)
             async with raas(server.address, ScriptedGenerator(), capacity=8, name="b"):
                 await registered(df, "b")
@@ -716,8 +724,7 @@ def test_deregistered_raas_gives_its_groups_back_at_once(tmp_path):
             running_dataflow(config) as (server, df, client),
             raas(server.address, ScriptedGenerator(delay_s=30.0), capacity=8, name="a") as a,
         ):
-            inst = await until(lambda: df.pool.instances.get("a"))
-            await until(lambda: len(inst.in_flight) == 2)
+            inst = await in_flight_on(df, "a", 2)
             orphans = set(inst.in_flight)
             await a.stop()  # DeregisterInstance
             assert inst.state is InstanceState.LEFT and not inst.in_flight
@@ -737,17 +744,13 @@ def test_suspect_gets_no_work_keeps_its_leases_and_is_restored_when_it_answers(t
     config = dataflow_config(
         tmp_path,
         8,
-        pool={"confirm_failures": 1000, "probe_interval_s": 0.1, "heartbeat_timeout_s": 30.0},
+        pool=probing_pool(1000),
     )
 
     async def body():
         gen = ScriptedGenerator(delay_s=30.0)
-        async with (
-            running_dataflow(config) as (server, df, _client),
-            raas(server.address, gen, capacity=16, name="c") as c,
-        ):
-            inst = await until(lambda: df.pool.instances.get("c"))
-            await until(lambda: len(inst.in_flight) == 4)
+        async with with_raas(config, gen, capacity=16, name="c") as (df, _client, c):
+            inst = await in_flight_on(df, "c", 4)
             # Heartbeats would also restore it; keep only the health probes talking.
             await c.registrar.stop(deregister=False)
             leases = set(inst.in_flight)
@@ -776,12 +779,9 @@ def test_unreachable_raas_that_still_heartbeats_is_confirmed_dead(tmp_path):
     )
 
     async def body():
-        async with (
-            running_dataflow(config) as (server, df, _client),
-            raas(server.address, ScriptedGenerator(delay_s=30.0), capacity=8, name="d") as d,
-        ):
-            inst = await until(lambda: df.pool.instances.get("d"))
-            await until(lambda: len(inst.in_flight) == 2)
+        gen = ScriptedGenerator(delay_s=30.0)
+        async with with_raas(config, gen, capacity=8, name="d") as (df, _client, d):
+            inst = await in_flight_on(df, "d", 2)
             await d.server.stop(0)  # RolloutService gone; the registrar keeps heartbeating
             await until(lambda: inst.state is InstanceState.DEAD, 10.0, "confirmed death")
             assert df.counters["requeued_instance_dead"] == 2
@@ -825,10 +825,7 @@ def test_each_policy_gets_only_its_sequences_and_lockstep_holds_back_loads(tmp_p
 
     async def body():
         gen = SlowLoadGenerator(("a", "b"), delay_s=0.05)
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, gen, capacity=16, name="ab") as r,
-        ):
+        async with with_raas(config, gen, capacity=16, name="ab") as (df, client, r):
             await registered(df, "ab")
             ta, tb = Trainer(client, "a"), Trainer(client, "b")
             # a announces v1 alone: nobody is told to load a@1.
@@ -858,10 +855,7 @@ def test_lockstep_never_serves_a_mix_of_versions_across_weight_addresses(tmp_pat
 
     async def body():
         gen = SlowLoadGenerator(("a", "b"), delay_s=0.05, load_delay_s=0.05)
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, gen, capacity=16, name="ab") as r,
-        ):
+        async with with_raas(config, gen, capacity=16, name="ab") as (df, client, r):
             await registered(df, "ab")
             await client.announce_version("a", 1, "weights://a")
             await client.announce_version("b", 1, "weights://b")
@@ -878,7 +872,7 @@ def restart_config(tmp_path: Path, n: int) -> DataflowConfig:
     return dataflow_config(
         tmp_path,
         n,
-        pool={"confirm_failures": 1000, "probe_interval_s": 0.1, "heartbeat_timeout_s": 30.0},
+        pool=probing_pool(1000),
         # Keeps the gate out of this test (see test_sync_barrier_is_left_...).
         gate={"max_offpolicyness": None, "staleness_threshold": 1.0},
     )
@@ -889,10 +883,8 @@ def test_restart_keeps_buffer_leases_position_versions_and_counters(tmp_path):
     config = restart_config(tmp_path, n)
 
     async def first_life():
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, ScriptedGenerator(delay_s=0.3), capacity=8, name="a") as a,
-        ):
+        gen = ScriptedGenerator(delay_s=0.3)
+        async with with_raas(config, gen, capacity=8, name="a") as (df, client, a):
             trainer = Trainer(client)
             await trainer.announce()
             await trainer.announce()
@@ -952,10 +944,8 @@ def test_restart_right_after_a_fetch_keeps_every_run_level_counter(tmp_path):
     config = restart_config(tmp_path, 4)
 
     async def body():
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, ScriptedGenerator(), capacity=16, name="a"),
-        ):
+        gen = ScriptedGenerator()
+        async with with_raas(config, gen, capacity=16, name="a") as (df, client, _):
             await until(lambda: epoch_finished(df), what="the epoch")
             await Trainer(client).fetch(2)
             before = run_counters(df.status())
@@ -972,10 +962,8 @@ def test_a_group_that_never_finishes_is_counted_failed_after_max_dispatch_attemp
     config = dataflow_config(tmp_path, 1, leases={"group_lease_s": 0.2, "max_dispatch_attempts": 2})
 
     async def body():
-        async with (
-            running_dataflow(config) as (server, df, _client),
-            raas(server.address, ScriptedGenerator(delay_s=30.0), capacity=8, name="a"),
-        ):
+        gen = ScriptedGenerator(delay_s=30.0)
+        async with with_raas(config, gen, capacity=8, name="a") as (df, _client, _):
             await asyncio.sleep(1.5)
             assert df.counters["dispatched"] <= 2, df.counters
             assert epoch_finished(df) and df.counters["failed_groups"] == 1
@@ -990,12 +978,9 @@ def test_sync_barrier_is_left_once_in_flight_work_has_drained(tmp_path):
     config = dataflow_config(tmp_path, n, gate={"max_offpolicyness": None})
 
     async def body():
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, ScriptedGenerator(delay_s=0.3), capacity=8, name="a"),
-        ):
-            inst = await until(lambda: df.pool.instances.get("a"))
-            await until(lambda: len(inst.in_flight) == 2)
+        gen = ScriptedGenerator(delay_s=0.3)
+        async with with_raas(config, gen, capacity=8, name="a") as (df, client, _):
+            await in_flight_on(df, "a", 2)
             trainer = Trainer(client)
             await trainer.announce()
             await trainer.announce()
