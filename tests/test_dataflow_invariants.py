@@ -339,6 +339,12 @@ def assert_consumed_once(consumed: list[str]) -> None:
     assert not repeated, f"groups trained twice: {repeated}"
 
 
+def assert_epoch_trained_once(consumed: list[str], n: int) -> None:
+    """Every group of the `n`-prompt epoch of stream "s" trained, none twice."""
+    assert_consumed_once(consumed)
+    assert set(consumed) == all_ids(n)
+
+
 # ----- 1. accounting -------------------------------------------------------------------------------
 
 
@@ -458,20 +464,28 @@ def sync_check(batch: Fetched) -> None:
         )
 
 
+def train_in_sync(
+    config: DataflowConfig, gen: SlowLoadGenerator, timeout_s: float = 15.0
+) -> tuple[Trainer, dict]:
+    """Drains the epoch from one RaaS running `gen`, announcing a new version after every batch
+    and checking each with sync_check: (trainer, Dataflow's status at the end)."""
+
+    async def body():
+        async with with_raas(config, gen, capacity=16, name="raas-a") as (df, client, _):
+            trainer = Trainer(client)
+            await trainer.drain(df, announce=True, check=sync_check, timeout_s=timeout_s)
+            return trainer, df.status()
+
+    return run(body())
+
+
 def test_synchronous_mode_trains_only_tokens_of_the_version_being_trained(tmp_path):
     n = 16
     config = dataflow_config(
         tmp_path, n, policies=[policy(max_staleness=0)], gate={"max_offpolicyness": 0}
     )
 
-    async def body():
-        gen = SlowLoadGenerator(delay_s=0.02, load_delay_s=0.05)
-        async with with_raas(config, gen, capacity=16, name="raas-a") as (df, client, _):
-            trainer = Trainer(client)
-            await trainer.drain(df, announce=True, check=sync_check)
-            return trainer, df.status()
-
-    trainer, status = run(body())
+    trainer, status = train_in_sync(config, SlowLoadGenerator(delay_s=0.02, load_delay_s=0.05))
     assert_consumed_once(trainer.consumed)
     c = status["counters"]
     assert c["consumed_groups"] + c[f"buffer.{POLICY}.filtered_stale"] == n
@@ -484,16 +498,8 @@ def test_eta_zero_alone_is_synchronous_even_when_weight_loads_take_time(tmp_path
     n = 12
     config = dataflow_config(tmp_path, n, gate={"max_offpolicyness": 0})
 
-    async def body():
-        gen = SlowLoadGenerator(delay_s=0.02, load_delay_s=0.2)
-        async with with_raas(config, gen, capacity=16, name="raas-a") as (df, client, _):
-            trainer = Trainer(client)
-            await trainer.drain(df, announce=True, check=sync_check)
-            return trainer, df.status()
-
-    trainer, status = run(body())
-    assert_consumed_once(trainer.consumed)
-    assert set(trainer.consumed) == all_ids(n)
+    trainer, status = train_in_sync(config, SlowLoadGenerator(delay_s=0.02, load_delay_s=0.2))
+    assert_epoch_trained_once(trainer.consumed, n)
     assert status["counters"][f"buffer.{POLICY}.filtered_stale"] == 0
 
 
@@ -510,14 +516,8 @@ def test_eta_zero_dispatches_as_soon_as_the_new_version_is_loaded(tmp_path, monk
         pool={"heartbeat_interval_s": 30.0, "heartbeat_timeout_s": 60.0},
     )
 
-    async def body():
-        gen = SlowLoadGenerator(delay_s=0.01, load_delay_s=0.05)
-        async with with_raas(config, gen, capacity=16, name="raas-a") as (df, client, _):
-            trainer = Trainer(client)
-            await trainer.drain(df, announce=True, check=sync_check, timeout_s=10.0)
-            return trainer, gen
-
-    trainer, gen = run(body())
+    gen = SlowLoadGenerator(delay_s=0.01, load_delay_s=0.05)
+    trainer, _ = train_in_sync(config, gen, timeout_s=10.0)
     assert set(trainer.consumed) == all_ids(n)
     assert trainer.version >= 3 and len(gen.load_calls) >= 3
 
@@ -564,8 +564,7 @@ def test_expired_batch_lease_puts_groups_back_and_refuses_the_late_ack(tmp_path)
             return trainer, df.status()
 
     trainer, status = run(body())
-    assert_consumed_once(trainer.consumed)
-    assert set(trainer.consumed) == all_ids(n)
+    assert_epoch_trained_once(trainer.consumed, n)
     assert status["counters"]["batch_leases_expired"] == 1
     assert status["counters"]["consumed_groups"] == n
 
@@ -659,8 +658,7 @@ def test_lost_ack_results_repeat_the_delivery_and_the_repeat_is_dropped(tmp_path
 
     trainer, status, lost = run(body())
     assert len(lost) == 3
-    assert_consumed_once(trainer.consumed)
-    assert set(trainer.consumed) == all_ids(n)
+    assert_epoch_trained_once(trainer.consumed, n)
     c = status["counters"]
     assert c["duplicates_dropped"] >= len({g for ids in lost for g in ids})
     assert c["consumed_groups"] == c["completed_groups"] == n
@@ -672,20 +670,16 @@ def test_lost_ack_results_repeat_the_delivery_and_the_repeat_is_dropped(tmp_path
 
 def test_dead_raas_is_suspected_confirmed_and_its_groups_redispatched(tmp_path):
     n = 12
-    config = dataflow_config(
-        tmp_path,
-        n,
-        pool=probing_pool(3),
-    )
+    config = dataflow_config(tmp_path, n, pool=probing_pool(3))
 
     async def body():
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, ScriptedGenerator(delay_s=30.0), capacity=8, name="a") as a,
-        ):
+        gen = ScriptedGenerator(delay_s=30.0)
+        async with with_raas(config, gen, capacity=8, name="a") as (df, client, a):
             inst = await in_flight_on(df, "a", 2)
             orphans = set(inst.in_flight)
-            async with raas(server.address, ScriptedGenerator(), capacity=8, name="b"):
+            async with raas(
+                a.registrar.dataflow_address, ScriptedGenerator(), capacity=8, name="b"
+            ):
                 await registered(df, "b")
                 await a.kill()
                 seen: list[InstanceState] = []
@@ -706,8 +700,7 @@ def test_dead_raas_is_suspected_confirmed_and_its_groups_redispatched(tmp_path):
                 return trainer, df.status(), orphans, rows
 
     trainer, status, orphans, rows = run(body())
-    assert_consumed_once(trainer.consumed)
-    assert set(trainer.consumed) == all_ids(n)
+    assert_epoch_trained_once(trainer.consumed, n)
     c = status["counters"]
     assert c["instances_confirmed_dead"] == 1
     assert c["requeued_instance_dead"] == len(orphans) == 2
@@ -720,32 +713,27 @@ def test_deregistered_raas_gives_its_groups_back_at_once(tmp_path):
     config = dataflow_config(tmp_path, n)
 
     async def body():
-        async with (
-            running_dataflow(config) as (server, df, client),
-            raas(server.address, ScriptedGenerator(delay_s=30.0), capacity=8, name="a") as a,
-        ):
+        gen = ScriptedGenerator(delay_s=30.0)
+        async with with_raas(config, gen, capacity=8, name="a") as (df, client, a):
             inst = await in_flight_on(df, "a", 2)
             orphans = set(inst.in_flight)
             await a.stop()  # DeregisterInstance
             assert inst.state is InstanceState.LEFT and not inst.in_flight
             assert orphans <= set(df.waiting)
-            async with raas(server.address, ScriptedGenerator(), capacity=8, name="b"):
+            async with raas(
+                a.registrar.dataflow_address, ScriptedGenerator(), capacity=8, name="b"
+            ):
                 trainer = Trainer(client)
                 await trainer.drain(df)
                 return trainer, df.status()
 
     trainer, status = run(body())
-    assert_consumed_once(trainer.consumed)
-    assert set(trainer.consumed) == all_ids(n)
+    assert_epoch_trained_once(trainer.consumed, n)
     assert status["counters"]["requeued_instance_left"] == 2
 
 
 def test_suspect_gets_no_work_keeps_its_leases_and_is_restored_when_it_answers(tmp_path):
-    config = dataflow_config(
-        tmp_path,
-        8,
-        pool=probing_pool(1000),
-    )
+    config = dataflow_config(tmp_path, 8, pool=probing_pool(1000))
 
     async def body():
         gen = ScriptedGenerator(delay_s=30.0)
@@ -845,8 +833,7 @@ def test_each_policy_gets_only_its_sequences_and_lockstep_holds_back_loads(tmp_p
 
     ta, tb, status = run(body())
     for t in (ta, tb):
-        assert_consumed_once(t.consumed)
-        assert set(t.consumed) == all_ids(n)
+        assert_epoch_trained_once(t.consumed, n)
     assert status["counters"]["consumed_groups"] == 2 * n
 
 
@@ -935,8 +922,7 @@ def test_restart_keeps_buffer_leases_position_versions_and_counters(tmp_path):
         return state[0], await second_life(*state)
 
     trainer, final = run(body())
-    assert_consumed_once(trainer.consumed)
-    assert set(trainer.consumed) == all_ids(n)
+    assert_epoch_trained_once(trainer.consumed, n)
     assert final["counters"]["consumed_groups"] == n
 
 
