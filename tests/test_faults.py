@@ -87,8 +87,31 @@ class Trainer:
         while len(self.consumed) < total and time.monotonic() < end:
             await self.step(num_groups)
 
-    async def close(self) -> None:
+    async def wait_status(self, done, timeout_s: float, poll_s: float):
+        """Dataflow's status once `done(status)`, or the last one read when `timeout_s` is up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = await self.client.get_status()
+            if done(status):
+                return status
+            await asyncio.sleep(poll_s)
+            if time.monotonic() >= deadline:
+                return status
+
+    async def __aenter__(self) -> Trainer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
         await self.client.close()
+
+
+def run_then_close(coro, procs: list):
+    """Runs the test body, then closes (SIGKILLs if need be) every process in `procs`."""
+    try:
+        return asyncio.run(coro)
+    finally:
+        for p in procs:
+            p.close()
 
 
 def expected_ids() -> set[str]:
@@ -106,35 +129,25 @@ def test_raas_sigkill_loses_and_duplicates_nothing(big_dataset, tmp_path):
         start_scripted_raas(df.address, tmp_path, f"raas-{i}", "--delay", "0.3", "--capacity", "8")
         for i in range(3)
     ]
+    procs = [*raas, df]
+
+    def dead(status) -> set[str]:
+        return {i.instance_id for i in status.instances if i.state == 3}
 
     async def body():
-        trainer = Trainer(df.address)
-        try:
+        async with Trainer(df.address) as trainer:
             await trainer.run_until(2, 30)
             raas[0].kill()  # with groups in flight
             await trainer.run_until(8, 30)
             raas[1].kill()
-            raas.append(start_scripted_raas(df.address, tmp_path, "raas-3", "--delay", "0.1"))
+            procs.append(start_scripted_raas(df.address, tmp_path, "raas-3", "--delay", "0.1"))
             await trainer.run_until(NUM_PROMPTS, 60)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                status = await trainer.client.get_status()
-                dead = {i.instance_id for i in status.instances if i.state == 3}
-                if {"raas-0", "raas-1"} <= dead:
-                    break
-                await asyncio.sleep(0.1)
-        finally:
-            await trainer.close()
+            status = await trainer.wait_status(lambda s: {"raas-0", "raas-1"} <= dead(s), 15, 0.1)
         return trainer.consumed, status
 
-    try:
-        consumed, status = asyncio.run(body())
-    finally:
-        for p in [*raas, df]:
-            p.close()
+    consumed, status = run_then_close(body(), procs)
     assert_exactly_once(consumed)
-    dead = {i.instance_id for i in status.instances if i.state == 3}
-    assert {"raas-0", "raas-1"} <= dead
+    assert {"raas-0", "raas-1"} <= dead(status)
 
 
 def test_dataflow_sigkill_restart_keeps_state_and_exactly_once(big_dataset, tmp_path):
@@ -147,10 +160,12 @@ def test_dataflow_sigkill_restart_keeps_state_and_exactly_once(big_dataset, tmp_
     ]
     procs = [*raas, df]
 
+    def known(status) -> set[str]:
+        return {i.instance_id for i in status.instances}
+
     async def body():
         nonlocal df
-        trainer = Trainer(df.address)
-        try:
+        async with Trainer(df.address) as trainer:
             await trainer.run_until(6, 30)
             # A batch fetched and not yet acknowledged when Dataflow dies.
             header, trajectories, _ = await trainer.client.fetch_batch(
@@ -173,23 +188,12 @@ def test_dataflow_sigkill_restart_keeps_state_and_exactly_once(big_dataset, tmp_
             assert after.counters["dispatched"] >= before.counters["dispatched"]
             await trainer.run_until(NUM_PROMPTS, 60)
             # The RaaS registered again by themselves.
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                status = await trainer.client.get_status()
-                if {"raas-0", "raas-1"} <= {i.instance_id for i in status.instances}:
-                    break
-                await asyncio.sleep(0.2)
-        finally:
-            await trainer.close()
+            status = await trainer.wait_status(lambda s: {"raas-0", "raas-1"} <= known(s), 10, 0.2)
         return trainer.consumed, status
 
-    try:
-        consumed, status = asyncio.run(body())
-    finally:
-        for p in procs:
-            p.close()
+    consumed, status = run_then_close(body(), procs)
     assert_exactly_once(consumed)
-    assert {"raas-0", "raas-1"} <= {i.instance_id for i in status.instances}
+    assert {"raas-0", "raas-1"} <= known(status)
 
 
 def test_all_raas_dead_then_a_new_one_resumes_the_run(big_dataset, tmp_path):
@@ -198,16 +202,10 @@ def test_all_raas_dead_then_a_new_one_resumes_the_run(big_dataset, tmp_path):
     procs = [first, df]
 
     async def body():
-        trainer = Trainer(df.address)
-        try:
+        async with Trainer(df.address) as trainer:
             await trainer.run_until(2, 30)
             first.signal(signal.SIGKILL)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                status = await trainer.client.get_status()
-                if status.pool_empty:
-                    break
-                await asyncio.sleep(0.1)
+            status = await trainer.wait_status(lambda s: s.pool_empty, 15, 0.1)
             assert status.pool_empty and "pool empty" in status.gate.reason
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 while True:  # drain what is buffered, then the pool-empty answer
@@ -221,11 +219,5 @@ def test_all_raas_dead_then_a_new_one_resumes_the_run(big_dataset, tmp_path):
             before = len(trainer.consumed)
             await trainer.run_until(before + 4, 30)
             assert len(trainer.consumed) >= before + 4
-        finally:
-            await trainer.close()
 
-    try:
-        asyncio.run(body())
-    finally:
-        for p in procs:
-            p.close()
+    run_then_close(body(), procs)
