@@ -4,9 +4,11 @@ choice, the all-or-nothing weight swap, and a RolloutService serving it over a r
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import pytest
 
+from astra.clients.raas import RolloutClient
 from astra.common.v1 import rollout_pb2, version_pb2
 from astra.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 from astra.raas.backend import VersionSpec
@@ -159,10 +161,21 @@ def test_load_weights_without_a_loader_or_for_an_unknown_policy():
 # ----- served over gRPC ----------------------------------------------------------------------
 
 
+@asynccontextmanager
+async def served(backend: EngineBackend):
+    """A RolloutService (16 slots) over `backend` on a real socket, and a client to it."""
+    server, servicer, _ = await start_raas(backend, capacity=16, grace_s=0.2)
+    client = RolloutClient(server.address, timeout_s=5.0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop(0)
+        await servicer.close()
+
+
 def test_rollout_service_over_engine_backend_produces_valid_results():
     async def body():
-        from astra.clients.raas import RolloutClient
-
         def script(policy_id, prompt, sampling):
             if "<result>" in prompt:
                 return "so 14"
@@ -170,9 +183,7 @@ def test_rollout_service_over_engine_backend_produces_valid_results():
 
         engine = ScriptedTestEngine(script, ("policy",))
         backend = EngineBackend(engine, ["single_turn", "multi_turn_tools"], FakeLoader())
-        server, servicer, _ = await start_raas(backend, capacity=16, grace_s=0.2)
-        client = RolloutClient(server.address, timeout_s=5.0)
-        try:
+        async with served(backend) as client:
             group = rollout_pb2.PromptGroup(
                 group_id="g1",
                 workflow="multi_turn_tools",
@@ -197,10 +208,6 @@ def test_rollout_service_over_engine_backend_produces_valid_results():
             version = version_pb2.PolicyVersion(policy_id="policy", version=1, version_id="v1")
             loaded = await client.load_weights([version], "weights:1", "req-1")
             assert loaded.fetched_bytes == 100 and engine.version("policy") == 1
-        finally:
-            await client.close()
-            await server.stop(0)
-            await servicer.close()
 
     run(body())
 
@@ -209,13 +216,9 @@ def test_unknown_reward_is_refused_at_submit_and_the_server_keeps_serving():
     async def body():
         import grpc
 
-        from astra.clients.raas import RolloutClient
-
         engine = ScriptedTestEngine(lambda *a: "1", ("policy",))
         backend = EngineBackend(engine, ["single_turn"], FakeLoader())
-        server, servicer, _ = await start_raas(backend, capacity=16, grace_s=0.2)
-        client = RolloutClient(server.address, timeout_s=5.0)
-        try:
+        async with served(backend) as client:
             group = rollout_pb2.PromptGroup(
                 group_id="g1",
                 workflow="single_turn",
@@ -231,9 +234,5 @@ def test_unknown_reward_is_refused_at_submit_and_the_server_keeps_serving():
             assert "groups[0].reward" in info.value.details()
             status = await client.get_status()
             assert status.running_groups == 0 and status.free_slots == 16
-        finally:
-            await client.close()
-            await server.stop(0)
-            await servicer.close()
 
     run(body())
