@@ -11,6 +11,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -38,7 +39,10 @@ def start_weights(tmp_path) -> Proc:
     return Proc(args, log=tmp_path / "weights.log")
 
 
-def start_raas(dataflow: str, tmp_path, name: str) -> Proc:
+def start_raas(
+    dataflow: str, tmp_path, name: str, capacity: int = 16, engine: Sequence[str] = ()
+) -> Proc:
+    """`astra serve raas` of the tiny model (the torch engine unless `engine` says otherwise)."""
     args = [
         sys.executable,
         "-m",
@@ -47,12 +51,13 @@ def start_raas(dataflow: str, tmp_path, name: str) -> Proc:
         "raas",
         "--dataflow",
         dataflow,
+        *engine,
         "--model",
         "tiny",
         "--policy",
         "policy",
         "--capacity",
-        "16",
+        str(capacity),
         "--instance-id",
         name,
         "--state-dir",
@@ -73,6 +78,30 @@ def perturbed_tiny() -> dict:
             t += 0.01 * torch.randn(t.shape, generator=gen)
         out[name] = ("F32", list(t.shape), t.numpy().tobytes())
     return out
+
+
+async def first_batch_then_version_1(client: DataflowClient, weights_address: str) -> list:
+    """Trains the first batch (fetched and acknowledged), then publishes version 1 (the tiny
+    model perturbed) and announces it: the first batch's trajectories."""
+    from astra.clients.weights import publish_version
+
+    header, trajs, _ = await client.fetch_batch("policy", 2, "b0", max_wait_s=30)
+    await client.ack_batch(header.batch_id)
+    await publish_version(weights_address, "policy", "1", 1, perturbed_tiny())
+    await client.announce_version("policy", 1, weights_address, version_id="1")
+    return trajs
+
+
+async def wait_status(client: DataflowClient, done, timeout_s: float = 60.0):
+    """Dataflow's status once `done(status)`, or the last one read when `timeout_s` is up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await client.get_status()
+        if done(status):
+            return status
+        await asyncio.sleep(0.3)
+        if time.monotonic() >= deadline:
+            return status
 
 
 def test_raas_load_announced_version_and_stamp_tokens(dataset, tmp_path):
@@ -104,26 +133,22 @@ def test_raas_load_announced_version_and_stamp_tokens(dataset, tmp_path):
     raas = [start_raas(df.address, tmp_path, f"raas-{i}") for i in range(2)]
     procs = [*raas, weights, df]
 
-    async def body():
-        from astra.clients.weights import publish_version
+    def loaded_by_instance(status) -> dict[str, dict[str, int]]:
+        return {
+            i.instance_id: {v.policy_id: v.version for v in i.loaded_versions}
+            for i in status.instances
+        }
 
-        client = DataflowClient(df.address, timeout_s=10)
-        try:
-            header, trajs, _ = await client.fetch_batch("policy", 2, "b0", max_wait_s=30)
-            await client.ack_batch(header.batch_id)
+    def both_hold_version_1(status) -> bool:
+        loaded = loaded_by_instance(status)
+        return all(loaded.get(f"raas-{i}", {}).get("policy") == 1 for i in range(2))
+
+    async def body():
+        async with DataflowClient(df.address, timeout_s=10) as client:
+            trajs = await first_batch_then_version_1(client, weights.address)
             assert all(t.sequences[0].token_ids.shape[0] > 0 for t in trajs)
-            await publish_version(weights.address, "policy", "1", 1, perturbed_tiny())
-            await client.announce_version("policy", 1, weights.address, version_id="1")
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                status = await client.get_status()
-                loaded = {
-                    i.instance_id: {v.policy_id: v.version for v in i.loaded_versions}
-                    for i in status.instances
-                }
-                if all(loaded.get(f"raas-{i}", {}).get("policy") == 1 for i in range(2)):
-                    break
-                await asyncio.sleep(0.3)
+            status = await wait_status(client, both_hold_version_1)
+            loaded = loaded_by_instance(status)
             assert all(loaded[f"raas-{i}"]["policy"] == 1 for i in range(2)), loaded
             # eta = 0: exactly one batch's worth is generated per version.
             seen = set()
@@ -136,8 +161,6 @@ def test_raas_load_announced_version_and_stamp_tokens(dataset, tmp_path):
                     seen.update(int(x) for x in v[v >= 0])
             assert seen == {1}, seen
             return status
-        finally:
-            await client.close()
 
     try:
         status = asyncio.run(body())
@@ -167,58 +190,24 @@ def test_raas_on_a_fake_sglang_server_serves_dataflow_and_loads_versions(dataset
     df = start_dataflow(config, tmp_path)
     weights = start_weights(tmp_path)
     fake = Proc([sys.executable, "-c", FAKE_SGLANG], log=tmp_path / "fake.log")
-    args = [
-        sys.executable,
-        "-m",
-        "astra.cli",
-        "serve",
-        "raas",
-        "--dataflow",
-        df.address,
-        "--engine",
-        "sglang",
-        "--engine-url",
-        fake.address,
-        "--model",
-        "tiny",
-        "--policy",
-        "policy",
-        "--capacity",
-        "8",
-        "--instance-id",
-        "raas-sglang",
-        "--state-dir",
-        str(tmp_path / "raas-sglang"),
-    ]
     procs = [weights, df, fake]
-    procs.append(Proc(args, log=tmp_path / "raas-sglang.log", timeout_s=60))
+    engine = ["--engine", "sglang", "--engine-url", fake.address]
+    procs.append(start_raas(df.address, tmp_path, "raas-sglang", capacity=8, engine=engine))
+
+    def held(status) -> dict[str, int]:
+        return {v.policy_id: v.version for i in status.instances for v in i.loaded_versions}
 
     async def body():
-        from astra.clients.weights import publish_version
-
-        client = DataflowClient(df.address, timeout_s=10)
-        try:
-            header, trajs, _ = await client.fetch_batch("policy", 2, "b0", max_wait_s=30)
-            await client.ack_batch(header.batch_id)
+        async with DataflowClient(df.address, timeout_s=10) as client:
+            trajs = await first_batch_then_version_1(client, weights.address)
             assert trajs and all(t.sequences[0].logprobs.data for t in trajs)
-            await publish_version(weights.address, "policy", "1", 1, perturbed_tiny())
-            await client.announce_version("policy", 1, weights.address, version_id="1")
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                status = await client.get_status()
-                held = {v.policy_id: v.version for i in status.instances for v in i.loaded_versions}
-                if held.get("policy") == 1:
-                    break
-                await asyncio.sleep(0.3)
-            return held
-        finally:
-            await client.close()
+            return held(await wait_status(client, lambda s: held(s).get("policy") == 1))
 
     try:
-        held = asyncio.run(body())
+        policies = asyncio.run(body())
     finally:
         for p in procs:
             p.close()
-    assert held.get("policy") == 1, held
+    assert policies.get("policy") == 1, policies
     log = (tmp_path / "raas-sglang.log").read_text()
     assert "Traceback" not in log, log[-2000:]
