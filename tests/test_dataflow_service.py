@@ -53,6 +53,11 @@ async def expect_error(call, code: grpc.StatusCode, reason: str, field: str | No
     return exc, others
 
 
+async def expect_invalid_field(call, field: str):
+    """`call` fails with INVALID_ARGUMENT, reason INVALID_FIELD, naming `field`."""
+    return await expect_error(call, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", field)
+
+
 def test_health_reflection_and_capabilities(config):
     async def body():
         async with running_dataflow(config) as (_server, _df, client):
@@ -128,80 +133,48 @@ def test_every_rpc_rejects_bad_input_and_keeps_serving(config):
         async with running_dataflow(config) as (_s, _df, client):
             stub = client.stub
             for over, field in BAD_REGISTRATIONS:
-                await expect_error(
-                    lambda o=over: stub.RegisterInstance(register_request(**o)),
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "INVALID_FIELD",
-                    field,
+                await expect_invalid_field(
+                    lambda o=over: stub.RegisterInstance(register_request(**o)), field
                 )
             await expect_error(
                 lambda: stub.RegisterInstance(register_request(policy_ids=["other"])),
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "NO_COMMON_POLICY",
             )
-            await expect_error(
-                lambda: stub.HeartbeatInstance(pb.HeartbeatInstanceRequest()),
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "INVALID_FIELD",
-                "instance_id",
+            await expect_invalid_field(
+                lambda: stub.HeartbeatInstance(pb.HeartbeatInstanceRequest()), "instance_id"
             )
             await stub.RegisterInstance(register_request())
-            await expect_error(
+            await expect_invalid_field(
                 lambda: stub.HeartbeatInstance(
                     pb.HeartbeatInstanceRequest(instance_id="raas-1", free_slots=-1)
                 ),
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "INVALID_FIELD",
                 "free_slots",
             )
-            await expect_error(
-                lambda: stub.DeregisterInstance(pb.DeregisterInstanceRequest()),
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "INVALID_FIELD",
-                "instance_id",
+            await expect_invalid_field(
+                lambda: stub.DeregisterInstance(pb.DeregisterInstanceRequest()), "instance_id"
             )
-            fetch = pb.FetchBatchRequest(policy_id="policy", num_groups=1, request_id="r")
-            for change, code, reason, field in [
-                ({"policy_id": "nope"}, grpc.StatusCode.NOT_FOUND, "POLICY_NOT_FOUND", None),
-                ({"policy_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", "policy_id"),
-                (
-                    {"num_groups": 0},
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "INVALID_FIELD",
-                    "num_groups",
-                ),
-                (
-                    {"num_groups": 70000},
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "INVALID_FIELD",
-                    "num_groups",
-                ),
-                (
-                    {"request_id": ""},
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "INVALID_FIELD",
-                    "request_id",
-                ),
-            ]:
-                req = pb.FetchBatchRequest()
-                req.CopyFrom(fetch)
+
+            def fetch(**change):
+                req = pb.FetchBatchRequest(policy_id="policy", num_groups=1, request_id="r")
                 for k, v in change.items():
                     setattr(req, k, v)
-                await expect_error(lambda r=req: stub.FetchBatch(r), code, reason, field)
+                return stub.FetchBatch(req)
+
+            await expect_error(
+                lambda: fetch(policy_id="nope"), grpc.StatusCode.NOT_FOUND, "POLICY_NOT_FOUND"
+            )
+            for change, field in [
+                ({"policy_id": ""}, "policy_id"),
+                ({"num_groups": 0}, "num_groups"),
+                ({"num_groups": 70000}, "num_groups"),
+                ({"request_id": ""}, "request_id"),
+            ]:
+                await expect_invalid_field(lambda c=change: fetch(**c), field)
             neg = pb.FetchBatchRequest(policy_id="policy", num_groups=1, request_id="r2")
             neg.max_wait.FromNanoseconds(-1_000_000)
-            await expect_error(
-                lambda: stub.FetchBatch(neg),
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "INVALID_FIELD",
-                "max_wait",
-            )
-            await expect_error(
-                lambda: stub.AckBatch(pb.AckBatchRequest()),
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "INVALID_FIELD",
-                "batch_id",
-            )
+            await expect_invalid_field(lambda: stub.FetchBatch(neg), "max_wait")
+            await expect_invalid_field(lambda: stub.AckBatch(pb.AckBatchRequest()), "batch_id")
             await expect_error(
                 lambda: stub.AckBatch(pb.AckBatchRequest(batch_id="unknown")),
                 grpc.StatusCode.NOT_FOUND,
@@ -219,18 +192,8 @@ def test_every_rpc_rejects_bad_input_and_keeps_serving(config):
             await expect_error(
                 lambda: announce(policy="nope"), grpc.StatusCode.NOT_FOUND, "POLICY_NOT_FOUND"
             )
-            await expect_error(
-                lambda: announce(version=-1),
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "INVALID_FIELD",
-                "version.version",
-            )
-            await expect_error(
-                lambda: announce(address=""),
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "INVALID_FIELD",
-                "weights_address",
-            )
+            await expect_invalid_field(lambda: announce(version=-1), "version.version")
+            await expect_invalid_field(lambda: announce(address=""), "weights_address")
             await expect_error(
                 lambda: announce(version=5), grpc.StatusCode.FAILED_PRECONDITION, "VERSION_NOT_NEXT"
             )
