@@ -30,6 +30,8 @@ class ChildFailed(RuntimeError):
 
 
 class Child:
+    restartable = True  # astra.run.restarts may spawn it again after it died
+
     def __init__(
         self, name: str, role: str, args: list[str], log_path: Path, env: dict[str, str]
     ) -> None:
@@ -55,6 +57,9 @@ class Child:
         return self.proc.returncode if self.proc is not None else None
 
     async def spawn(self) -> None:
+        """Starts the process (again, after it died: a new process, the same log appended to)."""
+        self.close()
+        self.info, self.stopping = {}, False
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
         self.log_offset = self._log.tell()
@@ -101,9 +106,12 @@ class Child:
 
     async def _copy_stdout(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None and self._log is not None
-        while line := await self.proc.stdout.readline():
-            self._log.write(line)
-            self._log.flush()
+        stdout, out = self.proc.stdout, self._log  # this process's: a restart opens new ones
+        while line := await stdout.readline():
+            if out.closed:
+                return
+            out.write(line)
+            out.flush()
 
     async def wait(self) -> int:
         assert self.proc is not None

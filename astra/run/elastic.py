@@ -173,7 +173,7 @@ class Elastic:
         )
         child.extra = {"capacity": spec.capacity, "labels": dict(spec.labels), "joined": source}
         try:
-            await sup._start([child])
+            await sup.start_children([child])
         except ChildFailed as exc:
             if child.returncode is None:
                 await child.stop(0)

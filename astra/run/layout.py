@@ -149,7 +149,7 @@ def after_warmup(recipe: Recipe, rd: RunDir) -> Recipe:
     return recipe.model_copy(update={"policies": policies})
 
 
-def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path) -> DataflowConfig:
+def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path, port: int = 0) -> DataflowConfig:
     section = recipe.dataflow.model_dump(mode="json")
     ds = recipe.dataset
     policies = [
@@ -174,7 +174,7 @@ def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path) -> DataflowConfig
         }
         for s in recipe.streams
     ]
-    raw = {**section, "host": "127.0.0.1", "port": 0, "state_dir": str(rd.dataflow_state)}
+    raw = {**section, "host": "127.0.0.1", "port": port, "state_dir": str(rd.dataflow_state)}
     if recipe.observe.prometheus and raw.get("metrics_port") is None:
         raw["metrics_port"] = 0
     return DataflowConfig.model_validate({**raw, "policies": policies, "streams": streams})
@@ -244,8 +244,8 @@ def write_yaml(path: Path, data: dict) -> Path:
     return path
 
 
-def dataflow_command(recipe: Recipe, rd: RunDir, dataset: Path) -> list[str]:
-    config = dataflow_config(recipe, rd, dataset)
+def dataflow_command(recipe: Recipe, rd: RunDir, dataset: Path, port: int = 0) -> list[str]:
+    config = dataflow_config(recipe, rd, dataset, port)
     path = write_yaml(rd.config / "dataflow.yaml", config.model_dump(mode="json"))
     return serve_command("dataflow", "--config", str(path))
 

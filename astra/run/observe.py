@@ -156,6 +156,7 @@ class StatusPoller:
     ) -> None:
         self.dataflow_address = dataflow
         self.dataflow = DataflowClient(dataflow, timeout_s=timeout_s)
+        self.timeout_s = timeout_s
         self.trainers = {p: TrainerClient(a, timeout_s=timeout_s) for p, a in trainers.items()}
         self.name, self.num_steps, self.show_elapsed = name, num_steps, show_elapsed
         self.started = time.monotonic()
@@ -190,6 +191,14 @@ class StatusPoller:
                 "metrics": {k: round(v, 6) for k, v in sorted(resp.metrics.items())},
             }
             self.throughput.add(time.monotonic(), f"step:{policy}", resp.step)
+
+    def set_trainer(self, policy: str, address: str) -> None:
+        """A restarted trainer's new address (the old client is closed in the background)."""
+        old = self.trainers.get(policy)
+        self.trainers[policy] = TrainerClient(address, timeout_s=self.timeout_s)
+        if old is not None:
+            task = asyncio.ensure_future(old.close())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def poll(self) -> None:
         """Dataflow and every trainer, at once."""
@@ -304,7 +313,12 @@ class Observer(StatusPoller):
             "trainer": metrics,
             "dataflow": self.last_dataflow,
         }
-        self.rows[policy].append(row)
+        rows = self.rows[policy]
+        if rows and rows[-1]["step"] >= step:  # a restarted trainer runs again from its checkpoint
+            row["rerun"] = True
+            while rows and rows[-1]["step"] >= step:
+                rows.pop()
+        rows.append(row)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tensorboard is not None:

@@ -251,6 +251,8 @@ class RemoteProcess:
 class RayChild(Child):
     """A `Child` whose process a Ray actor starts and watches on the node Ray placed it on."""
 
+    restartable = False  # its actor is released with it: a death ends the run (not restarted yet)
+
     def __init__(
         self,
         name: str,

@@ -104,8 +104,10 @@ class Recipe(_Strict):
         description="RaaS added and removed during the run, by schedule, in list order.",
     )
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Every trainer.")
-    on_raas_death: Literal["continue", "stop"] = Field(
-        "continue", description="A RaaS that dies: carry on, or stop the run. Others: stop."
+    on_raas_death: Literal["restart", "continue", "stop"] = Field(
+        "restart",
+        description="A RaaS that dies: start it again (supervision.max_restarts, then carry "
+        "on without it), carry on without it, or stop the run.",
     )
     supervision: SupervisionSpec = Field(default_factory=SupervisionSpec, description="Children.")
     observe: ObserveSpec = Field(default_factory=ObserveSpec, description="Outputs.")

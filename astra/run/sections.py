@@ -179,6 +179,16 @@ class SupervisionSpec(_Strict):
     startup_timeout_s: float = Field(180.0, gt=0, description="Wait for a child's address line.")
     stop_grace_s: float = Field(15.0, ge=0, description="SIGTERM to SIGKILL.")
     log_tail_lines: int = Field(20, ge=0, le=1000, description="Log lines shown on a death.")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="Times a child that died is started again (Dataflow, WeightService and "
+        "trainers always, RaaS with on_raas_death: restart); 0: a death stops the run.",
+    )
+    restart_backoff_s: float = Field(
+        1.0, ge=0, le=60, description="Wait before a restart; doubles with each of a child's."
+    )
 
 
 class ObserveSpec(_Strict):

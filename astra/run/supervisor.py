@@ -6,7 +6,10 @@ then one trainer per policy (--dataflow, --weights); each waits for the address
 lines of the stage before. While the run goes on, RaaS are added and removed by
 the recipe's `elastic:` schedule and by `astra raas add|remove` (astra.run.elastic;
 a removal is no death), and a child that exits is reported with the tail of its
-log; a RaaS may die (`on_raas_death: continue`), any other death stops the run.
+log and started again (astra.run.restarts: Dataflow and the WeightService on their
+ports, a trainer from its checkpoint, a RaaS under its name) until its
+`supervision.max_restarts` are used up; then a RaaS's death is carried (any other
+death stops the run).
 run.json says who runs: the supervisor (pid, state starting / running /
 stopping / ended), every child, the RaaS removed and every elastic change.
 The run ends when every trainer exits 0 after its num_steps. SIGINT/SIGTERM (a
@@ -34,6 +37,7 @@ from astra.run.elastic import Elastic, raas_work
 from astra.run.layout import RunDir
 from astra.run.observe import Observer
 from astra.run.recipe import RaasSpec, Recipe
+from astra.run.restarts import Restarts
 from astra.run.summary import build_summary, read_state, trainer_final_step, write_summary
 
 log = logging.getLogger("astra.run")
@@ -70,6 +74,9 @@ class Supervisor:
         self.elastic_events: list[dict[str, Any]] = []
         self.elastic: Elastic | None = None
         self.weights_port = 0
+        self.restarts = Restarts(self)
+        self.started_at = time.monotonic()
+        self.dataset: Any = None  # the run's dataset file, once prepared
 
     def fail(self, status: str) -> None:
         """Ends the run as failed (the watch returns `status`)."""
@@ -104,7 +111,7 @@ class Supervisor:
             raise Interrupted
         return task.result()
 
-    async def _start(self, group: list[Child]) -> None:
+    async def start_children(self, group: list[Child]) -> None:
         for child in group:
             await child.spawn()
         timeout = self.recipe.supervision.startup_timeout_s
@@ -183,7 +190,7 @@ class Supervisor:
         port = self.weights_port
         weights = self._child("weights", "weights", layout.weights_command(r, rd, port))
         try:
-            await self._start([df, weights])
+            await self.start_children([df, weights])
         except ChildFailed:
             if not port or weights.returncode is None:
                 raise
@@ -191,14 +198,14 @@ class Supervisor:
             await weights.stop(0)
             self.children["core"].remove(weights)
             weights = self._child("weights", "weights", layout.weights_command(r, rd))
-            await self._start([weights])
+            await self.start_children([weights])
         raas = []
         for i, name in enumerate(r.raas_names):
             spec = self.raas_specs[name] = r.raas[i]
             raas.append(self._child(name, "raas", layout.raas_command(r, i, rd, df.address)))
             raas[-1].extra = {"capacity": spec.capacity, "labels": spec.labels, "joined": "recipe"}
-        await self._start(raas)
-        await self._start(
+        await self.start_children(raas)
+        await self.start_children(
             [
                 self._child(
                     f"trainer-{p.id}",
@@ -221,12 +228,13 @@ class Supervisor:
         stopped = asyncio.ensure_future(self.stop.wait())
         changed: asyncio.Future[Any] | None = None
         left = {c.name for c in self.children["trainer"]}
-        watched: set[Child] = set()  # each child's exit is handled once (a dead one stays listed)
+        # Each process's exit is handled once (a dead child stays listed; a restart is a new pid).
+        watched: set[tuple[int, int | None]] = set()
         try:
             while left:
                 for c in (c for group in self.children.values() for c in group):
-                    if c not in watched and c.proc is not None and c.address:
-                        watched.add(c)
+                    if (id(c), c.pid) not in watched and c.proc is not None and c.address:
+                        watched.add((id(c), c.pid))
                         waits[asyncio.ensure_future(c.wait())] = c
                 changed = asyncio.ensure_future(self.changed.wait())
                 done, _ = await asyncio.wait(
@@ -242,7 +250,7 @@ class Supervisor:
                     child, rc = waits.pop(task), task.result()
                     if child.stopping:
                         continue  # removed (astra.run.elastic logs it)
-                    if child.role == "trainer" and rc == 0:
+                    if child.role == "trainer" and (rc == 0 or self._trained_out(child)):
                         log.info("%s finished its steps", child.name)
                         left.discard(child.name)
                         continue
@@ -253,6 +261,9 @@ class Supervisor:
                         rc,
                         self._tail(child),
                     )
+                    if child.restartable and self.restarts.allowed(child):
+                        self.restarts.start(child, rc)
+                        continue
                     if child.role != "raas" or self.recipe.on_raas_death == "stop":
                         return f"failed: {child.name} exited with {rc}", EXIT_FAILED
                     if not any(c.returncode is None for c in self.children["raas"]):
@@ -262,12 +273,17 @@ class Supervisor:
             for task in (*waits, stopped, *([changed] if changed else [])):
                 task.cancel()
 
+    def _trained_out(self, child: Child) -> bool:
+        """A trainer that died after the checkpoint of its last step has nothing left to do."""
+        policy = child.name.removeprefix("trainer-")
+        return layout.remaining_steps(self.recipe, self.rd).get(policy, 1) <= 0
+
     async def run(self) -> int:
-        started = time.monotonic()
+        started = self.started_at = time.monotonic()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        dataset = layout.prepare(self.recipe, self.rd)
+        dataset = self.dataset = layout.prepare(self.recipe, self.rd)
         steps = (
             layout.remaining_steps(self.recipe, self.rd)
             if self.resume
@@ -336,6 +352,7 @@ class Supervisor:
 
     async def _shutdown(self, status: str, wall: float, dataset: Any) -> None:
         obs = self.observer
+        await self.restarts.close()  # none starts while everything stops
         await stop_all([self.children["trainer"]], self.grace_s)
         raas = self.children["raas"]
         work = await asyncio.gather(*(raas_work(c) for c in raas))  # before they stop
@@ -406,6 +423,7 @@ class Supervisor:
             },
         }
         summary["elastic"] = self.elastic_events
+        summary["restarts"] = self.restarts.events
         write_summary(self.rd.summary, summary)
         keys = ("steps", "groups_trained", "groups_lost", "groups_duplicated", "versions_published")
         log.info("summary %s: %s", self.rd.summary, {k: summary[k] for k in keys})

@@ -1,0 +1,147 @@
+"""`astra run` restarts what dies (astra.run.restarts): the failure matrix of INVARIANTS.md held by
+the supervisor itself. Real processes, real SIGKILLs, one after another, in one run that must still
+complete with every group trained once and versions that never go back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from astra.run.layout import RunDir, trainer_config
+from astra.run.recipe import load_recipe
+from astra.run.restarts import Restarts, port_of
+from tests.test_run import SMALL, gone, run_factory  # noqa: F401  (fixture)
+
+
+class _Sup:
+    """What Restarts reads of a supervisor, for the decisions that need no process."""
+
+    def __init__(self, recipe, rd: RunDir) -> None:
+        self.recipe = self.started_recipe = recipe
+        self.rd, self.dataset, self.children = rd, rd.dataset, {"core": []}
+
+
+class _Child:
+    restartable = True
+
+    def __init__(self, name: str, role: str, address: str = "", args=()) -> None:
+        self.name, self.role, self.info, self.args = name, role, {"address": address}, list(args)
+        self.extra: dict = {}
+
+    @property
+    def address(self) -> str:
+        return self.info["address"]
+
+
+def test_restart_decisions_and_commands(tmp_path: Path) -> None:
+    recipe = load_recipe(None, ["supervision.max_restarts=2"])
+    rd = RunDir(tmp_path / "run")
+    rd.config.mkdir(parents=True)
+    sup = _Sup(recipe, rd)
+    r = Restarts(sup)  # type: ignore[arg-type]
+    df = _Child("dataflow", "dataflow", "127.0.0.1:41001")
+    ws = _Child("weights", "weights", "127.0.0.1:41002")
+    sup.children["core"] = [df, ws]
+    assert port_of(df) == 41001
+    cmd = r.command(df)
+    config = Path(cmd[cmd.index("--config") + 1]).read_text()
+    assert "port: 41001" in config  # every other process holds this address
+    cmd = r.command(ws)
+    assert cmd[cmd.index("--port") + 1] == "41002"
+    trainer = _Child("trainer-policy", "trainer")
+    cmd = r.command(trainer)
+    config = Path(cmd[cmd.index("--config") + 1]).read_text()
+    assert "dataflow: 127.0.0.1:41001" in config and "weights: 127.0.0.1:41002" in config
+    raas = _Child("raas-0", "raas", args=["python", "-m", "astra.cli", "serve", "raas"])
+    assert r.command(raas) == raas.args
+    # the budget is per child; a RaaS is restarted only with on_raas_death: restart
+    assert r.allowed(df)
+    df.extra["restarts"] = 2
+    assert not r.allowed(df) and r.allowed(ws)
+    assert r.allowed(raas)
+    sup.recipe = load_recipe(None, ["on_raas_death=continue"])
+    assert not r.allowed(raas) and r.allowed(ws)
+    sup.recipe = load_recipe(None, ["supervision.max_restarts=0"])
+    assert not r.allowed(ws)
+    assert not r.allowed(_Child("warmup-policy", "warmup"))
+
+
+def test_resumed_trainer_runs_the_steps_left_from_its_checkpoint(tmp_path: Path) -> None:
+    recipe = load_recipe(None, ["trainer.num_steps=30"])
+    rd = RunDir(tmp_path / "run")
+    step = rd.checkpoints("policy") / "step-00000012"
+    step.mkdir(parents=True)
+    (step / "trainer.json").write_text(json.dumps({"step": 12}))
+    policy = recipe.policies[0]
+    c = trainer_config(recipe, policy, rd, dataflow="a:1", weights="b:2", resume=True)
+    assert c.num_steps == 18 and c.checkpoint.resume
+
+
+def _pid(run, name: str) -> int | None:
+    return next((c["pid"] for c in run.children() if c["name"] == name and c["address"]), None)
+
+
+def _restarted(run, name: str, old_pid: int, timeout_s: float) -> int:
+    """Waits until `name` serves again as another process; its new pid."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pid = _pid(run, name)
+        if pid is not None and pid != old_pid:
+            return pid
+        if run.proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"{name} was not restarted: {run.output()}")
+
+
+def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(run_factory) -> None:
+    steps = 120
+    run = run_factory(
+        *("--set", f"trainer.num_steps={steps}", "--set", "trainer.checkpoint.every_steps=5"),
+        *("--set", "supervision.restart_backoff_s=0.2"),
+    )
+    run.wait_for_children({"dataflow", "weights", "raas", "trainer"}, 120)
+    killed = []
+    for name in ("weights", "dataflow", "trainer-policy", "raas-0"):
+        pid = _pid(run, name)
+        assert pid is not None, run.output()
+        time.sleep(1.5)  # let it work a little first
+        os.killpg(pid, signal.SIGKILL)
+        killed.append(pid)
+        _restarted(run, name, pid, 90)
+    assert run.wait(240) == 0, run.output()
+    s = run.summary()
+    assert s["status"] == "completed" and s["steps"] == steps, s
+    assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0, s
+    assert [e["child"] for e in s["restarts"]] == ["weights", "dataflow", "trainer-policy", "raas-0"]
+    assert all(e["exit"] == -signal.SIGKILL and "serving_after_s" in e for e in s["restarts"])
+    assert s["versions_published"] >= steps
+    # versions never go back: each step's version is above the one of the step before it
+    rows = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    final: dict[int, int] = {}
+    for row in rows:  # a step run again after the trainer's restart replaces the first run of it
+        final[row["step"]] = row["version"]
+    assert sorted(final) == list(range(1, steps + 1))
+    versions = [final[k] for k in sorted(final)]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+    supervisor_log = (run.run_dir / "logs" / "supervisor.log").read_text()
+    assert supervisor_log.count("restart 1 of 3") == 4
+    assert all(gone(pid) for pid in killed)
+    assert all(gone(c["pid"]) for c in run.children())
+
+
+@pytest.mark.parametrize("max_restarts", [0])
+def test_without_restarts_a_dead_core_service_stops_the_run(run_factory, max_restarts) -> None:
+    run = run_factory(
+        "--set", "trainer.num_steps=100000", "--set", f"supervision.max_restarts={max_restarts}"
+    )
+    run.wait_for_children({"dataflow", "weights", "raas", "trainer"}, 120)
+    os.killpg(_pid(run, "weights"), signal.SIGKILL)
+    assert run.wait(90) == 1, run.output()
+    s = run.summary()
+    assert s["status"].startswith("failed: weights exited with -9") and s["restarts"] == []
