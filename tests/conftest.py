@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -97,3 +98,19 @@ def error_info(exc: grpc.aio.AioRpcError) -> tuple[error_details_pb2.ErrorInfo |
             any_msg.Unpack(ri)
             others.append(ri)
     return info, others
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Iterator:
+    """`runs(*args)` starts `python -m astra.run` (tests.test_run.Run); all are killed at the end."""
+    from tests.test_run import Run
+
+    made: list[Run] = []
+
+    def make(*args: str) -> Run:
+        made.append(Run(tmp_path / f"run{len(made)}", *args))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.cleanup()

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,19 +68,6 @@ class Run:
         self.out.close()
 
 
-@pytest.fixture
-def run_factory(tmp_path: Path) -> Iterator:
-    runs: list[Run] = []
-
-    def make(*args: str) -> Run:
-        runs.append(Run(tmp_path / f"run{len(runs)}", *args))
-        return runs[-1]
-
-    yield make
-    for r in runs:
-        r.cleanup()
-
-
 def gone(pid: int) -> bool:
     """No process left in the group `pid` led (children are group leaders)."""
     try:
@@ -91,8 +77,8 @@ def gone(pid: int) -> bool:
     return False
 
 
-def test_default_recipe_runs_end_to_end(run_factory) -> None:
-    run = run_factory("--set", "trainer.num_steps=3")
+def test_default_recipe_runs_end_to_end(runs) -> None:
+    run = runs("--set", "trainer.num_steps=3")
     assert run.wait(100) == 0, run.output()
     s = run.summary()
     assert s["status"] == "completed" and s["steps"] == 3
@@ -115,8 +101,8 @@ def test_default_recipe_runs_end_to_end(run_factory) -> None:
     assert all(gone(c["pid"]) for c in run.children())
 
 
-def test_sigterm_stops_every_child(run_factory) -> None:
-    run = run_factory("--set", "trainer.num_steps=100000")
+def test_sigterm_stops_every_child(runs) -> None:
+    run = runs("--set", "trainer.num_steps=100000")
     children = run.wait_for_children({"dataflow", "weights", "raas", "trainer"}, 90)
     time.sleep(1.0)
     run.proc.send_signal(signal.SIGTERM)
@@ -126,8 +112,8 @@ def test_sigterm_stops_every_child(run_factory) -> None:
     assert not left, f"children left running: {left}"
 
 
-def test_killed_raas_does_not_stop_the_run(run_factory) -> None:
-    run = run_factory("--set", "trainer.num_steps=12", "--set", "on_raas_death=continue")
+def test_killed_raas_does_not_stop_the_run(runs) -> None:
+    run = runs("--set", "trainer.num_steps=12", "--set", "on_raas_death=continue")
     children = run.wait_for_children({"trainer"}, 90)
     victim = next(c for c in children if c["name"] == "raas-1")
     os.kill(victim["pid"], signal.SIGKILL)
@@ -140,8 +126,8 @@ def test_killed_raas_does_not_stop_the_run(run_factory) -> None:
     assert all(gone(c["pid"]) for c in children)
 
 
-def test_resume_continues_a_stopped_run(run_factory) -> None:
-    first = run_factory(
+def test_resume_continues_a_stopped_run(runs) -> None:
+    first = runs(
         "--set", "trainer.num_steps=100000", "--set", "trainer.checkpoint.every_steps=2",
         "--set", "observe.prometheus=true",
     )  # fmt: skip

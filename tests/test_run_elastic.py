@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -191,19 +190,6 @@ def test_raas_cli_usage_errors(tmp_path: Path) -> None:
 
 
 # ----- real runs ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def runs(tmp_path: Path) -> Iterator:
-    made: list[Run] = []
-
-    def make(*args: str) -> Run:
-        made.append(Run(tmp_path / f"run{len(made)}", *args))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.cleanup()
 
 
 def raas_cli(run: Run, *args: str) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ import pytest
 from astra.run.layout import RunDir, trainer_config
 from astra.run.recipe import load_recipe
 from astra.run.restarts import Restarts, port_of
-from tests.test_run import SMALL, gone, run_factory  # noqa: F401  (fixture)
+from tests.test_run import gone
 
 
 class _Sup:
@@ -99,9 +99,9 @@ def _restarted(run, name: str, old_pid: int, timeout_s: float) -> int:
     raise AssertionError(f"{name} was not restarted: {run.output()}")
 
 
-def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(run_factory) -> None:
+def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(runs) -> None:
     steps = 120
-    run = run_factory(
+    run = runs(
         *("--set", f"trainer.num_steps={steps}", "--set", "trainer.checkpoint.every_steps=5"),
         *("--set", "supervision.restart_backoff_s=0.2"),
     )
@@ -118,7 +118,12 @@ def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(run_fac
     s = run.summary()
     assert s["status"] == "completed" and s["steps"] == steps, s
     assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0, s
-    assert [e["child"] for e in s["restarts"]] == ["weights", "dataflow", "trainer-policy", "raas-0"]
+    assert [e["child"] for e in s["restarts"]] == [
+        "weights",
+        "dataflow",
+        "trainer-policy",
+        "raas-0",
+    ]
     assert all(e["exit"] == -signal.SIGKILL and "serving_after_s" in e for e in s["restarts"])
     assert s["versions_published"] >= steps
     # versions never go back: each step's version is above the one of the step before it
@@ -136,8 +141,8 @@ def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(run_fac
 
 
 @pytest.mark.parametrize("max_restarts", [0])
-def test_without_restarts_a_dead_core_service_stops_the_run(run_factory, max_restarts) -> None:
-    run = run_factory(
+def test_without_restarts_a_dead_core_service_stops_the_run(runs, max_restarts) -> None:
+    run = runs(
         "--set", "trainer.num_steps=100000", "--set", f"supervision.max_restarts={max_restarts}"
     )
     run.wait_for_children({"dataflow", "weights", "raas", "trainer"}, 120)
