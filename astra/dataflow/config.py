@@ -73,6 +73,15 @@ class StreamSettings(_Strict):
         description="Only instances whose labels include all of these get its work; empty: any.",
     )
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    eval_every_versions: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="0: a training stream. N > 0: an evaluation stream: its whole dataset "
+        "runs once at every N-th version of its first policy (0 included), on instances "
+        "holding that version, and is scored into GetStatus `evals`, never trained on "
+        "(astra/dataflow/evals.py).",
+    )
 
 
 class PoolSettings(_Strict):

@@ -24,6 +24,7 @@ from astra.dataflow.batches import BatchDesk
 from astra.dataflow.buffer import BufferConfig, PolicyBuffer
 from astra.dataflow.config import DataflowConfig, StreamSettings
 from astra.dataflow.dataset import DatasetConfig, PromptSource
+from astra.dataflow.evals import EvalDesk
 from astra.dataflow.gate import (
     GateConfig,
     GateMode,
@@ -34,7 +35,7 @@ from astra.dataflow.gate import (
 )
 from astra.dataflow.pool import LOAD_FAILURES_REPORTED, Instance, InstanceState, Pool
 from astra.dataflow.ports import Connector, IncomingGroup, PortError
-from astra.dataflow.records import GroupRecord, WorkItem
+from astra.dataflow.records import GroupRecord, TrajectoryRecord, WorkItem
 from astra.dataflow.store import StateStore
 from astra.dataflow.versions import VersionBook
 from astra.errors import FailedPrecondition, InvalidArgument
@@ -92,10 +93,16 @@ class Dataflow:
         self.pool = Pool(config.pool, connect)
         self.streams: dict[str, StreamSettings] = {s.name: s for s in config.streams}
         self.sources: dict[str, PromptSource] = {}
+        self.evals = EvalDesk(
+            {s.name: s.eval_every_versions for s in config.streams},
+            {s.name: s.policy_ids[0] for s in config.streams},
+        )
         for s in config.streams:
             d = s.dataset
+            # An evaluation stream's "epoch" is the version it evaluates (astra.dataflow.evals).
+            epochs = 0 if self.evals.is_eval(s.name) else d.num_epochs
             self.sources[s.name] = PromptSource(
-                DatasetConfig(d.path, d.prompt_field, d.num_epochs, d.shuffle, d.seed),
+                DatasetConfig(d.path, d.prompt_field, epochs, d.shuffle, d.seed),
                 tuple(s.policy_ids),
                 s.workflow,
                 s.group_size,
@@ -154,6 +161,7 @@ class Dataflow:
         self.counters.update(st.get("counters", {}))
         self.accepted.update(st.get("accepted", {}))
         self.versions.restore(st.get("versions", {}))
+        self.evals.restore(st.get("evals", {}))
         for name, source in self.sources.items():
             saved = st.get(f"dataset/{name}")
             if saved is not None:
@@ -309,14 +317,22 @@ class Dataflow:
         return state.reason
 
     def _in_flight(self) -> int:
-        return sum(1 for w in self.work.values() if w.instance_id is not None)
+        """Training groups leased to instances (evaluation groups never reach a buffer)."""
+        return sum(
+            1
+            for w in self.work.values()
+            if w.instance_id is not None and not self.evals.is_eval(w.stream)
+        )
+
+    def _running(self, stream: StreamSettings) -> int:
+        return sum(
+            1 for w in self.work.values() if w.instance_id is not None and w.stream == stream.name
+        )
 
     def stream_capacity(self, stream: StreamSettings) -> int:
         g = self.config.gate
-        running = sum(
-            1 for w in self.work.values() if w.instance_id is not None and w.stream == stream.name
-        )
-        if g.max_offpolicyness is None:
+        running = self._running(stream)
+        if g.max_offpolicyness is None or self.evals.is_eval(stream.name):
             return max(0, g.max_concurrent_groups - running)
         primary = stream.policy_ids[0]
         return offpolicy_capacity(
@@ -360,9 +376,8 @@ class Dataflow:
         }
 
     def evaluate_gate(self) -> GateState:
-        capacity = (
-            0 if self.pool.empty else sum(self.stream_capacity(s) for s in self.streams.values())
-        )
+        training = [s for s in self.streams.values() if not self.evals.is_eval(s.name)]
+        capacity = 0 if self.pool.empty else sum(self.stream_capacity(s) for s in training)
         in_flight = self._in_flight()
         # Groups in flight will land in the buffers: count them, or a full pool overfills.
         fill = max(
@@ -382,6 +397,8 @@ class Dataflow:
         for gid in self.waiting:
             if self.work[gid].stream == stream.name:
                 return gid
+        if self.evals.is_eval(stream.name):
+            return None  # its groups are all queued when its evaluation is scheduled
         item = self.sources[stream.name].next()
         if item is None:
             return None
@@ -414,16 +431,46 @@ class Dataflow:
             except Exception:
                 log.exception("dispatch round failed")
 
+    def _schedule_evals(self) -> None:
+        """Queues the evaluations that are due (astra.dataflow.evals), durably."""
+        for name in self.evals.every:
+            stream = self.streams[name]
+            version = self.evals.due(name, self.versions.current(stream.policy_ids[0]))
+            if version is None:
+                continue
+            items = [
+                i for i in self.sources[name].epoch_items(version) if i.group_id not in self.done
+            ]
+            self.evals.schedule(name, version, len(items))
+            with self.store.tx() as tx:
+                for item in items:
+                    self.work[item.group_id] = Work(item, name)
+                    self.waiting.append(item.group_id)
+                    tx.set_work(item.group_id, name, "pending")
+                tx.put("evals", self.evals.state())
+            self.counters["evaluations_started"] += 1
+            log.info("evaluating %s at version %d: %d groups", name, version, len(items))
+
     async def _dispatch_round(self) -> None:
+        if self.evals.every:
+            self._schedule_evals()
         if self.pool.empty:
             self.evaluate_gate()
             return
         state = self.evaluate_gate()
-        if not state.can_admit:
-            return
         for stream in self.streams.values():
-            budget = min(self.stream_capacity(stream), self.buffer_room(stream))
-            floor = self.version_floor(stream)
+            if self.evals.is_eval(stream.name):
+                # Not gated (it fills no buffer); only instances holding the version evaluated.
+                version = self.evals.floor(stream.name)
+                if version is None:
+                    continue
+                budget = self.stream_capacity(stream)
+                floor = {stream.policy_ids[0]: version}
+            elif not state.can_admit:
+                continue
+            else:
+                budget = min(self.stream_capacity(stream), self.buffer_room(stream))
+                floor = self.version_floor(stream)
             while budget > 0:
                 plan: dict[str, list[str]] = {}
                 # Pool.pick once per group, without scanning the pool each time: the
@@ -590,7 +637,7 @@ class Dataflow:
             if r.invalid is not None or r.error is not None or r.group_id in self.done:
                 continue
             w = self.work.get(r.group_id)
-            if w is None:
+            if w is None or self.evals.is_eval(w.stream):
                 continue
             for policy_id, trajectories in r.per_policy.items():
                 if (r.group_id, policy_id) in staged:  # the same result twice in a batch
@@ -668,6 +715,8 @@ class Dataflow:
         return acks
 
     def _take_result(self, tx, w: Work, r: IncomingGroup, staged=None) -> str:
+        if self.evals.is_eval(w.stream):
+            return self._take_eval(tx, w, r)
         if r.invalid is not None:
             self.counters["malformed_results"] += 1
             log.warning("malformed result for %s: %s", r.group_id, r.invalid)
@@ -696,6 +745,20 @@ class Dataflow:
                 self.staleness.update(group.staleness(current))
                 tx.add_groups([group], staged)
         return ",".join(outcomes) or "empty"
+
+    def _take_eval(self, tx, w: Work, r: IncomingGroup) -> str:
+        """An evaluation group's result: tallied, never buffered (a failure counts as failed
+        samples, so every evaluation completes)."""
+        policy_id = w.item.policy_ids[0]
+        if r.invalid is not None or r.error is not None:
+            self.counters["malformed_results" if r.invalid is not None else "failed_groups"] += 1
+            trajectories = [TrajectoryRecord("", 0.0, -1, -1, 0, failed=True)] * w.item.num_samples
+        else:
+            trajectories = [*r.per_policy.get(policy_id, []), *r.per_policy.get("", [])]
+        outcome = self.evals.take(w.stream, w.item.epoch, trajectories)
+        self.counters["eval_groups"] += 1
+        tx.put("evals", self.evals.state())
+        return outcome
 
     async def _cancel(self, inst: Instance, gids: list[str]) -> None:
         with contextlib.suppress(PortError):
@@ -869,6 +932,7 @@ class Dataflow:
         for pid, buf in self.buffers.items():
             for k, v in buf.counters.items():
                 counters[f"buffer.{pid}.{k}"] = v
+        counters["evaluations_skipped"] = self.evals.skipped
         counters["groups_waiting"] = len(self.waiting)
         counters["groups_done"] = len(self.done)
         reason = self.why()
@@ -896,6 +960,7 @@ class Dataflow:
             "counters": counters,
             "pool_empty": self.pool.empty,
             "status_time": _rfc3339(now_wall),
+            "evals": self.evals.results(),
         }
 
 

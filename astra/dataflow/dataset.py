@@ -182,6 +182,10 @@ class PromptSource:
             raise ValueError(f"work id out of range for this dataset: {group_id!r}")
         return self._make(epoch, index)
 
+    def epoch_items(self, epoch: int) -> list[WorkItem]:
+        """Every record as a group of `epoch`, in file order (an evaluation's groups)."""
+        return [self._make(epoch, i) for i in range(self.size)]
+
     def state(self) -> dict[str, Any]:
         """JSON-serialisable position, enough for `restore` in a fresh process."""
         return {

@@ -284,8 +284,36 @@ class StreamStatus(_message.Message):
     exhausted: bool
     def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., exhausted: _Optional[bool] = ...) -> None: ...
 
+class EvalResult(_message.Message):
+    __slots__ = ("stream", "policy_id", "version", "groups", "groups_done", "samples", "failed_samples", "mean_reward", "solved_groups", "min_token_version", "max_token_version", "complete")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    POLICY_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    SOLVED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKEN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKEN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    policy_id: str
+    version: int
+    groups: int
+    groups_done: int
+    samples: int
+    failed_samples: int
+    mean_reward: float
+    solved_groups: int
+    min_token_version: int
+    max_token_version: int
+    complete: bool
+    def __init__(self, stream: _Optional[str] = ..., policy_id: _Optional[str] = ..., version: _Optional[int] = ..., groups: _Optional[int] = ..., groups_done: _Optional[int] = ..., samples: _Optional[int] = ..., failed_samples: _Optional[int] = ..., mean_reward: _Optional[float] = ..., solved_groups: _Optional[int] = ..., min_token_version: _Optional[int] = ..., max_token_version: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
 class GetStatusResponse(_message.Message):
-    __slots__ = ("dataflow_id", "instances", "policies", "gate", "streams", "counters", "pool_empty", "status_time")
+    __slots__ = ("dataflow_id", "instances", "policies", "gate", "streams", "counters", "pool_empty", "status_time", "evals")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +329,7 @@ class GetStatusResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     POOL_EMPTY_FIELD_NUMBER: _ClassVar[int]
     STATUS_TIME_FIELD_NUMBER: _ClassVar[int]
+    EVALS_FIELD_NUMBER: _ClassVar[int]
     dataflow_id: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     policies: _containers.RepeatedCompositeFieldContainer[PolicyStatus]
@@ -309,7 +338,8 @@ class GetStatusResponse(_message.Message):
     counters: _containers.ScalarMap[str, int]
     pool_empty: bool
     status_time: _timestamp_pb2.Timestamp
-    def __init__(self, dataflow_id: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., policies: _Optional[_Iterable[_Union[PolicyStatus, _Mapping]]] = ..., gate: _Optional[_Union[GateStatus, _Mapping]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., pool_empty: _Optional[bool] = ..., status_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    evals: _containers.RepeatedCompositeFieldContainer[EvalResult]
+    def __init__(self, dataflow_id: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., policies: _Optional[_Iterable[_Union[PolicyStatus, _Mapping]]] = ..., gate: _Optional[_Union[GateStatus, _Mapping]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., pool_empty: _Optional[bool] = ..., status_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,160 @@
+"""Evaluation streams: a held-out dataset run in full at every N-th version, scored, never trained.
+
+A stream with `eval_every_versions: N` (N > 0) is an evaluation stream. When
+its first policy's current version reaches a multiple of N (version 0
+included) that has not been evaluated yet, every record of its dataset
+becomes one group with the id `<stream>/<version>/<index>` (the version takes
+the place of the epoch), dispatched like any work (leases, re-dispatch,
+de-duplication by id) but only to instances that hold at least that version.
+The results go to a tally here instead of a buffer: per version, groups and
+samples seen, failed samples, mean reward, the share of groups with a sample
+at reward >= 1 (`solved`), and the range of token versions that produced
+them. Versions passed over while an evaluation runs are skipped (counted),
+so evaluation never falls behind training. The tallies and the evaluated
+versions are part of Dataflow's durable state (`state`/`restore`, written in
+the transaction that takes each result), so a restart neither loses nor
+counts a result twice. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from astra.dataflow.records import TrajectoryRecord
+
+KEEP_RESULTS = 64  # finished evaluations per stream kept in the status (all are in the store)
+
+
+@dataclass(slots=True)
+class Tally:
+    """One evaluation (stream, version): what its results so far add up to."""
+
+    stream: str
+    policy_id: str
+    version: int
+    groups: int
+    groups_done: int = 0
+    samples: int = 0
+    failed_samples: int = 0
+    reward_sum: float = 0.0
+    solved_groups: int = 0
+    min_token_version: int = -1
+    max_token_version: int = -1
+    started: float = field(default_factory=time.time)
+    completed: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return self.groups_done >= self.groups
+
+    def add(self, trajectories: list[TrajectoryRecord]) -> None:
+        self.groups_done += 1
+        scored = [t for t in trajectories if not t.failed]
+        self.failed_samples += len(trajectories) - len(scored)
+        self.samples += len(scored)
+        self.reward_sum += sum(t.reward for t in scored)
+        self.solved_groups += any(t.reward >= 1.0 for t in scored)
+        versions = [t.min_version for t in scored if t.min_version >= 0]
+        versions += [t.max_version for t in scored if t.max_version >= 0]
+        if versions:
+            lo, hi = min(versions), max(versions)
+            old = self.min_token_version
+            self.min_token_version = lo if old < 0 else min(old, lo)
+            self.max_token_version = max(self.max_token_version, hi)
+        if self.complete:
+            self.completed = time.time()
+
+    def result(self) -> dict[str, Any]:
+        """Shaped like astra.dataflow.v1.EvalResult (snake_case)."""
+        return {
+            "stream": self.stream,
+            "policy_id": self.policy_id,
+            "version": self.version,
+            "groups": self.groups,
+            "groups_done": self.groups_done,
+            "samples": self.samples,
+            "failed_samples": self.failed_samples,
+            "mean_reward": self.reward_sum / self.samples if self.samples else 0.0,
+            "solved_groups": self.solved_groups,
+            "min_token_version": self.min_token_version,
+            "max_token_version": self.max_token_version,
+            "complete": self.complete,
+        }
+
+
+class EvalDesk:
+    """The evaluation streams of one Dataflow: when each is due, and what it found."""
+
+    def __init__(self, every: dict[str, int], policy_of: dict[str, str]) -> None:
+        self.every = {s: n for s, n in every.items() if n > 0}
+        self.policy_of = policy_of  # stream -> the policy whose versions it follows
+        self.last: dict[str, int] = {}  # stream -> newest version scheduled
+        self.running: dict[tuple[str, int], Tally] = {}
+        self.finished: dict[str, list[Tally]] = {s: [] for s in self.every}
+        self.skipped = 0
+
+    def is_eval(self, stream: str) -> bool:
+        return stream in self.every
+
+    def due(self, stream: str, current: int) -> int | None:
+        """The version to evaluate now for `stream`, if any: the newest multiple of N at or
+        below `current` not yet scheduled, once the stream's previous evaluation is done."""
+        n = self.every[stream]
+        target = current // n * n
+        last = self.last.get(stream)
+        if last is not None and target <= last:
+            return None
+        if any(s == stream and not t.complete for (s, _), t in self.running.items()):
+            return None  # one at a time: what is passed over meanwhile is skipped
+        return target
+
+    def schedule(self, stream: str, version: int, groups: int) -> None:
+        last = self.last.get(stream)
+        if last is not None:
+            self.skipped += max(0, (version - last) // self.every[stream] - 1)
+        self.last[stream] = version
+        self.running[(stream, version)] = Tally(stream, self.policy_of[stream], version, groups)
+
+    def floor(self, stream: str) -> int | None:
+        """The version an instance must hold to run the stream's pending groups."""
+        versions = [v for (s, v), t in self.running.items() if s == stream and not t.complete]
+        return min(versions) if versions else None
+
+    def take(self, stream: str, epoch: int, trajectories: list[TrajectoryRecord]) -> str:
+        """Counts one group's results; returns its outcome for the work table."""
+        tally = self.running.get((stream, epoch))
+        if tally is None:  # its evaluation is unknown (should not happen: ids carry it)
+            return "eval: unknown evaluation"
+        tally.add(trajectories)
+        if tally.complete:
+            del self.running[(stream, epoch)]
+            done = self.finished[stream]
+            done.append(tally)
+            del done[:-KEEP_RESULTS]
+        return f"eval:{tally.version}"
+
+    def results(self) -> list[dict[str, Any]]:
+        """Finished evaluations (newest KEEP_RESULTS per stream), then those still running."""
+        done = [t.result() for s in sorted(self.finished) for t in self.finished[s]]
+        return done + [t.result() for t in self.running.values()]
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "last": self.last,
+            "running": [asdict(t) for t in self.running.values()],
+            "finished": {s: [asdict(t) for t in ts] for s, ts in self.finished.items()},
+            "skipped": self.skipped,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.last = {s: v for s, v in state.get("last", {}).items() if s in self.every}
+        for raw in state.get("running", []):
+            if raw["stream"] in self.every:
+                t = Tally(**raw)
+                self.running[(t.stream, t.version)] = t
+        for s, ts in state.get("finished", {}).items():
+            if s in self.every:
+                self.finished[s] = [Tally(**raw) for raw in ts]
+        self.skipped = int(state.get("skipped", 0))
