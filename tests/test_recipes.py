@@ -44,7 +44,7 @@ def test_multi_policy_is_two_trainers_one_stream_under_lockstep(tmp_path: Path) 
     rd, dataset = built(r, tmp_path)
     df = layout.dataflow_config(r, rd, dataset)
     assert df.versions.barrier == "lockstep"
-    (stream,) = df.streams
+    (stream,) = [s for s in df.streams if not s.eval_every_versions]
     assert stream.workflow == "multi_agent" and stream.policy_ids == ["solver", "verifier"]
     assert stream.reward == "exact_match"
     assert [p.id for p in df.policies] == ["solver", "verifier"]
@@ -65,7 +65,9 @@ def test_tool_use_serves_the_multi_turn_workflow(tmp_path: Path) -> None:
     rd, dataset = built(r, tmp_path)
     records = [json.loads(x) for x in dataset.read_text().splitlines()]
     assert all("*" in rec["prompt"] for rec in records)
-    (stream,) = layout.dataflow_config(r, rd, dataset).streams
+    (stream,) = [
+        s for s in layout.dataflow_config(r, rd, dataset).streams if not s.eval_every_versions
+    ]
     assert stream.workflow == "multi_turn_tools" and stream.reward == "numeric"
     raas = serve_params(layout.raas_command(r, 0, rd, "127.0.0.1:1"))
     assert raas["workflows"] == ("multi_turn_tools",) and raas["model"] == "tiny"
@@ -77,7 +79,9 @@ def test_gpu_hf_needs_a_model_path_and_resolves_to_cuda_and_vllm(tmp_path: Path)
     r = load_recipe(RECIPES / "gpu_hf.yaml", [f"policies.0.model={MODEL}"])
     assert r.warmup.steps == 0 and r.observe.baseline_samples == 0
     rd, dataset = built(r, tmp_path)
-    (stream,) = layout.dataflow_config(r, rd, dataset).streams
+    (stream,) = [
+        s for s in layout.dataflow_config(r, rd, dataset).streams if not s.eval_every_versions
+    ]
     assert stream.reward == "countdown" and stream.sampling.stop_strings == ["\n"]
     raas = serve_params(layout.raas_command(r, 0, rd, "127.0.0.1:1"))
     assert raas["engine"] == "vllm" and raas["model"] == MODEL and raas["device"] == "cuda"
@@ -123,6 +127,7 @@ def test_tool_use_recipe_starts_and_trains_a_few_steps(tmp_path: Path) -> None:
         "streams.0.sampling.max_new_tokens=24",
         "raas=[{capacity: 16}]",
         "supervision.stop_grace_s=10",
+        "eval.size=8",
     ):
         cmd += ["--set", override]
     proc = subprocess.Popen(

@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.slow
 SMALL = ["--set", "dataset.size=64", "--set", "observe.baseline_samples=8"]
 SMALL += ["--set", "warmup.steps=20", "--set", "trainer.batch_groups=4"]
-SMALL += ["--set", "supervision.stop_grace_s=10"]
+SMALL += ["--set", "supervision.stop_grace_s=10", "--set", "eval.size=16"]
 
 
 class Run:
@@ -78,7 +78,7 @@ def gone(pid: int) -> bool:
 
 
 def test_default_recipe_runs_end_to_end(runs) -> None:
-    run = runs("--set", "trainer.num_steps=3")
+    run = runs("--set", "trainer.num_steps=3", "--set", "eval.every_steps=2")
     assert run.wait(100) == 0, run.output()
     s = run.summary()
     assert s["status"] == "completed" and s["steps"] == 3
@@ -92,7 +92,15 @@ def test_default_recipe_runs_end_to_end(runs) -> None:
     assert 0 <= s["accuracy_first10"] <= 1 and 0 <= s["accuracy_last10"] <= 1
     rows = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert list((run.run_dir / "tensorboard" / "policy").glob("events.out.tfevents.*"))
+    # held-out evaluations at versions 0 and 2 (the last multiple of 2 reached), never trained
+    evals = [json.loads(x) for x in (run.run_dir / "evals.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 2], evals
+    assert all(e["samples"] + e["failed_samples"] == 16 and e["groups"] == 16 for e in evals)
+    assert all(e["token_versions"][0] >= e["version"] for e in evals)
+    assert [r["version"] for r in s["eval"]["results"]] == [0, 2]
+    assert s["eval"]["last"] == evals[-1]["mean_reward"] and 0 <= s["eval"]["last"] <= 1
+    (events,) = (run.run_dir / "tensorboard" / "policy").glob("events.out.tfevents.*")
+    assert b"eval/mean_reward" in events.read_bytes()
     assert (run.run_dir / "plot.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     names = {c["name"] for c in run.children()}
     assert names == {"dataflow", "weights", "raas-0", "raas-1", "trainer-policy"}

@@ -751,12 +751,12 @@ class Dataflow:
         samples, so every evaluation completes)."""
         policy_id = w.item.policy_ids[0]
         if r.invalid is not None or r.error is not None:
-            self.counters["malformed_results" if r.invalid is not None else "failed_groups"] += 1
+            self.counters["eval_failed_groups"] += 1  # counted here, not in failed_groups
             trajectories = [TrajectoryRecord("", 0.0, -1, -1, 0, failed=True)] * w.item.num_samples
         else:
             trajectories = [*r.per_policy.get(policy_id, []), *r.per_policy.get("", [])]
         outcome = self.evals.take(w.stream, w.item.epoch, trajectories)
-        self.counters["eval_groups"] += 1
+        self.counters["eval_groups"] += 1  # every evaluation group's outcome, failed or not
         tx.put("evals", self.evals.state())
         return outcome
 

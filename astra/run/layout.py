@@ -6,6 +6,7 @@ Layout of a run directory:
                              command, returncode), RaaS removed, elastic events
     control/                 `astra raas add|remove` requests and answers (astra.run.control)
     data/prompts.jsonl       the synthetic dataset (kind != file)
+    data/eval.jsonl          the held-out evaluation records (synthetic, disjoint)
     warmup/data.jsonl        the warm-up's prompt/answer records (synthetic, disjoint)
     warmup/<policy>/model/   each policy's model after the warm-up (what RL starts from)
     config/*.yaml            Dataflow and trainer configs as the services read them
@@ -15,6 +16,7 @@ Layout of a run directory:
     checkpoints/<policy>/    trainer checkpoints
     logs/<child>.log         each child's stderr (and anything after its address line)
     metrics.jsonl            one row per trainer step observed (astra.run.observe)
+    evals.jsonl              one row per finished held-out evaluation
     summary.json             end-of-run figures (astra.run.summary)
 """
 
@@ -28,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from astra.dataflow.config import DataflowConfig
-from astra.run.recipe import PolicySpec, RaasSpec, Recipe, dump_recipe
+from astra.run.recipe import EVAL_STREAM, PolicySpec, RaasSpec, Recipe, dump_recipe
 from astra.trainer.config import TrainerConfig
 
 
@@ -86,6 +88,14 @@ class RunDir:
         return self.root / "checkpoints" / policy_id
 
     @property
+    def eval_data(self) -> Path:
+        return self.root / "data" / "eval.jsonl"
+
+    @property
+    def evals(self) -> Path:
+        return self.root / "evals.jsonl"
+
+    @property
     def warmup_data(self) -> Path:
         return self.root / "warmup" / "data.jsonl"
 
@@ -112,6 +122,24 @@ def prepare(recipe: Recipe, rd: RunDir) -> Path:
     return rd.dataset
 
 
+def eval_data(recipe: Recipe, rd: RunDir, dataset: Path) -> Path:
+    """The held-out records: eval.path, or synthetic ones (written once) that share no prompt
+    with the RL dataset (nor, since the warm-up excludes them in turn, with the warm-up's)."""
+    e, ds = recipe.eval, recipe.dataset
+    if e.path is not None:
+        path = Path(e.path).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"eval.path: {path} is not a file")
+        return path
+    if not rd.eval_data.is_file():
+        from astra.raas.tasks import generate_records, read_records, write_records
+
+        seen = {str(r["prompt"]) for r in read_records(dataset)}
+        records = generate_records(ds.kind, e.size, e.seed, exclude=seen, **ds.task_params())
+        write_records(records, rd.eval_data)
+    return rd.eval_data
+
+
 def warmup_data(recipe: Recipe, rd: RunDir, dataset: Path) -> Path:
     """The warm-up's records: warmup.path, or synthetic ones (written once) that share no
     prompt with the RL dataset, so what RL scores was never shown with its answer."""
@@ -125,6 +153,8 @@ def warmup_data(recipe: Recipe, rd: RunDir, dataset: Path) -> Path:
         from astra.raas.tasks import generate_records, read_records, write_records
 
         seen = {str(r["prompt"]) for r in read_records(dataset)}
+        if recipe.eval.every_steps:  # nothing evaluated was ever shown with its answer
+            seen |= {str(r["prompt"]) for r in read_records(eval_data(recipe, rd, dataset))}
         records = generate_records(ds.kind, w.size, w.seed, exclude=seen, **ds.task_params())
         write_records(records, rd.warmup_data)
     return rd.warmup_data
@@ -174,10 +204,25 @@ def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path, port: int = 0) ->
         }
         for s in recipe.streams
     ]
+    if recipe.eval.every_steps:
+        streams.append(eval_stream(recipe, rd, dataset, streams[0]))
     raw = {**section, "host": "127.0.0.1", "port": port, "state_dir": str(rd.dataflow_state)}
     if recipe.observe.prometheus and raw.get("metrics_port") is None:
         raw["metrics_port"] = 0
     return DataflowConfig.model_validate({**raw, "policies": policies, "streams": streams})
+
+
+def eval_stream(recipe: Recipe, rd: RunDir, dataset: Path, first: dict) -> dict:
+    """The evaluation stream: the first stream's workflow, policies and reward on held-out data."""
+    e = recipe.eval
+    return {
+        **first,
+        "name": EVAL_STREAM,
+        "dataset": {"path": str(eval_data(recipe, rd, dataset)), "shuffle": False},
+        "group_size": e.group_size,
+        "sampling": {**first["sampling"], "temperature": e.temperature},
+        "eval_every_versions": e.every_steps,
+    }
 
 
 def trainer_config(

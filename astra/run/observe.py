@@ -43,6 +43,7 @@ from astra.clients.trainer import TrainerClient
 from astra.dataflow.v1 import dataflow_service_pb2 as dpb
 
 if TYPE_CHECKING:
+    from astra.run.evals import EvalLog
     from astra.run.tboard import TensorBoardSink
     from astra.run.view import LiveView
 
@@ -72,6 +73,27 @@ def dataflow_snapshot(resp: dpb.GetStatusResponse) -> dict[str, Any]:
         "pool_empty": resp.pool_empty,
         "counters": dict(sorted(resp.counters.items())),
     }
+
+
+EVAL_FIELDS = (
+    "stream",
+    "policy_id",
+    "version",
+    "groups",
+    "groups_done",
+    "samples",
+    "failed_samples",
+    "mean_reward",
+    "solved_groups",
+    "min_token_version",
+    "max_token_version",
+    "complete",
+)
+
+
+def eval_results(resp: dpb.GetStatusResponse) -> list[dict[str, Any]]:
+    """GetStatus `evals` as plain dicts (astra.run.evals reads them)."""
+    return [{k: getattr(e, k) for k in EVAL_FIELDS} for e in resp.evals]
 
 
 def _state(state: int) -> str:
@@ -162,6 +184,7 @@ class StatusPoller:
         self.started = time.monotonic()
         self.last_dataflow: dict[str, Any] = {}
         self.last_detail: dict[str, Any] = {}
+        self.last_evals: list[dict[str, Any]] = []
         self.trainer_status: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
         self.throughput = Throughput()
@@ -175,6 +198,7 @@ class StatusPoller:
         self.error = None
         self.last_dataflow = dataflow_snapshot(resp)
         self.last_detail = dataflow_detail(resp)
+        self.last_evals = eval_results(resp)
         now = time.monotonic()
         self.throughput.add(now, "groups", self.last_dataflow["counters"].get("consumed_groups", 0))
         for policy, version in self.last_dataflow["versions"].items():
@@ -248,6 +272,7 @@ class Observer(StatusPoller):
         tensorboard: Path | None = None,
         plot: Path | None = None,
         live: bool | None = None,
+        evals: EvalLog | None = None,
     ) -> None:
         super().__init__(dataflow, trainers, name=name, num_steps=num_steps)
         self.metrics_path, self.out = metrics_path, out
@@ -259,6 +284,7 @@ class Observer(StatusPoller):
         self.tty = out.isatty()
         self._last_print = 0.0
         self.plot_path = plot
+        self.evals = evals
         self.tensorboard: TensorBoardSink | None = None
         if tensorboard is not None:
             from astra.run.tboard import TensorBoardSink
@@ -327,6 +353,12 @@ class Observer(StatusPoller):
             if failed:
                 self.tensorboard = None
 
+    def record_evals(self) -> None:
+        """The evaluations finished since the last poll, into evals.jsonl and TensorBoard."""
+        if self.evals is not None:
+            with _failing_output("evals.jsonl"):
+                self.evals.update(self.last_evals, self.tensorboard)
+
     async def run(self) -> None:
         """Polls until cancelled."""
         tick, failures = 0, 0
@@ -334,6 +366,7 @@ class Observer(StatusPoller):
             try:
                 if tick % 4 == 0:
                     await self.poll_dataflow()
+                    self.record_evals()
                 await asyncio.gather(*(self.poll_trainer(p) for p in self.trainers))
                 self.flush()  # lines read last tick: this poll saw the step unless another did
                 self.read_logs()

@@ -3,7 +3,8 @@
 Plots what metrics.jsonl holds and nothing else: every row, in file order, per
 policy (after a --resume the steps redone since the last checkpoint appear
 twice). Top panel: the row's `accuracy` and the trainer's `reward_mean` of that
-step (absent where no trainer poll saw the step). Bottom panel: the Dataflow
+step (absent where no trainer poll saw the step), and the held-out evaluations of
+evals.jsonl beside it (mean reward at the version evaluated). Bottom panel: the Dataflow
 gate's smoothed staleness score at the last poll before the step, the trainer's
 staleness score of the batch, and (right axis) the trainer's mean version gap.
 matplotlib's Agg canvas only (no pyplot, no display, no global backend change).
@@ -61,6 +62,21 @@ def read_series(metrics: Path) -> tuple[Series, int]:
     return series, rows
 
 
+def read_evals(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """policy -> [(version, mean reward)] of the finished evaluations in evals.jsonl."""
+    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            point = (int(row["version"]), float(row["mean_reward"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # cut short by a kill, or nothing scored
+        out[str(row.get("policy", "policy"))].append(point)
+    return out
+
+
 def write_plot(metrics: Path, out: Path, *, title: str = "") -> Path:
     """Draws the figure and writes it to `out` (atomically); returns `out`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -85,6 +101,11 @@ def write_plot(metrics: Path, out: Path, *, title: str = "") -> Path:
             steps, values = zip(*points, strict=True)
             marker = "." if len(points) <= 200 else None
             axis.plot(steps, values, marker=marker, label=prefix + label, linewidth=1.2, **kw)
+    for policy, points in sorted(read_evals(metrics.with_name("evals.jsonl")).items()):
+        prefix = f"{policy}: " if multi else ""
+        versions, values = zip(*sorted(points), strict=True)
+        label = prefix + "held-out mean reward (eval, x = version)"
+        top.plot(versions, values, marker="o", linestyle="--", label=label, linewidth=1.2)
     top.set_ylabel("reward / accuracy")
     bottom.set_ylabel("staleness score")
     bottom.set_xlabel("trainer step")

@@ -26,6 +26,7 @@ from astra.run.sections import (
     DataflowSection,
     DatasetSpec,
     ElasticEvent,
+    EvalSpec,
     ObserveSpec,
     PolicySpec,
     RaasSpec,
@@ -49,6 +50,7 @@ class RecipeError(ConfigError):
 # Names of the run's other children (and their logs): a RaaS may not take them.
 RESERVED_NAMES = frozenset({"dataflow", "weights", "supervisor"})
 RESERVED_PREFIXES = ("trainer-", "warmup-")
+EVAL_STREAM = "eval"  # the Dataflow stream of the recipe's `eval:` section
 
 
 def reserved_name(name: str) -> bool:
@@ -59,6 +61,7 @@ def reserved_name(name: str) -> bool:
 __all__ = [
     "DatasetSpec",
     "ElasticEvent",
+    "EvalSpec",
     "OverrideError",
     "PolicySpec",
     "RaasSpec",
@@ -81,6 +84,10 @@ class Recipe(_Strict):
     warmup: WarmupSpec = Field(
         default_factory=WarmupSpec,
         description="Supervised warm-up before RL; steps 0 turns it off.",
+    )
+    eval: EvalSpec = Field(
+        default_factory=EvalSpec,
+        description="Held-out evaluation while training; every_steps 0 turns it off.",
     )
     policies: list[PolicySpec] = Field(
         default_factory=lambda: [
@@ -120,6 +127,13 @@ class Recipe(_Strict):
                 "warmup: with dataset kind 'file' the warm-up needs warmup.path "
                 "(prompt/answer JSONL), or warmup.steps=0"
             )
+        if self.eval.every_steps and self.dataset.kind == "file" and self.eval.path is None:
+            raise ValueError(
+                "eval: with dataset kind 'file' the evaluation needs eval.path "
+                "(prompt/answer JSONL), or eval.every_steps=0"
+            )
+        if self.eval.every_steps and EVAL_STREAM in {s.name for s in self.streams}:
+            raise ValueError(f"streams: the name {EVAL_STREAM!r} is the evaluation's")
         ids = [p.id for p in self.policies]
         if len(set(ids)) != len(ids):
             raise ValueError("policies: duplicate policy id")

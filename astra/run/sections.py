@@ -88,6 +88,26 @@ class WarmupSpec(_Strict):
     threads: int = Field(1, ge=0, le=1024, description="torch CPU threads; 0: torch default.")
 
 
+class EvalSpec(_Strict):
+    """Evaluation on held-out problems while the run trains (a Dataflow evaluation stream).
+
+    At every `every_steps`-th version of the first stream's first policy (version 0
+    included), the RaaS run `size` problems that neither RL nor the warm-up ever
+    sees, `group_size` samples each at `temperature` (0: greedy), scored by the
+    stream's reward; never trained on. Results: evals.jsonl, TensorBoard
+    `eval/...`, plot.png and summary.json `eval`. The run waits (up to
+    `final_wait_s`) for the evaluation of the last multiple before it stops.
+    """
+
+    every_steps: int = Field(50, ge=0, le=1_000_000, description="0: no evaluation.")
+    size: int = Field(256, ge=1, le=1_000_000, description="Held-out problems generated.")
+    seed: int = Field(2, ge=0, description="Seed of the held-out problems.")
+    group_size: int = Field(1, ge=1, le=1024, description="Samples per problem.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    path: str | None = Field(None, description="prompt/answer JSONL; None: synthetic.")
+    final_wait_s: float = Field(120.0, ge=0, description="Wait for the last evaluation.")
+
+
 class PolicySpec(_Strict):
     """One policy: trained by its own trainer process, served by the RaaS that name it."""
 

@@ -74,7 +74,7 @@ def build_summary(
 ) -> dict[str, Any]:
     counters: dict[str, int] = dataflow.get("counters", {})
     outcomes = sum(counters.get(k, 0) for k in ("completed_groups", "failed_groups"))
-    outcomes += counters.get("malformed_results", 0)
+    outcomes += counters.get("malformed_results", 0) + counters.get("eval_groups", 0)
     steps = {
         p: max(final_steps.get(p) or 0, max((r["step"] for r in rs), default=0))
         for p, rs in rows.items()
@@ -123,6 +123,7 @@ def build_summary(
                 "completed_groups",
                 "failed_groups",
                 "malformed_results",
+                "eval_groups",
                 "duplicates_dropped",
                 "consumed_groups",
                 "consumed_trajectories",
@@ -145,7 +146,7 @@ def build_summary(
             "batches (batches table: the newest 4096 batches)",
             "accuracy_per_policy": "accuracy_first10/last10 over each policy's own steps",
             "groups_lost": "groups_dispatched - outcomes counted (completed + failed + malformed "
-            "counters) - dispatched groups still pending or leased at the end (kept durably, "
+            "+ eval_groups counters) - dispatched groups still pending or leased at the end (kept durably, "
             "dispatched again on --resume)",
             "groups_duplicated": "non-replay (policy, group) keys found in more than one "
             "acknowledged batch (batches table), counted once per extra batch",

@@ -34,6 +34,7 @@ from typing import Any
 from astra.run import control, layout
 from astra.run.children import Child, ChildFailed, stop_all
 from astra.run.elastic import Elastic, raas_work
+from astra.run.evals import EvalLog, final_target
 from astra.run.layout import RunDir
 from astra.run.observe import Observer
 from astra.run.recipe import RaasSpec, Recipe
@@ -318,6 +319,9 @@ class Supervisor:
                 name=self.recipe.name,
                 tensorboard=self.rd.root / "tensorboard",
                 plot=self.rd.root / "plot.png",
+                evals=EvalLog(self.rd.evals, every_steps=self.recipe.eval.every_steps)
+                if self.recipe.eval.every_steps
+                else None,
             )
             observing = asyncio.create_task(self.observer.run())
             self.elastic = Elastic(self)
@@ -350,10 +354,32 @@ class Supervisor:
         log.info("run %s: %s (%s)", self.recipe.name, status, self.rd.root)
         return code
 
+    async def _final_eval(self, obs: Observer, evals: EvalLog) -> None:
+        """Waits (eval.final_wait_s at most) for the evaluation of the last multiple of
+        eval.every_steps that the trainers reached, while the RaaS still run."""
+        e = self.recipe.eval
+        stream = self.recipe.streams[0]
+        policy = self.recipe.stream_policies(stream)[0]
+        deadline = time.monotonic() + e.final_wait_s
+        target = None
+        while time.monotonic() < deadline:
+            if await obs.poll_dataflow() is not None:
+                obs.record_evals()
+                target = final_target(obs.last_dataflow["versions"], policy, e.every_steps)
+                newest = evals.newest()
+                if target is not None and newest is not None and newest >= target:
+                    return
+            await asyncio.sleep(0.5)
+        log.warning(
+            "the evaluation of version %s did not finish within %.0fs", target, e.final_wait_s
+        )
+
     async def _shutdown(self, status: str, wall: float, dataset: Any) -> None:
         obs = self.observer
         await self.restarts.close()  # none starts while everything stops
         await stop_all([self.children["trainer"]], self.grace_s)
+        if status == "completed" and obs is not None and obs.evals is not None:
+            await self._final_eval(obs, obs.evals)
         raas = self.children["raas"]
         work = await asyncio.gather(*(raas_work(c) for c in raas))  # before they stop
         await stop_all([raas], self.grace_s)
@@ -424,6 +450,9 @@ class Supervisor:
         }
         summary["elastic"] = self.elastic_events
         summary["restarts"] = self.restarts.events
+        if obs is not None and obs.evals is not None:
+            obs.record_evals()
+            summary["eval"] = obs.evals.summary()
         write_summary(self.rd.summary, summary)
         keys = ("steps", "groups_trained", "groups_lost", "groups_duplicated", "versions_published")
         log.info("summary %s: %s", self.rd.summary, {k: summary[k] for k in keys})

@@ -168,13 +168,20 @@ class TensorBoardSink:
         self.root = root
         self.writers: dict[str, EventWriter] = {}
 
-    def write_row(self, row: Mapping[str, Any]) -> None:
-        policy = str(row.get("policy") or "policy")
+    def _writer(self, policy: str) -> EventWriter:
         writer = self.writers.get(policy)
         if writer is None:
             folder = policy if policy not in (".", "..") else f"_{policy}"
             writer = self.writers[policy] = EventWriter(self.root / folder)
+        return writer
+
+    def write_row(self, row: Mapping[str, Any]) -> None:
+        writer = self._writer(str(row.get("policy") or "policy"))
         writer.scalars(int(row["step"]), row_scalars(row), row.get("time"))
+
+    def write_scalars(self, policy: str, step: int, values: Mapping[str, float]) -> None:
+        """Scalars of another kind (eval/...) into the policy's event file."""
+        self._writer(policy).scalars(step, values)
 
     def close(self) -> None:
         for writer in self.writers.values():

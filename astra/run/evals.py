@@ -1,0 +1,106 @@
+"""The held-out evaluations of a run (the recipe's `eval:`), as `astra run` records them.
+
+Dataflow runs the evaluations (astra.dataflow.evals) and reports them in
+GetStatus `evals`; the observer hands each poll's list to `EvalLog.update`,
+which appends every newly finished one to <run>/evals.jsonl (one JSON row:
+time, elapsed_s, stream, policy, version, mean_reward, solved_share, samples,
+failed_samples, groups, token_versions) and to TensorBoard (`eval/mean_reward`,
+`eval/solved_share` at step = version, in the policy's event file). Rows
+already in evals.jsonl (a --resume) are not written again. `summary()` is
+summary.json's `eval` block. No grpc here: the poller converts the messages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("astra.run")
+
+
+class EvalLog:
+    def __init__(self, path: Path, *, every_steps: int) -> None:
+        self.path, self.every_steps = path, every_steps
+        self.started = time.monotonic()
+        self.rows: list[dict[str, Any]] = []
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    self.rows.append(json.loads(line))
+                except ValueError:
+                    continue  # a line cut short by a kill
+        self.seen = {(r.get("stream"), r.get("version")) for r in self.rows}
+
+    def update(self, evals: list[dict[str, Any]], tensorboard: Any = None) -> list[dict[str, Any]]:
+        """Records the finished evaluations not seen before (and in `tensorboard`, a
+        astra.run.tboard.TensorBoardSink, when given); returns their rows."""
+        new = []
+        for e in evals:
+            key = (e["stream"], e["version"])
+            if not e["complete"] or key in self.seen:
+                continue
+            self.seen.add(key)
+            samples = e["samples"]
+            row = {
+                "time": round(time.time(), 3),
+                "elapsed_s": round(time.monotonic() - self.started, 3),
+                "stream": e["stream"],
+                "policy": e["policy_id"],
+                "version": e["version"],
+                "mean_reward": round(e["mean_reward"], 6) if samples else None,
+                "solved_share": round(e["solved_groups"] / e["groups"], 6) if e["groups"] else None,
+                "samples": samples,
+                "failed_samples": e["failed_samples"],
+                "groups": e["groups"],
+                "token_versions": [e["min_token_version"], e["max_token_version"]],
+            }
+            new.append(row)
+            self.rows.append(row)
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            log.info(
+                "eval %s at version %d: mean reward %s over %d samples",
+                row["policy"],
+                row["version"],
+                row["mean_reward"],
+                samples,
+            )
+            if tensorboard is not None:
+                values = {
+                    f"eval/{k}": float(row[k])
+                    for k in ("mean_reward", "solved_share")
+                    if row[k] is not None
+                }
+                tensorboard.write_scalars(row["policy"], int(row["version"]), values)
+        return new
+
+    def newest(self) -> int | None:
+        return max((int(r["version"]) for r in self.rows), default=None)
+
+    def summary(self) -> dict[str, Any]:
+        rows = sorted(self.rows, key=lambda r: r["version"])
+        scored = [r for r in rows if r["mean_reward"] is not None]
+        return {
+            "every_steps": self.every_steps,
+            "first": scored[0]["mean_reward"] if scored else None,
+            "last": scored[-1]["mean_reward"] if scored else None,
+            "last_version": scored[-1]["version"] if scored else None,
+            "best": max((r["mean_reward"] for r in scored), default=None),
+            "results": [
+                {k: r[k] for k in ("version", "mean_reward", "solved_share", "samples")}
+                for r in rows
+            ],
+            "method": "held-out problems (none in the RL or warm-up data) run by the RaaS at "
+            "every every_steps-th version with the eval section's sampling (temperature 0: "
+            "greedy), scored by the stream's reward; mean_reward is accuracy for 0/1 rewards",
+        }
+
+
+def final_target(versions: dict[str, int], policy: str, every_steps: int) -> int | None:
+    """The version whose evaluation ends the run: the last multiple of `every_steps` reached."""
+    if every_steps <= 0 or policy not in versions:
+        return None
+    return versions[policy] // every_steps * every_steps

@@ -1,0 +1,63 @@
+"""astra.run.evals: finished evaluations become evals.jsonl rows once, across a --resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from astra.run.evals import EvalLog, final_target
+from astra.run.plot import read_evals
+
+
+def result(version: int, mean: float, *, complete: bool = True) -> dict:
+    return {
+        "stream": "eval",
+        "policy_id": "policy",
+        "version": version,
+        "groups": 4,
+        "groups_done": 4 if complete else 1,
+        "samples": 4,
+        "failed_samples": 0,
+        "mean_reward": mean,
+        "solved_groups": round(mean * 4),
+        "min_token_version": version,
+        "max_token_version": version + 1,
+        "complete": complete,
+    }
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, dict]] = []
+
+    def write_scalars(self, policy: str, step: int, values: dict) -> None:
+        self.calls.append((policy, step, values))
+
+
+def test_rows_are_written_once_and_survive_a_resume(tmp_path: Path) -> None:
+    path = tmp_path / "evals.jsonl"
+    log, sink = EvalLog(path, every_steps=5), Sink()
+    assert log.newest() is None and log.summary()["last"] is None
+    new = log.update([result(0, 0.25), result(5, 0.5, complete=False)], sink)
+    assert [r["version"] for r in new] == [0]
+    assert log.update([result(0, 0.25), result(5, 0.75)], sink)[0]["solved_share"] == 0.75
+    assert log.update([result(0, 0.25), result(5, 0.75)], sink) == []
+    assert sink.calls == [
+        ("policy", 0, {"eval/mean_reward": 0.25, "eval/solved_share": 0.25}),
+        ("policy", 5, {"eval/mean_reward": 0.75, "eval/solved_share": 0.75}),
+    ]
+    again = EvalLog(path, every_steps=5)  # a --resume: Dataflow reports both again
+    assert again.update([result(0, 0.25), result(5, 0.75)]) == []
+    s = again.summary()
+    assert (s["first"], s["last"], s["best"], s["last_version"]) == (0.25, 0.75, 0.75, 5)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["token_versions"] for r in rows] == [[0, 1], [5, 6]]
+    assert read_evals(path) == {"policy": [(0, 0.25), (5, 0.75)]}
+
+
+def test_final_target_is_the_last_multiple_reached() -> None:
+    assert final_target({"policy": 299}, "policy", 50) == 250
+    assert final_target({"policy": 300}, "policy", 50) == 300
+    assert final_target({"policy": 3}, "policy", 50) == 0
+    assert final_target({"other": 3}, "policy", 50) is None
+    assert final_target({"policy": 3}, "policy", 0) is None
