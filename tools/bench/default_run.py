@@ -94,16 +94,20 @@ def section(results: list[dict[str, Any]], load: str, total_s: float) -> str:
         f"RaaS with the torch engine, one trainer: {steps} RL steps of 8 groups x 4 samples).",
         "",
         "| variant | wall s | warm-up s | random model | after warm-up | RL steps 1-10 "
-        "| last 10 steps | groups lost / duplicated |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| last 10 steps | held-out, version 0 | held-out, last version "
+        "| groups lost / duplicated |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         s = r["summary"]
         warm = s.get("warmup") or {}
+        ev = s.get("eval") or {}
+        last_v = f" (v{ev['last_version']})" if ev.get("last_version") is not None else ""
         lines.append(
             f"| {r['name']} | {r['wall_s']:.0f} | {r['warmup_s']:.1f} "
             f"| {fmt(s.get('random_baseline_accuracy'))} | {fmt(warm.get('accuracy_after'))} "
             f"| {fmt(s.get('accuracy_first10'))} | **{fmt(s.get('accuracy_last10'))}** "
+            f"| {fmt(ev.get('first'))} | **{fmt(ev.get('last'))}**{last_v} "
             f"| {s.get('groups_lost')} / {s.get('groups_duplicated')} |"
         )
     blocks = sorted({b for r in results for b in r["curve"]})
@@ -133,7 +137,10 @@ def section(results: list[dict[str, Any]], load: str, total_s: float) -> str:
         "",
         "Reading: 'random model' is the untrained `tiny` model sampled once on 256 prompts "
         "(summary.json `random_baseline_accuracy`); 'after warm-up' the same measurement on the "
-        "warmed-up model, where RL starts. 'no RL' runs the whole system with learning rate "
+        "warmed-up model, where RL starts. 'held-out' is the recipe's evaluation: 256 "
+        "problems in neither the RL nor the warm-up data, greedy, run by the RaaS at versions "
+        "0, 50, ... (summary.json `eval`); unlike the per-step accuracy it is measured on "
+        "prompts the policy never trained on. 'no RL' runs the whole system with learning rate "
         "1e-12, so its curve is the warmed-up policy's own level under the same sampling: the "
         "gap to 'default' is what RL adds. 'no warm-up' shows why the recipe has the stage: "
         "from random weights almost no rollout is right, so group-relative advantages are "
