@@ -270,9 +270,17 @@ class Dataflow:
                 reason="NO_COMMON_POLICY",
                 metadata={"instance_id": instance_id},
             )
-        already, stale = self.pool.register(
+        already, stale, orphans = self.pool.register(
             instance_id, address, capacity, policy_ids, workflows, labels, loaded_versions
         )
+        if orphans:
+            log.warning(
+                "instance %s registered again from %s (a new process): re-dispatching %d",
+                instance_id,
+                address,
+                len(orphans),
+            )
+            self._requeue(orphans, "instance_restarted")
         if stale is not None:
             await stale.close()
         self._ensure_collector(instance_id)

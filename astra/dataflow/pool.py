@@ -93,23 +93,29 @@ class Pool:
         workflows: Iterable[str],
         labels: dict[str, str],
         loaded_versions: dict[str, int],
-    ) -> tuple[bool, RolloutPort | None]:
-        """Adds or refreshes an instance; returns (already registered, port to close)."""
+    ) -> tuple[bool, RolloutPort | None, set[str]]:
+        """Adds or refreshes an instance; returns (already registered, port to close, groups
+        orphaned). An instance that registers again from another address is a new process
+        under the same id (restarted before it was confirmed dead): what its predecessor had
+        in flight died with it, so those groups are handed back for re-dispatch."""
         now = self._clock()
         old = self.instances.get(instance_id)
         stale_port = None
+        orphans: set[str] = set()
         if old is not None and old.state in (InstanceState.ACTIVE, InstanceState.SUSPECT):
             already = True
             if old.address != address:
                 stale_port, old.port = old.port, self._connect(address)
                 old.address = address
+                orphans, old.in_flight = set(old.in_flight), set()
+                old.free_slots = capacity
             old.capacity, old.labels = capacity, dict(labels)
             old.policy_ids, old.workflows = frozenset(policy_ids), frozenset(workflows)
             old.loaded_versions = dict(loaded_versions)
             old.state, old.failures, old.last_seen = InstanceState.ACTIVE, 0, now
             old.suspect_reason = ""
             old.load_retry_at = 0.0  # a RaaS that registers again may load at once
-            return already, stale_port
+            return already, stale_port, orphans
         if old is not None:
             stale_port = old.port
         self.instances[instance_id] = Instance(
@@ -124,7 +130,7 @@ class Pool:
             free_slots=capacity,
             last_seen=now,
         )
-        return False, stale_port
+        return False, stale_port, orphans
 
     def live(self, instance_id: str) -> Instance:
         inst = self.instances.get(instance_id)
