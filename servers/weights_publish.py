@@ -152,6 +152,8 @@ async def _receive(
                 pending.cancel()
                 with contextlib.suppress(BaseException):
                     await pending
+            elif not pending.cancelled():
+                pending.exception()  # retrieved: the end of the stream (StopAsyncIteration)
 
     try:
         async with contextlib.aclosing(reads()) as incoming:
