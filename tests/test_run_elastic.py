@@ -27,6 +27,7 @@ from tests.test_run import Run, gone
 RECIPES = Path(__file__).resolve().parent.parent / "configs" / "recipes"
 FAST = ["--set", "warmup.steps=0", "--set", "dataset.size=64"]
 FAST += ["--set", "observe.baseline_samples=8", "--set", "supervision.stop_grace_s=10"]
+FAST += ["--set", "eval.every_steps=0"]  # routing and work counts of the training streams only
 
 
 # ----- the recipe section ------------------------------------------------------------------

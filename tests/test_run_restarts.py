@@ -39,7 +39,7 @@ class _Child:
 
 
 def test_restart_decisions_and_commands(tmp_path: Path) -> None:
-    recipe = load_recipe(None, ["supervision.max_restarts=2"])
+    recipe = load_recipe(None, ["supervision.max_restarts=2", "eval.every_steps=0"])
     rd = RunDir(tmp_path / "run")
     rd.config.mkdir(parents=True)
     sup = _Sup(recipe, rd)

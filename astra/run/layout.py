@@ -8,6 +8,7 @@ Layout of a run directory:
     data/prompts.jsonl       the synthetic dataset (kind != file)
     data/eval.jsonl          the held-out evaluation records (synthetic, disjoint)
     warmup/data.jsonl        the warm-up's prompt/answer records (synthetic, disjoint)
+    warmup/<policy>/data.jsonl   a policy's own warm-up records, when its role has them
     warmup/<policy>/model/   each policy's model after the warm-up (what RL starts from)
     config/*.yaml            Dataflow and trainer configs as the services read them
     state/dataflow/          Dataflow's SQLite state and blob log
@@ -153,11 +154,33 @@ def warmup_data(recipe: Recipe, rd: RunDir, dataset: Path) -> Path:
         from astra.raas.tasks import generate_records, read_records, write_records
 
         seen = {str(r["prompt"]) for r in read_records(dataset)}
-        if recipe.eval.every_steps:  # nothing evaluated was ever shown with its answer
+        if recipe.evaluating:  # nothing evaluated was ever shown with its answer
             seen |= {str(r["prompt"]) for r in read_records(eval_data(recipe, rd, dataset))}
         records = generate_records(ds.kind, w.size, w.seed, exclude=seen, **ds.task_params())
         write_records(records, rd.warmup_data)
     return rd.warmup_data
+
+
+def policy_warmup_data(recipe: Recipe, rd: RunDir, data: Path, policy_id: str) -> Path:
+    """The records `policy_id` is fine-tuned on: `data`, or, when the workflow of the first
+    stream naming it gives its position there records of its own (`warmup_records(records,
+    role, seed)`, e.g. multi_agent's verifier), those (written once)."""
+    from astra.workflows.registry import get_workflow
+
+    stream = next((s for s in recipe.streams if policy_id in recipe.stream_policies(s)), None)
+    if stream is None or recipe.warmup.path is not None:
+        return data
+    make = getattr(get_workflow(stream.workflow), "warmup_records", None)
+    role = recipe.stream_policies(stream).index(policy_id)
+    if make is None or role == 0:
+        return data
+    path = rd.warmup_model(policy_id).parent / "data.jsonl"
+    if not path.is_file():
+        from astra.raas.tasks import read_records, write_records
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_records(make(read_records(data), role, recipe.warmup.seed), path)
+    return path
 
 
 def sft_command(recipe: Recipe, policy: PolicySpec, rd: RunDir, data: Path) -> list[str]:
@@ -204,7 +227,7 @@ def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path, port: int = 0) ->
         }
         for s in recipe.streams
     ]
-    if recipe.eval.every_steps:
+    if recipe.evaluating:
         streams.append(eval_stream(recipe, rd, dataset, streams[0]))
     raw = {**section, "host": "127.0.0.1", "port": port, "state_dir": str(rd.dataflow_state)}
     if recipe.observe.prometheus and raw.get("metrics_port") is None:

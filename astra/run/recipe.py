@@ -120,6 +120,15 @@ class Recipe(_Strict):
     observe: ObserveSpec = Field(default_factory=ObserveSpec, description="Outputs.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra child environment.")
 
+    @property
+    def evaluating(self) -> bool:
+        """Whether the run evaluates on held-out data: eval.every_steps > 0 and held-out
+        records to use (eval.path, or a synthetic dataset kind to generate them from; a
+        `file` dataset without eval.path has none, so nothing is evaluated)."""
+        return bool(self.eval.every_steps) and (
+            self.dataset.kind != "file" or self.eval.path is not None
+        )
+
     @model_validator(mode="after")
     def _refs(self) -> Recipe:
         if self.warmup.steps and self.dataset.kind == "file" and self.warmup.path is None:
@@ -127,12 +136,7 @@ class Recipe(_Strict):
                 "warmup: with dataset kind 'file' the warm-up needs warmup.path "
                 "(prompt/answer JSONL), or warmup.steps=0"
             )
-        if self.eval.every_steps and self.dataset.kind == "file" and self.eval.path is None:
-            raise ValueError(
-                "eval: with dataset kind 'file' the evaluation needs eval.path "
-                "(prompt/answer JSONL), or eval.every_steps=0"
-            )
-        if self.eval.every_steps and EVAL_STREAM in {s.name for s in self.streams}:
+        if self.evaluating and EVAL_STREAM in {s.name for s in self.streams}:
             raise ValueError(f"streams: the name {EVAL_STREAM!r} is the evaluation's")
         ids = [p.id for p in self.policies]
         if len(set(ids)) != len(ids):

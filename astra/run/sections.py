@@ -96,7 +96,8 @@ class EvalSpec(_Strict):
     sees, `group_size` samples each at `temperature` (0: greedy), scored by the
     stream's reward; never trained on. Results: evals.jsonl, TensorBoard
     `eval/...`, plot.png and summary.json `eval`. The run waits (up to
-    `final_wait_s`) for the evaluation of the last multiple before it stops.
+    `final_wait_s`) for the evaluation of the last multiple before it stops. With a
+    `file` dataset the held-out records come from `path` (without it: no evaluation).
     """
 
     every_steps: int = Field(50, ge=0, le=1_000_000, description="0: no evaluation.")

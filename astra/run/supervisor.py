@@ -154,7 +154,8 @@ class Supervisor:
                 log.info("warm-up of %s: kept from %s", p.id, rd.warmup_model(p.id))
                 continue
             name = f"warmup-{p.id}"
-            command = layout.sft_command(r, p, rd, data)
+            mine = await asyncio.to_thread(layout.policy_warmup_data, r, rd, data, p.id)
+            command = layout.sft_command(r, p, rd, mine)
             child = self.new_child(name, "warmup", command, rd.log(name), r.env)
             self.children["warmup"].append(child)
             await child.spawn()
@@ -320,7 +321,7 @@ class Supervisor:
                 tensorboard=self.rd.root / "tensorboard",
                 plot=self.rd.root / "plot.png",
                 evals=EvalLog(self.rd.evals, every_steps=self.recipe.eval.every_steps)
-                if self.recipe.eval.every_steps
+                if self.recipe.evaluating
                 else None,
             )
             observing = asyncio.create_task(self.observer.run())

@@ -16,6 +16,7 @@ text is context in the verifier's prompt, never trained on.
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
 
@@ -38,11 +39,43 @@ def parse_verdict(text: str) -> bool | None:
     return None if match is None else match.group(1).lower() == "correct"
 
 
+def near_miss(answer: str, rng: random.Random) -> str:
+    """A wrong answer of the kind a solver writes: off by a little, or by a digit."""
+    try:
+        value = int(answer)
+    except ValueError:
+        return answer + "0"
+    wrong = value
+    while wrong == value or wrong < 0:
+        wrong = value + rng.choice((-10, -2, -1, 1, 2, 10, 11, -11, 20))
+    return str(wrong)
+
+
 @register_workflow("multi_agent")
 class SolverVerifier:
     """Options: `verifier_template` (str.format with problem, answer), `correct_threshold`."""
 
     default_reward = "numeric"
+
+    @staticmethod
+    def warmup_records(records: list[dict[str, Any]], role: int, seed: int) -> list[dict[str, Any]]:
+        """Supervised warm-up records for the policy in position `role` of the group
+        (`astra run`'s warm-up stage): the solver (0) learns the task's own prompt/answer
+        records; the verifier (1) learns to check a proposed answer by working the problem
+        out first: the prompt is VERIFIER_TEMPLATE with the right answer half of the time and
+        a near miss otherwise, the answer "<the right answer> correct|incorrect" (the verdict
+        is the first "correct"/"incorrect" it writes, so the working may come before it)."""
+        if role == 0:
+            return records
+        rng = random.Random(f"astra-verifier/{seed}")
+        out = []
+        for r in records:
+            answer, right = str(r["answer"]), rng.random() < 0.5
+            proposed = answer if right else near_miss(answer, rng)
+            prompt = VERIFIER_TEMPLATE.format(problem=r["prompt"], answer=proposed)
+            verdict = "correct" if right else "incorrect"
+            out.append({"prompt": prompt, "answer": f"{answer} {verdict}"})
+        return out
 
     async def run(self, ctx: WorkflowContext) -> TrajectorySpec:
         policies = ctx.group.policy_ids
