@@ -87,6 +87,8 @@ def test_solver_and_verifier_train_together_under_the_lockstep_barrier(tmp_path:
         f"trainer.batch_groups={BATCH}",
         "dataset.size=64",
         "supervision.stop_grace_s=10",
+        "warmup.steps=5",
+        "eval.size=8",
     ):
         cmd += ["--set", override]
     out = (tmp_path / "run.out").open("wb")
@@ -115,6 +117,12 @@ def test_solver_and_verifier_train_together_under_the_lockstep_barrier(tmp_path:
     for p in POLICIES:
         log = (run_dir / "logs" / f"trainer-{p}.log").read_text()
         assert f"trainer stopped at step {STEPS}" in log
+    # each role warmed up on its own records: the verifier on verdicts, the solver on answers
+    verifier = [json.loads(x) for x in (run_dir / "warmup" / "verifier" / "data.jsonl").open()]
+    assert all(r["answer"].endswith((" correct", " incorrect")) for r in verifier)
+    assert {r["answer"].split()[-1] for r in verifier} == {"correct", "incorrect"}
+    assert not (run_dir / "warmup" / "solver" / "data.jsonl").exists()
+    assert all((run_dir / "warmup" / p / "model" / "config.json").is_file() for p in POLICIES)
 
     # The barrier held at every observation.
     assert seen, "nothing observed"

@@ -410,3 +410,21 @@ def test_workflow_plugin_from_an_entry_point(tmp_path: Path, monkeypatch):
             get_workflow("broken_plugin")
     finally:
         WORKFLOWS.remove("echo_plugin")
+
+
+def test_verifier_warmup_records_judge_right_answers_and_near_misses() -> None:
+    from astra.workflows.multi_agent import VERIFIER_TEMPLATE, SolverVerifier, parse_verdict
+
+    records = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(200)]
+    assert SolverVerifier.warmup_records(records, 0, 1) is records  # the solver: the task's own
+    out = SolverVerifier.warmup_records(records, 1, 1)
+    assert out == SolverVerifier.warmup_records(records, 1, 1)  # seeded
+    verdicts = []
+    for r, v in zip(records, out, strict=True):
+        worked, verdict = v["answer"].split(" ")
+        assert worked == r["answer"]  # the verifier works the problem out first
+        proposed = v["prompt"].split("Proposed answer:\n")[1].split("\n")[0]
+        assert v["prompt"] == VERIFIER_TEMPLATE.format(problem=r["prompt"], answer=proposed)
+        assert parse_verdict(v["answer"]) == (proposed == r["answer"])
+        verdicts.append(verdict)
+    assert 60 < verdicts.count("correct") < 140
