@@ -77,12 +77,23 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "astra.run", "--ray", "auto", "--run-dir", str(run_dir), *SMALL]
+    cmd += ["--set", "trainer.num_steps=60", "--set", "supervision.restart_backoff_s=0.2"]
     with (tmp_path / "run.out").open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     children: list[dict] = []
     try:
+        victim = None  # raas-0, SIGKILLed once it serves: its actor starts it again
+        deadline = time.monotonic() + 120
+        while victim is None and proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                for c in json.loads((run_dir / "run.json").read_text())["children"]:
+                    if c["name"] == "raas-0" and c["address"] and c["pid"]:
+                        victim = c["pid"]
+            time.sleep(0.2)
+        assert victim is not None, (tmp_path / "run.out").read_text(errors="replace")[-4000:]
+        os.killpg(victim, signal.SIGKILL)
         try:
             rc = proc.wait(150)
         except subprocess.TimeoutExpired:
@@ -90,7 +101,9 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
         output = (tmp_path / "run.out").read_text(errors="replace")[-4000:]
         assert rc == 0, output
         s = json.loads((run_dir / "summary.json").read_text())
-        assert s["status"] == "completed" and s["steps"] == 3
+        assert s["status"] == "completed" and s["steps"] == 60
+        assert [(e["child"], e["exit"]) for e in s["restarts"]] == [("raas-0", -signal.SIGKILL)]
+        assert "serving_after_s" in s["restarts"][0]
         assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0
         assert "ray: a local instance started for this run" in output
         children = json.loads((run_dir / "run.json").read_text())["children"]
@@ -108,7 +121,9 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
         assert all(c["ray"]["worker_pid"] != c["pid"] for c in children)
         # Children, their actors' workers, and the local instance (the supervisor's process
         # group: ray.init started GCS, raylet and agents there) all ended with the run.
-        assert all(pid_gone(c["pid"]) for c in children)
+        assert all(pid_gone(c["pid"]) for c in children) and pid_gone(victim)
+        restarted = next(c for c in children if c["name"] == "raas-0")
+        assert restarted["pid"] != victim and restarted["restarts"] == 1
         assert all(pid_gone(c["ray"]["worker_pid"]) for c in children)
         deadline = time.monotonic() + 15
         while not group_gone(proc.pid) and time.monotonic() < deadline:

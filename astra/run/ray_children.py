@@ -113,7 +113,12 @@ class _Process:
         self, args: list[str], env: dict[str, str], log_path: str, cwd: str, own_python: bool
     ) -> dict[str, Any]:
         """Starts the command (`own_python`: with this node's interpreter); returns its pid and
-        the size of the log before it (logs are appended to)."""
+        the size of the log before it (logs are appended to). Again after the last one exited
+        (a restart): the actor then stands for the new process."""
+        if self.proc is not None:
+            if not self.exited.is_set():
+                return {"error": f"process {self.proc.pid} is still running"}
+            self.__init__()  # type: ignore[misc]
         if own_python:
             args = [sys.executable, *args[1:]]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -228,7 +233,7 @@ def resources(role: str, args: list[str], trainer_device: str = "cpu") -> dict[s
 def command_on_node(role: str, args: list[str], node_ip: str) -> list[str]:
     """The child's command on its node: a service listens on (and advertises) the node's IP
     (`--host` last: it wins over a config's host)."""
-    if role in SERVE_ROLES and "serve" in args[:4]:
+    if role in SERVE_ROLES and "serve" in args[:4] and args[-2:] != ["--host", node_ip]:
         return [*args, "--host", node_ip]
     return list(args)
 
@@ -250,8 +255,6 @@ class RemoteProcess:
 
 class RayChild(Child):
     """A `Child` whose process a Ray actor starts and watches on the node Ray placed it on."""
-
-    restartable = False  # its actor is released with it: a death ends the run (not restarted yet)
 
     def __init__(
         self,
@@ -300,6 +303,8 @@ class RayChild(Child):
 
         if self.actor is None:
             raise ChildFailed(f"{self.name}: its Ray actor was released")
+        # Again after a death (astra.run.restarts): the same actor starts the new process.
+        self._rc, self.proc, self._exit, self.info, self.stopping = None, None, None, {}, False
         try:
             self.placement = await asyncio.wait_for(_get(self._placed), self.placement_timeout_s)
         except TimeoutError:
