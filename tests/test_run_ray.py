@@ -1,6 +1,7 @@
 """`astra run --ray auto` on a local Ray instance started for the run: the same children, each
-placed by a Ray actor, listening on the node's IP; the run completes, and the children, their
-actors and the local instance are gone when it ends."""
+placed by a Ray actor, listening on the node's IP; a RaaS SIGKILLed mid-run is started again by
+its actor; the run completes, and the children, their actors and the local instance are gone when
+it ends."""
 
 from __future__ import annotations
 
