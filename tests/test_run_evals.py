@@ -61,3 +61,22 @@ def test_final_target_is_the_last_multiple_reached() -> None:
     assert final_target({"policy": 3}, "policy", 50) == 0
     assert final_target({"other": 3}, "policy", 50) is None
     assert final_target({"policy": 3}, "policy", 0) is None
+
+
+def test_held_out_warm_up_and_rl_prompts_are_disjoint(tmp_path: Path) -> None:
+    from astra.raas.tasks import read_records
+    from astra.run import layout
+    from astra.run.recipe import load_recipe
+
+    recipe = load_recipe(None, ["dataset.size=300", "eval.size=200", "warmup.size=400"])
+    rd = layout.RunDir(tmp_path / "run")
+    dataset = layout.prepare(recipe, rd)
+    held_out = layout.eval_data(recipe, rd, dataset)
+    warmup = layout.warmup_data(recipe, rd, dataset)
+    assert [len(read_records(p)) for p in (dataset, held_out, warmup)] == [300, 200, 400]
+    prompts = [{r["prompt"] for r in read_records(p)} for p in (dataset, held_out, warmup)]
+    rl, ev, wu = prompts
+    assert not (rl & ev) and not (rl & wu) and not (ev & wu)
+    stream = layout.dataflow_config(recipe, rd, dataset).streams[-1]
+    assert stream.name == "eval" and stream.eval_every_versions == recipe.eval.every_steps
+    assert stream.sampling.temperature == 0.0 and stream.dataset.path == str(held_out)

@@ -123,42 +123,38 @@ def prepare(recipe: Recipe, rd: RunDir) -> Path:
     return rd.dataset
 
 
-def eval_data(recipe: Recipe, rd: RunDir, dataset: Path) -> Path:
-    """The held-out records: eval.path, or synthetic ones (written once) that share no prompt
-    with the RL dataset (nor, since the warm-up excludes them in turn, with the warm-up's)."""
-    e, ds = recipe.eval, recipe.dataset
-    if e.path is not None:
-        path = Path(e.path).resolve()
+def _records_apart(
+    recipe: Recipe, given: str | None, key: str, out: Path, size: int, seed: int, apart: list[Path]
+) -> Path:
+    """The JSONL the recipe names at `key` (`given`), or `size` records of the dataset's
+    synthetic task written once to `out`, sharing no prompt with the files in `apart`."""
+    if given is not None:
+        path = Path(given).resolve()
         if not path.is_file():
-            raise FileNotFoundError(f"eval.path: {path} is not a file")
+            raise FileNotFoundError(f"{key}: {path} is not a file")
         return path
-    if not rd.eval_data.is_file():
+    if not out.is_file():
         from astra.raas.tasks import generate_records, read_records, write_records
 
-        seen = {str(r["prompt"]) for r in read_records(dataset)}
-        records = generate_records(ds.kind, e.size, e.seed, exclude=seen, **ds.task_params())
-        write_records(records, rd.eval_data)
-    return rd.eval_data
+        ds = recipe.dataset
+        seen = {str(r["prompt"]) for p in apart for r in read_records(p)}
+        write_records(generate_records(ds.kind, size, seed, exclude=seen, **ds.task_params()), out)
+    return out
+
+
+def eval_data(recipe: Recipe, rd: RunDir, dataset: Path) -> Path:
+    """The held-out records: eval.path, or synthetic ones that share no prompt with the RL
+    dataset (nor, since the warm-up excludes them in turn, with the warm-up's)."""
+    e = recipe.eval
+    return _records_apart(recipe, e.path, "eval.path", rd.eval_data, e.size, e.seed, [dataset])
 
 
 def warmup_data(recipe: Recipe, rd: RunDir, dataset: Path) -> Path:
-    """The warm-up's records: warmup.path, or synthetic ones (written once) that share no
-    prompt with the RL dataset, so what RL scores was never shown with its answer."""
-    w, ds = recipe.warmup, recipe.dataset
-    if w.path is not None:
-        path = Path(w.path).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"warmup.path: {path} is not a file")
-        return path
-    if not rd.warmup_data.is_file():
-        from astra.raas.tasks import generate_records, read_records, write_records
-
-        seen = {str(r["prompt"]) for r in read_records(dataset)}
-        if recipe.evaluating:  # nothing evaluated was ever shown with its answer
-            seen |= {str(r["prompt"]) for r in read_records(eval_data(recipe, rd, dataset))}
-        records = generate_records(ds.kind, w.size, w.seed, exclude=seen, **ds.task_params())
-        write_records(records, rd.warmup_data)
-    return rd.warmup_data
+    """The warm-up's records: warmup.path, or synthetic ones that share no prompt with the RL
+    dataset (so what RL scores was never shown with its answer) nor with the held-out ones."""
+    w = recipe.warmup
+    apart = [dataset, *([eval_data(recipe, rd, dataset)] if recipe.evaluating else [])]
+    return _records_apart(recipe, w.path, "warmup.path", rd.warmup_data, w.size, w.seed, apart)
 
 
 def policy_warmup_data(recipe: Recipe, rd: RunDir, data: Path, policy_id: str) -> Path:
