@@ -85,7 +85,7 @@ class Elastic:
     def _record(self, event: dict[str, Any]) -> dict[str, Any]:
         event = {"time": time.time(), "step": self.step(), **event}
         self.sup.elastic_events.append(event)
-        self.sup._write_run_json()
+        self.sup.write_run_json()
         return event
 
     # ----- the loop ----------------------------------------------------------------------------

@@ -32,14 +32,14 @@ import time
 from typing import Any
 
 from astra.run import control, layout
-from astra.run.children import Child, ChildFailed, stop_all
-from astra.run.elastic import Elastic, raas_work
-from astra.run.evals import EvalLog, final_target
+from astra.run.children import Child, ChildFailed
+from astra.run.elastic import Elastic
+from astra.run.ending import shutdown
+from astra.run.evals import EvalLog
 from astra.run.layout import RunDir
 from astra.run.observe import Observer
 from astra.run.recipe import RaasSpec, Recipe
 from astra.run.restarts import Restarts
-from astra.run.summary import build_summary, read_state, trainer_final_step, write_summary
 
 log = logging.getLogger("astra.run")
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -118,7 +118,7 @@ class Supervisor:
         timeout = self.recipe.supervision.startup_timeout_s
         reads = asyncio.gather(*(c.read_address(timeout) for c in group), return_exceptions=True)
         results = await self._until_stop(reads)
-        self._write_run_json()
+        self.write_run_json()
         for child, result in zip(group, results, strict=True):
             if isinstance(result, BaseException):
                 raise ChildFailed(f"{result}\n{self._tail(child)}") from result
@@ -129,7 +129,7 @@ class Supervisor:
         lines = self.recipe.supervision.log_tail_lines
         return f"--- last lines of {child.log_path} ---\n{child.tail(lines)}"
 
-    def _write_run_json(self) -> None:
+    def write_run_json(self) -> None:
         every = [c.describe() for group in self.children.values() for c in group]
         data = {
             "supervisor": {"pid": os.getpid(), "state": self.state},
@@ -304,7 +304,7 @@ class Supervisor:
         self.elastic_events = previous.get("elastic") or []
         restore = list(self.elastic_events)
         control.clear(self.rd)
-        self._write_run_json()  # state starting: `astra raas` says so
+        self.write_run_json()  # state starting: `astra raas` says so
         try:
             self.started_recipe = await self._warmup(dataset)
             await self._start_all(dataset, steps)
@@ -328,7 +328,7 @@ class Supervisor:
             self.elastic = Elastic(self)
             await self.elastic.restore(restore)
             self.state = "running"
-            self._write_run_json()
+            self.write_run_json()
             elastic = asyncio.create_task(self.elastic.run())
             status, code = await self._watch()
         except Interrupted:
@@ -348,112 +348,9 @@ class Supervisor:
             for request in control.take_requests(self.rd):
                 control.answer(self.rd, request["id"], {"ok": False, "error": "the run is ending"})
             try:
-                await self._shutdown(status, time.monotonic() - started, dataset)
+                await shutdown(self, status, time.monotonic() - started, dataset)
             finally:
                 self.state = "ended"
-                self._write_run_json()
+                self.write_run_json()
         log.info("run %s: %s (%s)", self.recipe.name, status, self.rd.root)
         return code
-
-    async def _final_eval(self, obs: Observer, evals: EvalLog) -> None:
-        """Waits (eval.final_wait_s at most) for the evaluation of the last multiple of
-        eval.every_steps that the trainers reached, while the RaaS still run."""
-        e = self.recipe.eval
-        stream = self.recipe.streams[0]
-        policy = self.recipe.stream_policies(stream)[0]
-        deadline = time.monotonic() + e.final_wait_s
-        target = None
-        while time.monotonic() < deadline:
-            if await obs.poll_dataflow() is not None:
-                obs.record_evals()
-                target = final_target(obs.last_dataflow["versions"], policy, e.every_steps)
-                newest = evals.newest()
-                if target is not None and newest is not None and newest >= target:
-                    return
-            await asyncio.sleep(0.5)
-        log.warning(
-            "the evaluation of version %s did not finish within %.0fs", target, e.final_wait_s
-        )
-
-    async def _shutdown(self, status: str, wall: float, dataset: Any) -> None:
-        obs = self.observer
-        await self.restarts.close()  # none starts while everything stops
-        await stop_all([self.children["trainer"]], self.grace_s)
-        if status == "completed" and obs is not None and obs.evals is not None:
-            await self._final_eval(obs, obs.evals)
-        raas = self.children["raas"]
-        work = await asyncio.gather(*(raas_work(c) for c in raas))  # before they stop
-        await stop_all([raas], self.grace_s)
-        self._write_run_json()
-        dataflow = self.children["core"][0] if self.children["core"] else None
-        if obs is not None:
-            obs.read_logs()  # the steps logged since the last tick
-            obs.flush()
-        if obs is not None and dataflow is not None and dataflow.returncode is None:
-            await obs.poll_dataflow()  # the last view: no trainer, no RaaS
-            obs.print_status(force=True)
-            obs.end_line()
-        await stop_all([self.children["core"]], self.grace_s)
-        if obs is not None:
-            await obs.close()
-            await obs.finish()  # event files closed, plot.png drawn from metrics.jsonl
-        if dataflow is None:
-            return
-        baseline: dict[str, Any] = {"accuracy": None, "method": "not measured: run not completed"}
-        warmup_accuracy = None
-        if status == "completed":
-            from astra.run.baseline import random_baseline
-
-            samples = self.recipe.observe.baseline_samples
-            baseline = await asyncio.to_thread(random_baseline, self.recipe, dataset, samples)
-            if self.warmup:  # the same measurement on the warmed-up model: where RL started
-                after = await asyncio.to_thread(
-                    random_baseline, self.started_recipe, dataset, samples
-                )
-                warmup_accuracy = after["accuracy"]
-        summary = build_summary(
-            status=status,
-            wall_seconds=wall,
-            dataflow=obs.last_dataflow if obs is not None else {},
-            state=read_state(self.rd.dataflow_state),
-            rows=obs.rows if obs is not None else {},
-            final_steps={
-                c.name.removeprefix("trainer-"): trainer_final_step(c.log_path)
-                for c in self.children["trainer"]
-            },
-            baseline=baseline,
-        )
-        if self.recipe.warmup.steps:
-            summary["warmup"] = {
-                "steps": self.recipe.warmup.steps,
-                "accuracy_after": warmup_accuracy,
-                "policies": self.warmup,
-                "method": "supervised steps on prompt/answer records disjoint from the RL "
-                "prompts; accuracy_after measured like random_baseline_accuracy, on the "
-                "warmed-up model",
-            }
-        summary["raas"] = {
-            **{
-                str(r["name"]): {
-                    **{k: r.get(k) for k in ("capacity", "labels", "joined", "removed")},
-                    "work": r.get("work", {}),
-                }
-                for r in self.removed
-            },
-            **{
-                c.name: {
-                    **{k: c.extra.get(k) for k in ("capacity", "labels", "joined")},
-                    "removed": None,
-                    "work": w,
-                }
-                for c, w in zip(raas, work, strict=True)
-            },
-        }
-        summary["elastic"] = self.elastic_events
-        summary["restarts"] = self.restarts.events
-        if obs is not None and obs.evals is not None:
-            obs.record_evals()
-            summary["eval"] = obs.evals.summary()
-        write_summary(self.rd.summary, summary)
-        keys = ("steps", "groups_trained", "groups_lost", "groups_duplicated", "versions_published")
-        log.info("summary %s: %s", self.rd.summary, {k: summary[k] for k in keys})

@@ -1,0 +1,131 @@
+"""The end of an `astra run`: children stopped in order, the last figures taken, summary.json.
+
+Trainers stop first; with held-out evaluation on and the run completed, the
+RaaS keep serving until the evaluation of the last multiple of
+eval.every_steps the trainers reached has finished (eval.final_wait_s at
+most); the RaaS are asked for their work counters and stopped; the observer
+takes its last rows and Dataflow view; Dataflow and the WeightService stop;
+then the random and after-warm-up baselines are measured (a completed run
+only) and summary.json is written (astra.run.summary, plus the warm-up, RaaS,
+elastic, restart and evaluation blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from astra.run.children import stop_all
+from astra.run.elastic import raas_work
+from astra.run.evals import EvalLog, final_target
+from astra.run.summary import build_summary, read_state, trainer_final_step, write_summary
+
+if TYPE_CHECKING:
+    from astra.run.observe import Observer
+    from astra.run.supervisor import Supervisor
+
+log = logging.getLogger("astra.run")
+
+
+async def final_eval(sup: Supervisor, obs: Observer, evals: EvalLog) -> None:
+    """Waits (eval.final_wait_s at most) for the evaluation of the last multiple of
+    eval.every_steps that the trainers reached, while the RaaS still run."""
+    e = sup.recipe.eval
+    stream = sup.recipe.streams[0]
+    policy = sup.recipe.stream_policies(stream)[0]
+    deadline = time.monotonic() + e.final_wait_s
+    target = None
+    while time.monotonic() < deadline:
+        if await obs.poll_dataflow() is not None:
+            obs.record_evals()
+            target = final_target(obs.last_dataflow["versions"], policy, e.every_steps)
+            newest = evals.newest()
+            if target is not None and newest is not None and newest >= target:
+                return
+        await asyncio.sleep(0.5)
+    log.warning("the evaluation of version %s did not finish within %.0fs", target, e.final_wait_s)
+
+
+async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> None:
+    """Stops everything in order (see astra.run.supervisor) and writes summary.json."""
+    obs = sup.observer
+    await sup.restarts.close()  # none starts while everything stops
+    await stop_all([sup.children["trainer"]], sup.grace_s)
+    if status == "completed" and obs is not None and obs.evals is not None:
+        await final_eval(sup, obs, obs.evals)
+    raas = sup.children["raas"]
+    work = await asyncio.gather(*(raas_work(c) for c in raas))  # before they stop
+    await stop_all([raas], sup.grace_s)
+    sup.write_run_json()
+    dataflow = sup.children["core"][0] if sup.children["core"] else None
+    if obs is not None:
+        obs.read_logs()  # the steps logged since the last tick
+        obs.flush()
+    if obs is not None and dataflow is not None and dataflow.returncode is None:
+        await obs.poll_dataflow()  # the last view: no trainer, no RaaS
+        obs.print_status(force=True)
+        obs.end_line()
+    await stop_all([sup.children["core"]], sup.grace_s)
+    if obs is not None:
+        await obs.close()
+        await obs.finish()  # event files closed, plot.png drawn from metrics.jsonl
+    if dataflow is None:
+        return
+    baseline: dict[str, Any] = {"accuracy": None, "method": "not measured: run not completed"}
+    warmup_accuracy = None
+    if status == "completed":
+        from astra.run.baseline import random_baseline
+
+        samples = sup.recipe.observe.baseline_samples
+        baseline = await asyncio.to_thread(random_baseline, sup.recipe, dataset, samples)
+        if sup.warmup:  # the same measurement on the warmed-up model: where RL started
+            after = await asyncio.to_thread(random_baseline, sup.started_recipe, dataset, samples)
+            warmup_accuracy = after["accuracy"]
+    summary = build_summary(
+        status=status,
+        wall_seconds=wall,
+        dataflow=obs.last_dataflow if obs is not None else {},
+        state=read_state(sup.rd.dataflow_state),
+        rows=obs.rows if obs is not None else {},
+        final_steps={
+            c.name.removeprefix("trainer-"): trainer_final_step(c.log_path)
+            for c in sup.children["trainer"]
+        },
+        baseline=baseline,
+    )
+    if sup.recipe.warmup.steps:
+        summary["warmup"] = {
+            "steps": sup.recipe.warmup.steps,
+            "accuracy_after": warmup_accuracy,
+            "policies": sup.warmup,
+            "method": "supervised steps on prompt/answer records disjoint from the RL "
+            "prompts; accuracy_after measured like random_baseline_accuracy, on the "
+            "warmed-up model",
+        }
+    summary["raas"] = {
+        **{
+            str(r["name"]): {
+                **{k: r.get(k) for k in ("capacity", "labels", "joined", "removed")},
+                "work": r.get("work", {}),
+            }
+            for r in sup.removed
+        },
+        **{
+            c.name: {
+                **{k: c.extra.get(k) for k in ("capacity", "labels", "joined")},
+                "removed": None,
+                "work": w,
+            }
+            for c, w in zip(raas, work, strict=True)
+        },
+    }
+    summary["elastic"] = sup.elastic_events
+    summary["restarts"] = sup.restarts.events
+    if obs is not None and obs.evals is not None:
+        obs.record_evals()
+        summary["eval"] = obs.evals.summary()
+    write_summary(sup.rd.summary, summary)
+    keys = ("steps", "groups_trained", "groups_lost", "groups_duplicated", "versions_published")
+    log.info("summary %s: %s", sup.rd.summary, {k: summary[k] for k in keys})
