@@ -74,7 +74,8 @@ def snapshot(instances: int = 3) -> dict:
                     "size": 256,
                     "num_epochs": 2,
                     "exhausted": False,
-                }
+                },
+                {"name": "eval", "epoch": 0, "position": 0, "size": 64, "num_epochs": 0},
             ],
         },
         "trainers": {
@@ -91,6 +92,11 @@ def snapshot(instances: int = 3) -> dict:
             }
         },
         "rates": {"groups_per_s": 2.5, "steps_per_s": {"policy": 0.62}},
+        "evals": [
+            {"stream": "eval", "version": 0, "mean_reward": 0.5, "complete": True},
+            {"stream": "eval", "version": 5, "mean_reward": 0.75, "complete": True},
+            {"stream": "eval", "version": 10, "complete": False, "groups_done": 3, "groups": 64},
+        ],
     }
 
 
@@ -118,8 +124,10 @@ def test_frame_shows_every_field() -> None:
         "arith: epoch 1/2 record 96/256",
         "RaaS pool: 1 ACTIVE, 1 DEAD, 1 SUSPECT",
         "policy:v6",
+        "held-out eval (mean reward) v0 0.50 | v5 0.75 | v10 running 3/64",
     ):
         assert expected in text, f"{expected!r} not in\n{text}"
+    assert "eval: epoch" not in text  # an evaluation stream has no epochs to show
     for i, state in enumerate(("ACTIVE", "SUSPECT", "DEAD")):
         line = next(x for x in text.splitlines() if f"raas-{i}" in x)
         assert state in line

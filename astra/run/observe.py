@@ -248,6 +248,7 @@ class StatusPoller:
             "detail": self.last_detail,
             "trainers": self.trainer_status,
             "rates": self.rates(),
+            "evals": self.last_evals,
         }
 
     async def close(self) -> None:
@@ -402,6 +403,8 @@ class Observer(StatusPoller):
             )
             if (rate := self.throughput.rate("groups")) is not None:
                 parts.append(f"{rate:.2f} groups/s")
+        if done := [e for e in self.last_evals if e["complete"]]:
+            parts.append(f"eval v{done[-1]['version']} {done[-1]['mean_reward']:.2f}")
         return " | ".join(parts)
 
     def print_status(self, *, force: bool = False) -> None:

@@ -6,6 +6,7 @@ The snapshot is plain data (astra.run.observe.StatusPoller.snapshot):
     detail     astra.run.observe.dataflow_detail (per-policy buffer, per-instance pool, streams)
     trainers   policy -> {step, version, loss, metrics}
     rates      {groups_per_s, steps_per_s: {policy: rate}}
+    evals      astra.run.observe.eval_results (held-out evaluations, finished and running)
 This module only draws: `render` builds the renderable, `render_text` a plain-text
 frame (no colour, ASCII boxes: `astra top --once`, tests), `LiveView` redraws a
 frame in place on a terminal (`astra run` on a TTY, `astra top`).
@@ -27,6 +28,7 @@ from rich.text import Text
 
 MAX_INSTANCES = 12  # pool rows drawn; the rest are counted by state
 MAX_STREAMS = 6
+MAX_EVALS = 6  # finished evaluations shown, newest last
 GATE_STYLE = {"ASYNC_RUNNING": "bold green", "SYNC_BARRIER": "bold yellow", "THROTTLED": "bold red"}
 STATE_STYLE = {"ACTIVE": "green", "SUSPECT": "yellow", "DEAD": "red", "LEFT": "dim"}
 
@@ -180,8 +182,29 @@ def _pool(snap: dict[str, Any], plain: bool) -> Table | None:
     return table
 
 
+def _evals(snap: dict[str, Any]) -> Text | None:
+    evals = snap.get("evals") or []
+    if not evals:
+        return None
+    done = [e for e in evals if e.get("complete")][-MAX_EVALS:]
+    parts = [f"v{e.get('version')} {_num(e.get('mean_reward'), '.2f')}" for e in done]
+    parts += [
+        f"v{e.get('version')} running {e.get('groups_done', 0)}/{e.get('groups', 0)}"
+        for e in evals
+        if not e.get("complete")
+    ]
+    text = Text("held-out eval (mean reward) ")
+    text.append(" | ".join(parts))
+    return text
+
+
 def _streams(snap: dict[str, Any]) -> Text | None:
-    streams = (snap.get("detail") or {}).get("streams") or []
+    evaluating = {e.get("stream") for e in snap.get("evals") or []}
+    streams = [
+        s
+        for s in (snap.get("detail") or {}).get("streams") or []
+        if s.get("name") not in evaluating
+    ]
     if not streams:
         return None
     text = Text("dataset ")
@@ -202,7 +225,7 @@ def _streams(snap: dict[str, Any]) -> Text | None:
 def render(snap: dict[str, Any], *, plain: bool = False) -> RenderableType:
     """One frame. `plain`: ASCII boxes (styles are dropped by a console without colour)."""
     parts: list[RenderableType] = [_header(snap), _gate(snap)]
-    for part in (_streams(snap), _policies(snap, plain), _pool(snap, plain)):
+    for part in (_streams(snap), _evals(snap), _policies(snap, plain), _pool(snap, plain)):
         if part is not None:
             parts.append(part)
     return Group(*parts)
