@@ -36,6 +36,7 @@ from astra.dataflow.gate import (
 from astra.dataflow.pool import LOAD_FAILURES_REPORTED, Instance, InstanceState, Pool
 from astra.dataflow.ports import Connector, IncomingGroup, PortError
 from astra.dataflow.records import GroupRecord, TrajectoryRecord, WorkItem
+from astra.dataflow.status import dataflow_status
 from astra.dataflow.store import StateStore
 from astra.dataflow.versions import VersionBook
 from astra.errors import FailedPrecondition, InvalidArgument
@@ -886,91 +887,4 @@ class Dataflow:
 
     def status(self) -> dict:
         """The run's state, shaped like astra.dataflow.v1.GetStatusResponse (snake_case)."""
-        now_wall, now_mono = time.time(), time.monotonic()
-        gate = self.gate_state or self.evaluate_gate()
-        targets = self.versions.targets()
-        instances = []
-        for i in self.pool.instances.values():
-            seen = now_wall - (now_mono - i.last_seen)
-            instances.append(
-                {
-                    "instance_id": i.instance_id,
-                    "address": i.address,
-                    "state": f"INSTANCE_STATE_{i.state.value}",
-                    "capacity": i.capacity,
-                    "free_slots": max(0, i.free_slots),
-                    "in_flight_groups": len(i.in_flight),
-                    "consecutive_failures": i.failures,
-                    "loaded_versions": [
-                        {"policy_id": p, "version": v} for p, v in sorted(i.loaded_versions.items())
-                    ],
-                    "labels": i.labels,
-                    "last_seen_time": _rfc3339(seen),
-                    "policy_ids": sorted(i.policy_ids),
-                }
-            )
-        policies = []
-        for p in self.config.policies:
-            buf = self.buffers[p.id]
-            target = targets.get(p.id)
-            policies.append(
-                {
-                    "policy_id": p.id,
-                    "current_version": self.versions.current(p.id),
-                    "buffered_groups": len(buf),
-                    "buffer_capacity": p.buffer.capacity_groups,
-                    "replay_groups": buf.replay_len,
-                    "leased_groups": self.batches.leased_groups(p.id),
-                    "target_version": target.version if target else 0,
-                    "weights_address": target.weights_address if target else "",
-                }
-            )
-        streams = [
-            {
-                "name": name,
-                "epoch": src.epoch,
-                "position": src.position,
-                "size": src.size,
-                "num_epochs": src.num_epochs,
-                "exhausted": src.exhausted,
-            }
-            for name, src in self.sources.items()
-        ]
-        counters = dict(self.counters)
-        for pid, buf in self.buffers.items():
-            for k, v in buf.counters.items():
-                counters[f"buffer.{pid}.{k}"] = v
-        counters["evaluations_skipped"] = self.evals.skipped
-        counters["groups_waiting"] = len(self.waiting)
-        counters["groups_done"] = len(self.done)
-        reason = self.why()
-        failing = self.pool.failing_loads()
-        for i in failing:
-            counters[f"weight_load_failing.{i.instance_id}"] = i.load_failures
-        if failing:
-            reason += "; weight loads failing on " + ", ".join(
-                f"{i.instance_id} ({i.load_failures} in a row: {i.load_error[:200]})"
-                for i in failing
-            )
-        return {
-            "dataflow_id": self.dataflow_id,
-            "instances": instances,
-            "policies": policies,
-            "gate": {
-                "mode": f"GATE_MODE_{gate.mode.name}",
-                "reason": reason,
-                "staleness": gate.staleness,
-                "capacity": gate.capacity,
-                "in_flight_groups": gate.in_flight,
-                "buffer_fill_ratio": gate.buffer_fill_ratio,
-            },
-            "streams": streams,
-            "counters": counters,
-            "pool_empty": self.pool.empty,
-            "status_time": _rfc3339(now_wall),
-            "evals": self.evals.results(),
-        }
-
-
-def _rfc3339(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+        return dataflow_status(self)

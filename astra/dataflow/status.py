@@ -1,0 +1,105 @@
+"""Dataflow's GetStatus as plain data: instances, policies, gate, streams, counters, evaluations.
+
+Read-only: takes a `Dataflow` (astra.dataflow.coordinator) and shapes what it holds like
+astra.dataflow.v1.GetStatusResponse in snake_case. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from astra.dataflow.coordinator import Dataflow
+
+
+def dataflow_status(df: Dataflow) -> dict:
+    """The run's state, shaped like astra.dataflow.v1.GetStatusResponse (snake_case): what
+    GetStatus answers (servers/dataflow.py parses it into the message)."""
+    now_wall, now_mono = time.time(), time.monotonic()
+    gate = df.gate_state or df.evaluate_gate()
+    targets = df.versions.targets()
+    instances = []
+    for i in df.pool.instances.values():
+        seen = now_wall - (now_mono - i.last_seen)
+        instances.append(
+            {
+                "instance_id": i.instance_id,
+                "address": i.address,
+                "state": f"INSTANCE_STATE_{i.state.value}",
+                "capacity": i.capacity,
+                "free_slots": max(0, i.free_slots),
+                "in_flight_groups": len(i.in_flight),
+                "consecutive_failures": i.failures,
+                "loaded_versions": [
+                    {"policy_id": p, "version": v} for p, v in sorted(i.loaded_versions.items())
+                ],
+                "labels": i.labels,
+                "last_seen_time": _rfc3339(seen),
+                "policy_ids": sorted(i.policy_ids),
+            }
+        )
+    policies = []
+    for p in df.config.policies:
+        buf = df.buffers[p.id]
+        target = targets.get(p.id)
+        policies.append(
+            {
+                "policy_id": p.id,
+                "current_version": df.versions.current(p.id),
+                "buffered_groups": len(buf),
+                "buffer_capacity": p.buffer.capacity_groups,
+                "replay_groups": buf.replay_len,
+                "leased_groups": df.batches.leased_groups(p.id),
+                "target_version": target.version if target else 0,
+                "weights_address": target.weights_address if target else "",
+            }
+        )
+    streams = [
+        {
+            "name": name,
+            "epoch": src.epoch,
+            "position": src.position,
+            "size": src.size,
+            "num_epochs": src.num_epochs,
+            "exhausted": src.exhausted,
+        }
+        for name, src in df.sources.items()
+    ]
+    counters = dict(df.counters)
+    for pid, buf in df.buffers.items():
+        for k, v in buf.counters.items():
+            counters[f"buffer.{pid}.{k}"] = v
+    counters["evaluations_skipped"] = df.evals.skipped
+    counters["groups_waiting"] = len(df.waiting)
+    counters["groups_done"] = len(df.done)
+    reason = df.why()
+    failing = df.pool.failing_loads()
+    for i in failing:
+        counters[f"weight_load_failing.{i.instance_id}"] = i.load_failures
+    if failing:
+        reason += "; weight loads failing on " + ", ".join(
+            f"{i.instance_id} ({i.load_failures} in a row: {i.load_error[:200]})" for i in failing
+        )
+    return {
+        "dataflow_id": df.dataflow_id,
+        "instances": instances,
+        "policies": policies,
+        "gate": {
+            "mode": f"GATE_MODE_{gate.mode.name}",
+            "reason": reason,
+            "staleness": gate.staleness,
+            "capacity": gate.capacity,
+            "in_flight_groups": gate.in_flight,
+            "buffer_fill_ratio": gate.buffer_fill_ratio,
+        },
+        "streams": streams,
+        "counters": counters,
+        "pool_empty": df.pool.empty,
+        "status_time": _rfc3339(now_wall),
+        "evals": df.evals.results(),
+    }
+
+
+def _rfc3339(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
