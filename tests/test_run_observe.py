@@ -15,7 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from astra.run import observe, plot, tboard, view
-from astra.run.observe import Observer, Throughput
+from astra.run.observe import Observer
+from astra.run.poller import Throughput
 from tests.conftest import make_config
 from tests.procs import start_dataflow, start_scripted_raas
 

@@ -105,7 +105,7 @@ def top_command(
         name, num_steps = recipe_facts(Path(run_dir))
     assert address is not None
 
-    from astra.run.observe import StatusPoller
+    from astra.run.poller import StatusPoller
 
     async def main() -> int:
         poller = StatusPoller(

@@ -1,12 +1,12 @@
 """Rendering of a run's live status with rich: one frame from one snapshot.
 
-The snapshot is plain data (astra.run.observe.StatusPoller.snapshot):
+The snapshot is plain data (astra.run.poller.StatusPoller.snapshot):
     name, elapsed_s, num_steps, dataflow_address, error   (error: the last failed Dataflow poll)
-    dataflow   astra.run.observe.dataflow_snapshot (gate, staleness, buffer, counters, ...)
-    detail     astra.run.observe.dataflow_detail (per-policy buffer, per-instance pool, streams)
+    dataflow   astra.run.poller.dataflow_snapshot (gate, staleness, buffer, counters, ...)
+    detail     astra.run.poller.dataflow_detail (per-policy buffer, per-instance pool, streams)
     trainers   policy -> {step, version, loss, metrics}
     rates      {groups_per_s, steps_per_s: {policy: rate}}
-    evals      astra.run.observe.eval_results (held-out evaluations, finished and running)
+    evals      astra.run.poller.eval_results (held-out evaluations, finished and running)
 This module only draws: `render` builds the renderable, `render_text` a plain-text
 frame (no colour, ASCII boxes: `astra top --once`, tests), `LiveView` redraws a
 frame in place on a terminal (`astra run` on a TTY, `astra top`).
