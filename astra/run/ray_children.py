@@ -1,6 +1,6 @@
 """`astra run --ray auto|ADDRESS`: the same child processes, placed on a Ray cluster.
 
-Each child gets one Ray actor (`_Process`), created with the child's resources:
+Each child gets one Ray actor (astra.run.ray_actor), created with the child's resources:
 `num_gpus` for a RaaS, a trainer or a warm-up whose device is cuda (as many as a
 trainer's `--nproc`: the multi-GPU path stays torchrun/FSDP2, Ray only places the
 process), one CPU otherwise; Dataflow and the WeightService prefer the
@@ -39,175 +39,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
-import threading
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from astra.run.children import Child, ChildFailed
+from astra.run.ray_actor import process_actor
 from astra.run.recipe import Recipe
 
 log = logging.getLogger("astra.run")
 SERVE_ROLES = ("dataflow", "weights", "raas", "trainer")
 CORE_ROLES = ("dataflow", "weights")
 ACTOR_LOST = -int(signal.SIGKILL)  # a child whose actor (or node) died: as if killed
-PR_SET_PDEATHSIG = 1
-
-
-# ----- on the node: the actor ----------------------------------------------------------------
-
-
-def _die_with_parent() -> Any:
-    """A preexec_fn: the child gets SIGKILL when the thread that started it goes (its actor
-    was killed); None where prctl is not there (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-
-    return preexec
 
 
 class RayUnavailable(RuntimeError):
     """No Ray cluster at the address given (or none could be started)."""
-
-
-class _Process:
-    """One child process on the actor's node (wrapped by ray.remote in `_actor_class`)."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.lines: deque[bytes] = deque(maxlen=64)  # stdout's last lines (result())
-        self.first: bytes | None = None
-        self.has_first = threading.Event()  # first line read, or end of stdout
-        self.exited = threading.Event()
-        self.rc: int | None = None
-        self.error: str | None = None
-
-    def placement(self) -> dict[str, Any]:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return {
-            "node_id": ctx.get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "actor_id": ctx.get_actor_id(),
-            "hostname": socket.gethostname(),
-            "worker_pid": os.getpid(),
-        }
-
-    def start(
-        self, args: list[str], env: dict[str, str], log_path: str, cwd: str, own_python: bool
-    ) -> dict[str, Any]:
-        """Starts the command (`own_python`: with this node's interpreter); returns its pid and
-        the size of the log before it (logs are appended to). Again after the last one exited
-        (a restart): the actor then stands for the new process."""
-        if self.proc is not None:
-            if not self.exited.is_set():
-                return {"error": f"process {self.proc.pid} is still running"}
-            self.__init__()  # type: ignore[misc]
-        if own_python:
-            args = [sys.executable, *args[1:]]
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        logf = open(log_path, "ab")  # noqa: SIM115 - the reader thread closes it
-        offset = logf.tell()
-        started = threading.Event()
-        env = {**os.environ, **env}
-        where = cwd if os.path.isdir(cwd) else None
-        reader = threading.Thread(
-            target=self._run, args=(args, env, logf, where, started), daemon=True
-        )
-        reader.start()  # starts the process: PDEATHSIG follows this thread, alive while it is
-        started.wait()
-        if self.proc is None:
-            return {"error": self.error or "not started"}
-        return {"pid": self.proc.pid, "log_offset": offset, "command": args}
-
-    def _run(
-        self,
-        args: list[str],
-        env: dict[str, str],
-        logf: IO[bytes],
-        cwd: str | None,
-        started: threading.Event,
-    ) -> None:
-        try:
-            try:
-                self.proc = subprocess.Popen(
-                    args,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=logf,
-                    env=env,
-                    cwd=cwd,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent(),
-                )
-            except OSError as exc:
-                self.error = f"{args[0]}: {exc}"
-                return
-            finally:
-                started.set()
-            assert self.proc.stdout is not None
-            for line in iter(self.proc.stdout.readline, b""):
-                self.lines.append(line)
-                if self.first is None:
-                    self.first = line
-                    self.has_first.set()
-                else:  # what it prints after its address line goes to its log
-                    logf.write(line)
-                    logf.flush()
-            self.has_first.set()
-            self.rc = self.proc.wait()
-        finally:
-            logf.close()
-            self.exited.set()
-
-    def first_line(self, timeout_s: float) -> dict[str, Any]:
-        if not self.has_first.wait(timeout_s):
-            return {"timeout": True}
-        if self.first is None:
-            self.exited.wait()
-            return {"eof": True, "returncode": self.rc, "error": self.error}
-        return {"line": self.first.decode("utf-8", "replace")}
-
-    def result(self) -> dict[str, Any]:
-        self.exited.wait()
-        out = b"".join(self.lines).decode("utf-8", "replace")
-        return {"returncode": self.rc, "stdout": out, "error": self.error}
-
-    def wait(self) -> int | None:
-        self.exited.wait()
-        return self.rc
-
-    def signal(self, sig: int) -> None:
-        """Signals the child's process group (it leads it: pgid == pid)."""
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
-
-
-@functools.cache
-def _actor_class() -> Any:
-    import ray
-
-    return ray.remote(_Process)
-
-
-# ----- in the supervisor ---------------------------------------------------------------------
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -277,7 +130,7 @@ class RayChild(Child):
         self._rc: int | None = None
         self._exit: asyncio.Future[int] | None = None
         # Asked for now: the actors of a group (made before the group spawns) start together.
-        self.actor: Any = _actor_class().options(**self._options()).remote()
+        self.actor: Any = process_actor().options(**self._options()).remote()
         self._placed = self.actor.placement.remote()
 
     @property
