@@ -1,8 +1,17 @@
-"""Dataflow's outbound side: `RolloutPort` over astra.raas.v1.RolloutService."""
+"""Dataflow's outbound side: `RolloutPort` over astra.raas.v1.RolloutService.
+
+Every failed call is a `PortError`, including a call that grpc cancels because its
+channel was closed (an instance that registered again from another address gets a
+new channel, and the old one is closed under calls still waiting on it): only the
+cancellation of the calling task itself goes through as CancelledError, so a
+Dataflow loop never dies of another channel's end.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -12,6 +21,19 @@ from astra.dataflow.config import StreamSettings
 from astra.dataflow.ports import IncomingGroup, PortError
 from astra.dataflow.records import WorkItem
 from astra.servers.convert import field_slices, incoming_group, prompt_group
+
+
+@contextlib.contextmanager
+def _call() -> Iterator[None]:
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        raise GrpcRolloutPort._error(exc) from exc
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the caller itself is being cancelled
+        raise PortError("CANCELLED: the channel to the instance was closed") from None
 
 
 class GrpcRolloutPort:
@@ -31,17 +53,13 @@ class GrpcRolloutPort:
     async def submit(
         self, work: Sequence[tuple[WorkItem, StreamSettings]]
     ) -> tuple[list[str], int]:
-        try:
+        with _call():
             resp = await self.client.submit_groups([prompt_group(i, s) for i, s in work])
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from exc
         return list(resp.accepted_group_ids), resp.free_slots
 
     async def collect(self, max_groups: int, max_wait_s: float) -> list[bytes]:
-        try:
+        with _call():
             return await self.client.collect_results_raw(max_groups, max_wait_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from exc
 
     def decode(self, received: Sequence[bytes]) -> list[IncomingGroup]:
         out = []
@@ -52,17 +70,13 @@ class GrpcRolloutPort:
         return out
 
     async def ack(self, group_ids: Sequence[str]) -> None:
-        try:
+        with _call():
             for start in range(0, len(group_ids), 4096):
                 await self.client.ack_results(group_ids[start : start + 4096])
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from exc
 
     async def cancel(self, group_ids: Sequence[str]) -> None:
-        try:
+        with _call():
             await self.client.cancel_groups(group_ids)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from exc
 
     async def load_weights(
         self, versions: dict[str, tuple[int, str, str]], request_id: str
@@ -74,18 +88,17 @@ class GrpcRolloutPort:
         addresses = {p: addr for p, (_v, _vid, addr) in versions.items()}
         default = min(addresses.values())
         overrides = {p: a for p, a in addresses.items() if a != default}
-        try:
+        with _call():
             resp = await self.client.load_weights(
                 req, default, request_id, policy_weights_addresses=overrides, timeout_s=600
             )
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from exc
         return {v.policy_id: v.version for v in resp.loaded_versions}
 
     async def check_health(self) -> bool:
         try:
-            return await self.client.check_health(timeout_s=2.0)
-        except grpc.aio.AioRpcError:
+            with _call():
+                return await self.client.check_health(timeout_s=2.0)
+        except PortError:
             return False
 
     async def close(self) -> None:

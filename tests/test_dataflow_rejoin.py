@@ -6,6 +6,7 @@ from __future__ import annotations
 from astra.raas.scripted import ScriptedGenerator
 from tests.conftest import running_dataflow
 from tests.test_dataflow_invariants import (
+    WEIGHTS,
     Trainer,
     assert_epoch_trained_once,
     dataflow_config,
@@ -13,6 +14,7 @@ from tests.test_dataflow_invariants import (
     raas,
     run,
     until,
+    with_raas,
 )
 
 
@@ -39,5 +41,37 @@ def test_a_restarted_raas_gets_its_predecessors_groups_dispatched_again(tmp_path
                 await trainer.drain(df, num_groups=2)
             assert_epoch_trained_once(trainer.consumed, n)
             assert lost <= set(trainer.consumed)
+
+    run(body(), timeout_s=60)
+
+
+def test_a_resumed_trainer_is_not_held_by_batches_its_last_run_never_trained(tmp_path) -> None:
+    """eta = 1, 2 groups a batch: generation may run 4 groups ahead of version 0. A trainer
+    acknowledges two batches (as if for versions 1 and 2), dies without publishing, and comes
+    back at version 0: without `resumed` nothing more is ever dispatched."""
+    config = dataflow_config(tmp_path, 40, gate={"max_offpolicyness": 1})
+
+    async def body() -> None:
+        async with with_raas(config, ScriptedGenerator(), capacity=16, name="r") as (df, client, _):
+            trainer = Trainer(client)
+            await client.announce_version("policy", 0, WEIGHTS)
+            for _ in range(2):  # the old run: two batches taken and acknowledged, no version
+                batch = None
+                while batch is None:
+                    batch = await trainer.fetch(2)
+                await trainer.ack(batch)
+            await until(
+                lambda: (
+                    df.stream_capacity(df.streams["s"]) == 0 and not df._running(df.streams["s"])
+                )
+            )
+            assert len(df.buffers["policy"]) == 0 and trainer.version == 0
+            resp = await client.announce_version("policy", 0, WEIGHTS, resumed=True)
+            assert resp.already_announced
+            assert df.counters["groups_untrained_at_resume"] == 4
+            batch = None
+            while batch is None:  # new groups are generated for the resumed trainer
+                batch = await trainer.fetch(2)
+            assert not set(batch.group_ids) & set(trainer.consumed)
 
     run(body(), timeout_s=60)
