@@ -93,9 +93,11 @@ class DataflowClient(BaseClient):
         *,
         version_id: str = "",
         trainer_id: str = "",
+        resumed: bool = False,
         timeout_s: float | None = None,
     ) -> pb.AnnounceVersionResponse:
         req = pb.AnnounceVersionRequest(
+            resumed=resumed,
             version=version_pb2.PolicyVersion(
                 policy_id=policy_id, version=version, version_id=version_id or str(version)
             ),

@@ -166,7 +166,9 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         if v.version_id and len(v.version_id) > MAX_ID_CHARS:
             raise invalid_field("version.version_id", f"longer than {MAX_ID_CHARS} characters")
         check_id(request.weights_address, "weights_address")
-        repeat = self.df.announce(v.policy_id, v.version, v.version_id, request.weights_address)
+        repeat = self.df.announce(
+            v.policy_id, v.version, v.version_id, request.weights_address, resumed=request.resumed
+        )
         return pb.AnnounceVersionResponse(
             current_version=self.df.versions.current(v.policy_id), already_announced=repeat
         )

@@ -99,6 +99,7 @@ def _restarted(run, name: str, old_pid: int, timeout_s: float) -> int:
     raise AssertionError(f"{name} was not restarted: {run.output()}")
 
 
+@pytest.mark.timeout(300)
 def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(runs) -> None:
     steps = 120
     run = runs(

@@ -146,8 +146,8 @@ class _Source:
     async def current_version(self) -> int:
         return self.current
 
-    async def announce(self, version: int, identity: str) -> None:
-        self.announced.append((version, identity))
+    async def announce(self, version: int, identity: str, resumed: bool = False) -> None:
+        self.announced.append((version, identity, resumed))
 
 
 class _Sink:
@@ -159,20 +159,27 @@ class _Sink:
 
 
 @pytest.mark.parametrize(
-    ("current", "latest", "announced", "agreed"),
+    ("checkpoint", "current", "latest", "announced", "agreed"),
     [
-        (3, 3, [(3, "3")], 3),  # the same version: announced again, for the address
-        (3, 5, [(4, "4"), (5, "5")], 5),  # newer versions: announced in order (the last has it)
-        (3, 2, [], 3),  # the service lost versions: nothing it cannot serve is announced
-        (3, None, [], 3),  # an empty service: the trainer publishes its initial weights
+        # the same version: announced again (resumed), for the address
+        (0, 3, 3, [(3, "3", True)], 3),
+        # newer versions: announced in order, then the last again (resumed)
+        (0, 3, 5, [(4, "4", False), (5, "5", False), (5, "5", True)], 5),
+        (0, 3, 2, [], 3),  # the service lost versions: nothing it cannot serve is announced
+        (0, 3, None, [], 3),  # an empty service: the trainer publishes its initial weights
+        (5, 5, 5, [(5, "5", True)], 5),  # resumed where the publishes were
+        (4, 5, 6, [(6, "6", False), (6, "6", True)], 6),  # published past the checkpoint
+        # The trainer died after its checkpoint of version 15 and before that version's
+        # publish: Dataflow would refuse 16 after 14, so the next step is 15.
+        (15, 13, 14, [(14, "14", False), (14, "14", True)], 14),
     ],
 )
 def test_agree_version_announces_only_what_the_service_holds(
-    current: int, latest: int | None, announced: list, agreed: int
+    checkpoint: int, current: int, latest: int | None, announced: list, agreed: int
 ) -> None:
     source, sink = _Source(current), _Sink(latest)
-    out = asyncio.run(agree_version(0, source, sink, announce=True))  # type: ignore[arg-type]
+    out = asyncio.run(agree_version(checkpoint, source, sink, announce=True))  # type: ignore[arg-type]
     assert source.announced == announced and out[0] == agreed
     source = _Source(current)
-    asyncio.run(agree_version(0, source, sink, announce=False))  # type: ignore[arg-type]
+    asyncio.run(agree_version(checkpoint, source, sink, announce=False))  # type: ignore[arg-type]
     assert source.announced == []

@@ -865,7 +865,9 @@ class Dataflow:
 
     # ----- versions (called by the servicer) -----------------------------------------------
 
-    def announce(self, policy_id: str, version: int, version_id: str, address: str) -> bool:
+    def announce(
+        self, policy_id: str, version: int, version_id: str, address: str, *, resumed: bool = False
+    ) -> bool:
         book = self.versions.policies.get(policy_id)
         before = book.address if book is not None else ""
         repeat = self.versions.announce(policy_id, version, version_id, address)
@@ -881,7 +883,31 @@ class Dataflow:
                 self.pool.retry_loads_now()
             self._sync_weights()
             self.wake()
+        if resumed and repeat:
+            self._recount_accepted(policy_id)
         return repeat
+
+    def _recount_accepted(self, policy_id: str) -> None:
+        """A trainer (re)started at the current version: the off-policy count starts again
+        from it, plus what is buffered and leased (AnnounceVersionRequest.resumed)."""
+        b = self.config.policy(policy_id).batch_groups
+        fresh = (
+            self.versions.current(policy_id) * b
+            + len(self.buffers[policy_id])
+            + self.batches.leased_groups(policy_id)
+        )
+        if fresh < self.accepted[policy_id]:
+            log.warning(
+                "trainer of %s resumed at version %d: %d acknowledged groups were not trained",
+                policy_id,
+                self.versions.current(policy_id),
+                self.accepted[policy_id] - fresh,
+            )
+            self.counters["groups_untrained_at_resume"] += self.accepted[policy_id] - fresh
+            self.accepted[policy_id] = fresh
+            with self.store.tx() as tx:
+                self.persist_counters(tx)
+            self.wake()
 
     # ----- status --------------------------------------------------------------------------
 

@@ -109,13 +109,27 @@ async def agree_version(
         for v in range(current + 1, latest + 1):
             log.info("announcing version %d, published before the restart", v)
             await source.announce(v, str(v))
-        if latest == current:
+        if latest >= current:
             # A repeat, so Dataflow takes this WeightService's address for every load of the
-            # policy: after a restart the service may be on another port, and the address
-            # Dataflow kept may be dead (or another process's).
-            log.info("announcing version %d again, with this WeightService's address", current)
-            await source.announce(current, str(current))
-    agreed = max(version, latest if latest is not None else 0, current or 0)
+            # policy (after a restart the service may be on another port, and the address
+            # Dataflow kept may be dead), and marked `resumed`: batches this trainer's last
+            # run acknowledged past this version were never trained.
+            log.info("announcing version %d again (resumed), with this address", latest)
+            await source.announce(latest, str(latest), resumed=True)
+    known = max(latest if latest is not None else 0, current or 0)
+    if latest is not None and version > known:
+        # The checkpoint is of a version whose publish never completed (the trainer died
+        # between the two): Dataflow takes versions one at a time, so the steps after the
+        # newest version it can have are numbered from there.
+        log.warning(
+            "checkpoint at version %d, newest published %d: its publish was lost; the next "
+            "step publishes %d",
+            version,
+            known,
+            known + 1,
+        )
+        return known, True
+    agreed = max(version, known)
     if agreed != version:
         log.warning("continuing at version %d (checkpoint had %d)", agreed, version)
     return agreed, latest is not None

@@ -50,7 +50,7 @@ class BatchSource(Protocol):
 
     async def current_version(self) -> int | None: ...
 
-    async def announce(self, version: int, identity: str) -> None: ...
+    async def announce(self, version: int, identity: str, resumed: bool = False) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -120,7 +120,7 @@ class DataflowSource:
             (p.current_version for p in status.policies if p.policy_id == self.policy_id), None
         )
 
-    async def announce(self, version: int, identity: str) -> None:
+    async def announce(self, version: int, identity: str, resumed: bool = False) -> None:
         try:
             await self.client.announce_version(
                 self.policy_id,
@@ -128,6 +128,7 @@ class DataflowSource:
                 self.weights_address,
                 version_id=identity,
                 trainer_id=self.trainer_id,
+                resumed=resumed,
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:

@@ -126,6 +126,10 @@ class StateMixin:
         log.info("resumed from %s at step %d, version %d", target, self.step, self.version)
 
     async def _checkpoint_now(self) -> tuple[Path, int]:
+        # A checkpoint never gets ahead of what is published: a resume continues from a
+        # version Dataflow and the WeightService have (see setup.agree_version).
+        if self.rank == 0 and getattr(self, "publisher", None) is not None:
+            await self.publisher.drain()
         root = self._root(None)
         if self.world_size > 1:
             await self._compute(broadcast_object, {"kind": "checkpoint", "root": str(root)})

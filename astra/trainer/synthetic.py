@@ -148,7 +148,7 @@ class SyntheticSource:
     async def current_version(self) -> int | None:
         return self.version
 
-    async def announce(self, version: int, identity: str) -> None:
+    async def announce(self, version: int, identity: str, resumed: bool = False) -> None:
         if version not in (self.version, self.version + 1):
             raise ValueError(f"version {version} after {self.version}")
         self.version = version

@@ -214,7 +214,7 @@ class FixedSource:
     async def current_version(self) -> int | None:
         return self.version
 
-    async def announce(self, version: int, identity: str) -> None:
+    async def announce(self, version: int, identity: str, resumed: bool = False) -> None:
         self.version = version
 
     async def close(self) -> None:

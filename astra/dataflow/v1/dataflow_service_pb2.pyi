@@ -178,14 +178,16 @@ class AckBatchResponse(_message.Message):
     def __init__(self, consumed_groups: _Optional[int] = ...) -> None: ...
 
 class AnnounceVersionRequest(_message.Message):
-    __slots__ = ("version", "weights_address", "trainer_id")
+    __slots__ = ("version", "weights_address", "trainer_id", "resumed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     version: _version_pb2.PolicyVersion
     weights_address: str
     trainer_id: str
-    def __init__(self, version: _Optional[_Union[_version_pb2.PolicyVersion, _Mapping]] = ..., weights_address: _Optional[str] = ..., trainer_id: _Optional[str] = ...) -> None: ...
+    resumed: bool
+    def __init__(self, version: _Optional[_Union[_version_pb2.PolicyVersion, _Mapping]] = ..., weights_address: _Optional[str] = ..., trainer_id: _Optional[str] = ..., resumed: _Optional[bool] = ...) -> None: ...
 
 class AnnounceVersionResponse(_message.Message):
     __slots__ = ("current_version", "already_announced")
