@@ -686,6 +686,7 @@ class Dataflow:
     async def _ingest(self, instance_id: str, results: list[IncomingGroup], staged) -> list[str]:
         acks: list[str] = []
         cancel: dict[str, list[str]] = {}
+        evaluated = False  # an evaluation group's result: the tallies are written once, below
         with self.store.tx() as tx:
             for r in results:
                 acks.append(r.group_id)
@@ -698,6 +699,7 @@ class Dataflow:
                     continue
                 if w.instance_id is not None and w.instance_id != instance_id:
                     cancel.setdefault(w.instance_id, []).append(r.group_id)
+                evaluated = evaluated or self.evals.is_eval(w.stream)
                 outcome = self._take_result(tx, w, r, staged)
                 inst = self.pool.instances.get(w.instance_id or "")
                 if inst is not None and r.group_id in inst.in_flight:
@@ -713,6 +715,8 @@ class Dataflow:
             for buf in self.buffers.values():
                 evicted = buf.pop_dropped()
                 tx.delete_groups((g.group_id, g.policy_id) for g in evicted)
+            if evaluated:
+                tx.put("evals", self.evals.state())
             self.persist_counters(tx)
         for other, gids in cancel.items():
             inst = self.pool.instances.get(other)
@@ -725,7 +729,7 @@ class Dataflow:
 
     def _take_result(self, tx, w: Work, r: IncomingGroup, staged=None) -> str:
         if self.evals.is_eval(w.stream):
-            return self._take_eval(tx, w, r)
+            return self._take_eval(w, r)
         if r.invalid is not None:
             self.counters["malformed_results"] += 1
             log.warning("malformed result for %s: %s", r.group_id, r.invalid)
@@ -755,7 +759,7 @@ class Dataflow:
                 tx.add_groups([group], staged)
         return ",".join(outcomes) or "empty"
 
-    def _take_eval(self, tx, w: Work, r: IncomingGroup) -> str:
+    def _take_eval(self, w: Work, r: IncomingGroup) -> str:
         """An evaluation group's result: tallied, never buffered (a failure counts as failed
         samples, so every evaluation completes)."""
         policy_id = w.item.policy_ids[0]
@@ -766,7 +770,6 @@ class Dataflow:
             trajectories = [*r.per_policy.get(policy_id, []), *r.per_policy.get("", [])]
         outcome = self.evals.take(w.stream, w.item.epoch, trajectories)
         self.counters["eval_groups"] += 1  # every evaluation group's outcome, failed or not
-        tx.put("evals", self.evals.state())
         return outcome
 
     async def _cancel(self, inst: Instance, gids: list[str]) -> None:

@@ -106,7 +106,7 @@ class EvalDesk:
         last = self.last.get(stream)
         if last is not None and target <= last:
             return None
-        if any(s == stream and not t.complete for (s, _), t in self.running.items()):
+        if any(s == stream for s, _ in self.running):
             return None  # one at a time: what is passed over meanwhile is skipped
         return target
 
@@ -115,11 +115,15 @@ class EvalDesk:
         if last is not None:
             self.skipped += max(0, (version - last) // self.every[stream] - 1)
         self.last[stream] = version
-        self.running[(stream, version)] = Tally(stream, self.policy_of[stream], version, groups)
+        tally = Tally(stream, self.policy_of[stream], version, groups)
+        if tally.complete:  # nothing to run (every group already done): finished at once
+            self._finish(tally)
+        else:
+            self.running[(stream, version)] = tally
 
     def floor(self, stream: str) -> int | None:
         """The version an instance must hold to run the stream's pending groups."""
-        versions = [v for (s, v), t in self.running.items() if s == stream and not t.complete]
+        versions = [v for s, v in self.running if s == stream]
         return min(versions) if versions else None
 
     def take(self, stream: str, epoch: int, trajectories: list[TrajectoryRecord]) -> str:
@@ -130,10 +134,14 @@ class EvalDesk:
         tally.add(trajectories)
         if tally.complete:
             del self.running[(stream, epoch)]
-            done = self.finished[stream]
-            done.append(tally)
-            del done[:-KEEP_RESULTS]
+            self._finish(tally)
         return f"eval:{tally.version}"
+
+    def _finish(self, tally: Tally) -> None:
+        tally.completed = tally.completed or time.time()
+        done = self.finished[tally.stream]
+        done.append(tally)
+        del done[:-KEEP_RESULTS]
 
     def results(self) -> list[dict[str, Any]]:
         """Finished evaluations (newest KEEP_RESULTS per stream), then those still running."""
