@@ -381,3 +381,29 @@ def test_a_failing_forward_fails_requests_and_marks_the_engine_unhealthy() -> No
             await engine.close()
 
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_a_failing_prefill_fails_the_requests_it_was_admitting() -> None:
+    """Requests taken off the queue for a prefill that raises still get the engine's failure
+    (they were once in neither the queue nor a batch, and their callers waited for ever)."""
+
+    async def go() -> None:
+        model, tok = load_model("tiny")
+
+        def lost(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("device lost")
+
+        model.prefill = lost  # type: ignore[method-assign]
+        engine = TorchEngine({"p": (model, tok)})
+        try:
+            calls = [
+                engine.generate("p", [5, i], Sampling(max_new_tokens=3, temperature=0.0))
+                for i in range(3)
+            ]
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+            assert all(isinstance(r, Unavailable) for r in results), results
+            assert {r.reason for r in results} == {"ENGINE_FAILED"} and not engine.healthy
+        finally:
+            await engine.close()
+
+    asyncio.run(asyncio.wait_for(go(), 30))

@@ -216,8 +216,17 @@ class Scheduler:
                 joining.setdefault(seq.policy, []).append(seq)
                 running += 1
         finished: list[tuple[Sequence, FinishReason]] = []
-        for policy, seqs in joining.items():
-            finished += self.current[policy].prefill(seqs)
+        try:
+            for policy, seqs in joining.items():
+                finished += self.current[policy].prefill(seqs)
+        except BaseException:
+            # Sequences taken off the queue but not yet in a batch are in neither place
+            # _shutdown looks: put them back so their callers get the engine's failure.
+            placed = {s for b in self._batches for s in b.seqs}
+            for seq in reversed([s for seqs in joining.values() for s in seqs]):
+                if seq not in placed:
+                    self._waiting.appendleft(seq)
+            raise
         return finished
 
     def _shutdown(self) -> None:
