@@ -4,7 +4,9 @@ publish_version (defined in astra.clients.weights) streams raw tensors,
 skips the tensors the service already holds for the identity, and on
 UNAVAILABLE opens a new stream, which resumes.
 
-Receiver fetches into a local directory (astra.weights.local): it stages and
+Receiver fetches into a local directory (astra.weights.local), or with
+`in_memory` into buffers it holds (astra.weights.memory: for a process that
+serves the weights from RAM, with no disk round trip): it stages and
 verifies every tensor, acknowledges it, resumes after a disconnect or a
 refused tensor from the last acknowledged one, and only then swaps the new
 version in; on any failure the previous version stays current. Every wait is
@@ -35,9 +37,9 @@ import grpc
 from astra.clients.weights import PublishResult, WeightClient, domain_error, publish_version
 from astra.errors import AstraError, DataLoss, InvalidArgument, Unavailable
 from astra.weights.deadline import DeadlineExceeded
-from astra.weights.layout import open_full
 from astra.weights.local import LocalVersions, identity_of
 from astra.weights.malloc import keep_freed_memory
+from astra.weights.memory import MemoryVersion, MemoryVersions
 from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.wire import deserializer
 
@@ -59,13 +61,14 @@ class StreamStalled(Unavailable):
 class FetchResult:
     identity: str
     version: int
-    path: Path
+    path: Path | None  # None for an in-memory receiver
     plan: str  # "none", "delta" or "full"
     base: str
     tensors_received: int
     tensors_resumed: int
     bytes_received: int
     attempts: int
+    held: MemoryVersion | None = None  # the version itself, for an in-memory receiver
 
 
 class Receiver:
@@ -75,7 +78,7 @@ class Receiver:
         self,
         address: str,
         policy: str,
-        directory: str | Path,
+        directory: str | Path | None,
         *,
         receiver_id: str | None = None,
         held_dirs: Iterable[str | Path] = (),
@@ -87,12 +90,21 @@ class Receiver:
         idle_timeout_s: float = 60.0,
         keep_versions: int = 2,
         durable: bool = True,
+        in_memory: bool = False,
     ) -> None:
         if timeout_s <= 0 or idle_timeout_s <= 0:
             raise ValueError("timeout_s and idle_timeout_s must be positive")
+        if in_memory and (directory is not None or relay is not None or held_dirs):
+            raise ValueError("an in-memory receiver takes no directory, relay or held_dirs")
+        if not in_memory and directory is None:
+            raise ValueError("a receiver needs a directory unless it is in_memory")
         self.address = address
         self.policy, self.relay, self.keep_versions = policy, relay, keep_versions
-        self.local = LocalVersions(directory, durable=durable)
+        self.local: LocalVersions | MemoryVersions
+        if in_memory:
+            self.local = MemoryVersions(receiver_id or f"receiver-{os.urandom(8).hex()}")
+        else:
+            self.local = LocalVersions(directory, durable=durable)
         self.receiver_id = receiver_id or self.local.receiver_id
         self.extra_held = {identity_of(Path(p)): Path(p) for p in held_dirs}
         self.max_bytes_per_second, self.max_attempts = max_bytes_per_second, max_attempts
@@ -109,6 +121,11 @@ class Receiver:
     @property
     def current_path(self) -> Path | None:
         return self.local.current_path
+
+    @property
+    def current(self) -> MemoryVersion | None:
+        """The current version of an in-memory receiver (None on disk, or before a fetch)."""
+        return self.local.current if isinstance(self.local, MemoryVersions) else None
 
     async def close(self) -> None:
         await self.client.close()
@@ -255,7 +272,7 @@ class Receiver:
                 raise DataLoss(
                     f"planned from {plan.base_version_id!r}, not held", reason="WRONG_BASE"
                 )
-            base = open_full(base_path) if base_path is not None else None
+            base = self.local.open(base_path) if base_path is not None else None
             pipe = _Pipeline(call)
             try:
                 try:
@@ -280,21 +297,30 @@ class Receiver:
         if plan.target.version_id != target:
             raise DataLoss(f"service sent {plan.target.version_id!r}", reason="WRONG_TARGET")
         if target in held and plan.num_tensors == 0 and not plan.base_version_id:
-            path = await asyncio.to_thread(self.local.adopt, held[target], target)
+            installed = await asyncio.to_thread(self.local.adopt, held[target], target)
             kind = "none"
-        else:
-            path = await asyncio.to_thread(self.local.install, stage, base_path, done.num_tensors)
+        elif isinstance(self.local, MemoryVersions):
+            installed = self.local.install(
+                stage, base_path, done.num_tensors, version=plan.target.version
+            )
             kind = "delta" if plan.base_version_id else "full"
+        else:
+            installed = await asyncio.to_thread(
+                self.local.install, stage, base_path, done.num_tensors
+            )
+            kind = "delta" if plan.base_version_id else "full"
+        memory = installed if isinstance(installed, MemoryVersion) else None
         return FetchResult(
             target,
             plan.target.version,
-            path,
+            None if memory is not None else installed,
             kind,
             plan.base_version_id,
             received,
             resumed,
             nbytes,
             0,
+            memory,
         )
 
     async def _receive(

@@ -69,6 +69,11 @@ class LocalVersions:
         path = self.current_path
         return identity_of(path) if path is not None else None
 
+    @staticmethod
+    def open(directory: Path) -> Version:
+        """A held version opened as the base of a fetch (close it after)."""
+        return open_full(directory)
+
     def stage(self, target: str) -> FetchStage:
         """The stage for `target`, resumed when one exists; any other stage is dropped."""
         path = self.root / "staging" / dirname_for(target)

@@ -1,0 +1,279 @@
+"""A receiver's versions held in memory, for a process that serves them from RAM (an engine).
+
+The same roles as astra.weights.local, without a disk round trip: a fetch
+stages each tensor in a fresh buffer (raw chunks copied in at their offsets;
+an xor+zstd frame decoded against the held base's bytes), checks the
+Adler-32 of the new bytes before the tensor counts as received, and keeps
+the staged tensors across attempts, so a fetch resumes after the last
+acknowledged tensor. `install` builds the new version from the staged
+tensors plus the base's unchanged ones (shared, never copied: buffers are
+never written once a version holds them) and replaces `current` in one
+reference assignment, so a reader holds the old version or the new, never a
+mix. Nothing survives the process: a restarted receiver fetches a full copy.
+Never touches gRPC.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from astra.errors import DataLoss
+from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
+from astra.weights.delta import DeltaError, decode_xor_zstd_into
+from astra.weights.layout import ChecksumMismatch
+from astra.weights.safetensors_io import FormatError, tensor_nbytes
+
+
+@dataclass(frozen=True)
+class HeldTensor:
+    """One verified tensor: safetensors dtype name, shape, raw bytes (uint8), Adler-32 hex."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    adler32: str
+
+
+@dataclass(frozen=True)
+class MemoryVersion(Mapping[str, HeldTensor]):
+    """A verified version in memory; read as a mapping tensor name -> HeldTensor."""
+
+    identity: str
+    version: int
+    tensors: Mapping[str, HeldTensor]
+    files: Mapping[str, bytes] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> HeldTensor:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.data.nbytes for t in self.tensors.values())
+
+    def close(self) -> None:
+        """Nothing to release (the same call as a disk version opened as a base)."""
+
+
+class MemoryIncoming:
+    """One tensor arriving in order; `finish` decodes it if needed and checks its Adler-32."""
+
+    def __init__(
+        self, stage: MemoryStage, header: dict[str, Any], base: MemoryVersion | None
+    ) -> None:
+        self.stage, self.h, self.name = stage, header, header["name"]
+        if header["encoding"] not in ("raw", "xor_zstd"):
+            raise FormatError(f"unknown encoding {header['encoding']!r}", tensor=self.name)
+        size = tensor_nbytes(header["dtype"], header["shape"])
+        if size != header["size_bytes"]:
+            raise FormatError(f"header size {header['size_bytes']} != {size}", tensor=self.name)
+        if not is_adler32_hex(header["adler32"]):
+            raise FormatError(f"adler32 {header['adler32']!r} is malformed", tensor=self.name)
+        self.size, self.encoded = size, header["encoded_size_bytes"]
+        self.base: HeldTensor | None = None
+        self._frame: bytearray | None = None
+        if header["encoding"] == "xor_zstd":
+            held = base.tensors.get(self.name) if base is not None else None
+            if held is None or (held.dtype, list(held.shape)) != (
+                header["dtype"],
+                list(header["shape"]),
+            ):
+                raise FormatError(
+                    "delta tensor does not fit the base (wrong base)", tensor=self.name
+                )
+            self.base, self._frame = held, bytearray()
+        elif self.encoded != size:
+            raise FormatError(
+                f"raw tensor of {size} bytes sent as {self.encoded}", tensor=self.name
+            )
+        self.out: np.ndarray | None = np.empty(size, dtype=np.uint8)
+        self.queued = self.received = 0
+        self._adler = 1
+
+    @property
+    def complete(self) -> bool:
+        return self.queued == self.encoded
+
+    def _bad_chunk(self, offset: int, nbytes: int, after: int) -> DataLoss:
+        return DataLoss(
+            f"{self.name}: chunk at {offset} (+{nbytes}) after {after} of {self.encoded}",
+            reason="BAD_CHUNK",
+            metadata={"tensor": self.name},
+        )
+
+    def queue(self, offset: int, nbytes: int) -> None:
+        if offset != self.queued or self.queued + nbytes > self.encoded:
+            raise self._bad_chunk(offset, nbytes, self.queued)
+        self.queued += nbytes
+
+    def write(self, offset: int, data: Any) -> None:
+        n = len(data)
+        if offset != self.received or self.received + n > self.encoded or self.out is None:
+            raise self._bad_chunk(offset, n, self.received)
+        if self._frame is not None:
+            self._frame += data
+        else:
+            piece = self.out[offset : offset + n]
+            piece[:] = np.frombuffer(data, dtype=np.uint8)
+            self._adler = adler32(piece, self._adler)
+        self.received += n
+
+    def finish(self) -> None:
+        if self.received != self.encoded or self.out is None:
+            raise DataLoss(
+                f"{self.name}: {self.received} of {self.encoded} bytes",
+                reason="TRUNCATED_TENSOR",
+                metadata={"tensor": self.name},
+            )
+        if self._frame is not None:
+            try:
+                self._adler = (
+                    decode_xor_zstd_into(bytes(self._frame), self.base.data, self.out)
+                    if self.size
+                    else 1
+                )
+            except DeltaError as exc:
+                self.abort()
+                raise FormatError(str(exc), tensor=self.name, reason="CORRUPT_DELTA") from exc
+            self._frame = None
+        got = format_adler32(self._adler)
+        if got != self.h["adler32"]:
+            self.abort()
+            raise ChecksumMismatch(
+                f"received bytes hash to {got}, the header says {self.h['adler32']}",
+                path=None,
+                tensor=self.name,
+            )
+        shape = tuple(int(d) for d in self.h["shape"])
+        self.stage.record(self.name, HeldTensor(self.h["dtype"], shape, self.out, got))
+        self.out = None
+
+    def abort(self) -> None:
+        self._frame, self.out = None, None
+
+
+class MemoryStage:
+    """The verified tensors and files of one target version, kept across attempts."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.entries: dict[str, HeldTensor] = {}
+        self._files: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def acknowledged(self) -> list[str]:
+        with self._lock:
+            return sorted(self.entries)
+
+    def receive(self, header: dict[str, Any], base: MemoryVersion | None) -> MemoryIncoming:
+        return MemoryIncoming(self, header, base)
+
+    def record(self, name: str, tensor: HeldTensor) -> None:
+        with self._lock:
+            self.entries[name] = tensor
+
+    def add_file(self, name: str, content: bytes) -> None:
+        if not name or "/" in name or "\\" in name or name.startswith("."):
+            raise DataLoss(f"file name {name!r} is not allowed", reason="INVALID_FILE")
+        self._files[name] = bytes(content)
+
+    def files(self) -> dict[str, bytes]:
+        return dict(sorted(self._files.items()))
+
+
+class MemoryVersions:
+    """The versions one receiver holds in memory: `current` and up to `keep` in all."""
+
+    def __init__(self, receiver_id: str) -> None:
+        self.receiver_id = receiver_id
+        self._versions: dict[str, MemoryVersion] = {}
+        self._current: MemoryVersion | None = None
+        self._stage: MemoryStage | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def current(self) -> MemoryVersion | None:
+        return self._current
+
+    @property
+    def current_path(self) -> None:
+        return None
+
+    def held(self) -> dict[str, MemoryVersion]:
+        with self._lock:
+            return dict(self._versions)
+
+    @staticmethod
+    def open(handle: MemoryVersion) -> MemoryVersion:
+        """A held version as the base of a fetch (already open: it is in memory)."""
+        return handle
+
+    def stage(self, target: str) -> MemoryStage:
+        """The stage of `target`: the one of an earlier attempt (resume), else a new one."""
+        with self._lock:
+            if self._stage is None or self._stage.target != target:
+                self._stage = MemoryStage(target)
+            return self._stage
+
+    def install(
+        self, stage: MemoryStage, base: MemoryVersion | None, num_tensors: int, *, version: int
+    ) -> MemoryVersion:
+        """The staged tensors plus the base's unchanged ones, made current in one assignment."""
+        with self._lock:
+            done = self._versions.get(stage.target)
+        if done is not None:
+            return self.adopt(done, stage.target)
+        staged = dict(stage.entries)
+        if base is None and len(staged) != num_tensors:
+            raise DataLoss(
+                f"{len(staged)} tensors staged, the plan has {num_tensors}",
+                reason="INCOMPLETE_FETCH",
+            )
+        tensors = dict(base.tensors) if base is not None else {}
+        unknown = sorted(set(staged) - set(tensors)) if base is not None else []
+        if unknown:
+            raise DataLoss(
+                f"{unknown[0]}: not in the base {base.identity!r}",
+                reason="INCOMPLETE_FETCH",
+                metadata={"tensor": unknown[0]},
+            )
+        tensors.update(staged)
+        held = MemoryVersion(stage.target, version, tensors, stage.files())
+        return self.adopt(held, stage.target)
+
+    def adopt(self, held: MemoryVersion, identity: str) -> MemoryVersion:
+        """Makes a held version current (a fetch of what the receiver already holds)."""
+        with self._lock:
+            self._versions[identity] = held
+            self._current = held
+            if self._stage is not None and self._stage.target == identity:
+                self._stage = None
+        return held
+
+    def prune(self, keep: int = 2) -> list[str]:
+        """Drops all but the current version and the newest others, `keep` in all."""
+        with self._lock:
+            order = [
+                i for i in self._versions if self._current is None or i != self._current.identity
+            ]
+            dropped = order[: max(0, len(order) - max(0, keep - 1))]
+            for identity in dropped:
+                del self._versions[identity]
+        return dropped

@@ -1,0 +1,124 @@
+"""In-memory receivers: versions fetched into RAM, verified per tensor, swapped in one assignment."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from astra.clients.weights_stream import Receiver, publish_version
+from astra.errors import DataLoss
+from astra.servers.weights_fetch import StreamSettings
+from astra.weights.memory import MemoryVersion
+from astra.weights.store_fetch import FetchSource
+from tests.test_weights_service import run, serving
+from tests.test_weights_store import chain_of
+
+T = 20
+
+
+def held_equals(held: MemoryVersion | None, model: dict) -> bool:
+    return (
+        held is not None
+        and held.keys() == model.keys()
+        and all(
+            (held[n].dtype, held[n].shape, held[n].data.tobytes()) == (d, tuple(s), b)
+            for n, (d, s, b) in model.items()
+        )
+    )
+
+
+def test_memory_receiver_is_bit_exact_and_takes_later_versions_as_deltas(tmp_path: Path) -> None:
+    models = chain_of(5, seed=21)
+    config = b'{"model_type": "toy"}'
+
+    async def body() -> None:
+        small_chunks = StreamSettings(chunk_bytes=1000)  # every tensor spans many chunks
+        async with serving(tmp_path / "store", small_chunks, full_every=3) as server:
+            async with Receiver(server.address, "p", None, in_memory=True) as receiver:
+                full_size = sum(len(b) for _, _, b in models[0].values())
+                seen: list[MemoryVersion] = []
+                for i, m in enumerate(models):
+                    await publish_version(
+                        server.address, "p", f"v{i}", i, m, {"config.json": config}
+                    )
+                    fetched = await receiver.fetch()
+                    assert fetched.path is None and fetched.held is receiver.current
+                    assert fetched.identity == f"v{i}" and receiver.current.version == i
+                    assert held_equals(receiver.current, m)
+                    assert receiver.current.files == {"config.json": config}
+                    if i:
+                        assert fetched.plan == "delta" and fetched.base == f"v{i - 1}"
+                        assert fetched.bytes_received < full_size / 10
+                    seen.append(receiver.current)
+                # A reader that took an older version keeps it whole: buffers are never rewritten.
+                assert held_equals(seen[0], models[0]) and held_equals(seen[2], models[2])
+                assert set(receiver.local.held()) == {"v3", "v4"}, "keeps 2 by default"
+                again = await receiver.fetch("v4")
+                assert again.plan == "none" and again.held is seen[-1]
+
+    run(body())
+
+
+def test_memory_receiver_refuses_a_corrupt_delta_and_keeps_the_previous_version(
+    tmp_path: Path,
+) -> None:
+    models = chain_of(2, seed=22)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store", full_every=1) as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            receiver = Receiver(server.address, "p", None, in_memory=True, backoff_s=0.01)
+            await receiver.fetch()
+            before = receiver.current
+            await publish_version(server.address, "p", "v1", 1, models[1])
+            shard = next((server.store.version_dir("p", "v1") / "delta").glob("*.safetensors"))
+            raw = bytearray(shard.read_bytes())
+            raw[-20] ^= 0xFF  # one byte inside the last frame
+            shard.write_bytes(bytes(raw))
+            with pytest.raises(DataLoss) as err:
+                await receiver.fetch()
+            assert err.value.metadata.get("tensor", "").startswith("layers.")
+            assert receiver.current is before and held_equals(before, models[0])
+            await receiver.close()
+
+    run(body())
+
+
+def test_memory_receiver_resumes_after_a_corrupt_chunk_from_the_last_acknowledged_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = chain_of(1, seed=23)[0]
+    original = FetchSource.chunks
+    sent: list[str] = []
+
+    def flip_third(self, name, chunk_bytes, start=0):
+        for piece in original(self, name, chunk_bytes, start):
+            sent.append(name)
+            if len(set(sent)) == 3 and sent.count(name) == 1:
+                bad = bytearray(piece)
+                bad[len(bad) // 2] ^= 0x01
+                piece = memoryview(bytes(bad))
+            yield piece
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, model)
+            monkeypatch.setattr(FetchSource, "chunks", flip_third)
+            async with Receiver(
+                server.address, "p", None, in_memory=True, backoff_s=0.01
+            ) as receiver:
+                result = await asyncio.wait_for(receiver.fetch(), T)
+                assert result.attempts == 2 and result.tensors_resumed >= 1
+                assert result.tensors_received + result.tensors_resumed == len(model)
+                assert held_equals(receiver.current, model)
+
+    run(body())
+
+
+def test_memory_receiver_takes_no_directory() -> None:
+    with pytest.raises(ValueError, match="in-memory"):
+        Receiver("127.0.0.1:1", "p", "/tmp/x", in_memory=True)
+    with pytest.raises(ValueError, match="directory"):
+        Receiver("127.0.0.1:1", "p", None)
