@@ -90,8 +90,10 @@ class Receiver:
         idle_timeout_s: float = 60.0,
         keep_versions: int = 2,
         durable: bool = True,
-        in_memory: bool = False,
+        in_memory: bool | MemoryVersions = False,
     ) -> None:
+        """in_memory: True, or the MemoryVersions of an earlier receiver to go on from (what it
+        holds carries over, e.g. to a service at a new address)."""
         if timeout_s <= 0 or idle_timeout_s <= 0:
             raise ValueError("timeout_s and idle_timeout_s must be positive")
         if in_memory and (directory is not None or relay is not None or held_dirs):
@@ -101,7 +103,9 @@ class Receiver:
         self.address = address
         self.policy, self.relay, self.keep_versions = policy, relay, keep_versions
         self.local: LocalVersions | MemoryVersions
-        if in_memory:
+        if isinstance(in_memory, MemoryVersions):
+            self.local = in_memory
+        elif in_memory:
             self.local = MemoryVersions(receiver_id or f"receiver-{os.urandom(8).hex()}")
         else:
             self.local = LocalVersions(directory, durable=durable)

@@ -122,3 +122,52 @@ def test_memory_receiver_takes_no_directory() -> None:
         Receiver("127.0.0.1:1", "p", "/tmp/x", in_memory=True)
     with pytest.raises(ValueError, match="directory"):
         Receiver("127.0.0.1:1", "p", None)
+
+
+def test_buffers_of_pruned_versions_are_reused_unless_a_reader_holds_them(tmp_path: Path) -> None:
+    models = chain_of(6, seed=24)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            async with Receiver(
+                server.address, "p", None, in_memory=True, keep_versions=1
+            ) as receiver:
+                pool = receiver.local.pool
+                await publish_version(server.address, "p", "v0", 0, models[0])
+                await receiver.fetch()
+                await publish_version(server.address, "p", "v1", 1, models[1])
+                await receiver.fetch()
+                kept_version = receiver.current  # a reader keeps all of v1
+                await publish_version(server.address, "p", "v2", 2, models[2])
+                await receiver.fetch()
+                kept_bytes = receiver.current["layers.0.w"].data  # one keeps a tensor of v2
+                kept_view = memoryview(receiver.current["layers.1.w"].data)  # one a buffer
+                for i in (3, 4, 5):
+                    await publish_version(server.address, "p", f"v{i}", i, models[i])
+                    result = await receiver.fetch()
+                    assert result.plan == "delta" and held_equals(receiver.current, models[i])
+                    del result
+                assert pool.reused >= 4, "later deltas write into earlier versions' buffers"
+                assert kept_bytes.tobytes() == models[2]["layers.0.w"][2]
+                assert kept_view.tobytes() == models[2]["layers.1.w"][2]
+                assert held_equals(kept_version, models[1]), "a held version is never recycled"
+
+    run(body())
+
+
+def test_a_memory_receiver_carries_what_it_holds_to_a_new_address(tmp_path: Path) -> None:
+    models = chain_of(2, seed=25)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            first = Receiver(server.address, "p", None, in_memory=True)
+            await first.fetch()
+            await first.close()
+            await publish_version(server.address, "p", "v1", 1, models[1])
+            async with Receiver(server.address, "p", None, in_memory=first.local) as second:
+                result = await second.fetch()
+                assert result.plan == "delta" and result.base == "v0"
+                assert held_equals(second.current, models[1])
+
+    run(body())

@@ -10,11 +10,18 @@ tensors plus the base's unchanged ones (shared, never copied: buffers are
 never written once a version holds them) and replaces `current` in one
 reference assignment, so a reader holds the old version or the new, never a
 mix. Nothing survives the process: a restarted receiver fetches a full copy.
-Never touches gRPC.
+
+Buffers are reused: a tensor buffer of a pruned version that nothing else
+references any more (no reader holds the version, the tensor or its bytes:
+checked by reference count) goes to a pool the next fetch allocates from,
+so steady-state deltas write into memory that is already faulted in instead
+of asking the kernel for a fresh zeroed gigabyte per version (on a VM a
+first touch costs more than the decode). Never touches gRPC.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -102,7 +109,7 @@ class MemoryIncoming:
             raise FormatError(
                 f"raw tensor of {size} bytes sent as {self.encoded}", tensor=self.name
             )
-        self.out: np.ndarray | None = np.empty(size, dtype=np.uint8)
+        self.out: np.ndarray | None = stage.alloc(size)
         self.queued = self.received = 0
         self._adler = 1
 
@@ -171,8 +178,8 @@ class MemoryIncoming:
 class MemoryStage:
     """The verified tensors and files of one target version, kept across attempts."""
 
-    def __init__(self, target: str) -> None:
-        self.target = target
+    def __init__(self, target: str, pool: BufferPool | None = None) -> None:
+        self.target, self.pool = target, pool
         self.entries: dict[str, HeldTensor] = {}
         self._files: dict[str, bytes] = {}
         self._lock = threading.Lock()
@@ -181,6 +188,11 @@ class MemoryStage:
     def acknowledged(self) -> list[str]:
         with self._lock:
             return sorted(self.entries)
+
+    def alloc(self, size: int) -> np.ndarray:
+        """A buffer of `size` bytes: a reused one when the pool has it, else a new one."""
+        buf = self.pool.take(size) if self.pool is not None else None
+        return buf if buf is not None else np.empty(size, dtype=np.uint8)
 
     def receive(self, header: dict[str, Any], base: MemoryVersion | None) -> MemoryIncoming:
         return MemoryIncoming(self, header, base)
@@ -198,11 +210,52 @@ class MemoryStage:
         return dict(sorted(self._files.items()))
 
 
+class BufferPool:
+    """Spare tensor buffers by size, at most `max_bytes` in all."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._spare: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+        self.reused = 0  # buffers handed out again
+
+    def put(self, buf: np.ndarray) -> bool:
+        with self._lock:
+            if self.bytes + buf.nbytes > self.max_bytes:
+                return False
+            self._spare.setdefault(buf.nbytes, []).append(buf)
+            self.bytes += buf.nbytes
+            return True
+
+    def take(self, size: int) -> np.ndarray | None:
+        with self._lock:
+            free = self._spare.get(size)
+            if not free:
+                return None
+            self.bytes -= size
+            self.reused += 1
+            return free.pop()
+
+
+def _sole_owner(held: HeldTensor, refs_to_held: int) -> bool:
+    """True when nothing but the receiver's own references reaches the tensor or its bytes.
+
+    `refs_to_held` counts the references the caller knows of (the parameter
+    and getrefcount's argument add two more). A reader holding the tensor,
+    the array, a view of it or an export of its buffer (torch.frombuffer,
+    memoryview) raises one of these counts, and the buffer is left alone.
+    """
+    return sys.getrefcount(held) <= refs_to_held + 2 and sys.getrefcount(held.data) <= 2
+
+
 class MemoryVersions:
     """The versions one receiver holds in memory: `current` and up to `keep` in all."""
 
-    def __init__(self, receiver_id: str) -> None:
+    def __init__(self, receiver_id: str, *, pool_bytes: int | None = None) -> None:
+        """pool_bytes: spare buffers kept for reuse (default: as much as the current version)."""
         self.receiver_id = receiver_id
+        self.pool_bytes = pool_bytes
+        self.pool = BufferPool(pool_bytes or 0)
         self._versions: dict[str, MemoryVersion] = {}
         self._current: MemoryVersion | None = None
         self._stage: MemoryStage | None = None
@@ -229,7 +282,7 @@ class MemoryVersions:
         """The stage of `target`: the one of an earlier attempt (resume), else a new one."""
         with self._lock:
             if self._stage is None or self._stage.target != target:
-                self._stage = MemoryStage(target)
+                self._stage = MemoryStage(target, self.pool)
             return self._stage
 
     def install(
@@ -270,10 +323,27 @@ class MemoryVersions:
     def prune(self, keep: int = 2) -> list[str]:
         """Drops all but the current version and the newest others, `keep` in all."""
         with self._lock:
-            order = [
-                i for i in self._versions if self._current is None or i != self._current.identity
-            ]
+            current = self._current
+            order = [i for i in self._versions if current is None or i != current.identity]
             dropped = order[: max(0, len(order) - max(0, keep - 1))]
-            for identity in dropped:
-                del self._versions[identity]
+            gone = [self._versions.pop(identity) for identity in dropped]
+            if current is not None and self.pool_bytes is None:
+                self.pool.max_bytes = current.nbytes
+            kept = {id(t) for v in self._versions.values() for t in v.tensors.values()}
+            if self._stage is not None:
+                kept |= {id(t) for t in self._stage.entries.values()}
+        del current
+        while gone:
+            version = gone.pop()
+            # Only this name and getrefcount's argument reach it: no reader holds the version.
+            if sys.getrefcount(version) > 2:
+                continue
+            tensors = dict(version.tensors)
+            del version
+            for name in list(tensors):
+                held = tensors.pop(name)
+                # This name only: the dropped version, and its dict, are gone.
+                if id(held) not in kept and _sole_owner(held, 1):
+                    self.pool.put(held.data)
+                del held
         return dropped

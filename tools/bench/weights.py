@@ -418,11 +418,16 @@ class Bench:
             publish_version(self.service.address, POLICY, identity, version, as_tensors(model))
         )
 
-    def astra_trial(self, model: dict, kind: str, *, link: bool = False, n: int = 4) -> dict:
-        """Publishes the model as the next version; n receivers fetch it; returns the timings."""
+    def astra_trial(
+        self, model: dict, kind: str, *, link: bool = False, n: int = 4, memory: bool = False
+    ) -> dict:
+        """Publishes the model as the next version; n receivers fetch it; returns the timings.
+
+        memory: in-memory receivers (verified and swapped in RAM) instead of directories.
+        """
         self.version += 1
         identity = f"v{self.version}"
-        if kind == "full":
+        if kind == "full" and not memory:
             for d in self.rx[:n]:
                 shutil.rmtree(d, ignore_errors=True)
         expect = adlers(model)
@@ -434,11 +439,18 @@ class Bench:
         published = self.publish(model, identity, self.version)
         t_pub = time.monotonic()
         address = self.link_service if link else self.service.address
-        cmds = [
-            {"op": "fetch", "address": address, "policy": POLICY, "dir": str(d),
-             "target": identity, "expect": expect}
-            for d in self.rx[:n]
-        ]  # fmt: skip
+        if memory:
+            cmds = [
+                {"op": "fetch_mem", "address": address, "policy": POLICY, "key": str(i),
+                 "target": identity, "expect": expect, "reset": kind == "full"}
+                for i in range(n)
+            ]  # fmt: skip
+        else:
+            cmds = [
+                {"op": "fetch", "address": address, "policy": POLICY, "dir": str(d),
+                 "target": identity, "expect": expect}
+                for d in self.rx[:n]
+            ]  # fmt: skip
         outs = ask_all(self.workers[:n], cmds)
         t_end = max(o["t_end"] for o in outs)
         cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
@@ -450,6 +462,7 @@ class Bench:
             "identity": identity,
             "kind": kind,
             "link": link,
+            "memory": memory,
             "publish_s": t_pub - t0,
             "fetch_s": t_end - t_pub,
             "e2e_s": t_end - t0,
@@ -461,7 +474,7 @@ class Bench:
         if link:
             r["wire_down_per_receiver"] = (self.relay_stats()["down"] - before["down"]) / n
         say(
-            f"astra {kind}{' via link' if link else ''} {identity}: publish {r['publish_s']:.2f} s "
+            f"astra {kind}{' in memory' if memory else ''}{' via link' if link else ''} {identity}: publish {r['publish_s']:.2f} s "
             f"+ fetch {r['fetch_s']:.2f} s = {r['e2e_s']:.2f} s; "
             f"{r['bytes_per_receiver'] / MB:.1f} MB/receiver; install "
             f"{[round(o.get('install_s', 0), 2) for o in outs]} s"
@@ -549,6 +562,28 @@ def run(p, tmp: Path) -> dict:
         update_model(model, seed, p.fraction)
         res["link_full"] = b.astra_trial(model, "full", link=True)
         res["link_tcp4"] = b.raw_tcp(4, True)
+        say("in-memory receivers, loopback and through the link")
+        res["mem_full"] = []
+        for _ in range(p.reps):
+            seed += 1
+            update_model(model, seed, p.fraction)
+            res["mem_full"].append(b.astra_trial(model, "full", memory=True))
+        # The first delta after a full copy writes into fresh pages (nothing to reuse yet); later
+        # ones, as in training, write into the buffers of the version before the base.
+        seed += 1
+        update_model(model, seed, p.fraction)
+        res["mem_delta_first"] = b.astra_trial(model, "delta", memory=True)
+        res["mem_delta"] = []
+        for _ in range(p.reps):
+            seed += 1
+            update_model(model, seed, p.fraction)
+            res["mem_delta"].append(b.astra_trial(model, "delta", memory=True))
+        seed += 1
+        update_model(model, seed, p.fraction)
+        res["mem_link_delta"] = b.astra_trial(model, "delta", link=True, memory=True)
+        seed += 1
+        update_model(model, seed, p.fraction)
+        res["mem_link_full"] = b.astra_trial(model, "full", link=True, memory=True)
         say(f"raw TCP x4 via link: {res['link_tcp4']['seconds']:.2f} s")
     finally:
         b.stop()

@@ -11,6 +11,9 @@ its stdin closes. A worker answers each command line with one JSON line:
   {"op": "fetch", "address", "policy", "dir", "target", "expect": {name: adler32}}
       Astra's Receiver fetches `target` into `dir` (verify, stage, swap); the result
       is checked against `expect` (the trainer's Adler-32 of every tensor).
+  {"op": "fetch_mem", "address", "policy", "key", "target", "expect", "reset"}
+      The same with an in-memory Receiver (kept across commands under `key`, holding
+      one version; `reset` drops it first): verified and swapped in RAM.
   {"op": "tcp", "host", "port", "total"}   raw TCP: read the whole checkpoint into RAM.
   {"op": "grpc", "address", "total"}       plain gRPC: read every chunk into RAM.
 Times are time.monotonic() (CLOCK_MONOTONIC, shared by all processes of the machine).
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -96,6 +100,9 @@ def instrument() -> None:
     _timed(LocalVersions, "install", "install_s")  # assemble + write + verify + swap
     _timed(Incoming, "finish", "finish_s")  # decode (delta) / fsync, verify, record a tensor
     _timed(Incoming, "write", "chunk_write_s")  # chunk into the stage file (+ Adler-32 for raw)
+    from astra.weights.memory import MemoryIncoming
+
+    _timed(MemoryIncoming, "finish", "finish_s")  # decode (delta), verify, record a tensor
 
 
 async def op_fetch(c: dict) -> dict:
@@ -114,6 +121,54 @@ async def op_fetch(c: dict) -> dict:
     with Version(res.path) as v:
         got = {n: e.checksum for n, e in v.entries.items()}
     ok = got == c["expect"] and current == res.path
+    return {
+        "t_start": t0,
+        "t_end": t1,
+        "seconds": t1 - t0,
+        "cpu_s": cpu1 - cpu0,
+        "sys_s": sys1 - sys0,
+        "plan": res.plan,
+        "base": res.base,
+        "bytes_received": res.bytes_received,
+        "tensors_received": res.tensors_received,
+        "attempts": res.attempts,
+        "verified": ok,
+        **TIMERS,
+    }
+
+
+MEMORY_RECEIVERS: dict = {}
+
+
+async def op_fetch_mem(c: dict) -> dict:
+    from astra.clients.weights_stream import Receiver
+
+    TIMERS.clear()
+    if c.get("reset"):
+        old = MEMORY_RECEIVERS.pop(c["key"], None)
+        if old is not None:
+            await old.close()
+        del old
+        gc.collect()
+    receiver = MEMORY_RECEIVERS.get(c["key"])
+    if receiver is None or receiver.address != c["address"]:
+        held = True  # a new receiver, or what the old one holds, fetching from another address
+        if receiver is not None:
+            await receiver.close()
+            held = receiver.local
+        receiver = MEMORY_RECEIVERS[c["key"]] = Receiver(
+            c["address"], c["policy"], None, in_memory=held, keep_versions=1,
+            receiver_id=f"bench-mem-{c['key']}",
+        )  # fmt: skip
+    sys0, cpu0, t0 = sys_self(), cpu_self(), time.monotonic()
+    res = await receiver.fetch(c["target"])
+    t1, cpu1, sys1 = time.monotonic(), cpu_self(), sys_self()
+    current = receiver.current
+    from astra.weights.checksum import adler32_hex
+
+    ok = current is res.held and {n: t.adler32 for n, t in current.items()} == c["expect"]
+    if c.get("recheck"):  # recompute every checksum from the held bytes (outside the clock)
+        ok = ok and all(adler32_hex(t.data) == c["expect"][n] for n, t in current.items())
     return {
         "t_start": t0,
         "t_end": t1,
@@ -191,7 +246,7 @@ def worker() -> None:
     load_event_loop_policy()
     instrument()
     loop = asyncio.new_event_loop()
-    ops = {"fetch": op_fetch, "tcp": op_tcp, "grpc": op_grpc}
+    ops = {"fetch": op_fetch, "fetch_mem": op_fetch_mem, "tcp": op_tcp, "grpc": op_grpc}
     emit({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:
         cmd = json.loads(line)
