@@ -34,7 +34,8 @@ from typing import Any
 
 import grpc
 
-from astra.clients.weights import PublishResult, WeightClient, domain_error, publish_version
+from astra.clients.weights import WeightClient, domain_error
+from astra.clients.weights_publish import PublishResult, publish_version
 from astra.errors import AstraError, DataLoss, InvalidArgument, Unavailable
 from astra.weights.deadline import DeadlineExceeded
 from astra.weights.local import LocalVersions, identity_of

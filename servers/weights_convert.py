@@ -75,16 +75,41 @@ def wire_dtype(dtype: str) -> str:
     return NDARRAY_DTYPES.get(dtype, dtype)
 
 
-def check_publish_tensor(h: pb.TensorHeader) -> tuple[str, tuple[int, ...]]:
-    """(dtype, shape) of a published tensor header; publishes carry raw bytes only."""
-    if h.encoding not in (pb.TENSOR_ENCODING_UNSPECIFIED, pb.TENSOR_ENCODING_RAW):
+def check_publish_tensor(
+    h: pb.TensorHeader, delta_base: str = ""
+) -> tuple[str, tuple[int, ...], int | None]:
+    """(dtype, shape, frame length or None for raw bytes) of a published tensor header.
+
+    xor+zstd frames only in a publish whose header names a base version.
+    """
+    encoded: int | None = None
+    if h.encoding == pb.TENSOR_ENCODING_XOR_ZSTD:
+        if not delta_base:
+            raise invalid_field(
+                "tensor.encoding",
+                "xor+zstd tensors need header.base_version_id",
+                reason="INVALID_TENSOR",
+            )
+        if not 0 < h.encoded_size_bytes <= max_frame_bytes(h.size_bytes):
+            raise invalid_field(
+                "tensor.encoded_size_bytes",
+                f"a frame of 1-{max_frame_bytes(h.size_bytes)} bytes for {h.size_bytes} raw bytes",
+                reason="INVALID_TENSOR",
+            )
+        encoded = h.encoded_size_bytes
+    elif h.encoding not in (pb.TENSOR_ENCODING_UNSPECIFIED, pb.TENSOR_ENCODING_RAW):
         raise invalid_field(
-            "tensor.encoding", "publishes send raw tensors", reason="INVALID_TENSOR"
+            "tensor.encoding", "publishes send raw or xor+zstd tensors", reason="INVALID_TENSOR"
         )
-    if h.encoded_size_bytes not in (0, h.size_bytes):
+    elif h.encoded_size_bytes not in (0, h.size_bytes):
         raise invalid_field(
             "tensor.encoded_size_bytes", "must equal size_bytes for raw", reason="INVALID_TENSOR"
         )
     if any(d < 0 for d in h.shape):
         raise invalid_field("tensor.shape", "dimensions must be >= 0", reason="INVALID_TENSOR")
-    return wire_dtype(h.dtype), tuple(h.shape)
+    return wire_dtype(h.dtype), tuple(h.shape), encoded
+
+
+def max_frame_bytes(size: int) -> int:
+    """The largest zstd frame of `size` bytes (zstd's compress bound, plus header slack)."""
+    return size + (size >> 8) + 512

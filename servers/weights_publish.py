@@ -51,6 +51,7 @@ async def first_message(requests: AsyncIterator[Any], timeout_s: float) -> Any |
 def _check_header(h: pb.PublishHeader) -> None:
     check_id(h.policy_id, "header.policy_id")
     identity(h.version_id, "header.version_id")
+    identity(h.base_version_id, "header.base_version_id", required=False)
     if h.version < 0:
         raise invalid_field("header.version", "must be >= 0")
     if not 0 <= h.num_tensors <= MAX_TENSORS:
@@ -91,7 +92,12 @@ async def publish_stream(
     h = first.header
     _check_header(h)
     session = await asyncio.to_thread(
-        store.begin_publish, h.policy_id, h.version_id, h.version, dict(h.metadata)
+        store.begin_publish,
+        h.policy_id,
+        h.version_id,
+        h.version,
+        dict(h.metadata),
+        delta_base=h.base_version_id,
     )
     try:
         yield pb.PublishVersionResponse(accepted=pb.PublishAccepted(held_tensors=session.held))
@@ -165,13 +171,15 @@ async def _receive(
                 part = req.WhichOneof("part")
                 if part != "chunk" and sink is not None:
                     raise InvalidArgument(
-                        f"{sink.name}: {sink.received} of {sink.size} bytes before the next part",
+                        f"{sink.name}: {sink.received} of {sink.expected_bytes} bytes before the next part",
                         reason="TRUNCATED_TENSOR",
                         metadata={"tensor": sink.name},
                     )
                 if part == "tensor":
-                    dtype, shape = check_publish_tensor(req.tensor)
-                    sink = session.begin_tensor(req.tensor.name, dtype, shape, req.tensor.adler32)
+                    dtype, shape, encoded = check_publish_tensor(req.tensor, h.base_version_id)
+                    sink = session.begin_tensor(
+                        req.tensor.name, dtype, shape, req.tensor.adler32, encoded=encoded
+                    )
                     if req.tensor.size_bytes != sink.size:
                         raise invalid_field(
                             "tensor.size_bytes",

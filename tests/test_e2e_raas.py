@@ -83,7 +83,7 @@ def perturbed_tiny() -> dict:
 async def first_batch_then_version_1(client: DataflowClient, weights_address: str) -> list:
     """Trains the first batch (fetched and acknowledged), then publishes version 1 (the tiny
     model perturbed) and announces it: the first batch's trajectories."""
-    from astra.clients.weights import publish_version
+    from astra.clients.weights_publish import publish_version
 
     header, trajs, _ = await client.fetch_batch("policy", 2, "b0", max_wait_s=30)
     await client.ack_batch(header.batch_id)

@@ -35,28 +35,28 @@ def test_memory_receiver_is_bit_exact_and_takes_later_versions_as_deltas(tmp_pat
 
     async def body() -> None:
         small_chunks = StreamSettings(chunk_bytes=1000)  # every tensor spans many chunks
-        async with serving(tmp_path / "store", small_chunks, full_every=3) as server:
-            async with Receiver(server.address, "p", None, in_memory=True) as receiver:
-                full_size = sum(len(b) for _, _, b in models[0].values())
-                seen: list[MemoryVersion] = []
-                for i, m in enumerate(models):
-                    await publish_version(
-                        server.address, "p", f"v{i}", i, m, {"config.json": config}
-                    )
-                    fetched = await receiver.fetch()
-                    assert fetched.path is None and fetched.held is receiver.current
-                    assert fetched.identity == f"v{i}" and receiver.current.version == i
-                    assert held_equals(receiver.current, m)
-                    assert receiver.current.files == {"config.json": config}
-                    if i:
-                        assert fetched.plan == "delta" and fetched.base == f"v{i - 1}"
-                        assert fetched.bytes_received < full_size / 10
-                    seen.append(receiver.current)
-                # A reader that took an older version keeps it whole: buffers are never rewritten.
-                assert held_equals(seen[0], models[0]) and held_equals(seen[2], models[2])
-                assert set(receiver.local.held()) == {"v3", "v4"}, "keeps 2 by default"
-                again = await receiver.fetch("v4")
-                assert again.plan == "none" and again.held is seen[-1]
+        async with (
+            serving(tmp_path / "store", small_chunks, full_every=3) as server,
+            Receiver(server.address, "p", None, in_memory=True) as receiver,
+        ):
+            full_size = sum(len(b) for _, _, b in models[0].values())
+            seen: list[MemoryVersion] = []
+            for i, m in enumerate(models):
+                await publish_version(server.address, "p", f"v{i}", i, m, {"config.json": config})
+                fetched = await receiver.fetch()
+                assert fetched.path is None and fetched.held is receiver.current
+                assert fetched.identity == f"v{i}" and receiver.current.version == i
+                assert held_equals(receiver.current, m)
+                assert receiver.current.files == {"config.json": config}
+                if i:
+                    assert fetched.plan == "delta" and fetched.base == f"v{i - 1}"
+                    assert fetched.bytes_received < full_size / 10
+                seen.append(receiver.current)
+            # A reader that took an older version keeps it whole: buffers are never rewritten.
+            assert held_equals(seen[0], models[0]) and held_equals(seen[2], models[2])
+            assert set(receiver.local.held()) == {"v3", "v4"}, "keeps 2 by default"
+            again = await receiver.fetch("v4")
+            assert again.plan == "none" and again.held is seen[-1]
 
     run(body())
 
@@ -128,29 +128,29 @@ def test_buffers_of_pruned_versions_are_reused_unless_a_reader_holds_them(tmp_pa
     models = chain_of(6, seed=24)
 
     async def body() -> None:
-        async with serving(tmp_path / "store") as server:
-            async with Receiver(
-                server.address, "p", None, in_memory=True, keep_versions=1
-            ) as receiver:
-                pool = receiver.local.pool
-                await publish_version(server.address, "p", "v0", 0, models[0])
-                await receiver.fetch()
-                await publish_version(server.address, "p", "v1", 1, models[1])
-                await receiver.fetch()
-                kept_version = receiver.current  # a reader keeps all of v1
-                await publish_version(server.address, "p", "v2", 2, models[2])
-                await receiver.fetch()
-                kept_bytes = receiver.current["layers.0.w"].data  # one keeps a tensor of v2
-                kept_view = memoryview(receiver.current["layers.1.w"].data)  # one a buffer
-                for i in (3, 4, 5):
-                    await publish_version(server.address, "p", f"v{i}", i, models[i])
-                    result = await receiver.fetch()
-                    assert result.plan == "delta" and held_equals(receiver.current, models[i])
-                    del result
-                assert pool.reused >= 4, "later deltas write into earlier versions' buffers"
-                assert kept_bytes.tobytes() == models[2]["layers.0.w"][2]
-                assert kept_view.tobytes() == models[2]["layers.1.w"][2]
-                assert held_equals(kept_version, models[1]), "a held version is never recycled"
+        async with (
+            serving(tmp_path / "store") as server,
+            Receiver(server.address, "p", None, in_memory=True, keep_versions=1) as receiver,
+        ):
+            pool = receiver.local.pool
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            await receiver.fetch()
+            await publish_version(server.address, "p", "v1", 1, models[1])
+            await receiver.fetch()
+            kept_version = receiver.current  # a reader keeps all of v1
+            await publish_version(server.address, "p", "v2", 2, models[2])
+            await receiver.fetch()
+            kept_bytes = receiver.current["layers.0.w"].data  # one keeps a tensor of v2
+            kept_view = memoryview(receiver.current["layers.1.w"].data)  # one a buffer
+            for i in (3, 4, 5):
+                await publish_version(server.address, "p", f"v{i}", i, models[i])
+                result = await receiver.fetch()
+                assert result.plan == "delta" and held_equals(receiver.current, models[i])
+                del result
+            assert pool.reused >= 4, "later deltas write into earlier versions' buffers"
+            assert kept_bytes.tobytes() == models[2]["layers.0.w"][2]
+            assert kept_view.tobytes() == models[2]["layers.1.w"][2]
+            assert held_equals(kept_version, models[1]), "a held version is never recycled"
 
     run(body())
 

@@ -140,13 +140,24 @@ class DataflowSource:
 
 
 class WeightServiceSink:
-    """WeightSink over WeightService: raw tensors plus the model's small files."""
+    """WeightSink over WeightService: each version as xor+zstd frames against the one before.
 
-    def __init__(self, address: str, policy_id: str, files: Mapping[str, bytes]) -> None:
+    The sink keeps the host copy it published last (one more model's worth of
+    host memory in the publish dtype) and sends the next version as frames
+    against it; the first version, and any the service refuses as a delta
+    (its current version is another), go out raw, with the model's small files.
+    """
+
+    def __init__(
+        self, address: str, policy_id: str, files: Mapping[str, bytes], *, delta: bool = True
+    ) -> None:
         from astra.clients.weights import WeightClient
 
         self.address, self.policy_id, self.files = address, policy_id, dict(files)
+        self.delta = delta
         self.client = WeightClient(address)
+        self._last: tuple[str, Mapping[str, tuple[str, tuple, Any]]] | None = None
+        self.bytes_sent = 0
 
     async def latest_version(self) -> int | None:
         from astra.clients.weights import domain_error
@@ -163,9 +174,13 @@ class WeightServiceSink:
     async def publish(
         self, version: int, identity: str, tensors: Mapping[str, tuple[str, tuple, Any]]
     ) -> None:
-        from astra.clients.weights import publish_version
+        from astra.clients.weights_publish import publish_version
 
-        await publish_version(self.address, self.policy_id, identity, version, tensors, self.files)
+        result = await publish_version(
+            self.address, self.policy_id, identity, version, tensors, self.files, base=self._last
+        )
+        self.bytes_sent += result.bytes_sent
+        self._last = (identity, tensors) if self.delta else None
 
     async def close(self) -> None:
         await self.client.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -255,6 +255,63 @@ def decode_xor_zstd_to_writer(frame: Any, old: Iterable[Any], expected: int, wri
     except zstandard.ZstdError as exc:
         raise DeltaError(f"corrupt zstd frame: {exc}") from exc
     return value
+
+
+class XorZstdChunks:
+    """new = decode(frame) XOR old, yielded a cache-sized chunk at a time into rotating buffers.
+
+    `old` is the base tensor as consecutive pieces. A yielded chunk stays
+    valid until `buffers - 1` more chunks have been yielded, so a consumer
+    can hash one on another thread while the next is decoded. `changed` is
+    True once any decoded XOR byte was non-zero. The same checks as
+    decode_xor_zstd_into: one frame, of exactly `expected` bytes.
+    """
+
+    def __init__(self, frame: Any, old: Iterable[Any], expected: int, buffers: int = 2) -> None:
+        _check_frame(frame, expected)
+        self.frame, self.old, self.expected = frame, old, expected
+        n = max(1, min(_CHUNK, expected))
+        self._bufs = [np.empty(n, dtype=np.uint8) for _ in range(max(1, buffers))]
+        self.changed = False
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        pos, turn = 0, 0
+        try:
+            with zstandard.ZstdDecompressor().stream_reader(
+                self.frame, read_across_frames=False
+            ) as reader:
+                for piece in self.old:
+                    y = _u8(piece)
+                    if pos + y.size > self.expected:
+                        raise DeltaError(f"base tensor has more than {self.expected} bytes")
+                    k = 0
+                    while k < y.size:
+                        buf = self._bufs[turn % len(self._bufs)]
+                        turn += 1
+                        n = min(buf.size, y.size - k)
+                        chunk, target, filled = buf[:n], memoryview(buf), 0
+                        while filled < n:
+                            got = reader.readinto(target[filled:n])
+                            if not got:
+                                raise DeltaError(
+                                    f"frame decodes to {pos + filled} bytes, expected "
+                                    f"{self.expected}"
+                                )
+                            filled += got
+                        del target
+                        if not self.changed and chunk.any():
+                            self.changed = True
+                        np.bitwise_xor(chunk, y[k : k + n], out=chunk)
+                        yield chunk
+                        k += n
+                        pos += n
+                    del y
+                if pos != self.expected:
+                    raise DeltaError(f"base tensor has {pos} bytes, expected {self.expected}")
+                if reader.read(1):
+                    raise DeltaError(f"frame decodes to more than {self.expected} bytes")
+        except zstandard.ZstdError as exc:
+            raise DeltaError(f"corrupt zstd frame: {exc}") from exc
 
 
 def decode_xor_zstd_into(frame: Any, old: Any, out: Any) -> int:

@@ -28,11 +28,18 @@ from typing import Any
 
 from astra.errors import AlreadyExists, DataLoss, InvalidArgument
 from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
-from astra.weights.delta import XorZstdEncoder
+from astra.weights.delta import DeltaError, XorZstdChunks, XorZstdEncoder, frame_content_size
 from astra.weights.layout import Tensor, Version
 from astra.weights.records import TensorRecord, disk_full, fsync_path
 from astra.weights.safetensors_io import METADATA_KEY, tensor_nbytes
-from astra.weights.tensor_files import ALIGN, BUFFERS, RangeCursor, ShardWriter, tensor_header
+from astra.weights.tensor_files import (
+    ALIGN,
+    BUFFERS,
+    RangeCursor,
+    ShardWriter,
+    read_range,
+    tensor_header,
+)
 
 _HASHERS = ThreadPoolExecutor(2, thread_name_prefix="publish-sha256")
 _ENCODERS = ThreadPoolExecutor(2, thread_name_prefix="publish-encode")
@@ -59,7 +66,13 @@ class TensorSink:
     """Receives one tensor's bytes in order; `finish` verifies them and records the tensor."""
 
     def __init__(
-        self, stage: PublishStage, name: str, dtype: str, shape: tuple[int, ...], adler: str | None
+        self,
+        stage: PublishStage,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        adler: str | None,
+        encoded: int | None = None,
     ):
         if not name or len(name) > MAX_TENSOR_NAME_CHARS or name == METADATA_KEY:
             raise _bad_tensor(name, f"name must be 1-{MAX_TENSOR_NAME_CHARS} characters")
@@ -82,6 +95,20 @@ class TensorSink:
         self._out: ShardWriter | None = None
         self._encoder: XorZstdEncoder | None = None
         self.offset = 0
+        # encoded: the sender's xor+zstd frame of this many bytes against the base's tensor,
+        # collected as it streams and decoded into the shard by `finish`.
+        self.encoded, self._frame, self._base_entry = encoded, None, None
+        if encoded is not None:
+            entry = stage.base.entries.get(name) if stage.base is not None else None
+            if stage.expected is not None or entry is None:
+                raise _bad_tensor(name, "an xor+zstd tensor the base does not have")
+            if (entry.info.dtype, tuple(entry.info.shape)) != (dtype, tuple(shape)):
+                raise _bad_tensor(
+                    name,
+                    f"an xor+zstd tensor of {dtype}{list(shape)} against "
+                    f"{entry.info.dtype}{list(entry.info.shape)} in the base",
+                )
+            self._frame, self._base_entry = bytearray(), entry
         if stage.expected is None:
             # A complete single-tensor shard: the store links it in, never rewrites it.
             head = tensor_header(name, dtype, shape, self.size, adler or "0" * 8, align=ALIGN)
@@ -91,18 +118,28 @@ class TensorSink:
                 self.abort()
                 raise disk_full(exc, f"cannot stage {name}") from exc
             self.offset = len(head)
-            self._encoder = stage.encoder(name, dtype, tuple(shape), self.size)
+            if encoded is None:
+                self._encoder = stage.encoder(name, dtype, tuple(shape), self.size)
+
+    @property
+    def expected_bytes(self) -> int:
+        """Bytes this tensor takes on the stream: its frame's, or its own."""
+        return self.encoded if self.encoded is not None else self.size
 
     @property
     def complete(self) -> bool:
-        return self.received == self.size
+        return self.received == self.expected_bytes
 
     def write(self, offset: int, data: Any) -> None:
         view = memoryview(data).cast("B")
         if offset != self.received:
             raise _bad_tensor(self.name, f"chunk at offset {offset}, expected {self.received}")
-        if self.received + view.nbytes > self.size:
-            raise _bad_tensor(self.name, f"more than its {self.size} bytes")
+        if self.received + view.nbytes > self.expected_bytes:
+            raise _bad_tensor(self.name, f"more than its {self.expected_bytes} bytes")
+        if self._frame is not None:
+            self._frame += view
+            self.received += view.nbytes
+            return
         # SHA-256, the dearest pass, runs on its own thread beside the rest (hashlib releases the
         # GIL); one update in flight per tensor keeps them in order.
         if self._sha_pending is not None:
@@ -123,7 +160,9 @@ class TensorSink:
 
     def finish(self) -> TensorRecord:
         if not self.complete:
-            raise _bad_tensor(self.name, f"{self.received} of {self.size} bytes")
+            raise _bad_tensor(self.name, f"{self.received} of {self.expected_bytes} bytes")
+        if self._frame is not None:
+            self._decode()
         self._wait_sha()
         self._wait_encoder()
         got = format_adler32(self._adler)
@@ -142,6 +181,50 @@ class TensorSink:
         record = TensorRecord(self.dtype, self.shape, self.size, got, self._sha.hexdigest())
         self.stage.accept(self, record)
         return record
+
+    def _decode(self) -> None:
+        """Decodes the sender's frame against the base into the shard: Adler-32 and SHA-256 of
+        the new bytes computed on the way (SHA-256 on its own thread), the frame kept as this
+        tensor's delta (None when it changes nothing)."""
+        frame, self._frame = bytes(self._frame), None
+        try:
+            declared = frame_content_size(frame)
+        except DeltaError as exc:
+            self.abort()
+            raise DataLoss(
+                f"{self.name}: {exc}", reason="CORRUPT_DELTA", metadata={"tensor": self.name}
+            ) from exc
+        if declared is None:
+            self.abort()
+            raise _bad_tensor(self.name, "the xor+zstd frame must declare its content size")
+        entry = self._base_entry
+        pieces = (
+            read_range(entry.shard.path, entry.shard.data_start + entry.info.begin, self.size)
+            if self.size
+            else iter([b""])
+        )
+        try:
+            chunks = XorZstdChunks(frame, pieces, self.size)
+            for chunk in chunks:
+                self._wait_sha()  # the buffer the next chunk is decoded into is hashed by now
+                self._sha_pending = _HASHERS.submit(self._sha.update, chunk)
+                self._adler = adler32(chunk, self._adler)
+                self._out.write(chunk)
+            self._wait_sha()
+        except DeltaError as exc:
+            self.abort()
+            raise DataLoss(
+                f"{self.name}: {exc}", reason="CORRUPT_DELTA", metadata={"tensor": self.name}
+            ) from exc
+        except OSError as exc:
+            self.abort()
+            raise disk_full(exc, f"cannot stage {self.name}") from exc
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
+        with self.stage._lock:
+            self.stage.frames[self.name] = (frame, self._adler) if chunks.changed else None
 
     def _wait_encoder(self) -> None:
         if self._encoder_pending is not None:
@@ -255,13 +338,19 @@ class PublishStage:
         return (self.path / MANIFEST).is_file()
 
     def begin_tensor(
-        self, name: str, dtype: str, shape: tuple[int, ...], adler: str | None
+        self,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        adler: str | None,
+        *,
+        encoded: int | None = None,
     ) -> TensorSink:
         if self.expected is not None:
             want = self.expected.get(name)
             if want is None or (want.dtype, want.shape) != (dtype, tuple(shape)):
                 raise content_mismatch(self.header["identity"], "tensors differ", name)
-        return TensorSink(self, name, dtype, tuple(shape), adler)
+        return TensorSink(self, name, dtype, tuple(shape), adler, encoded)
 
     def encoder(
         self, name: str, dtype: str, shape: tuple[int, ...], size: int

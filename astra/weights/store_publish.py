@@ -16,7 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from astra.errors import AlreadyExists, AstraError, InvalidArgument, Unavailable
+from astra.errors import (
+    AlreadyExists,
+    AstraError,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+)
 from astra.weights.apply import worker_count
 from astra.weights.checksum import adler32_hex
 from astra.weights.layout import (
@@ -105,7 +111,13 @@ class PublishSession:
     """One publish stream's view of the store; close it whatever happens."""
 
     def __init__(
-        self, store: Store, policy: str, identity: str, version: int, metadata: dict[str, str]
+        self,
+        store: Store,
+        policy: str,
+        identity: str,
+        version: int,
+        metadata: dict[str, str],
+        delta_base: str = "",
     ) -> None:
         if version < 0:
             raise InvalidArgument("version must be >= 0", reason="INVALID_VERSION")
@@ -135,6 +147,14 @@ class PublishSession:
                 expected = self.existing.tensors
             path = store.policy_dir(policy) / "staging" / dirname_for(identity)
             base, base_identity = (None, "") if expected is not None else _open_base(store, policy)
+            if delta_base and (base is None or base_identity != delta_base):
+                now = "an existing identity" if expected is not None else repr(base_identity)
+                raise FailedPrecondition(
+                    f"xor+zstd tensors against {delta_base!r}, but the publish of {identity!r} "
+                    f"decodes against {now}: publish raw tensors",
+                    reason="PUBLISH_BASE_NOT_CURRENT",
+                    metadata={"base_version_id": delta_base, "current": base_identity},
+                )
             self.stage = PublishStage(
                 path, header, expected=expected, durable=store.config.durable,
                 base=base, base_identity=base_identity, level=store.config.zstd_level,
@@ -150,8 +170,17 @@ class PublishSession:
         """Tensors already staged by an earlier attempt; the client skips them."""
         return sorted(self.stage.held)
 
-    def begin_tensor(self, name: str, dtype: str, shape: tuple[int, ...], adler: str) -> TensorSink:
-        return self.stage.begin_tensor(name, dtype, shape, adler)
+    def begin_tensor(
+        self,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        adler: str,
+        *,
+        encoded: int | None = None,
+    ) -> TensorSink:
+        """A tensor's sink: raw bytes, or (encoded: its length) an xor+zstd frame against the base."""
+        return self.stage.begin_tensor(name, dtype, shape, adler, encoded=encoded)
 
     def add_file(self, name: str, content: bytes) -> None:
         if name in self.stage.files:
@@ -219,11 +248,17 @@ class StorePublishing:
         identity: str,
         version: int,
         metadata: Mapping[str, str] | None = None,
+        *,
+        delta_base: str = "",
     ) -> PublishSession:
-        """Opens (or resumes) a streamed publish; the caller must close the session."""
+        """Opens (or resumes) a streamed publish; the caller must close the session.
+
+        delta_base: the sender's tensors may be xor+zstd frames against this
+        identity, which must be the current version (FAILED_PRECONDITION otherwise).
+        """
         check_policy(policy)
         check_identity(identity)
-        return PublishSession(self, policy, identity, version, dict(metadata or {}))
+        return PublishSession(self, policy, identity, version, dict(metadata or {}), delta_base)
 
     def publish(
         self: Store,

@@ -104,7 +104,7 @@ class TensorAck(_message.Message):
     def __init__(self, name: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("policy_id", "version_id", "version", "num_tensors", "metadata")
+    __slots__ = ("policy_id", "version_id", "version", "num_tensors", "metadata", "base_version_id")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,12 +117,14 @@ class PublishHeader(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
     policy_id: str
     version_id: str
     version: int
     num_tensors: int
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, policy_id: _Optional[str] = ..., version_id: _Optional[str] = ..., version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    base_version_id: str
+    def __init__(self, policy_id: _Optional[str] = ..., version_id: _Optional[str] = ..., version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., base_version_id: _Optional[str] = ...) -> None: ...
 
 class PublishCommit(_message.Message):
     __slots__ = ("num_tensors",)

@@ -41,8 +41,13 @@ class WeightServiceStub:
     Adler-32 everywhere is zlib.adler32(data, 1) of a tensor's raw bytes
     (little-endian, row-major), formatted as 8 lowercase hex digits.
 
-    The trainer always sends raw tensors; the service computes deltas against
-    the chain, so a trainer never waits for receivers or for encoding.
+    The trainer sends raw tensors, or xor+zstd frames against the version it
+    published last when that is still the policy's current version
+    (PublishHeader.base_version_id): it encodes against its own host copy, so
+    a publish moves the delta, not the model, and it never waits for
+    receivers. The service verifies every tensor by decoding it against its
+    copy of that version, and computes every other delta (composed chains,
+    full copies) itself.
 
     Errors carry a google.rpc.ErrorInfo (domain "astra.weights.v1").
     Size limits: one stream message is at most 8 MiB; tensors are split over
@@ -108,8 +113,13 @@ class WeightServiceServicer:
     Adler-32 everywhere is zlib.adler32(data, 1) of a tensor's raw bytes
     (little-endian, row-major), formatted as 8 lowercase hex digits.
 
-    The trainer always sends raw tensors; the service computes deltas against
-    the chain, so a trainer never waits for receivers or for encoding.
+    The trainer sends raw tensors, or xor+zstd frames against the version it
+    published last when that is still the policy's current version
+    (PublishHeader.base_version_id): it encodes against its own host copy, so
+    a publish moves the delta, not the model, and it never waits for
+    receivers. The service verifies every tensor by decoding it against its
+    copy of that version, and computes every other delta (composed chains,
+    full copies) itself.
 
     Errors carry a google.rpc.ErrorInfo (domain "astra.weights.v1").
     Size limits: one stream message is at most 8 MiB; tensors are split over
@@ -261,8 +271,13 @@ class WeightService:
     Adler-32 everywhere is zlib.adler32(data, 1) of a tensor's raw bytes
     (little-endian, row-major), formatted as 8 lowercase hex digits.
 
-    The trainer always sends raw tensors; the service computes deltas against
-    the chain, so a trainer never waits for receivers or for encoding.
+    The trainer sends raw tensors, or xor+zstd frames against the version it
+    published last when that is still the policy's current version
+    (PublishHeader.base_version_id): it encodes against its own host copy, so
+    a publish moves the delta, not the model, and it never waits for
+    receivers. The service verifies every tensor by decoding it against its
+    copy of that version, and computes every other delta (composed chains,
+    full copies) itself.
 
     Errors carry a google.rpc.ErrorInfo (domain "astra.weights.v1").
     Size limits: one stream message is at most 8 MiB; tensors are split over

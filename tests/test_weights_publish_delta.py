@@ -1,0 +1,168 @@
+"""Publishing xor+zstd frames against the version the sender published last."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from astra.clients.weights import WeightClient
+from astra.clients.weights_publish import publish_version
+from astra.clients.weights_stream import Receiver
+from astra.weights.checksum import adler32_hex
+from astra.weights.delta import encode_xor_zstd
+from astra.weights.layout import Version
+from astra.weights.v1 import weight_service_pb2 as pb
+from tests.test_weights_service import _expect, _stream, run, serving
+from tests.test_weights_store import bf16_model, chain_of, same
+
+
+def full_bytes(model: dict) -> int:
+    return sum(len(b) for _, _, b in model.values())
+
+
+def test_delta_publishes_move_frames_and_fetch_bit_exact(tmp_path: Path) -> None:
+    models = chain_of(5, seed=31, size=1 << 15)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store", full_every=3) as server:
+            receiver = Receiver(server.address, "p", tmp_path / "rx", durable=False)
+            first = await publish_version(server.address, "p", "v0", 0, models[0])
+            assert first.delta_base == "" and first.bytes_sent == full_bytes(models[0])
+            await receiver.fetch()
+            for i in range(1, 5):
+                result = await publish_version(
+                    server.address, "p", f"v{i}", i, models[i], base=(f"v{i - 1}", models[i - 1])
+                )
+                assert result.delta_base == f"v{i - 1}" and result.version.version_id == f"v{i}"
+                assert 0 < result.bytes_sent < full_bytes(models[i]) / 10
+                fetched = await receiver.fetch()
+                assert fetched.plan == "delta" and same(receiver.current_path, models[i])
+                # What the store keeps is its own, complete: every tensor checks out.
+                async with WeightClient(server.address) as client:
+                    got = await client.get_version("p", f"v{i}")
+                assert {t.name: t.adler32 for t in got.tensors} == {
+                    n: adler32_hex(b) for n, (_, _, b) in models[i].items()
+                }
+            with Version(server.store.cache.full_dir("p", server.store.chain("p").head)) as v:
+                assert {n: e.checksum for n, e in v.entries.items()} == {
+                    n: adler32_hex(b) for n, (_, _, b) in models[4].items()
+                }
+            assert server.store.chain("p").get("v4").kind == "delta"
+            await receiver.close()
+
+    run(body())
+
+
+def test_a_base_that_is_not_current_or_differs_is_published_raw(tmp_path: Path) -> None:
+    models = chain_of(4, seed=32)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            await publish_version(server.address, "p", "v1", 1, models[1])
+            # The sender's base is v0, the service's current is v1: refused, then sent raw.
+            stale = await publish_version(
+                server.address, "p", "v2", 2, models[2], base=("v0", models[0])
+            )
+            assert stale.delta_base == "" and stale.version.version_id == "v2"
+            # The sender names v2 but its copy is other bytes: frames fail their checksums.
+            wrong = {n: (d, s, bytes(len(b))) for n, (d, s, b) in models[2].items()}
+            differs = await publish_version(
+                server.address, "p", "v3", 3, models[3], base=("v2", wrong)
+            )
+            assert differs.delta_base == "" and differs.bytes_sent >= full_bytes(models[3])
+            async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
+                await rx.fetch("v3")
+                assert same(rx.current_path, models[3])
+
+    run(body())
+
+
+def _delta_tensor(name: str, frame: bytes, size: int, adler: str) -> list:
+    h = pb.TensorHeader(name=name, dtype="BF16", shape=[size // 128, 64], adler32=adler)
+    h.encoding = pb.TENSOR_ENCODING_XOR_ZSTD
+    h.size_bytes, h.encoded_size_bytes = size, len(frame)
+    return [
+        pb.PublishVersionRequest(tensor=h),
+        pb.PublishVersionRequest(chunk=pb.TensorChunk(offset=0, data=frame)),
+    ]
+
+
+def test_bad_frames_are_refused_naming_the_tensor_and_nothing_is_committed(
+    tmp_path: Path,
+) -> None:
+    m0 = bf16_model(33)
+    m1 = chain_of(2, seed=33)[1]
+    code = grpc.StatusCode
+    name = "layers.0.w"
+    old, new = m0[name][2], m1[name][2]
+    frame = encode_xor_zstd(np.frombuffer(new, np.uint8), np.frombuffer(old, np.uint8))
+
+    def header(base: str = "v0") -> pb.PublishVersionRequest:
+        h = pb.PublishHeader(policy_id="p", version_id="v1", version=1, num_tensors=1)
+        h.base_version_id = base
+        return pb.PublishVersionRequest(header=h)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server, WeightClient(server.address) as client:
+            stub = client.stub
+            await publish_version(server.address, "p", "v0", 0, m0)
+            ok = adler32_hex(new)
+            no_base = header("")
+            await _expect(
+                _stream(stub.PublishVersion, [no_base, *_delta_tensor(name, frame, len(new), ok)]),
+                code.INVALID_ARGUMENT,
+                "INVALID_TENSOR",
+            )
+            await _expect(
+                _stream(stub.PublishVersion, [header("v9")]),
+                code.FAILED_PRECONDITION,
+                "PUBLISH_BASE_NOT_CURRENT",
+            )
+            await _expect(
+                _stream(stub.PublishVersion, [header("../x")]),
+                code.INVALID_ARGUMENT,
+                "INVALID_IDENTITY",
+            )
+            sizeless = b"\x28\xb5\x2f\xfd" + bytes(40)  # a frame header declaring no size
+            await _expect(
+                _stream(stub.PublishVersion, [header(), *_delta_tensor(name, sizeless, 4096, ok)]),
+                code.INVALID_ARGUMENT,
+                "INVALID_TENSOR",
+                tensor=name,
+            )
+            cut = frame[: len(frame) // 2]  # half a frame
+            await _expect(
+                _stream(stub.PublishVersion, [header(), *_delta_tensor(name, cut, len(new), ok)]),
+                code.DATA_LOSS,
+                "CORRUPT_DELTA",
+                tensor=name,
+            )
+            bad_sum = "0" * 8
+            await _expect(
+                _stream(
+                    stub.PublishVersion, [header(), *_delta_tensor(name, frame, len(new), bad_sum)]
+                ),
+                code.DATA_LOSS,
+                "CHECKSUM_MISMATCH",
+                tensor=name,
+            )
+            huge = pb.PublishVersionRequest(tensor=pb.TensorHeader(
+                name=name, dtype="BF16", shape=[len(new) // 128, 64], adler32=ok,
+                encoding=pb.TENSOR_ENCODING_XOR_ZSTD, size_bytes=len(new),
+                encoded_size_bytes=2 * len(new),
+            ))  # fmt: skip
+            await _expect(
+                _stream(stub.PublishVersion, [header(), huge]),
+                code.INVALID_ARGUMENT,
+                "INVALID_TENSOR",
+            )
+            page = await client.list_versions("p")
+            assert [v.version_id for v in page.versions] == ["v0"], "nothing committed"
+            # The server keeps serving: the same version, sent right, commits as a delta.
+            result = await publish_version(server.address, "p", "v1", 1, m1, base=("v0", m0))
+            assert result.delta_base == "v0" and result.version.kind == pb.VERSION_KIND_DELTA
+
+    run(body())
