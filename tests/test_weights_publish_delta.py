@@ -6,6 +6,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 
 from astra.clients.weights import WeightClient
 from astra.clients.weights_publish import publish_version
@@ -22,11 +23,12 @@ def full_bytes(model: dict) -> int:
     return sum(len(b) for _, _, b in model.values())
 
 
-def test_delta_publishes_move_frames_and_fetch_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hot_bytes", [0, 1 << 20], ids=["base-on-disk", "base-in-ram"])
+def test_delta_publishes_move_frames_and_fetch_bit_exact(tmp_path: Path, hot_bytes: int) -> None:
     models = chain_of(5, seed=31, size=1 << 15)
 
     async def body() -> None:
-        async with serving(tmp_path / "store", full_every=3) as server:
+        async with serving(tmp_path / "store", full_every=3, hot_bytes=hot_bytes) as server:
             receiver = Receiver(server.address, "p", tmp_path / "rx", durable=False)
             first = await publish_version(server.address, "p", "v0", 0, models[0])
             assert first.delta_base == "" and first.bytes_sent == full_bytes(models[0])
@@ -50,6 +52,8 @@ def test_delta_publishes_move_frames_and_fetch_bit_exact(tmp_path: Path) -> None
                     n: adler32_hex(b) for n, (_, _, b) in models[4].items()
                 }
             assert server.store.chain("p").get("v4").kind == "delta"
+            in_ram = server.store.counters["publish_base_in_memory"]
+            assert in_ram == (4 if hot_bytes else 0), "each delta decoded against the RAM copy"
             await receiver.close()
 
     run(body())

@@ -33,6 +33,7 @@ from astra.errors import DataLoss
 from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
 from astra.weights.delta import DeltaError, decode_xor_zstd_into
 from astra.weights.layout import ChecksumMismatch
+from astra.weights.pool import BufferPool
 from astra.weights.safetensors_io import FormatError, tensor_nbytes
 
 
@@ -208,33 +209,6 @@ class MemoryStage:
 
     def files(self) -> dict[str, bytes]:
         return dict(sorted(self._files.items()))
-
-
-class BufferPool:
-    """Spare tensor buffers by size, at most `max_bytes` in all."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes, self.bytes = max_bytes, 0
-        self._spare: dict[int, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-        self.reused = 0  # buffers handed out again
-
-    def put(self, buf: np.ndarray) -> bool:
-        with self._lock:
-            if self.bytes + buf.nbytes > self.max_bytes:
-                return False
-            self._spare.setdefault(buf.nbytes, []).append(buf)
-            self.bytes += buf.nbytes
-            return True
-
-    def take(self, size: int) -> np.ndarray | None:
-        with self._lock:
-            free = self._spare.get(size)
-            if not free:
-                return None
-            self.bytes -= size
-            self.reused += 1
-            return free.pop()
 
 
 def _sole_owner(held: HeldTensor, refs_to_held: int) -> bool:

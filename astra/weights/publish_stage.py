@@ -26,9 +26,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from astra.errors import AlreadyExists, DataLoss, InvalidArgument
 from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
 from astra.weights.delta import DeltaError, XorZstdChunks, XorZstdEncoder, frame_content_size
+from astra.weights.hot import BufferCursor, HotBuilder, HotVersion
 from astra.weights.layout import Tensor, Version
 from astra.weights.records import TensorRecord, disk_full, fsync_path
 from astra.weights.safetensors_io import METADATA_KEY, tensor_nbytes
@@ -97,7 +100,8 @@ class TensorSink:
         self.offset = 0
         # encoded: the sender's xor+zstd frame of this many bytes against the base's tensor,
         # collected as it streams and decoded into the shard by `finish`.
-        self.encoded, self._frame, self._base_entry = encoded, None, None
+        self.encoded, self._frame = encoded, None
+        self._hot: Any = None
         if encoded is not None:
             entry = stage.base.entries.get(name) if stage.base is not None else None
             if stage.expected is not None or entry is None:
@@ -108,7 +112,7 @@ class TensorSink:
                     f"an xor+zstd tensor of {dtype}{list(shape)} against "
                     f"{entry.info.dtype}{list(entry.info.shape)} in the base",
                 )
-            self._frame, self._base_entry = bytearray(), entry
+            self._frame = bytearray()
         if stage.expected is None:
             # A complete single-tensor shard: the store links it in, never rewrites it.
             head = tensor_header(name, dtype, shape, self.size, adler or "0" * 8, align=ALIGN)
@@ -120,6 +124,9 @@ class TensorSink:
             self.offset = len(head)
             if encoded is None:
                 self._encoder = stage.encoder(name, dtype, tuple(shape), self.size)
+            # The new bytes in RAM as they pass, for the publish after this one.
+            if stage.hot_new is not None:
+                self._hot = stage.hot_new.begin(name, self.size)
 
     @property
     def expected_bytes(self) -> int:
@@ -146,6 +153,8 @@ class TensorSink:
             self._sha_pending.result()
         self._sha_pending = _HASHERS.submit(self._sha.update, view)
         self._adler = adler32(view, self._adler)
+        if self._hot is not None:
+            self._hot[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
         if self._out is not None:
             try:
                 if (
@@ -197,18 +206,16 @@ class TensorSink:
         if declared is None:
             self.abort()
             raise _bad_tensor(self.name, "the xor+zstd frame must declare its content size")
-        entry = self._base_entry
-        pieces = (
-            read_range(entry.shard.path, entry.shard.data_start + entry.info.begin, self.size)
-            if self.size
-            else iter([b""])
-        )
+        pieces = self.stage.base_bytes(self.name, self.size) if self.size else iter([b""])
         try:
-            chunks = XorZstdChunks(frame, pieces, self.size)
+            chunks, pos = XorZstdChunks(frame, pieces, self.size), 0
             for chunk in chunks:
                 self._wait_sha()  # the buffer the next chunk is decoded into is hashed by now
                 self._sha_pending = _HASHERS.submit(self._sha.update, chunk)
                 self._adler = adler32(chunk, self._adler)
+                if self._hot is not None:
+                    self._hot[pos : pos + chunk.size] = chunk
+                pos += chunk.size
                 self._out.write(chunk)
             self._wait_sha()
         except DeltaError as exc:
@@ -259,6 +266,9 @@ class TensorSink:
         return final
 
     def abort(self) -> None:
+        if self._hot is not None and self.stage.hot_new is not None:
+            self.stage.hot_new.forget(self.name)
+            self._hot = None
         with contextlib.suppress(Exception):
             self._wait_sha()  # the hasher and the encoder may still read the caller's buffer
         with contextlib.suppress(Exception):
@@ -285,10 +295,14 @@ class PublishStage:
         base: Version | None = None,
         base_identity: str = "",
         level: int = 1,
+        hot_base: HotVersion | None = None,
+        hot_new: HotBuilder | None = None,
     ) -> None:
         self.path, self.header, self.expected, self.durable = path, header, expected, durable
-        # The version the frames are encoded against (the current one when the stage opened).
+        # The version the frames are encoded against (the current one when the stage opened),
+        # read from RAM when the store holds it there (hot_base); hot_new collects the new bytes.
         self.base, self.base_identity, self.level = base, base_identity, level
+        self.hot_base, self.hot_new = hot_base, hot_new
         # xor+zstd frame against the base and Adler-32 of each tensor received in this
         # session (None: identical to the base); tensors held from an earlier session have none.
         self.frames: dict[str, tuple[bytes, int] | None] = {}
@@ -352,6 +366,18 @@ class PublishStage:
                 raise content_mismatch(self.header["identity"], "tensors differ", name)
         return TensorSink(self, name, dtype, tuple(shape), adler, encoded)
 
+    def base_bytes(self, name: str, size: int) -> Any:
+        """The base tensor's bytes as consecutive pieces (RAM when held there, else its file)."""
+        held = self.hot_base.get(name, size) if self.hot_base is not None else None
+        if held is not None:
+            return iter([held])
+        entry = self.base.entries[name]
+        return read_range(entry.shard.path, entry.shard.data_start + entry.info.begin, size)
+
+    def hot_version(self, identity: str, records: dict[str, TensorRecord]) -> HotVersion | None:
+        """The new version's bytes in RAM when every tensor passed through this stage."""
+        return self.hot_new.finish(identity, records) if self.hot_new is not None else None
+
     def encoder(
         self, name: str, dtype: str, shape: tuple[int, ...], size: int
     ) -> XorZstdEncoder | None:
@@ -359,7 +385,11 @@ class PublishStage:
         entry = self.base.entries.get(name) if self.base is not None else None
         if entry is None or (entry.info.dtype, entry.info.shape) != (dtype, shape) or not size:
             return None
-        cursor = RangeCursor(entry.shard.path, entry.shard.data_start + entry.info.begin, size)
+        held = self.hot_base.get(name, size) if self.hot_base is not None else None
+        if held is not None:
+            cursor: Any = BufferCursor(held)
+        else:
+            cursor = RangeCursor(entry.shard.path, entry.shard.data_start + entry.info.begin, size)
         scratch = BUFFERS.get()
         return XorZstdEncoder(cursor, size, self.level, scratch, lambda: BUFFERS.put(scratch))
 
@@ -371,6 +401,9 @@ class PublishStage:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.flush()
+        if self.hot_new is not None:
+            self.hot_new.close()
+        self.hot_base = None
         if self.base is not None:
             self.base.close()
             self.base = None

@@ -29,7 +29,9 @@ from pathlib import Path
 from astra.errors import FailedPrecondition, InvalidArgument, NotFound
 from astra.weights.chain import Chain
 from astra.weights.checkpoint import LayoutChanged, write_delta, write_full
+from astra.weights.hot import HotVersion
 from astra.weights.layout import Tensor
+from astra.weights.pool import BufferPool
 from astra.weights.publish_stage import content_mismatch
 from astra.weights.receivers import Receivers
 from astra.weights.records import (
@@ -60,10 +62,16 @@ class StoreConfig:
     receiver_ttl_s: float = 3600.0  # a receiver's registration lapses after this
     zstd_level: int = 1
     durable: bool = True  # fsync before every rename
+    # A policy's current version is kept in RAM when at most this large, so the next publish is
+    # encoded or decoded against memory instead of a read of the whole model from disk; up to
+    # twice this per policy while a publish builds the next one. 0: never.
+    hot_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
         if not 1 <= self.full_every <= 64:
             raise InvalidArgument("full_every must be 1-64", reason="INVALID_CONFIG")
+        if self.hot_bytes < 0:
+            raise InvalidArgument("hot_bytes must be >= 0", reason="INVALID_CONFIG")
         if self.max_chain < 1 or self.keep_versions < 1 or self.receiver_ttl_s <= 0:
             raise InvalidArgument(
                 "max_chain and keep_versions must be >= 1, receiver_ttl_s > 0",
@@ -79,6 +87,9 @@ class Store(StorePublishing, StoreLifecycle):
         self.config = config or StoreConfig()
         self.counters: collections.Counter[str] = collections.Counter()
         self.cache = VersionCache(self)
+        # Each policy's current version in RAM (astra.weights.hot), and the buffers to reuse.
+        self.hot: dict[str, HotVersion] = {}
+        self.hot_pool = BufferPool(self.config.hot_bytes)
         self._chains: dict[str, Chain] = {}
         self._guard = threading.Lock()
         self._policy_locks: dict[str, threading.RLock] = {}
@@ -155,6 +166,7 @@ class Store(StorePublishing, StoreLifecycle):
         request_id: str = "",
         shards: Mapping[str, Path] | None = None,
         frames: tuple[str, Mapping[str, tuple[bytes, int] | None]] | None = None,
+        hot: HotVersion | None = None,
     ) -> tuple[VersionRecord, bool]:
         """Stores a version whose tensors are verified; idempotent for the same content.
 
@@ -163,6 +175,7 @@ class Store(StorePublishing, StoreLifecycle):
         full copies are then linked from them instead of written again.
         `frames` is (base identity, tensors already encoded against it); used
         when that base is still the current version, so the delta is encoded once.
+        `hot`: the version's bytes in RAM, kept as the policy's current version's.
         """
         check_files(files)
         if version < 0:
@@ -207,6 +220,10 @@ class Store(StorePublishing, StoreLifecycle):
                 except OSError:
                     log.warning("%s: no full copy cached for %s", policy, identity, exc_info=True)
             self._set_current(policy, record)
+            if hot is not None and hot.identity == identity:
+                self.hot[policy] = hot
+            else:
+                self.hot.pop(policy, None)
             self.cache.keep_full(policy, {identity, record.base} | self._inflight_ids(policy))
             self.gc(policy)
             return record, False

@@ -25,6 +25,7 @@ from astra.errors import (
 )
 from astra.weights.apply import worker_count
 from astra.weights.checksum import adler32_hex
+from astra.weights.hot import HotBuilder
 from astra.weights.layout import (
     INDEX_NAME,
     SHARD_SUFFIX,
@@ -155,10 +156,18 @@ class PublishSession:
                     reason="PUBLISH_BASE_NOT_CURRENT",
                     metadata={"base_version_id": delta_base, "current": base_identity},
                 )
+            hot = store.hot.get(policy)
+            hot_base = hot if hot is not None and hot.identity == base_identity else None
+            hot_new = None
+            if expected is None and store.config.hot_bytes:
+                hot_new = HotBuilder(store.hot_pool, store.config.hot_bytes)
             self.stage = PublishStage(
                 path, header, expected=expected, durable=store.config.durable,
                 base=base, base_identity=base_identity, level=store.config.zstd_level,
+                hot_base=hot_base, hot_new=hot_new,
             )  # fmt: skip
+            if hot_base is not None:
+                store.counters["publish_base_in_memory"] += 1
         except BaseException:
             if base is not None and self.stage is None:
                 base.close()
@@ -210,6 +219,7 @@ class PublishSession:
                 self.metadata,
                 shards=self.stage.shards(),
                 frames=(self.stage.base_identity, dict(self.stage.frames)),
+                hot=self.stage.hot_version(self.identity, records),
             )
         except AlreadyExists:
             self.stage.remove()  # refused content leaves nothing behind

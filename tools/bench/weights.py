@@ -347,6 +347,7 @@ class Bench:
         self.loop = asyncio.new_event_loop()
         self.version = 0
         self.update_seed = 1000
+        self.last: tuple | None = None
 
     def start(self, shard_files: list[Path], total: int) -> None:
         logs = self.tmp / "logs"
@@ -412,11 +413,19 @@ class Bench:
     # -- Astra --
 
     def publish(self, model: dict, identity: str, version: int):
-        from astra.clients.weights_stream import publish_version
+        """As the trainer publishes: xor+zstd frames against the version it published last."""
+        from astra.clients.weights_publish import publish_version
 
         return self.loop.run_until_complete(
-            publish_version(self.service.address, POLICY, identity, version, as_tensors(model))
+            publish_version(
+                self.service.address, POLICY, identity, version, as_tensors(model), base=self.last
+            )
         )
+
+    def keep(self, model: dict, identity: str) -> None:
+        """The trainer's host copy of what it published (outside the clock)."""
+        self.last = None
+        self.last = (identity, as_tensors({n: a.copy() for n, a in model.items()}))
 
     def astra_trial(
         self, model: dict, kind: str, *, link: bool = False, n: int = 4, memory: bool = False
@@ -458,12 +467,15 @@ class Bench:
             assert o["plan"] == kind and o["verified"], (kind, o)
             assert o["attempts"] == 1, o
         assert published.version.version_id == identity and not published.already_existed
+        assert published.delta_base == (self.last[0] if self.last else ""), published
+        self.keep(model, identity)
         r = {
             "identity": identity,
             "kind": kind,
             "link": link,
             "memory": memory,
             "publish_s": t_pub - t0,
+            "publish_bytes": published.bytes_sent,
             "fetch_s": t_end - t_pub,
             "e2e_s": t_end - t0,
             "receivers": outs,
