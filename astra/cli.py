@@ -170,6 +170,15 @@ async def _serve_dataflow(config) -> None:
     show_default=True,
     help="In-flight sequences on a weight swap.",
 )
+@click.option(
+    "--weights-receive",
+    type=click.Choice(["auto", "memory", "disk"]),
+    default="auto",
+    show_default=True,
+    help="Where fetched versions are kept: memory (no disk round trip; a restart fetches a "
+    "full copy) or a directory under --state-dir; auto: memory for the torch engine, disk for "
+    "HTTP engines (they load by path).",
+)
 @_metrics_and_log_level()
 def serve_raas(
     dataflow: str,
@@ -191,6 +200,7 @@ def serve_raas(
     state_dir: str,
     device: str,
     on_swap: str,
+    weights_receive: str,
     metrics_port: int | None,
     log_level: str,
 ) -> None:
@@ -219,6 +229,7 @@ def serve_raas(
         state_dir=state_dir,
         device=device,
         on_swap=on_swap,
+        weights_receive=weights_receive,
         engine=engine,
         engine_url=engine_url,
         engine_args=engine_args,

@@ -31,6 +31,7 @@ class RaasOptions:
     state_dir: str = "./astra-state/raas"
     device: str = "cpu"
     on_swap: str = "continue"
+    weights_receive: str = "auto"  # memory | disk | auto (memory for the torch engine)
     grace_s: float = 5.0
     engine: str = "torch"
     engine_url: str = ""
@@ -54,7 +55,16 @@ async def serve_raas(opts: RaasOptions) -> None:
         opts.engine_python = sys.executable
     engine = await build_engine(opts)
     state = Path(opts.state_dir)
-    loader = ReceiverWeightLoader(state / "weights", receiver_prefix=opts.instance_id or "raas")
+    if opts.weights_receive not in ("auto", "memory", "disk"):
+        raise ValueError(f"weights_receive {opts.weights_receive!r}: auto, memory or disk")
+    if opts.weights_receive == "memory" and opts.engine != "torch":
+        raise ValueError(f"the {opts.engine} engine loads weights by path: weights_receive disk")
+    in_memory = opts.weights_receive == "memory" or (
+        opts.weights_receive == "auto" and opts.engine == "torch"
+    )
+    loader = ReceiverWeightLoader(
+        state / "weights", receiver_prefix=opts.instance_id or "raas", in_memory=in_memory
+    )
     backend = EngineBackend(engine, opts.workflows, loader, rewards=opts.rewards)
     server, servicer, registrar = await start_raas(
         backend,

@@ -1,10 +1,13 @@
-"""RaaS side of weight loading: fetch a version from a WeightService into local disk.
+"""RaaS side of weight loading: fetch a version from a WeightService into memory or local disk.
 
 Implements astra.raas.engine_backend.WeightLoader over the streaming
-`Receiver`: one receiver directory per policy under the RaaS's state
-directory, so later versions arrive as deltas against what it holds. The
-receiver verifies every tensor before the version becomes current; the
-engine then swaps from those verified files.
+`Receiver`, one per policy, so later versions arrive as deltas against what
+it holds. The receiver verifies every tensor before the version becomes
+current. On disk (what HTTP engines load by path) each policy has a receiver
+directory under the RaaS's state directory and the engine swaps from those
+verified files; in memory (`in_memory`, for the built-in torch engine) the
+version stays in the receiver's buffers and the engine copies from them, with
+no disk round trip; a restarted RaaS then fetches a full copy.
 
 One receiver per policy: when Dataflow names another WeightService address
 (the service restarted on a new port) the old receiver is closed and a new
@@ -35,8 +38,9 @@ class ReceiverWeightLoader:
         fetch_timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
         durable: bool = True,
+        in_memory: bool = False,
     ) -> None:
-        self.root = Path(root)
+        self.root, self.in_memory = Path(root), in_memory
         self.receiver_prefix = receiver_prefix
         self.fetch_timeout_s = fetch_timeout_s if fetch_timeout_s is not None else FETCH_TIMEOUT_S
         self.idle_timeout_s = idle_timeout_s if idle_timeout_s is not None else IDLE_TIMEOUT_S
@@ -45,19 +49,24 @@ class ReceiverWeightLoader:
 
     async def _receiver(self, policy_id: str, address: str) -> Receiver:
         rec = self._receivers.get(policy_id)
+        held: Any = True  # an in-memory receiver at a new address keeps what the old one held
         if rec is not None and rec.address != address:
             del self._receivers[policy_id]
             await rec.close()
-            rec = None
+            held, rec = rec.local, None
         if rec is None:
+            where: dict[str, Any] = (
+                {"directory": None, "in_memory": held, "keep_versions": 1}
+                if self.in_memory
+                else {"directory": self.root / policy_id, "durable": self.durable}
+            )
             rec = self._receivers[policy_id] = Receiver(
                 address,
                 policy_id,
-                self.root / policy_id,
                 receiver_id=f"{self.receiver_prefix}/{policy_id}",
                 timeout_s=self.fetch_timeout_s,
                 idle_timeout_s=self.idle_timeout_s,
-                durable=self.durable,
+                **where,
             )
         return rec
 
@@ -68,6 +77,10 @@ class ReceiverWeightLoader:
 
         receiver = await self._receiver(policy_id, weights_address)
         result = await receiver.fetch(version.version_id or str(version.version))
+        if result.held is not None:
+            from astra.engine.torch_weights import from_memory
+
+            return from_memory(result.held), result.bytes_received
         # A verified local directory: HTTP engines load it by path, the torch engine
         # reads its tensors lazily on its own worker thread.
         return WeightsDir(result.path), result.bytes_received

@@ -36,6 +36,7 @@ from astra.weights.v1 import weight_service_pb2 as pb
 
 DOMAIN = "astra.weights.v1"
 DRAIN_S = 5.0
+MAX_DECODING = 2
 
 
 async def first_message(requests: AsyncIterator[Any], timeout_s: float) -> Any | None:
@@ -122,11 +123,30 @@ async def _receive(
     # Verified tensors whose shard is still being synced: each is acknowledged once durable
     # (an acknowledged tensor survives a crash), while the stream goes on reading.
     syncing: list[TensorSink] = []
+    # xor+zstd tensors being decoded and verified off the stream (up to MAX_DECODING at once,
+    # so the next tensor's frame is read and decoded while one still hashes); acknowledged in order.
+    decoding: dict[TensorSink, asyncio.Future[Any]] = {}
+
+    def ready(s: TensorSink) -> bool:
+        busy = decoding.get(s)
+        if busy is not None and not busy.done():
+            return False
+        return s.synced is None or s.synced.done()
+
+    def check_decoding() -> None:
+        """Raises the first failure of a tensor still being decoded (the publish is refused)."""
+        for busy in decoding.values():
+            if busy.done() and busy.exception() is not None:
+                raise busy.exception()
 
     def durable_acks() -> list[pb.PublishVersionResponse]:
+        check_decoding()
         acks = []
-        while syncing and (syncing[0].synced is None or syncing[0].synced.done()):
+        while syncing and ready(syncing[0]):
             done = syncing.pop(0)
+            busy = decoding.pop(done, None)
+            if busy is not None:
+                busy.result()
             if done.synced is not None:
                 done.synced.result()
             ack = pb.TensorAck(name=done.name)
@@ -141,6 +161,7 @@ async def _receive(
         try:
             while True:
                 waits: set[asyncio.Future[Any]] = {pending}
+                waits |= {busy for busy in decoding.values() if not busy.done()}
                 if syncing and syncing[0].synced is not None:
                     waits.add(asyncio.wrap_future(syncing[0].synced))
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -201,6 +222,8 @@ async def _receive(
                             f"header said {h.num_tensors}",
                             reason="PUBLISH_INCOMPLETE",
                         )
+                    for busy in list(decoding.values()):
+                        await busy
                     for waiting in syncing:
                         if waiting.synced is not None:
                             await asyncio.wrap_future(waiting.synced)
@@ -220,10 +243,19 @@ async def _receive(
                     raise invalid_field("header", "sent twice", reason="UNEXPECTED_HEADER")
                 if sink is not None and sink.complete:
                     done, sink = sink, None
-                    await asyncio.to_thread(done.finish)
+                    if done.encoded is None:
+                        await asyncio.to_thread(done.finish)
+                    else:
+                        while sum(not b.done() for b in decoding.values()) >= MAX_DECODING:
+                            running = {b for b in decoding.values() if not b.done()}
+                            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                        check_decoding()
+                        decoding[done] = asyncio.ensure_future(asyncio.to_thread(done.finish))
                     syncing.append(done)
                 for ack in durable_acks():
                     yield ack
+            await settle(list(decoding.values()))
+            check_decoding()  # a tensor that failed says more than the missing commit
             raise InvalidArgument(
                 "the stream ended before PublishCommit; verified tensors stay staged",
                 reason="PUBLISH_INCOMPLETE",
@@ -231,3 +263,20 @@ async def _receive(
     finally:
         if sink is not None:
             sink.abort()
+        # Decoders write into the stage and its RAM copy: they end before the session closes.
+        await settle(list(decoding.values()))
+
+
+async def settle(futures: list[asyncio.Future[Any]]) -> None:
+    """Waits for every future, through cancellations too; their results are not wanted."""
+    if not futures:
+        return
+    everything = asyncio.gather(*futures, return_exceptions=True)
+    cancelled = False
+    while not everything.done():
+        try:
+            await asyncio.shield(everything)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError

@@ -72,6 +72,26 @@ def to_raw(tensor: Tensor) -> RawTensor:
     return RawTensor(DTYPE_NAMES[t.dtype], tuple(t.shape), data)
 
 
+def from_memory(held: Mapping[str, Any]) -> dict[str, Tensor]:
+    """Torch tensors over a receiver's in-memory version (astra.weights.memory), not copied.
+
+    They share the receiver's buffers, which are never written while anything
+    references them; a caller that keeps them keeps those buffers from reuse.
+    """
+    out = {}
+    for name, t in held.items():
+        if t.dtype not in TORCH_DTYPES:
+            raise InvalidArgument(
+                f"dtype {t.dtype} has no torch equivalent", reason="UNKNOWN_DTYPE"
+            )
+        dtype = TORCH_DTYPES[t.dtype]
+        if t.data.nbytes == 0:
+            out[name] = torch.empty(tuple(t.shape), dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(t.data, dtype=dtype).reshape(tuple(t.shape))
+    return out
+
+
 def as_torch_state(state: Mapping[str, Any]) -> dict[str, Tensor]:
     """Accepts torch tensors or raw (dtype, shape, buffer) tensors; returns torch tensors."""
     return {k: v if isinstance(v, Tensor) else to_torch(v) for k, v in state.items()}
