@@ -320,6 +320,35 @@ def test_the_weight_loader_follows_a_weight_service_to_its_new_address(tmp_path)
     run(body())
 
 
+def test_an_in_memory_loader_hands_the_engine_torch_tensors_and_follows_a_new_address(tmp_path):
+    """The torch engine's loader: versions stay in RAM, reach the engine as torch tensors over the
+    receiver's buffers, and what it holds carries to a service at a new address (a delta)."""
+    import torch
+
+    models = chain_of(2, seed=35)
+
+    async def body() -> None:
+        loader = ReceiverWeightLoader(tmp_path / "raas", in_memory=True)
+        try:
+            async with serving(tmp_path / "store") as first:
+                await publish_version(first.address, "p", "v0", 0, models[0])
+                state, _ = await loader.fetch("p", VersionSpec(0, "v0"), first.address)
+                async with serving(tmp_path / "store") as second:  # the restarted service
+                    await publish_version(second.address, "p", "v1", 1, models[1])
+                    state, fetched = await loader.fetch("p", VersionSpec(1, "v1"), second.address)
+                    assert 0 < fetched < sum(len(d) for _, _, d in models[1].values())  # a delta
+            assert not (tmp_path / "raas").exists(), "nothing written to disk"
+            for name, (_, shape, data) in models[1].items():
+                t = state[name]
+                assert isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
+                assert tuple(t.shape) == tuple(shape)
+                assert t.view(torch.uint8).reshape(-1).numpy().tobytes() == data
+        finally:
+            await loader.close()
+
+    run(body())
+
+
 # ----- Dataflow ----------------------------------------------------------------------------------
 
 
