@@ -198,8 +198,10 @@ async def publish_version(
                 address, policy, identity, version, views, files, metadata, (base[0], base_views),
                 chunk_bytes, max_attempts, backoff_s, timeout_s,
             )  # fmt: skip
-        except (errors.FailedPrecondition, errors.DataLoss) as exc:
-            if exc.reason not in DELTA_REFUSALS:
+        except (errors.FailedPrecondition, errors.DataLoss, errors.InvalidArgument) as exc:
+            # A service older than base_version_id refuses the encoding itself.
+            older = exc.metadata.get("field") == "tensor.encoding"
+            if exc.reason not in DELTA_REFUSALS and not older:
                 raise
             log.info("publish %s against %s refused (%s); sending raw tensors", identity,
                      base[0], exc.message)  # fmt: skip

@@ -45,7 +45,7 @@ from astra.weights.wire import deserializer, serialize
 
 log = logging.getLogger(__name__)
 CONTRACT_VERSION = "1.0.0"
-FEATURES = ["delta_xor_zstd", "chain_compose", "relay", "bandwidth_cap"]
+FEATURES = ["delta_xor_zstd", "chain_compose", "relay", "bandwidth_cap", "publish_xor_zstd"]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
 
 

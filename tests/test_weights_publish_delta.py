@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -168,5 +169,67 @@ def test_bad_frames_are_refused_naming_the_tensor_and_nothing_is_committed(
             # The server keeps serving: the same version, sent right, commits as a delta.
             result = await publish_version(server.address, "p", "v1", 1, m1, base=("v0", m0))
             assert result.delta_base == "v0" and result.version.kind == pb.VERSION_KIND_DELTA
+
+    run(body())
+
+
+def test_an_interrupted_delta_publish_resumes_with_the_tensors_already_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from astra.clients import weights_publish
+
+    models = chain_of(2, seed=34, size=1 << 15)
+    original = weights_publish._Preparer.get
+
+    async def dies_at_the_third_tensor(self, order, i):
+        if i == 2:
+            await asyncio.sleep(0.3)  # the service acknowledges the first two
+            raise ConnectionResetError("the trainer died")
+        return await original(self, order, i)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            monkeypatch.setattr(weights_publish._Preparer, "get", dies_at_the_third_tensor)
+            with pytest.raises(ConnectionResetError):
+                await publish_version(
+                    server.address, "p", "v1", 1, models[1], base=("v0", models[0])
+                )
+            monkeypatch.setattr(weights_publish._Preparer, "get", original)
+            result = await publish_version(
+                server.address, "p", "v1", 1, models[1], base=("v0", models[0])
+            )
+            assert result.delta_base == "v0" and result.tensors_skipped == 2
+            assert result.tensors_sent == len(models[1]) - 2
+            async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
+                await rx.fetch("v1")
+                assert same(rx.current_path, models[1])
+
+    run(body())
+
+
+def test_a_service_that_predates_delta_publishes_gets_raw_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from astra.errors import invalid_field
+    from astra.servers import weights_publish as servicer
+
+    def raw_only(h, delta_base=""):  # what check_publish_tensor did before base_version_id
+        if h.encoding not in (pb.TENSOR_ENCODING_UNSPECIFIED, pb.TENSOR_ENCODING_RAW):
+            raise invalid_field(
+                "tensor.encoding", "publishes send raw tensors", reason="INVALID_TENSOR"
+            )
+        return h.dtype, tuple(h.shape), None
+
+    models = chain_of(2, seed=36)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            monkeypatch.setattr(servicer, "check_publish_tensor", raw_only)
+            result = await publish_version(
+                server.address, "p", "v1", 1, models[1], base=("v0", models[0])
+            )
+            assert result.delta_base == "" and result.version.version_id == "v1"
 
     run(body())

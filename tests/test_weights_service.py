@@ -80,7 +80,7 @@ def test_publish_then_fetch_is_bit_exact_and_later_versions_come_as_deltas(tmp_p
                 assert status.current_versions[0].version_id == "v5"
                 assert f"p/{receiver.receiver_id}" in status.receivers
                 caps = await client.get_capabilities()
-                assert "chain_compose" in caps.capabilities.features
+                assert {"chain_compose", "publish_xor_zstd"} <= set(caps.capabilities.features)
             await receiver.close()
 
     run(body())

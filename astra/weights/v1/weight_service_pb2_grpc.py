@@ -203,7 +203,8 @@ class WeightServiceServicer:
 
     def GetCapabilities(self, request, context):
         """Returns the contract version and optional features. Read-only.
-        Features: "delta_xor_zstd", "chain_compose", "relay", "bandwidth_cap".
+        Features: "delta_xor_zstd", "chain_compose", "relay", "bandwidth_cap",
+        "publish_xor_zstd" (PublishHeader.base_version_id is understood).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
