@@ -30,11 +30,12 @@ from typing import Any
 import numpy as np
 
 from astra.errors import DataLoss
-from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
+from astra.weights.checksum import adler32, format_adler32
 from astra.weights.delta import DeltaError, decode_xor_zstd_into
 from astra.weights.layout import ChecksumMismatch
 from astra.weights.pool import BufferPool
-from astra.weights.safetensors_io import FormatError, tensor_nbytes
+from astra.weights.receive_stage import checked_sizes
+from astra.weights.safetensors_io import FormatError
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,8 @@ class MemoryIncoming:
         self, stage: MemoryStage, header: dict[str, Any], base: MemoryVersion | None
     ) -> None:
         self.stage, self.h, self.name = stage, header, header["name"]
-        if header["encoding"] not in ("raw", "xor_zstd"):
-            raise FormatError(f"unknown encoding {header['encoding']!r}", tensor=self.name)
-        size = tensor_nbytes(header["dtype"], header["shape"])
-        if size != header["size_bytes"]:
-            raise FormatError(f"header size {header['size_bytes']} != {size}", tensor=self.name)
-        if not is_adler32_hex(header["adler32"]):
-            raise FormatError(f"adler32 {header['adler32']!r} is malformed", tensor=self.name)
-        self.size, self.encoded = size, header["encoded_size_bytes"]
+        size, self.encoded = checked_sizes(header)
+        self.size = size
         self.base: HeldTensor | None = None
         self._frame: bytearray | None = None
         if header["encoding"] == "xor_zstd":

@@ -199,10 +199,7 @@ class TensorSink:
         try:
             declared = frame_content_size(frame)
         except DeltaError as exc:
-            self.abort()
-            raise DataLoss(
-                f"{self.name}: {exc}", reason="CORRUPT_DELTA", metadata={"tensor": self.name}
-            ) from exc
+            raise self._corrupt(exc) from exc
         if declared is None:
             self.abort()
             raise _bad_tensor(self.name, "the xor+zstd frame must declare its content size")
@@ -219,10 +216,7 @@ class TensorSink:
                 self._out.write(chunk)
             self._wait_sha()
         except DeltaError as exc:
-            self.abort()
-            raise DataLoss(
-                f"{self.name}: {exc}", reason="CORRUPT_DELTA", metadata={"tensor": self.name}
-            ) from exc
+            raise self._corrupt(exc) from exc
         except OSError as exc:
             self.abort()
             raise disk_full(exc, f"cannot stage {self.name}") from exc
@@ -232,6 +226,12 @@ class TensorSink:
                 close()
         with self.stage._lock:
             self.stage.frames[self.name] = (frame, self._adler) if chunks.changed else None
+
+    def _corrupt(self, exc: DeltaError) -> DataLoss:
+        self.abort()
+        return DataLoss(
+            f"{self.name}: {exc}", reason="CORRUPT_DELTA", metadata={"tensor": self.name}
+        )
 
     def _wait_encoder(self) -> None:
         if self._encoder_pending is not None:

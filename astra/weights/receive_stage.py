@@ -36,6 +36,19 @@ LAYOUT = "tensor-shard"  # manifest entries of this layout are complete single-t
 _FILE = re.compile(r"t-(\d+)\.safetensors")
 
 
+def checked_sizes(header: dict[str, Any]) -> tuple[int, int]:
+    """(size, encoded size) of a received TensorHeader, FormatError naming the tensor if bad."""
+    name = header["name"]
+    if header["encoding"] not in ("raw", "xor_zstd"):
+        raise FormatError(f"unknown encoding {header['encoding']!r}", tensor=name)
+    size = tensor_nbytes(header["dtype"], header["shape"])
+    if size != header["size_bytes"]:
+        raise FormatError(f"header size {header['size_bytes']} != {size}", tensor=name)
+    if not is_adler32_hex(header["adler32"]):
+        raise FormatError(f"adler32 {header['adler32']!r} is malformed", tensor=name)
+    return size, header["encoded_size_bytes"]
+
+
 class Incoming:
     """One tensor's bytes arriving in order; `finish` verifies, syncs and records it.
 
@@ -46,14 +59,8 @@ class Incoming:
     def __init__(self, stage: FetchStage, header: dict[str, Any], base: Version | None) -> None:
         self.stage, self.h, self.base = stage, header, base
         self.name = header["name"]
-        if header["encoding"] not in ("raw", "xor_zstd"):
-            raise FormatError(f"unknown encoding {header['encoding']!r}", tensor=self.name)
-        size = tensor_nbytes(header["dtype"], header["shape"])
-        if size != header["size_bytes"]:
-            raise FormatError(f"header size {header['size_bytes']} != {size}", tensor=self.name)
-        if not is_adler32_hex(header["adler32"]):
-            raise FormatError(f"adler32 {header['adler32']!r} is malformed", tensor=self.name)
-        self.size, self.encoded = size, header["encoded_size_bytes"]
+        size, self.encoded = checked_sizes(header)
+        self.size = size
         self._frame = bytearray() if header["encoding"] == "xor_zstd" else None
         if self._frame is not None:
             entry = base.entries.get(self.name) if base is not None else None

@@ -105,6 +105,24 @@ def instrument() -> None:
     _timed(MemoryIncoming, "finish", "finish_s")  # decode (delta), verify, record a tensor
 
 
+def _fetched(res, ok: bool, wall: tuple, cpu: tuple, sys_: tuple) -> dict:
+    """A fetch's answer line: times, CPU, the plan and what came, the timers of its parts."""
+    return {
+        "t_start": wall[0],
+        "t_end": wall[1],
+        "seconds": wall[1] - wall[0],
+        "cpu_s": cpu[1] - cpu[0],
+        "sys_s": sys_[1] - sys_[0],
+        "plan": res.plan,
+        "base": res.base,
+        "bytes_received": res.bytes_received,
+        "tensors_received": res.tensors_received,
+        "attempts": res.attempts,
+        "verified": ok,
+        **TIMERS,
+    }
+
+
 async def op_fetch(c: dict) -> dict:
     from astra.clients.weights_stream import Receiver
     from astra.weights.layout import Version
@@ -121,20 +139,7 @@ async def op_fetch(c: dict) -> dict:
     with Version(res.path) as v:
         got = {n: e.checksum for n, e in v.entries.items()}
     ok = got == c["expect"] and current == res.path
-    return {
-        "t_start": t0,
-        "t_end": t1,
-        "seconds": t1 - t0,
-        "cpu_s": cpu1 - cpu0,
-        "sys_s": sys1 - sys0,
-        "plan": res.plan,
-        "base": res.base,
-        "bytes_received": res.bytes_received,
-        "tensors_received": res.tensors_received,
-        "attempts": res.attempts,
-        "verified": ok,
-        **TIMERS,
-    }
+    return _fetched(res, ok, (t0, t1), (cpu0, cpu1), (sys0, sys1))
 
 
 MEMORY_RECEIVERS: dict = {}
@@ -169,20 +174,7 @@ async def op_fetch_mem(c: dict) -> dict:
     ok = current is res.held and {n: t.adler32 for n, t in current.items()} == c["expect"]
     if c.get("recheck"):  # recompute every checksum from the held bytes (outside the clock)
         ok = ok and all(adler32_hex(t.data) == c["expect"][n] for n, t in current.items())
-    return {
-        "t_start": t0,
-        "t_end": t1,
-        "seconds": t1 - t0,
-        "cpu_s": cpu1 - cpu0,
-        "sys_s": sys1 - sys0,
-        "plan": res.plan,
-        "base": res.base,
-        "bytes_received": res.bytes_received,
-        "tensors_received": res.tensors_received,
-        "attempts": res.attempts,
-        "verified": ok,
-        **TIMERS,
-    }
+    return _fetched(res, ok, (t0, t1), (cpu0, cpu1), (sys0, sys1))
 
 
 def ram_buffer(n: int):
