@@ -233,3 +233,39 @@ def test_a_service_that_predates_delta_publishes_gets_raw_tensors(
             assert result.delta_base == "" and result.version.version_id == "v1"
 
     run(body())
+
+
+def test_after_a_rollback_the_ram_copy_is_gone_and_publishes_still_decode_right(
+    tmp_path: Path,
+) -> None:
+    models = chain_of(4, seed=37)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server, WeightClient(server.address) as client:
+            store = server.store
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            await publish_version(server.address, "p", "v1", 1, models[1], base=("v0", models[0]))
+            assert store.hot["p"].identity == "v1"
+            rb = pb.RollbackVersionRequest(
+                policy_id="p", source_version_id="v0", new_version_id="r2", new_version=2,
+                request_id="rb-1",
+            )  # fmt: skip
+            await client.rollback_version(rb)
+            assert "p" not in store.hot, "the RAM copy was v1's; the current version is r2 (= v0)"
+            # The trainer's last publish was v1: refused as a base, sent raw, stored right.
+            late = await publish_version(
+                server.address, "p", "v3", 3, models[2], base=("v1", models[1])
+            )
+            assert late.delta_base == ""
+            assert store.hot["p"].identity == "v3"
+            # v3 is current and in RAM: the next publish is a delta against it again.
+            again = await publish_version(
+                server.address, "p", "v4", 4, models[3], base=("v3", models[2])
+            )
+            assert again.delta_base == "v3"
+            async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
+                for identity, model in (("r2", models[0]), ("v3", models[2]), ("v4", models[3])):
+                    await rx.fetch(identity)
+                    assert same(rx.current_path, model), identity
+
+    run(body())
