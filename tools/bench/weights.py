@@ -646,7 +646,9 @@ def markdown(p, res: dict, started: str, took: float) -> str:
     tcp1 = gbps([r["seconds"] for r in res["tcp1"]])
     grpc1 = gbps([r["seconds"] for r in res["grpc1"]])
     single = gbps([r["seconds"] for r in res["single"]])
-    stream_ratio = med(single) / med(tcp1)
+    # Against the fastest raw TCP run: on these shared cores the bare socket is erratic
+    # (0.4-2.4 GB/s between runs), and its slow runs would flatter Astra.
+    stream_ratio = med(single) / max(tcp1)
     speedup = lf["e2e_s"] / ld["e2e_s"]
     fetch_speedup = lf["fetch_s"] / ld["fetch_s"]
     mem_speedup = mlf["e2e_s"] / mld["e2e_s"]
@@ -702,7 +704,7 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         f"{verdict(ok['apply_fsync'])} |",
         f"| full version to 1 receiver, loopback, GB/s (Astra: `Receiver.fetch` until verified "
         f"and swapped) | {rng(single, '{:.3f}')} | {rng(tcp1)} | | {rng(grpc1)} | ≥ 60% of raw "
-        f"TCP ({T_STREAM_VS_TCP * med(tcp1):.2f}) | {verdict(ok['stream'])} "
+        f"TCP, its fastest run ({T_STREAM_VS_TCP * max(tcp1):.2f}) | {verdict(ok['stream'])} "
         f"({stream_ratio:.0%}) |",
         f"| full version to 4 receivers, loopback, s (Astra: v1, after its publish) | "
         f"{first['fetch_s']:.1f} | {rng([r['seconds'] for r in res['tcp4']], '{:.1f}')} | | "
@@ -772,7 +774,8 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         "encode": "encode",
         "apply": "apply + verify",
         "apply_fsync": "apply + verify with fsync",
-        "stream": f"full version through Astra's stream at {stream_ratio:.0%} of raw TCP (target 60%)",
+        "stream": f"full version through Astra's stream at {stream_ratio:.0%} of raw TCP's fastest "
+        "run (target 60%)",
         "link_memory": f"in-memory receivers: delta {mem_speedup:.1f}{TIMES} faster than full "
         f"end-to-end over 1 Gbit/s (target 10{TIMES})",
         "link": f"receivers writing checkpoint directories: delta {speedup:.1f}{TIMES} faster than "
