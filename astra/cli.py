@@ -272,6 +272,14 @@ def serve_raas(
     show_default=True,
     help="Newest versions kept whatever receivers hold.",
 )
+@click.option(
+    "--hot-gib",
+    type=click.FloatRange(0),
+    default=4.0,
+    show_default=True,
+    help="Keep a policy's current version in RAM when at most this large (GiB), so the next "
+    "publish decodes against memory; up to twice this per policy while a publish runs. 0: never.",
+)
 @_metrics_and_log_level()
 def serve_weights(
     store_dir: str,
@@ -280,6 +288,7 @@ def serve_weights(
     full_every: int,
     max_chain: int,
     keep_versions: int,
+    hot_gib: float,
     metrics_port: int | None,
     log_level: str,
 ) -> None:
@@ -287,7 +296,12 @@ def serve_weights(
     from astra.weights.store import StoreConfig
 
     _logging(log_level)
-    config = StoreConfig(full_every=full_every, max_chain=max_chain, keep_versions=keep_versions)
+    config = StoreConfig(
+        full_every=full_every,
+        max_chain=max_chain,
+        keep_versions=keep_versions,
+        hot_bytes=int(hot_gib * (1 << 30)),
+    )
 
     async def run() -> None:
         from astra.servers.weights import serve_weights as serve

@@ -24,7 +24,9 @@ def full_bytes(model: dict) -> int:
     return sum(len(b) for _, _, b in model.values())
 
 
-@pytest.mark.parametrize("hot_bytes", [0, 1 << 20], ids=["base-on-disk", "base-in-ram"])
+@pytest.mark.parametrize(
+    "hot_bytes", [0, 1 << 16, 1 << 20], ids=["base-on-disk", "over-budget", "base-in-ram"]
+)
 def test_delta_publishes_move_frames_and_fetch_bit_exact(tmp_path: Path, hot_bytes: int) -> None:
     models = chain_of(5, seed=31, size=1 << 15)
 
@@ -54,7 +56,9 @@ def test_delta_publishes_move_frames_and_fetch_bit_exact(tmp_path: Path, hot_byt
                 }
             assert server.store.chain("p").get("v4").kind == "delta"
             in_ram = server.store.counters["publish_base_in_memory"]
-            assert in_ram == (4 if hot_bytes else 0), "each delta decoded against the RAM copy"
+            in_budget = hot_bytes >= full_bytes(models[0])
+            assert in_ram == (4 if in_budget else 0), "each delta decoded against the RAM copy"
+            assert ("p" in server.store.hot) == in_budget
             await receiver.close()
 
     run(body())
