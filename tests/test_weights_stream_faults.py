@@ -182,6 +182,58 @@ def test_service_sigkilled_mid_publish_resumes_after_restart(tmp_path: Path) -> 
         first.close()
 
 
+def test_service_sigkilled_mid_delta_publish_resumes_after_restart(tmp_path: Path) -> None:
+    """Frames acknowledged before the kill stay (decoded and durable); the restarted service has
+    no RAM copy and decodes the rest against the base on disk."""
+    from astra.weights.delta import encode_xor_zstd
+
+    models = chain_of(2, seed=16)
+    names = sorted(models[0])
+    first = _serve(tmp_path / "store", 0, tmp_path / "w1.log")
+    port = int(first.address.rsplit(":", 1)[1])
+
+    async def partial() -> None:
+        await publish_version(first.address, "p", "v0", 0, models[0])
+        async with WeightClient(first.address) as client:
+            call = client.stub.PublishVersion()
+            header = pb.PublishHeader(policy_id="p", version_id="v1", version=1, num_tensors=4)
+            header.base_version_id = "v0"
+            await call.write(pb.PublishVersionRequest(header=header))
+            assert (await call.read()).HasField("accepted")
+            for name in names[:2]:
+                dtype, shape, data = models[1][name]
+                frame = encode_xor_zstd(data, models[0][name][2])
+                h = pb.TensorHeader(name=name, dtype=dtype, shape=list(shape))
+                h.adler32, h.size_bytes = adler32_hex(data), len(data)
+                h.encoding, h.encoded_size_bytes = pb.TENSOR_ENCODING_XOR_ZSTD, len(frame)
+                await call.write(pb.PublishVersionRequest(tensor=h))
+                chunk = pb.TensorChunk(offset=0, data=frame)
+                await call.write(pb.PublishVersionRequest(chunk=chunk))
+                assert (await asyncio.wait_for(call.read(), T)).tensor_ack.name == name
+            first.signal(signal.SIGKILL)  # the service dies mid-publish
+            first.wait(T)
+
+    async def resume() -> None:
+        second = await asyncio.to_thread(_serve, tmp_path / "store", port, tmp_path / "w2.log")
+        try:
+            result = await publish_version(
+                second.address, "p", "v1", 1, models[1], base=("v0", models[0])
+            )
+            assert result.delta_base == "v0"
+            assert (result.tensors_skipped, result.tensors_sent) == (2, 2)
+            async with Receiver(second.address, "p", tmp_path / "rx", durable=False) as receiver:
+                await receiver.fetch("v1")
+                assert same(receiver.current_path, models[1])
+        finally:
+            second.close()
+
+    try:
+        run(partial())
+        run(resume())
+    finally:
+        first.close()
+
+
 def test_relay_serves_what_it_fetched_to_the_next_tier(tmp_path: Path) -> None:
     models = chain_of(3, seed=15)
 
