@@ -29,7 +29,7 @@ from astra.servers.weights_convert import (
     identity,
     version_info,
 )
-from astra.weights.publish_stage import TensorSink
+from astra.weights.publish_sink import TensorSink
 from astra.weights.store import Store
 from astra.weights.store_publish import PublishSession
 from astra.weights.v1 import weight_service_pb2 as pb

@@ -35,7 +35,8 @@ from astra.weights.layout import (
     extra_files,
     open_full,
 )
-from astra.weights.publish_stage import PublishStage, TensorSink, content_mismatch
+from astra.weights.publish_sink import TensorSink
+from astra.weights.publish_stage import PublishStage, content_mismatch
 from astra.weights.records import (
     RECORD_NAME,
     TensorRecord,
