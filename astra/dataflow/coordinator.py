@@ -2,10 +2,10 @@
 
 It owns the run's state (work table, buffers, versions, counters), keeps it
 durable through `StateStore`, and drives three background loops: dispatch
-(admission gate -> pool routing -> submit), collection (one long-poll per
-instance, ingest, acknowledge), and upkeep (leases, liveness probes, weight
-loads). It reaches rollout services only through `RolloutPort`, so it never
-imports gRPC.
+(admission gate -> pool routing -> submit, here), collection (one long-poll
+per instance, ingest, acknowledge: astra.dataflow.ingesting), and upkeep
+(leases, liveness probes here; weight loads: astra.dataflow.weight_sync). It
+reaches rollout services only through `RolloutPort`, so it never imports gRPC.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from astra.dataflow.batches import BatchDesk
 from astra.dataflow.buffer import BufferConfig, PolicyBuffer
@@ -33,18 +33,19 @@ from astra.dataflow.gate import (
     StalenessTracker,
     offpolicy_capacity,
 )
-from astra.dataflow.pool import LOAD_FAILURES_REPORTED, Instance, InstanceState, Pool
-from astra.dataflow.ports import Connector, IncomingGroup, PortError
-from astra.dataflow.records import GroupRecord, TrajectoryRecord, WorkItem
+from astra.dataflow.ingesting import Ingesting
+from astra.dataflow.pool import Instance, InstanceState, Pool
+from astra.dataflow.ports import Connector, PortError
+from astra.dataflow.records import GroupRecord, WorkItem
 from astra.dataflow.status import dataflow_status
 from astra.dataflow.store import StateStore
 from astra.dataflow.versions import VersionBook
+from astra.dataflow.weight_sync import WeightSync
 from astra.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 
 SUBMIT_BATCH = 32
-INGEST_SLICE = 4
 TRAINER_FIRST_MAX_S = 0.5
 # The dispatcher runs when woken (registration, heartbeat, result, version, finished weight
 # load, requeue) and at the latest this often.
@@ -86,7 +87,7 @@ class TrainerTurn:
                 self.df._trainers_idle.set()
 
 
-class Dataflow:
+class Dataflow(Ingesting, WeightSync):
     def __init__(self, config: DataflowConfig, connect: Connector) -> None:
         self.config = config
         self.dataflow_id = uuid.uuid4().hex[:12]
@@ -599,183 +600,6 @@ class Dataflow:
             self.persist_counters(tx)
         self.wake()
 
-    # ----- collection and ingest -----------------------------------------------------------
-
-    async def _collect_loop(self, instance_id: str) -> None:
-        ps = self.config.pool
-        while not self._stopping:
-            inst = self.pool.instances.get(instance_id)
-            if inst is None or inst.state in (InstanceState.DEAD, InstanceState.LEFT):
-                return
-            if inst.state is InstanceState.SUSPECT:
-                await asyncio.sleep(ps.probe_interval_s)
-                continue
-            await self.after_trainers()
-            try:
-                received = await inst.port.collect(ps.collect_max_groups, ps.collect_wait_s)
-            except PortError as exc:
-                log.warning("collect from %s failed: %s", instance_id, exc)
-                self.pool.call_failed(instance_id)
-                continue
-            self.pool.call_succeeded(instance_id)
-            if not received:
-                continue
-            acks = []
-            # Decoding and committing are CPU work on the event loop: one slice at a time,
-            # in turn with the other collectors, so trainer fetches are never starved.
-            for start in range(0, len(received), INGEST_SLICE):
-                async with self._ingest_turn:
-                    # Checked with the turn held: collectors queued for the turn must not
-                    # run their slices past a trainer that arrived meanwhile. Bounded, so a
-                    # stream that never closes cannot stall ingest.
-                    await self.after_trainers()
-                    results = inst.port.decode(received[start : start + INGEST_SLICE])
-                    acks += await self.ingest(instance_id, results)
-                await asyncio.sleep(0)
-            try:
-                await inst.port.ack(acks)
-            except PortError as exc:
-                # Not lost: the RaaS sends them again and they are dropped as duplicates.
-                log.warning("ack to %s failed: %s", instance_id, exc)
-
-    def _stage(self, instance_id: str, results: list[IncomingGroup]) -> dict:
-        """Reserves blob-log room for the groups the transaction will likely store, so
-        their bytes can be written off the event loop first (see `ingest`)."""
-        staged = {}
-        for r in results:
-            if r.invalid is not None or r.error is not None or r.group_id in self.done:
-                continue
-            w = self.work.get(r.group_id)
-            if w is None or self.evals.is_eval(w.stream):
-                continue
-            for policy_id, trajectories in r.per_policy.items():
-                if (r.group_id, policy_id) in staged:  # the same result twice in a batch
-                    continue
-                buf = self.buffers.get(policy_id)
-                kept = [t for t in trajectories if not t.failed]
-                if buf is None or not buf.likely_accepts(kept, self.versions.current(policy_id)):
-                    continue
-                group = GroupRecord(r.group_id, policy_id, w.item.epoch, kept)
-                staged[(r.group_id, policy_id)] = self.store.stage(group)
-        return staged
-
-    async def ingest(self, instance_id: str, results: list[IncomingGroup]) -> list[str]:
-        """Takes finished groups into the buffers durably; returns the ids to acknowledge.
-
-        The groups' bytes are written to the blob log on the writer thread first (the
-        event loop serves trainers meanwhile); the decisions and the rows are made after,
-        in one transaction, exactly as if nothing had been written ahead: bytes a row does
-        not end up pointing at are given back.
-        """
-        staged = self._stage(instance_id, results)
-        if staged:
-            write = asyncio.get_running_loop().run_in_executor(
-                self._writer, self.store.write_staged, list(staged.values())
-            )
-            try:
-                await write
-            except BaseException:
-                if write.done():  # else the thread may still write there: leave the room
-                    self.store.discard_staged(staged.values())
-                raise
-        try:
-            return await self._ingest(instance_id, results, staged)
-        finally:
-            self.store.discard_staged(staged.values())
-
-    async def _ingest(self, instance_id: str, results: list[IncomingGroup], staged) -> list[str]:
-        acks: list[str] = []
-        cancel: dict[str, list[str]] = {}
-        evaluated = False  # an evaluation group's result: the tallies are written once, below
-        with self.store.tx() as tx:
-            for r in results:
-                acks.append(r.group_id)
-                if r.group_id in self.done:
-                    self.counters["duplicates_dropped"] += 1
-                    continue
-                w = self.work.get(r.group_id)
-                if w is None:
-                    self.counters["unknown_results_dropped"] += 1
-                    continue
-                if w.instance_id is not None and w.instance_id != instance_id:
-                    cancel.setdefault(w.instance_id, []).append(r.group_id)
-                evaluated = evaluated or self.evals.is_eval(w.stream)
-                outcome = self._take_result(tx, w, r, staged)
-                inst = self.pool.instances.get(w.instance_id or "")
-                if inst is not None and r.group_id in inst.in_flight:
-                    inst.in_flight.discard(r.group_id)
-                    # The RaaS freed these slots; heartbeats correct any drift.
-                    inst.free_slots = min(inst.capacity, inst.free_slots + w.item.num_samples)
-                if w.instance_id is None:
-                    with contextlib.suppress(ValueError):
-                        self.waiting.remove(r.group_id)
-                del self.work[r.group_id]
-                self.done.add(r.group_id)
-                tx.set_work(r.group_id, w.stream, "done", attempts=w.attempts, outcome=outcome)
-            for buf in self.buffers.values():
-                evicted = buf.pop_dropped()
-                tx.delete_groups((g.group_id, g.policy_id) for g in evicted)
-            if evaluated:
-                tx.put("evals", self.evals.state())
-            self.persist_counters(tx)
-        for other, gids in cancel.items():
-            inst = self.pool.instances.get(other)
-            if inst is not None:
-                self._spawn(self._cancel(inst, gids))
-        async with self.data_ready:
-            self.data_ready.notify_all()
-        self.wake()
-        return acks
-
-    def _take_result(self, tx, w: Work, r: IncomingGroup, staged=None) -> str:
-        if self.evals.is_eval(w.stream):
-            return self._take_eval(w, r)
-        if r.invalid is not None:
-            self.counters["malformed_results"] += 1
-            log.warning("malformed result for %s: %s", r.group_id, r.invalid)
-            return f"malformed: {r.invalid}"
-        if r.error is not None:
-            self.counters["failed_groups"] += 1
-            return f"failed: {r.error}"
-        self.counters["completed_groups"] += 1
-        outcomes = []
-        per_policy = dict(r.per_policy)
-        # Failed samples may carry no sequence, hence no policy: they belong to the group's.
-        orphans = per_policy.pop("", [])
-        for policy_id in w.item.policy_ids if orphans else ():
-            per_policy.setdefault(policy_id, []).extend(replace(t) for t in orphans)
-        for policy_id, trajectories in per_policy.items():
-            buf = self.buffers.get(policy_id)
-            if buf is None:
-                self.counters["foreign_policy_dropped"] += 1
-                continue
-            group = GroupRecord(r.group_id, policy_id, w.item.epoch, trajectories)
-            current = self.versions.current(policy_id)
-            outcome = buf.add(group, current)
-            outcomes.append(f"{policy_id}:{outcome}")
-            if outcome == "accepted":
-                self.accepted[policy_id] += 1
-                self.staleness.update(group.staleness(current))
-                tx.add_groups([group], staged)
-        return ",".join(outcomes) or "empty"
-
-    def _take_eval(self, w: Work, r: IncomingGroup) -> str:
-        """An evaluation group's result: tallied, never buffered (a failure counts as failed
-        samples, so every evaluation completes)."""
-        policy_id = w.item.policy_ids[0]
-        if r.invalid is not None or r.error is not None:
-            self.counters["eval_failed_groups"] += 1  # counted here, not in failed_groups
-            trajectories = [TrajectoryRecord("", 0.0, -1, -1, 0, failed=True)] * w.item.num_samples
-        else:
-            trajectories = [*r.per_policy.get(policy_id, []), *r.per_policy.get("", [])]
-        outcome = self.evals.take(w.stream, w.item.epoch, trajectories)
-        self.counters["eval_groups"] += 1  # every evaluation group's outcome, failed or not
-        return outcome
-
-    async def _cancel(self, inst: Instance, gids: list[str]) -> None:
-        with contextlib.suppress(PortError):
-            await inst.port.cancel(gids)
-
     # ----- upkeep: leases, liveness, weights ------------------------------------------------
 
     async def _upkeep_loop(self) -> None:
@@ -825,92 +649,6 @@ class Dataflow:
             return await inst.port.check_health()
         except PortError:
             return False
-
-    def _sync_weights(self) -> None:
-        targets = self.versions.targets()
-        for inst in self.pool.by_state(InstanceState.ACTIVE):
-            want = {
-                p: a
-                for p, a in targets.items()
-                if p in inst.policy_ids
-                and a.weights_address
-                and inst.loaded_versions.get(p, -1) < a.version
-            }
-            running = self._loads.get(inst.instance_id)
-            if not want or (running is not None and not running.done()):
-                continue
-            if not self.pool.load_due(inst):  # a failed load is retried after a backoff
-                continue
-            self._loads[inst.instance_id] = asyncio.create_task(self._load(inst, want))
-
-    async def _load(self, inst: Instance, want: dict) -> None:
-        # One call for the whole set, so the RaaS can switch every policy together
-        # (the version barrier), even when policies live on different WeightServices.
-        versions = {p: (a.version, a.version_id, a.weights_address) for p, a in want.items()}
-        request_id = f"{inst.instance_id}:" + ",".join(
-            f"{p}={v[0]}" for p, v in sorted(versions.items())
-        )
-        try:
-            held = await inst.port.load_weights(versions, request_id)
-            inst.loaded_versions.update(held)
-            self.counters["weight_loads"] += 1
-            # The instance may now pass the version floor (with eta = 0, the only way work
-            # for a new version starts): dispatch now, not at the next heartbeat or poll.
-            self.wake()
-            self.pool.load_succeeded(inst.instance_id)
-        except Exception as exc:  # PortError, or a bug: either way retried, and counted
-            self.counters["weight_load_failures"] += 1
-            n = self.pool.load_failed(inst.instance_id, str(exc))
-            level = logging.ERROR if n >= LOAD_FAILURES_REPORTED else logging.WARNING
-            log.log(
-                level, "load %s on %s failed (%d in a row): %s", versions, inst.instance_id, n, exc
-            )
-
-    # ----- versions (called by the servicer) -----------------------------------------------
-
-    def announce(
-        self, policy_id: str, version: int, version_id: str, address: str, *, resumed: bool = False
-    ) -> bool:
-        book = self.versions.policies.get(policy_id)
-        before = book.address if book is not None else ""
-        repeat = self.versions.announce(policy_id, version, version_id, address)
-        # Every load of the policy now goes to the newest address (a restarted WeightService).
-        moved = self.versions.address(policy_id) != before
-        if not repeat or moved:
-            if not repeat:
-                self.counters["versions_announced"] += 1
-            with self.store.tx() as tx:
-                tx.put("versions", self.versions.state())
-                self.persist_counters(tx)
-            if moved:
-                self.pool.retry_loads_now()
-            self._sync_weights()
-            self.wake()
-        if resumed and repeat:
-            self._recount_accepted(policy_id)
-        return repeat
-
-    def _recount_accepted(self, policy_id: str) -> None:
-        """A trainer (re)started at the current version: the off-policy count starts again
-        from it, plus what is buffered and leased (AnnounceVersionRequest.resumed)."""
-        b = self.config.policy(policy_id).batch_groups
-        fresh = (
-            self.versions.current(policy_id) * b
-            + len(self.buffers[policy_id])
-            + self.batches.leased_groups(policy_id)
-        )
-        if fresh < self.accepted[policy_id]:
-            log.warning(
-                "trainer of %s resumed at version %d: %d acknowledged groups were not trained",
-                policy_id,
-                self.versions.current(policy_id),
-                self.accepted[policy_id] - fresh,
-            )
-            self.counters["groups_untrained_at_resume"] += self.accepted[policy_id] - fresh
-            self.accepted[policy_id] = fresh
-            with self.store.tx() as tx:
-                self.persist_counters(tx)
-            self.wake()
 
     # ----- status --------------------------------------------------------------------------
 

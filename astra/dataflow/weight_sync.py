@@ -1,0 +1,108 @@
+"""Dataflow's version side: announced versions, and which rollout service loads which, when.
+
+A mixin of `Dataflow` (astra.dataflow.coordinator): trainers announce
+versions (with the WeightService that holds them); every active instance
+that lacks its policies' targets gets one LoadWeights call for the whole set
+(the version barrier), retried after a backoff when it fails; a trainer that
+resumes at the current version has the off-policy count recomputed. Never
+imports gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from astra.dataflow.pool import LOAD_FAILURES_REPORTED, Instance, InstanceState
+
+if TYPE_CHECKING:
+    from astra.dataflow.coordinator import Dataflow
+
+log = logging.getLogger("astra.dataflow.coordinator")
+
+
+class WeightSync:
+    def _sync_weights(self: Dataflow) -> None:
+        targets = self.versions.targets()
+        for inst in self.pool.by_state(InstanceState.ACTIVE):
+            want = {
+                p: a
+                for p, a in targets.items()
+                if p in inst.policy_ids
+                and a.weights_address
+                and inst.loaded_versions.get(p, -1) < a.version
+            }
+            running = self._loads.get(inst.instance_id)
+            if not want or (running is not None and not running.done()):
+                continue
+            if not self.pool.load_due(inst):  # a failed load is retried after a backoff
+                continue
+            self._loads[inst.instance_id] = asyncio.create_task(self._load(inst, want))
+
+    async def _load(self: Dataflow, inst: Instance, want: dict) -> None:
+        # One call for the whole set, so the RaaS can switch every policy together
+        # (the version barrier), even when policies live on different WeightServices.
+        versions = {p: (a.version, a.version_id, a.weights_address) for p, a in want.items()}
+        request_id = f"{inst.instance_id}:" + ",".join(
+            f"{p}={v[0]}" for p, v in sorted(versions.items())
+        )
+        try:
+            held = await inst.port.load_weights(versions, request_id)
+            inst.loaded_versions.update(held)
+            self.counters["weight_loads"] += 1
+            # The instance may now pass the version floor (with eta = 0, the only way work
+            # for a new version starts): dispatch now, not at the next heartbeat or poll.
+            self.wake()
+            self.pool.load_succeeded(inst.instance_id)
+        except Exception as exc:  # PortError, or a bug: either way retried, and counted
+            self.counters["weight_load_failures"] += 1
+            n = self.pool.load_failed(inst.instance_id, str(exc))
+            level = logging.ERROR if n >= LOAD_FAILURES_REPORTED else logging.WARNING
+            log.log(
+                level, "load %s on %s failed (%d in a row): %s", versions, inst.instance_id, n, exc
+            )
+
+    def announce(
+        self, policy_id: str, version: int, version_id: str, address: str, *, resumed: bool = False
+    ) -> bool:
+        book = self.versions.policies.get(policy_id)
+        before = book.address if book is not None else ""
+        repeat = self.versions.announce(policy_id, version, version_id, address)
+        # Every load of the policy now goes to the newest address (a restarted WeightService).
+        moved = self.versions.address(policy_id) != before
+        if not repeat or moved:
+            if not repeat:
+                self.counters["versions_announced"] += 1
+            with self.store.tx() as tx:
+                tx.put("versions", self.versions.state())
+                self.persist_counters(tx)
+            if moved:
+                self.pool.retry_loads_now()
+            self._sync_weights()
+            self.wake()
+        if resumed and repeat:
+            self._recount_accepted(policy_id)
+        return repeat
+
+    def _recount_accepted(self: Dataflow, policy_id: str) -> None:
+        """A trainer (re)started at the current version: the off-policy count starts again
+        from it, plus what is buffered and leased (AnnounceVersionRequest.resumed)."""
+        b = self.config.policy(policy_id).batch_groups
+        fresh = (
+            self.versions.current(policy_id) * b
+            + len(self.buffers[policy_id])
+            + self.batches.leased_groups(policy_id)
+        )
+        if fresh < self.accepted[policy_id]:
+            log.warning(
+                "trainer of %s resumed at version %d: %d acknowledged groups were not trained",
+                policy_id,
+                self.versions.current(policy_id),
+                self.accepted[policy_id] - fresh,
+            )
+            self.counters["groups_untrained_at_resume"] += self.accepted[policy_id] - fresh
+            self.accepted[policy_id] = fresh
+            with self.store.tx() as tx:
+                self.persist_counters(tx)
+            self.wake()
