@@ -30,11 +30,10 @@ from typing import Any
 import numpy as np
 
 from astra.errors import DataLoss
-from astra.weights.checksum import adler32, format_adler32
+from astra.weights.checksum import adler32
 from astra.weights.delta import DeltaError, decode_xor_zstd_into
-from astra.weights.layout import ChecksumMismatch
 from astra.weights.pool import BufferPool
-from astra.weights.receive_stage import checked_sizes
+from astra.weights.receive_stage import checked_adler32, checked_sizes
 from astra.weights.safetensors_io import FormatError
 
 
@@ -155,14 +154,7 @@ class MemoryIncoming:
                 self.abort()
                 raise FormatError(str(exc), tensor=self.name, reason="CORRUPT_DELTA") from exc
             self._frame = None
-        got = format_adler32(self._adler)
-        if got != self.h["adler32"]:
-            self.abort()
-            raise ChecksumMismatch(
-                f"received bytes hash to {got}, the header says {self.h['adler32']}",
-                path=None,
-                tensor=self.name,
-            )
+        got = checked_adler32(self.name, self._adler, self.h["adler32"], self.abort)
         shape = tuple(int(d) for d in self.h["shape"])
         self.stage.record(self.name, HeldTensor(self.h["dtype"], shape, self.out, got))
         self.out = None

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,17 @@ from astra.weights.tensor_files import ALIGN, ShardWriter, read_range, tensor_he
 MANIFEST = "tensors.jsonl"
 LAYOUT = "tensor-shard"  # manifest entries of this layout are complete single-tensor shards
 _FILE = re.compile(r"t-(\d+)\.safetensors")
+
+
+def checked_adler32(name: str, value: int, expected: str, abort: Callable[[], None]) -> str:
+    """The received bytes' Adler-32 as hex; a mismatch aborts the tensor and raises."""
+    got = format_adler32(value)
+    if got != expected:
+        abort()
+        raise ChecksumMismatch(
+            f"received bytes hash to {got}, the header says {expected}", path=None, tensor=name
+        )
+    return got
 
 
 def checked_sizes(header: dict[str, Any]) -> tuple[int, int]:
@@ -147,14 +159,7 @@ class Incoming:
             self.abort()
             raise disk_full(exc, f"cannot stage {self.name}") from exc
         self._frame = None
-        got = format_adler32(self._adler)
-        if got != self.h["adler32"]:
-            self.abort()
-            raise ChecksumMismatch(
-                f"received bytes hash to {got}, the header says {self.h['adler32']}",
-                path=None,
-                tensor=self.name,
-            )
+        checked_adler32(self.name, self._adler, self.h["adler32"], self.abort)
         try:
             self._out.close(durable=self.stage.durable)
         except OSError as exc:
