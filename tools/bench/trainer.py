@@ -227,16 +227,18 @@ class TimedSink:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.times: list[float] = []
-        self.nbytes: list[int] = []
+        self.nbytes: list[int] = []  # on the stream: frames against the previous version, or raw
+        self.model_bytes: list[int] = []
 
     async def latest_version(self) -> int | None:
         return await self.inner.latest_version()
 
     async def publish(self, version: int, identity: str, tensors: Any) -> None:
-        start = time.perf_counter()
+        start, sent = time.perf_counter(), self.inner.bytes_sent
         await self.inner.publish(version, identity, tensors)
         self.times.append(time.perf_counter() - start)
-        self.nbytes.append(sum(memoryview(v[2]).nbytes for v in tensors.values()))
+        self.nbytes.append(self.inner.bytes_sent - sent)
+        self.model_bytes.append(sum(memoryview(v[2]).nbytes for v in tensors.values()))
 
     async def close(self) -> None:
         await self.inner.close()
@@ -272,6 +274,7 @@ class ModeRun:
     wall_s: float = 0.0
     publish_s: list[float] = field(default_factory=list)
     publish_bytes: list[int] = field(default_factory=list)
+    model_bytes: list[int] = field(default_factory=list)
     drain_after_s: list[float] = field(default_factory=list)
     init_s: float = 0.0
     v0_publish_s: float = 0.0
@@ -357,6 +360,7 @@ async def run_block(run: ModeRun, shape: Shape, service: Service, log, rnd: int)
         run.drain_after_s.append(time.perf_counter() - d0)
         run.publish_s += run.sink.times[first_publish:]
         run.publish_bytes += run.sink.nbytes[first_publish:]
+        run.model_bytes += run.sink.model_bytes[first_publish:]
 
 
 def model_for(shape: Shape, tmp: Path, log) -> tuple[str, dict]:
@@ -502,7 +506,8 @@ def model_table(shape: Shape, runs: dict[str, ModeRun]) -> tuple[list[str], dict
             [med(b.publish_s), med(s.publish_s), ""],
         ),
         (
-            "version sent: MB (bf16 raw; the service stores a delta)",
+            "version on the wire: MB (xor+zstd frames against the version before, of "
+            f"{statistics.median(b.model_bytes) / 1e6:.1f} MB raw)",
             [
                 f"{statistics.median(b.publish_bytes) / 1e6:.1f}",
                 f"{statistics.median(s.publish_bytes) / 1e6:.1f}",
