@@ -1,8 +1,9 @@
 """Drivers of WeightService's two streams: `Receiver` here, `publish_version` re-exported.
 
-publish_version (defined in astra.clients.weights) streams raw tensors,
-skips the tensors the service already holds for the identity, and on
-UNAVAILABLE opens a new stream, which resumes.
+publish_version (defined in astra.clients.weights_publish) streams raw
+tensors or xor+zstd frames against the sender's previous version, skips the
+tensors the service already holds for the identity, and on UNAVAILABLE opens
+a new stream, which resumes.
 
 Receiver fetches into a local directory (astra.weights.local), or with
 `in_memory` into buffers it holds (astra.weights.memory: for a process that

@@ -179,8 +179,7 @@ class MemoryStage:
 
     def alloc(self, size: int) -> np.ndarray:
         """A buffer of `size` bytes: a reused one when the pool has it, else a new one."""
-        buf = self.pool.take(size) if self.pool is not None else None
-        return buf if buf is not None else np.empty(size, dtype=np.uint8)
+        return self.pool.alloc(size) if self.pool is not None else np.empty(size, np.uint8)
 
     def receive(self, header: dict[str, Any], base: MemoryVersion | None) -> MemoryIncoming:
         return MemoryIncoming(self, header, base)
