@@ -273,3 +273,27 @@ def test_after_a_rollback_the_ram_copy_is_gone_and_publishes_still_decode_right(
                     assert same(rx.current_path, model), identity
 
     run(body())
+
+
+def test_a_ram_copy_that_went_wrong_is_dropped_and_never_encoded_against(tmp_path: Path) -> None:
+    """If the service's RAM copy of the current version ever differs from what it stored, a
+    sender's frame fails its checksum against it: the copy is dropped, so the raw publish that
+    follows encodes the stored delta against the verified bytes on disk."""
+    models = chain_of(2, seed=38)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
+                await rx.fetch("v0")
+                hot = server.store.hot["p"]
+                hot._arrays["layers.1.w"][100] ^= 0x40  # the RAM copy goes wrong
+                result = await publish_version(
+                    server.address, "p", "v1", 1, models[1], base=("v0", models[0])
+                )
+                assert result.delta_base == "", "refused as a delta, then sent raw"
+                assert server.store.counters["hot_copy_dropped"] == 1
+                fetched = await rx.fetch("v1")
+                assert fetched.plan == "delta" and same(rx.current_path, models[1])
+
+    run(body())

@@ -157,6 +157,8 @@ class TensorSink:
                 head = tensor_header(self.name, self.dtype, self.shape, self.size, got, align=ALIGN)
                 self._out.rewrite_head(head)
         if got != self.adler:
+            if self.encoded is not None:  # decoded against our base: ours may be what is wrong
+                self.stage.base_suspect = True
             self.abort()
             raise DataLoss(
                 f"{self.name}: bytes hash to {got}, header says {self.adler}",

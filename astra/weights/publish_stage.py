@@ -71,6 +71,9 @@ class PublishStage:
         # read from RAM when the store holds it there (hot_base); hot_new collects the new bytes.
         self.base, self.base_identity, self.level = base, base_identity, level
         self.hot_base, self.hot_new = hot_base, hot_new
+        # A sender's frame decoded against the base failed its checksum: the sender's copy of
+        # the base or ours differs, and ours (the RAM copy) is not trusted any more.
+        self.base_suspect = False
         # xor+zstd frame against the base and Adler-32 of each tensor received in this
         # session (None: identical to the base); tensors held from an earlier session have none.
         self.frames: dict[str, tuple[bytes, int] | None] = {}
