@@ -292,7 +292,29 @@ def test_a_ram_copy_that_went_wrong_is_dropped_and_never_encoded_against(tmp_pat
                     server.address, "p", "v1", 1, models[1], base=("v0", models[0])
                 )
                 assert result.delta_base == "", "refused as a delta, then sent raw"
-                assert server.store.counters["hot_copy_dropped"] == 1
+                assert server.store.counters["ram_base_mismatches"] == 1
+                assert "p" not in server.store.hot or server.store.hot["p"].identity == "v1"
+                fetched = await rx.fetch("v1")
+                assert fetched.plan == "delta" and same(rx.current_path, models[1])
+
+    run(body())
+
+
+def test_a_raw_publish_checks_the_ram_copy_it_encodes_against(tmp_path: Path) -> None:
+    """Raw tensors are encoded against the RAM copy of the current version, whose bytes are
+    checksummed on the way against what is stored: a copy gone wrong yields no frame (the commit
+    encodes that tensor from disk) and is dropped."""
+    models = chain_of(2, seed=39)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
+                await rx.fetch("v0")
+                server.store.hot["p"]._arrays["layers.2.w"][7] ^= 0x01
+                await publish_version(server.address, "p", "v1", 1, models[1])  # raw
+                assert server.store.counters["ram_base_mismatches"] == 1
+                assert "p" not in server.store.hot or server.store.hot["p"].identity == "v1"
                 fetched = await rx.fetch("v1")
                 assert fetched.plan == "delta" and same(rx.current_path, models[1])
 

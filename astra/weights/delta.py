@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from astra.weights.checksum import adler32
+from astra.weights.checksum import adler32, format_adler32
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 DEFAULT_LEVEL = 1  # what slime uses: cheap to encode, and sparse XORs compress well at any level
@@ -109,11 +109,22 @@ class XorZstdEncoder:
     `base` yields the base tensor's bytes in pieces (tensor_files.RangeCursor);
     `scratch` is a reusable writable buffer, handed back with `release`. `finish`
     returns (frame, Adler-32) or None when the tensor equals the base, like
-    encode_if_changed, without holding or re-reading the tensor.
+    encode_if_changed, without holding or re-reading the tensor. With `check`
+    (the base's recorded Adler-32) the base bytes are checksummed on the way
+    and `finish` raises DeltaError when they differ from it.
     """
 
-    def __init__(self, base: Any, size: int, level: int, scratch: Any, release: Any = None) -> None:
+    def __init__(
+        self,
+        base: Any,
+        size: int,
+        level: int,
+        scratch: Any,
+        release: Any = None,
+        check: str | None = None,
+    ) -> None:
         self._base, self._scratch, self._release = base, _u8(scratch), release
+        self._check, self._base_adler = check, 1
         self._cobj = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(
             size=size
         )
@@ -124,6 +135,8 @@ class XorZstdEncoder:
         x, pos = _u8(new), 0
         for old in self._base.take(x.size):
             y = _u8(old)
+            if self._check is not None:
+                self._base_adler = adler32(y, self._base_adler)
             n, step = y.size, self._scratch.size
             for k in range(0, n, step):
                 m = min(step, n - k)
@@ -137,6 +150,10 @@ class XorZstdEncoder:
 
     def finish(self, adler: int) -> tuple[bytes, int] | None:
         self.close()
+        if self._check is not None and format_adler32(self._base_adler) != self._check:
+            raise DeltaError(
+                f"base bytes hash to {format_adler32(self._base_adler)}, recorded {self._check}"
+            )
         if not self._changed:
             return None
         self._parts.append(self._cobj.flush())

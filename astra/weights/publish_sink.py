@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +33,7 @@ from astra.weights.tensor_files import ALIGN, ShardWriter, tensor_header
 if TYPE_CHECKING:
     from astra.weights.publish_stage import PublishStage
 
+log = logging.getLogger(__name__)
 _HASHERS = ThreadPoolExecutor(2, thread_name_prefix="publish-sha256")
 _ENCODERS = ThreadPoolExecutor(2, thread_name_prefix="publish-encode")
 MAX_TENSOR_NAME_CHARS = 1024
@@ -237,10 +239,15 @@ class TensorSink:
         final = self.stage.path / self.file
         os.replace(self.stage.path / (self.file + ".part"), final)
         if self._encoder is not None:
-            frame = self._encoder.finish(self._adler)
-            self._encoder = None
-            with self.stage._lock:
-                self.stage.frames[self.name] = frame
+            encoder, self._encoder = self._encoder, None
+            try:
+                frame = encoder.finish(self._adler)
+            except DeltaError as exc:  # the RAM copy of the base is wrong: no frame from it
+                log.warning("%s: %s; encoded from disk at the commit", self.name, exc)
+                self.stage.base_suspect = True
+            else:
+                with self.stage._lock:
+                    self.stage.frames[self.name] = frame
         return final
 
     def abort(self) -> None:

@@ -157,12 +157,18 @@ class PublishStage:
         if entry is None or (entry.info.dtype, entry.info.shape) != (dtype, shape) or not size:
             return None
         held = self.hot_base.get(name, size) if self.hot_base is not None else None
-        if held is not None:
+        check = entry.checksum  # the RAM copy is checked against the bytes stored on disk
+        if held is not None and check is not None:
             cursor: Any = BufferCursor(held)
         else:
-            cursor = RangeCursor(entry.shard.path, entry.shard.data_start + entry.info.begin, size)
+            cursor, check = (
+                RangeCursor(entry.shard.path, entry.shard.data_start + entry.info.begin, size),
+                None,
+            )
         scratch = BUFFERS.get()
-        return XorZstdEncoder(cursor, size, self.level, scratch, lambda: BUFFERS.put(scratch))
+        return XorZstdEncoder(
+            cursor, size, self.level, scratch, lambda: BUFFERS.put(scratch), check=check
+        )
 
     def next_file(self) -> str:
         with self._lock:

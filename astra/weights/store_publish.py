@@ -234,15 +234,14 @@ class PublishSession:
         if self.stage is not None:
             hot_base = self.stage.hot_base
             if self.stage.base_suspect and hot_base is not None:
-                # The raw publish that follows must not encode against a RAM copy that may be
-                # wrong: the next publishes read the base from disk (its bytes were verified
-                # when stored) until a new version is held again.
+                # A frame decoded against the RAM copy failed its checksum, or the copy's own
+                # bytes did not match what is stored: while it is still the current version's,
+                # it goes, so what follows reads the base from disk (verified when stored).
+                self.store.counters["ram_base_mismatches"] += 1
+                log.warning("%s: the RAM copy of %s is suspect", self.policy, hot_base.identity)
                 with self.store._lock(self.policy):
                     if self.store.hot.get(self.policy) is hot_base:
                         del self.store.hot[self.policy]
-                        self.store.counters["hot_copy_dropped"] += 1
-                        log.warning("%s: RAM copy of %s dropped after a frame failed its "
-                                    "checksum", self.policy, hot_base.identity)  # fmt: skip
             self.stage.close()
         with self.store._guard:
             self.store._publishing.discard(self._key)
