@@ -592,7 +592,13 @@ def run(p, tmp: Path) -> dict:
             res["mem_delta"].append(b.astra_trial(model, "delta", memory=True))
         seed += 1
         update_model(model, seed, p.fraction)
-        res["mem_link_delta"] = b.astra_trial(model, "delta", link=True, memory=True)
+        # Each a few seconds on 2 shared cores: the ratio takes their median, not one draw.
+        res["mem_link_deltas"] = []
+        for i in range(p.reps + 1):
+            if i:
+                seed += 1
+                update_model(model, seed, p.fraction)
+            res["mem_link_deltas"].append(b.astra_trial(model, "delta", link=True, memory=True))
         seed += 1
         update_model(model, seed, p.fraction)
         res["mem_link_full"] = b.astra_trial(model, "full", link=True, memory=True)
@@ -626,7 +632,10 @@ def markdown(p, res: dict, started: str, took: float) -> str:
     deltas, fulls, first = res["delta"], res["full"], res["first"]
     ld, lf = res["link_delta"], res["link_full"]
     mdeltas, mfulls = res["mem_delta"], res["mem_full"]
-    mld, mlf, mfirst = res["mem_link_delta"], res["mem_link_full"], res["mem_delta_first"]
+    mlds, mlf, mfirst = res["mem_link_deltas"], res["mem_link_full"], res["mem_delta_first"]
+    # The median trial by end-to-end time stands for the in-memory link delta.
+    mld = sorted(mlds, key=lambda t: t["e2e_s"])[len(mlds) // 2]
+    mld_all = ", ".join(f"{t['e2e_s']:.1f}" for t in mlds)
     med = statistics.median
 
     def gbps(secs):
@@ -711,7 +720,8 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         f"{rng([r['seconds'] for r in res['grpc4']], '{:.1f}')} | | |",
         f"| 1 Gbit/s link: delta end-to-end speed-up over full (publish → 4 receivers swapped), "
         f"receivers in memory (`Receiver(in_memory=True)`: the torch-engine RaaS) | "
-        f"{mem_speedup:.1f}{TIMES} ({mlf['e2e_s']:.1f} s / {mld['e2e_s']:.1f} s) | | | | "
+        f"{mem_speedup:.1f}{TIMES} ({mlf['e2e_s']:.1f} s / {mld['e2e_s']:.1f} s, the median of "
+        f"{len(mlds)} deltas: {mld_all} s) | | | | "
         f"≥ 10{TIMES} | {verdict(ok['link_memory'])} |",
         f"| the same, receivers writing a durable checkpoint directory (HTTP engines load by path) "
         f"| {speedup:.1f}{TIMES} ({lf['e2e_s']:.1f} s / {ld['e2e_s']:.1f} s) | | | | ≥ 10{TIMES} | "
