@@ -207,8 +207,9 @@ def _served(status) -> dict[str, int]:
     return {v.policy_id: v.version for v in status.loaded_versions}
 
 
+@pytest.mark.parametrize("in_memory", [False, True], ids=["on-disk", "in-memory"])
 def test_load_weights_from_a_frozen_weight_service_fails_in_time_and_keeps_serving(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, in_memory
 ):
     """RaaS LoadWeights -> weight loader (its default deadlines, shortened) -> receiver -> a
     frozen WeightService process: the call answers within the loader's deadline, the RaaS keeps
@@ -222,7 +223,7 @@ def test_load_weights_from_a_frozen_weight_service_fails_in_time_and_keeps_servi
         async with weight_service(tmp_path) as service:
             for i, m in enumerate(models):
                 await publish_version(service.address, "p", f"v{i}", i, m)
-            loader = ReceiverWeightLoader(tmp_path / "raas")
+            loader = ReceiverWeightLoader(tmp_path / "raas", in_memory=in_memory)
             gen = FetchingGenerator(loader)
             gen.policy_ids = ["p"]
             server, servicer, _ = await start_raas(gen, capacity=8, grace_s=0.1)
