@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -190,14 +191,14 @@ async def publish_version(
     of the same dtype and shape go out as xor+zstd frames against it; if the
     service refuses them (DELTA_REFUSALS) the version goes out again raw.
     """
-    views = {n: (d, tuple(s), memoryview(b).cast("B")) for n, (d, s, b) in tensors.items()}
+    attempt = functools.partial(
+        _publish, address, policy, identity, version, _views(tensors), files, metadata,
+        chunk_bytes=chunk_bytes, max_attempts=max_attempts, backoff_s=backoff_s,
+        timeout_s=timeout_s,
+    )  # fmt: skip
     if base is not None:
-        base_views = {n: (d, tuple(s), memoryview(b).cast("B")) for n, (d, s, b) in base[1].items()}
         try:
-            return await _publish(
-                address, policy, identity, version, views, files, metadata, (base[0], base_views),
-                chunk_bytes, max_attempts, backoff_s, timeout_s,
-            )  # fmt: skip
+            return await attempt((base[0], _views(base[1])))
         except (errors.FailedPrecondition, errors.DataLoss, errors.InvalidArgument) as exc:
             # A service older than base_version_id refuses the encoding itself.
             older = exc.metadata.get("field") == "tensor.encoding"
@@ -205,10 +206,11 @@ async def publish_version(
                 raise
             log.info("publish %s against %s refused (%s); sending raw tensors", identity,
                      base[0], exc.message)  # fmt: skip
-    return await _publish(
-        address, policy, identity, version, views, files, metadata, None,
-        chunk_bytes, max_attempts, backoff_s, timeout_s,
-    )  # fmt: skip
+    return await attempt(None)
+
+
+def _views(tensors: Tensors) -> dict[str, tuple[str, tuple, memoryview]]:
+    return {n: (d, tuple(s), memoryview(b).cast("B")) for n, (d, s, b) in tensors.items()}
 
 
 async def _publish(
@@ -220,6 +222,7 @@ async def _publish(
     files: Mapping[str, bytes] | None,
     metadata: Mapping[str, str] | None,
     base: tuple[str, dict] | None,
+    *,
     chunk_bytes: int,
     max_attempts: int,
     backoff_s: float,

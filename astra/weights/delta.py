@@ -9,7 +9,6 @@ anything. Knows nothing of files, names or checkpoint layout.
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -187,45 +186,6 @@ def _check_frame(frame: Any, expected: int) -> None:
         raise DeltaError(f"frame declares {declared} bytes, base tensor has {expected}")
     if frame_compressed_size(frame) != len(memoryview(frame).cast("B")):
         raise DeltaError("data after the zstd frame")
-
-
-def decode_xor_zstd_to_fd(frame: Any, old: Any, fd: int, offset: int) -> int:
-    """Writes new = decode(frame) XOR old to a file at `offset`, a chunk at a time; returns Adler-32.
-
-    The same checks as decode_xor_zstd_into, through a reused cache-sized
-    buffer and pwrite (no mapping to fault in, no full-size buffer).
-    """
-    y = _u8(old)
-    expected = y.size
-    _check_frame(frame, expected)
-    scratch = np.empty(max(1, min(_CHUNK, expected)), dtype=np.uint8)
-    target = memoryview(scratch)
-    value, pos = 1, 0
-    try:
-        with zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False) as reader:
-            while pos < expected:
-                n = min(_CHUNK, expected - pos)
-                filled = 0
-                while filled < n:
-                    got = reader.readinto(target[filled:n])
-                    if not got:
-                        raise DeltaError(
-                            f"frame decodes to {pos + filled} bytes, expected {expected}"
-                        )
-                    filled += got
-                chunk = scratch[:n]
-                np.bitwise_xor(chunk, y[pos : pos + n], out=chunk)
-                value = adler32(chunk, value)
-                view = memoryview(chunk)
-                done = 0
-                while done < n:
-                    done += os.pwrite(fd, view[done:], offset + pos + done)
-                pos += n
-            if reader.read(1):
-                raise DeltaError(f"frame decodes to more than {expected} bytes")
-    except zstandard.ZstdError as exc:
-        raise DeltaError(f"corrupt zstd frame: {exc}") from exc
-    return value
 
 
 def decode_xor_zstd_to_writer(frame: Any, old: Iterable[Any], expected: int, writer: Any) -> int:

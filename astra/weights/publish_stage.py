@@ -137,9 +137,13 @@ class PublishStage:
                 raise content_mismatch(self.header["identity"], "tensors differ", name)
         return TensorSink(self, name, dtype, tuple(shape), adler, encoded)
 
+    def _held(self, name: str, size: int) -> Any:
+        """The base tensor's bytes in the store's RAM copy, None when not held there."""
+        return self.hot_base.get(name, size) if self.hot_base is not None else None
+
     def base_bytes(self, name: str, size: int) -> Any:
         """The base tensor's bytes as consecutive pieces (RAM when held there, else its file)."""
-        held = self.hot_base.get(name, size) if self.hot_base is not None else None
+        held = self._held(name, size)
         if held is not None:
             return iter([held])
         entry = self.base.entries[name]
@@ -156,7 +160,7 @@ class PublishStage:
         entry = self.base.entries.get(name) if self.base is not None else None
         if entry is None or (entry.info.dtype, entry.info.shape) != (dtype, shape) or not size:
             return None
-        held = self.hot_base.get(name, size) if self.hot_base is not None else None
+        held = self._held(name, size)
         check = entry.checksum  # the RAM copy is checked against the bytes stored on disk
         if held is not None and check is not None:
             cursor: Any = BufferCursor(held)
