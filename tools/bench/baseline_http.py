@@ -253,9 +253,18 @@ class _Conn:
 
 
 class Coordinator:
+    """The Dataflow-like coordinator, independent of the HTTP stack: `connect` makes a
+    connection with a `post(path, body) -> bytes` method, `dumps` pickles a batch."""
+
+    connect = _Conn
+
+    @staticmethod
+    def dumps(obj) -> bytes:
+        return pickle.dumps(obj, protocol=PROTOCOL)
+
     def __init__(self, args) -> None:
         self.endpoints = [a for a in args.endpoints.split(",") if a]
-        self.conns = {a: _Conn(a) for a in self.endpoints}
+        self.conns = {a: self.connect(a) for a in self.endpoints}
         self.inflight = dict.fromkeys(self.endpoints, 0)
         self.capacity_groups = max(1, args.capacity // args.group_size)
         self.group_size = args.group_size
@@ -392,7 +401,7 @@ class Coordinator:
                 batch.append(t)
         with self.lock:
             self.counters["consumed_trajectories"] += len(batch)
-        return pickle.dumps(batch, protocol=PROTOCOL)
+        return self.dumps(batch)
 
     def status(self) -> dict:
         with self.lock:
@@ -478,7 +487,9 @@ def _wait_for_signal() -> None:
         stop.wait(0.1)
 
 
-def main(argv=None) -> int:
+def main(argv=None, roles=None) -> int:
+    """`roles` maps a role to the function that runs it (baseline_astraflow passes its own)."""
+    roles = roles or {"endpoints": run_endpoints, "coordinator": run_coordinator}
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="role", required=True)
     e = sub.add_parser("endpoints", help="host N rollout endpoints")
@@ -498,7 +509,7 @@ def main(argv=None) -> int:
     c.add_argument("--poll-interval-s", type=float, default=0.005)
     args = p.parse_args(argv)
     prefix = os.environ.get("ASTRA_BENCH_PROFILE")
-    fn = run_endpoints if args.role == "endpoints" else run_coordinator
+    fn = roles[args.role]
     if not prefix:
         return fn(args)
     import cProfile
