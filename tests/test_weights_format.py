@@ -13,6 +13,7 @@ import pytest
 import zstandard
 
 from astra.errors import FailedPrecondition, InvalidArgument
+from astra.weights import checksum
 from astra.weights.checkpoint import (
     LayoutChanged,
     apply_delta,
@@ -203,6 +204,24 @@ def test_adler32_hex_matches_zlib_without_copies() -> None:
     assert adler32_hex(array) == format(zlib.adler32(array.tobytes(), 1), "08x")
     assert adler32_hex(memoryview(array.tobytes())[10:]) == adler32_hex(array.tobytes()[10:])
     assert is_adler32_hex("0a1b2c3d") and not is_adler32_hex("0A1B2C3D") and not is_adler32_hex(7)
+
+
+def test_fast_adler32_equals_the_stdlib_in_every_split(rng: np.random.Generator) -> None:
+    """zlib-ng's SIMD Adler-32 is used when installed (it is a dependency); its running values
+    must equal the reference zlib's for any buffer split, or receivers would refuse tensors."""
+    assert checksum.implementation() == "zlib-ng"
+    data = rng.integers(0, 256, (3 << 20) + 17, np.uint8)
+    whole = zlib.adler32(data.tobytes(), 1)
+    assert checksum.adler32(data) == whole
+    for cuts in ([1], [5551, 5552, 5553], [4096, 1 << 20], list(range(0, data.size, 65521))[1:]):
+        value, pos = 1, 0
+        for cut in [*cuts, data.size]:
+            value = checksum.adler32(data[pos:cut], value)
+            pos = cut
+        assert value == whole, cuts
+    assert checksum.adler32(np.full(1 << 16, 255, np.uint8), 0xFFF0FFF0) == zlib.adler32(
+        bytes([255]) * (1 << 16), 0xFFF0FFF0
+    )
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 4096, (1 << 20) + 3, 5 << 20])

@@ -46,7 +46,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,6 +55,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 from report import replace_section  # noqa: E402
+
+from astra.weights.checksum import adler32  # noqa: E402
 
 PROCS = HERE / "weights_procs.py"
 SECTION = "## Weights (WeightService)"
@@ -146,9 +147,7 @@ def as_tensors(model: dict[str, np.ndarray]) -> dict[str, tuple[str, tuple, np.n
 
 
 def adlers(model: dict[str, np.ndarray]) -> dict[str, str]:
-    return {
-        n: format(zlib.adler32(a.reshape(-1).view(np.uint8), 1), "08x") for n, a in model.items()
-    }
+    return {n: format(adler32(a.reshape(-1).view(np.uint8)), "08x") for n, a in model.items()}
 
 
 def model_bytes(model: dict[str, np.ndarray]) -> int:
@@ -324,7 +323,7 @@ def bench_sparse(p, base: dict, new: dict) -> dict:
             name, idx, vals = item
             t = targets[name]
             t[idx] = vals
-            return zlib.adler32(t.view(np.uint8), 1) if verify else 0
+            return adler32(t.view(np.uint8)) if verify else 0  # the same Adler-32 as Astra's
 
         for key, verify in (("apply_s", False), ("apply_verify_s", True)):
             for _ in range(p.reps_format):
