@@ -99,6 +99,28 @@ class _Preparer:
             future.cancel()
 
 
+class _StaleStage(Exception):
+    """The service holds tensors of this identity, staged by an earlier publisher, that differ
+    from ours (a trainer that restarted and produced other content for the same identity)."""
+
+
+def _stale_held(
+    accepted: pb.PublishAccepted, tensors: dict[str, tuple[str, tuple, memoryview]]
+) -> str:
+    """The first held tensor that is not ours byte for byte (by Adler-32), "" when all are.
+    A service that predates `held` sends names only: those are trusted, as before."""
+    for h in accepted.held:
+        ours = tensors.get(h.name)
+        if ours is None:
+            return h.name
+        dtype, shape, view = ours
+        if (dtype, shape, view.nbytes) != (h.dtype, tuple(h.shape), h.size_bytes):
+            return h.name
+        if adler32_hex(view) != h.adler32:
+            return h.name
+    return ""
+
+
 class _Answers:
     """Reads a publish stream's answers; a refusing TensorAck carries the stream's error."""
 
@@ -137,6 +159,10 @@ async def _publish_once(
     if first is grpc.aio.EOF or not first.HasField("accepted"):
         raise errors.InvalidArgument("publish was not accepted", reason="NO_ACCEPT")
     held = set(first.accepted.held_tensors)
+    if header.restart:
+        header.restart = False  # done: a later attempt resumes what this one stages
+    elif held and (stale := _stale_held(first.accepted, tensors)):
+        raise _StaleStage(stale)
     answers = _Answers(call)
 
     async def send(raw: bytes | None = None, **part: Any) -> None:
@@ -245,6 +271,7 @@ async def _publish(
                 request_serializer=serialize,
                 response_deserializer=pb.PublishVersionResponse.FromString,
             )
+            restarted = False
             for attempt in range(1, max_attempts + 1):
                 call = publish(timeout=timeout_s)
                 try:
@@ -254,6 +281,17 @@ async def _publish(
                     result.attempts, result.bytes_sent = attempt, sent[0]
                     result.delta_base = base[0] if base is not None else ""
                     return result
+                except _StaleStage as exc:
+                    if restarted:  # restart sent, yet other content held: a concurrent sender
+                        raise errors.Unavailable(
+                            f"{identity!r}: tensor {exc} staged by another sender",
+                            reason="PUBLISH_IN_PROGRESS",
+                            metadata={"identity": identity, "tensor": str(exc)},
+                        ) from None
+                    log.warning("publish %s: the service holds another attempt's %s; "
+                                "starting over", identity, exc)  # fmt: skip
+                    restarted = header.restart = True
+                    continue
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == max_attempts:
                         raise domain_error(exc) from exc

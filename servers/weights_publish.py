@@ -61,6 +61,17 @@ def _check_header(h: pb.PublishHeader) -> None:
         raise invalid_field("header.metadata", f"more than {MAX_METADATA} entries")
 
 
+def accepted(session: PublishSession) -> pb.PublishAccepted:
+    """What an earlier attempt staged: names, and what the client compares before it skips."""
+    out = pb.PublishAccepted(held_tensors=session.held)
+    for name, rec in session.held_records():
+        out.held.add(
+            name=name, dtype=rec.dtype, shape=list(rec.shape), adler32=rec.adler32,
+            size_bytes=rec.size_bytes,
+        )  # fmt: skip
+    return out
+
+
 def refusal(exc: AstraError) -> pb.PublishVersionResponse:
     """The in-band form of a failure: a TensorAck whose status is the error (details included)."""
     raw = dict(status_for(exc, DOMAIN).trailing_metadata)["grpc-status-details-bin"]
@@ -99,9 +110,10 @@ async def publish_stream(
         h.version,
         dict(h.metadata),
         delta_base=h.base_version_id,
+        restart=h.restart,
     )
     try:
-        yield pb.PublishVersionResponse(accepted=pb.PublishAccepted(held_tensors=session.held))
+        yield pb.PublishVersionResponse(accepted=accepted(session))
         try:
             async for resp in _receive(store, session, h, requests):
                 yield resp

@@ -65,7 +65,9 @@ class PublishStage:
         level: int = 1,
         hot_base: HotVersion | None = None,
         hot_new: HotBuilder | None = None,
+        restart: bool = False,
     ) -> None:
+        """restart: drop what an earlier attempt staged here instead of resuming it."""
         self.path, self.header, self.expected, self.durable = path, header, expected, durable
         # The version the frames are encoded against (the current one when the stage opened),
         # read from RAM when the store holds it there (hot_base); hot_new collects the new bytes.
@@ -86,7 +88,7 @@ class PublishStage:
         self.offsets: dict[str, int] = {}  # where each staged tensor's bytes start (0: bare bytes)
         if expected is not None:
             return
-        if path.is_dir() and self._read_header() == header:
+        if not restart and path.is_dir() and self._read_header() == header:
             self._load()
         else:
             shutil.rmtree(path, ignore_errors=True)

@@ -120,6 +120,7 @@ class PublishSession:
         version: int,
         metadata: dict[str, str],
         delta_base: str = "",
+        restart: bool = False,
     ) -> None:
         if version < 0:
             raise InvalidArgument("version must be >= 0", reason="INVALID_VERSION")
@@ -165,7 +166,7 @@ class PublishSession:
             self.stage = PublishStage(
                 path, header, expected=expected, durable=store.config.durable,
                 base=base, base_identity=base_identity, level=store.config.zstd_level,
-                hot_base=hot_base, hot_new=hot_new,
+                hot_base=hot_base, hot_new=hot_new, restart=restart,
             )  # fmt: skip
             if hot_base is not None:
                 store.counters["publish_base_in_memory"] += 1
@@ -179,6 +180,10 @@ class PublishSession:
     def held(self) -> list[str]:
         """Tensors already staged by an earlier attempt; the client skips them."""
         return sorted(self.stage.held)
+
+    def held_records(self) -> list[tuple[str, TensorRecord]]:
+        """The held tensors with their records (dtype, shape, size, Adler-32), by name."""
+        return sorted((n, rec) for n, (_file, rec) in self.stage.held.items())
 
     def begin_tensor(
         self,
@@ -243,6 +248,7 @@ class PublishSession:
                     if self.store.hot.get(self.policy) is hot_base:
                         del self.store.hot[self.policy]
             self.stage.close()
+            self.stage = None  # closing twice is harmless
         with self.store._guard:
             self.store._publishing.discard(self._key)
 
@@ -271,15 +277,19 @@ class StorePublishing:
         metadata: Mapping[str, str] | None = None,
         *,
         delta_base: str = "",
+        restart: bool = False,
     ) -> PublishSession:
         """Opens (or resumes) a streamed publish; the caller must close the session.
 
         delta_base: the sender's tensors may be xor+zstd frames against this
         identity, which must be the current version (FAILED_PRECONDITION otherwise).
+        restart: drop what an earlier, uncommitted attempt staged for the identity.
         """
         check_policy(policy)
         check_identity(identity)
-        return PublishSession(self, policy, identity, version, dict(metadata or {}), delta_base)
+        return PublishSession(
+            self, policy, identity, version, dict(metadata or {}), delta_base, restart
+        )
 
     def publish(
         self: Store,
@@ -342,14 +352,17 @@ class StorePublishing:
         session = self.begin_publish(policy, identity, version, metadata)
         try:
             held = set(session.held)
-            if held:  # an interrupted streamed publish of this identity: its tensors must match
+            if held:  # an interrupted publish of this identity: skip only what matches
                 staged = session.stage.records()
                 ours = hash_tensors(
                     {n: _in_memory(t, sizes[n]) for n, t in tensors.items() if n in held}
                 )
-                for name, record in ours.items():
-                    if staged[name] != record:
-                        raise content_mismatch(identity, "tensors differ", name)
+                if held - ours.keys() or any(staged[n] != r for n, r in ours.items()):
+                    # Another content was staged under this identity and never committed.
+                    log.warning("publish %s: dropping a stale attempt's tensors", identity)
+                    session.close()
+                    session = self.begin_publish(policy, identity, version, metadata, restart=True)
+                    held = set()
 
             def one(name: str) -> None:
                 t = tensors[name]

@@ -104,7 +104,7 @@ class TensorAck(_message.Message):
     def __init__(self, name: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("policy_id", "version_id", "version", "num_tensors", "metadata", "base_version_id")
+    __slots__ = ("policy_id", "version_id", "version", "num_tensors", "metadata", "base_version_id", "restart")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -118,13 +118,15 @@ class PublishHeader(_message.Message):
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     policy_id: str
     version_id: str
     version: int
     num_tensors: int
     metadata: _containers.ScalarMap[str, str]
     base_version_id: str
-    def __init__(self, policy_id: _Optional[str] = ..., version_id: _Optional[str] = ..., version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., base_version_id: _Optional[str] = ...) -> None: ...
+    restart: bool
+    def __init__(self, policy_id: _Optional[str] = ..., version_id: _Optional[str] = ..., version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., base_version_id: _Optional[str] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class PublishCommit(_message.Message):
     __slots__ = ("num_tensors",)
@@ -147,10 +149,12 @@ class PublishVersionRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., tensor: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., file: _Optional[_Union[VersionFile, _Mapping]] = ..., commit: _Optional[_Union[PublishCommit, _Mapping]] = ...) -> None: ...
 
 class PublishAccepted(_message.Message):
-    __slots__ = ("held_tensors",)
+    __slots__ = ("held_tensors", "held")
     HELD_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     held_tensors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, held_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[TensorHeader]
+    def __init__(self, held_tensors: _Optional[_Iterable[str]] = ..., held: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ...) -> None: ...
 
 class PublishCommitted(_message.Message):
     __slots__ = ("version", "already_existed")

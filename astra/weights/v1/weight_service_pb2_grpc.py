@@ -131,8 +131,9 @@ class WeightServiceServicer:
         a TensorHeader followed by its chunks in order, then files, then one
         PublishCommit. The service answers with a PublishAccepted naming the
         tensors it already holds for this identity (an interrupted publish
-        resumes: the client skips those), a TensorAck per verified tensor, and
-        finally PublishCommitted.
+        resumes: the client skips those whose Adler-32 matches its own, and
+        restarts the publish when one differs), a TensorAck per verified tensor,
+        and finally PublishCommitted.
 
         Identities are immutable: publishing an identity again with the same
         content succeeds (idempotent; the content is streamed and compared, and
