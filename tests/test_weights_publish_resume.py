@@ -44,8 +44,7 @@ def source_of(directory: Path, models: dict[str, dict]) -> dict[str, str]:
 
     got = load_tensors(directory)
     return {
-        n: next((k for k, m in models.items() if bytes(got[n].data) == m[n][2]), "?")
-        for n in got
+        n: next((k for k, m in models.items() if bytes(got[n].data) == m[n][2]), "?") for n in got
     }
 
 
