@@ -181,3 +181,66 @@ def test_kl_to_the_initial_weights_is_zero_at_first_and_grows() -> None:
     assert results[0].metrics["kl_ref"] == pytest.approx(0.0, abs=1e-7)
     assert results[-1].metrics["kl_ref"] > 0 and results[-1].metrics["entropy"] > 0
     t.close()
+
+
+class FlakyAcks(SyntheticSource):
+    """Dataflow unreachable for the first `down` AckBatch calls; refuses batch ids in `refuse`."""
+
+    def __init__(self, *args, down: int = 0, refuse: tuple[str, ...] = (), **kw) -> None:
+        super().__init__(*args, **kw)
+        self.down, self.refuse, self.ack_calls = down, refuse, 0
+
+    async def ack(self, batch_id: str) -> None:
+        from astra.errors import FailedPrecondition, Unavailable
+
+        self.ack_calls += 1
+        if self.down:
+            self.down -= 1
+            raise Unavailable("dataflow restarting", reason="DATAFLOW_UNREACHABLE")
+        if batch_id in self.refuse:
+            raise FailedPrecondition("lease expired", reason="BATCH_LEASE_EXPIRED")
+        await super().ack(batch_id)
+
+
+def test_an_ack_lost_while_dataflow_is_down_is_retried_so_no_batch_is_served_twice() -> None:
+    source = FlakyAcks("p", vocab_size=100, max_lag=1, down=3)
+    t, _, _ = trainer(source=source)
+    results = list(t.run_training(2))
+    assert [r.step for r in results] == [1, 2]
+    assert source.acked == ["b-trainer-v1-a0", "b-trainer-v2-a0"], "each batch acknowledged"
+    assert t.counters["ack_retries"] == 3 and t.counters["ack_failures"] == 0
+    t.close()
+
+
+def test_an_ack_refused_by_dataflow_is_counted_not_retried() -> None:
+    source = FlakyAcks("p", vocab_size=100, max_lag=1, refuse=("b-trainer-v1-a0",))
+    t, _, _ = trainer(source=source)
+    results = list(t.run_training(2))
+    assert [r.step for r in results] == [1, 2], "the step stands; training goes on"
+    assert source.ack_calls == 2 and t.counters["ack_failures"] == 1
+    assert t.counters["ack_retries"] == 0
+    t.close()
+
+
+def test_dataflow_source_reports_an_unreachable_dataflow_as_unavailable() -> None:
+    import socket
+
+    from astra.errors import Unavailable
+    from astra.trainer.sources import DataflowSource
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def body() -> None:
+        source = DataflowSource(
+            f"127.0.0.1:{port}", "p", trainer_id="t", weights_address="127.0.0.1:1"
+        )
+        try:
+            with pytest.raises(Unavailable) as err:
+                await source.ack("b-1")
+            assert err.value.reason == "DATAFLOW_UNREACHABLE"
+        finally:
+            await source.close()
+
+    asyncio.run(asyncio.wait_for(body(), 30))

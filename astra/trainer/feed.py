@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from astra.common.v1 import rollout_pb2
 from astra.engine.model_config import ModelConfig
+from astra.errors import Unavailable
 from astra.trainer.batch import TrainBatch, build_batch
 from astra.trainer.config import TrainerConfig
 from astra.trainer.sources import BatchNotReady, BatchSource, FetchedBatch, RequestIdSpent
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 1.0
+# How long an acknowledgement is retried while Dataflow is unreachable: as long as a batch
+# lease lasts by default (leases.batch_lease_s), after which the ack could only be refused.
+ACK_RETRY_S = 300.0
+ACK_MAX_BACKOFF_S = 5.0
 
 
 class Feed:
@@ -85,11 +91,38 @@ class Feed:
         self.attempt += 1
 
     async def ack(self, batch_id: str) -> None:
-        """AckBatch; a failure (lease expired, service down) is logged and counted, not raised."""
+        """AckBatch, retried while Dataflow cannot be reached (AckBatch is idempotent).
+
+        A lost acknowledgement is not harmless: when the batch's lease ends its groups go
+        back to the buffer and would be trained a second time. So an unreachable Dataflow
+        (a restart, a network blip) is waited out for up to ACK_RETRY_S; a refusal (the
+        lease already expired, an unknown batch) or giving up is logged and counted, not
+        raised: the step is applied either way.
+        """
         if self.source is None:
             return
-        try:
-            await self.source.ack(batch_id)
-        except Exception as exc:
-            self.counters["ack_failures"] += 1
-            log.warning("AckBatch %s failed: %s", batch_id, exc)
+        deadline = time.monotonic() + ACK_RETRY_S
+        backoff = 0.2
+        while True:
+            try:
+                await self.source.ack(batch_id)
+                return
+            except Exception as exc:
+                retry = _unreachable(exc) and time.monotonic() + backoff < deadline
+                if not retry:
+                    self.counters["ack_failures"] += 1
+                    log.error(
+                        "AckBatch %s failed: %s; if its lease ends, its groups are served again",
+                        batch_id,
+                        exc,
+                    )
+                    return
+                self.counters["ack_retries"] += 1
+                log.warning("AckBatch %s: %s; retrying in %.1f s", batch_id, exc, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, ACK_MAX_BACKOFF_S)
+
+
+def _unreachable(exc: Exception) -> bool:
+    """Dataflow did not answer (worth retrying), as opposed to answering no."""
+    return isinstance(exc, (ConnectionError, TimeoutError, Unavailable))

@@ -112,7 +112,19 @@ class DataflowSource:
         )
 
     async def ack(self, batch_id: str) -> None:
-        await self.client.ack_batch(batch_id)
+        """Raises Unavailable when Dataflow does not answer (worth retrying), else its error."""
+        from astra.clients.weights import domain_error
+
+        try:
+            await self.client.ack_batch(batch_id)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise Unavailable(
+                    f"AckBatch {batch_id}: {exc.code().name}: {exc.details()}",
+                    reason="DATAFLOW_UNREACHABLE",
+                    metadata={"batch_id": batch_id},
+                ) from exc
+            raise domain_error(exc) from exc
 
     async def current_version(self) -> int | None:
         status = await self.client.get_status()
