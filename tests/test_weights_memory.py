@@ -13,7 +13,7 @@ from astra.servers.weights_fetch import StreamSettings
 from astra.weights.memory import MemoryVersion
 from astra.weights.store_fetch import FetchSource
 from tests.test_weights_service import run, serving
-from tests.test_weights_store import chain_of
+from tests.test_weights_store import chain_of, same
 
 T = 20
 
@@ -169,5 +169,50 @@ def test_a_memory_receiver_carries_what_it_holds_to_a_new_address(tmp_path: Path
                 result = await second.fetch()
                 assert result.plan == "delta" and result.base == "v0"
                 assert held_equals(second.current, models[1])
+
+    run(body())
+
+
+@pytest.mark.parametrize("in_memory", [True, False], ids=["memory", "disk"])
+def test_a_delta_stream_that_ends_before_its_tensors_is_never_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_memory: bool
+) -> None:
+    """A service that says FetchDone after fewer changed tensors than its plan names: the
+    receiver must not fill the gap with its base's tensors (a mix of two versions)."""
+    models = chain_of(2, seed=23)
+    full_list = FetchSource.tensors
+
+    def fewer_at_first(self):
+        calls = getattr(self, "_calls", 0)
+        self._calls = calls + 1
+        tensors = full_list(self)
+        return tensors[:1] if calls == 0 else tensors  # sends one, then says "done" for all
+
+    async def body() -> None:
+        async with serving(tmp_path / "store", full_every=4) as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            directory = None if in_memory else tmp_path / "rx"
+            receiver = Receiver(
+                server.address, "p", directory, in_memory=in_memory, backoff_s=0.01,
+                max_attempts=2, durable=False,
+            )  # fmt: skip
+            await receiver.fetch()
+            await publish_version(server.address, "p", "v1", 1, models[1])
+            monkeypatch.setattr(FetchSource, "tensors", fewer_at_first)
+            with pytest.raises(DataLoss) as err:
+                await receiver.fetch()
+            assert err.value.reason == "INCOMPLETE_FETCH"
+            if in_memory:
+                assert held_equals(receiver.current, models[0])
+            else:
+                assert same(receiver.current_path, models[0])
+            monkeypatch.setattr(FetchSource, "tensors", full_list)
+            fetched = await receiver.fetch()  # the real stream completes what was staged
+            assert fetched.plan == "delta"
+            if in_memory:
+                assert held_equals(receiver.current, models[1])
+            else:
+                assert same(receiver.current_path, models[1])
+            await receiver.close()
 
     run(body())

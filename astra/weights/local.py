@@ -116,7 +116,9 @@ class LocalVersions:
             stage.remove()
             return final
         entries = dict(stage.entries)
-        if base_dir is None and len(entries) != num_tensors:
+        # A full copy is exactly the plan; a delta at least the plan's changed tensors (what is
+        # missing would otherwise be linked from the base: a mix of two versions).
+        if len(entries) < num_tensors or (base_dir is None and len(entries) != num_tensors):
             raise DataLoss(
                 f"{len(entries)} tensors staged, the plan has {num_tensors}",
                 reason="INCOMPLETE_FETCH",

@@ -254,7 +254,9 @@ class MemoryVersions:
         if done is not None:
             return self.adopt(done, stage.target)
         staged = dict(stage.entries)
-        if base is None and len(staged) != num_tensors:
+        # A full copy is exactly the plan; a delta at least the plan's changed tensors (what is
+        # missing would otherwise be taken from the base: a mix of two versions).
+        if len(staged) < num_tensors or (base is None and len(staged) != num_tensors):
             raise DataLoss(
                 f"{len(staged)} tensors staged, the plan has {num_tensors}",
                 reason="INCOMPLETE_FETCH",
