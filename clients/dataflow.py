@@ -52,10 +52,12 @@ class DataflowClient(BaseClient):
         trainer_id: str = "",
         max_wait_s: float = 10.0,
         timeout_s: float | None = None,
+        trainer_version: int = 0,
     ) -> AsyncIterator[pb.FetchBatchResponse]:
         req = pb.FetchBatchRequest(
             policy_id=policy_id, num_groups=num_groups, request_id=request_id, trainer_id=trainer_id
         )
+        req.trainer_version = trainer_version
         req.max_wait.FromNanoseconds(int(max_wait_s * 1e9))
         timeout = self._timeout(timeout_s) + max_wait_s
         return self.stub.FetchBatch(req, timeout=timeout)

@@ -107,6 +107,8 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         max_wait = request.max_wait.ToNanoseconds() / 1e9 if request.HasField("max_wait") else 10.0
         if max_wait < 0:
             raise invalid_field("max_wait", "must not be negative")
+        if request.trainer_version < 0:
+            raise invalid_field("trainer_version", "must not be negative")
         # Ingest yields to the trainer from the start when the batch is there to take; if
         # the fetch has to wait for data, not while it waits.
         turn = self.df.trainer_turn()
@@ -120,6 +122,7 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
                 request.trainer_id,
                 max_wait,
                 on_wait=turn.release,
+                trainer_version=request.trainer_version,
             )
             turn.hold()
             header = pb.BatchHeader(

@@ -452,6 +452,53 @@ def test_nothing_older_than_max_staleness_reaches_the_trainer(tmp_path):
     assert len(trained_versions) >= 2, trained_versions
 
 
+def test_staleness_counts_from_the_trainer_version_when_its_announcement_lags(tmp_path):
+    """The trainer publishes in the background, so Dataflow may not know its version yet:
+    groups within the bound of the announced version but past it for the trainer's own
+    (FetchBatchRequest.trainer_version) must not be served."""
+    config = dataflow_config(
+        tmp_path, 8, policies=[policy(max_staleness=1)], gate={"max_offpolicyness": None}
+    )
+
+    async def body():
+        async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (
+            df,
+            client,
+            _,
+        ):
+            await until(lambda: len(df.buffers[POLICY]) >= 4, what="4 buffered groups")
+            # Version 0 is announced; the trainer already trains version 2's weights.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.fetch_batch(POLICY, 2, "ahead", trainer_version=2, max_wait_s=0.2)
+            assert error_info(err.value)[0].reason == "BATCH_NOT_READY"
+            return df.status()
+
+    status = run(body())
+    c = status["counters"]
+    assert c[f"buffer.{POLICY}.filtered_stale"] >= 4 and c.get("consumed_groups", 0) == 0
+
+
+def test_a_trainer_at_the_announced_version_gets_its_batch(tmp_path):
+    config = dataflow_config(
+        tmp_path, 8, policies=[policy(max_staleness=1)], gate={"max_offpolicyness": None}
+    )
+
+    async def body():
+        async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (
+            df,
+            client,
+            _,
+        ):
+            await until(lambda: len(df.buffers[POLICY]) >= 4, what="4 buffered groups")
+            header, trajectories, footer = await client.fetch_batch(
+                POLICY, 2, "level", trainer_version=1, max_wait_s=2
+            )
+            assert header.policy_version == 1 and footer.max_staleness == 1
+            return len(trajectories)
+
+    assert run(body()) > 0
+
+
 # ----- 3. synchronous mode -----------------------------------------------------------------------
 
 

@@ -169,6 +169,7 @@ def test_every_rpc_rejects_bad_input_and_keeps_serving(config):
                 ({"num_groups": 0}, "num_groups"),
                 ({"num_groups": 70000}, "num_groups"),
                 ({"request_id": ""}, "request_id"),
+                ({"trainer_version": -1}, "trainer_version"),
             ]:
                 await expect_invalid_field(lambda c=change: fetch(**c), field)
             neg = pb.FetchBatchRequest(policy_id="policy", num_groups=1, request_id="r2")

@@ -106,9 +106,11 @@ class BatchDesk:
         trainer_id: str,
         max_wait_s: float,
         on_wait=None,
+        trainer_version: int = 0,
     ) -> Batch:
         """The batch of `request_id` (a new one, or the same one again). `on_wait` is called
-        before waiting for data, if the buffer cannot make the batch yet."""
+        before waiting for data, if the buffer cannot make the batch yet. Staleness counts
+        from the newer of the announced version and `trainer_version` (the trainer's own)."""
         df = self.df
         if policy_id not in df.buffers:
             raise NotFound(
@@ -148,7 +150,7 @@ class BatchDesk:
         deadline = time.monotonic() + min(max(max_wait_s, 0.0), MAX_WAIT_S)
         async with df.data_ready:
             while True:
-                version = df.versions.current(policy_id)
+                version = max(df.versions.current(policy_id), trainer_version)
                 # take() drops stale groups first; _persist_dropped deletes them from the store.
                 groups = buf.take(num_groups, version)
                 self._persist_dropped(policy_id)

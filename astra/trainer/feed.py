@@ -56,7 +56,11 @@ class Feed:
         while True:
             request_id = self.request_id(next_version)
             try:
-                batch = await self.source.fetch(request_id, self.config.batch.num_groups)
+                # The batch trains the weights of version next_version - 1: staleness counts
+                # from there even while the announcement of that version is still on its way.
+                batch = await self.source.fetch(
+                    request_id, self.config.batch.num_groups, trainer_version=next_version - 1
+                )
             except BatchNotReady as exc:
                 self.counters["fetch_waits"] += 1
                 log.debug("batch not ready: %s", exc)

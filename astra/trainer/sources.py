@@ -44,7 +44,9 @@ class FetchedBatch:
 
 
 class BatchSource(Protocol):
-    async def fetch(self, request_id: str, num_groups: int) -> FetchedBatch: ...
+    async def fetch(
+        self, request_id: str, num_groups: int, trainer_version: int = 0
+    ) -> FetchedBatch: ...
 
     async def ack(self, batch_id: str) -> None: ...
 
@@ -89,7 +91,9 @@ class DataflowSource:
         self.policy_id, self.trainer_id = policy_id, trainer_id
         self.weights_address, self.max_wait_s = weights_address, max_wait_s
 
-    async def fetch(self, request_id: str, num_groups: int) -> FetchedBatch:
+    async def fetch(
+        self, request_id: str, num_groups: int, trainer_version: int = 0
+    ) -> FetchedBatch:
         try:
             header, trajectories, footer = await self.client.fetch_batch(
                 self.policy_id,
@@ -97,6 +101,7 @@ class DataflowSource:
                 request_id,
                 trainer_id=self.trainer_id,
                 max_wait_s=self.max_wait_s,
+                trainer_version=trainer_version,
             )
         except ConnectionError as exc:
             raise BatchNotReady(str(exc)) from exc

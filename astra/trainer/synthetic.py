@@ -116,7 +116,9 @@ class SyntheticSource:
         self.announced: list[tuple[int, str]] = []
         self.not_ready = 0  # answer BatchNotReady this many more times
 
-    async def fetch(self, request_id: str, num_groups: int) -> FetchedBatch:
+    async def fetch(
+        self, request_id: str, num_groups: int, trainer_version: int = 0
+    ) -> FetchedBatch:
         if self.not_ready > 0:
             self.not_ready -= 1
             raise BatchNotReady("synthetic: not ready")

@@ -184,7 +184,7 @@ class FixedSource:
         self.policy_id, self.shape, self.seed = policy_id, shape, seed
         self.version = 0
 
-    async def fetch(self, request_id: str, num_groups: int) -> Any:
+    async def fetch(self, request_id: str, num_groups: int, trainer_version: int = 0) -> Any:
         import numpy as np
 
         from astra.trainer.sources import FetchedBatch

@@ -108,18 +108,20 @@ class DeregisterInstanceResponse(_message.Message):
     def __init__(self, requeued_groups: _Optional[int] = ...) -> None: ...
 
 class FetchBatchRequest(_message.Message):
-    __slots__ = ("policy_id", "num_groups", "request_id", "trainer_id", "max_wait")
+    __slots__ = ("policy_id", "num_groups", "request_id", "trainer_id", "max_wait", "trainer_version")
     POLICY_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
     policy_id: str
     num_groups: int
     request_id: str
     trainer_id: str
     max_wait: _duration_pb2.Duration
-    def __init__(self, policy_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., request_id: _Optional[str] = ..., trainer_id: _Optional[str] = ..., max_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    trainer_version: int
+    def __init__(self, policy_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., request_id: _Optional[str] = ..., trainer_id: _Optional[str] = ..., max_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trainer_version: _Optional[int] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
     __slots__ = ("batch_id", "policy_id", "num_groups", "num_trajectories", "policy_version", "lease_expire_time")
