@@ -899,6 +899,39 @@ def test_lockstep_never_serves_a_mix_of_versions_across_weight_addresses(tmp_pat
     run(body())
 
 
+def test_eta_zero_bounds_every_policy_of_a_stream_not_just_the_first(tmp_path):
+    """Lockstep, eta = 0: trainer a runs ahead of trainer b. Its next batch must wait until
+    the set (a:1, b:1) is loaded, never carry a's tokens of version 0 into a's version 1."""
+    cfg = two_policy_config(tmp_path, 16).model_dump()
+    cfg["gate"]["max_offpolicyness"] = 0
+    config = DataflowConfig(**cfg)
+
+    async def body():
+        gen = SlowLoadGenerator(("a", "b"), delay_s=0.02)
+        async with with_raas(config, gen, capacity=16, name="ab") as (df, client, _):
+            await registered(df, "ab")
+            ta, tb = Trainer(client, "a"), Trainer(client, "b")
+            await client.announce_version("a", 0, WEIGHTS)
+            await client.announce_version("b", 0, WEIGHTS)
+            await until(lambda: len(df.buffers["b"]) >= 2, 5.0, "a batch for a and for b")
+            await ta.ack(await ta.fetch(2))
+            await ta.announce()  # a -> 1; b's trainer is slower, still at 0
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.fetch_batch("a", 2, "a-early", max_wait_s=0.5)
+            assert error_info(err.value)[0].reason == "BATCH_NOT_READY"
+            await tb.ack(await tb.fetch(2))
+            await tb.announce()  # b -> 1: the set (a:1, b:1) may load now
+            batch = await ta.fetch(2, "a-level", max_wait_s=10)
+            assert batch is not None
+            v = batch.header.policy_version
+            assert v == 1
+            for t in batch.trajectories:
+                versions = generated_versions(t)
+                assert versions.size and set(versions.tolist()) == {1}, (t.trajectory_id, versions)
+
+    run(body())
+
+
 # ----- 8. restart in-process ------------------------------------------------------------------------
 
 

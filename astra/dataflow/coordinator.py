@@ -344,14 +344,19 @@ class Dataflow(Ingesting, WeightSync):
         running = self._running(stream)
         if g.max_offpolicyness is None or self.evals.is_eval(stream.name):
             return max(0, g.max_concurrent_groups - running)
-        primary = stream.policy_ids[0]
-        return offpolicy_capacity(
-            g.max_offpolicyness,
-            self.versions.current(primary),
-            self.config.policy(primary).batch_groups,
-            self.accepted[primary],
-            running,
-            g.max_concurrent_groups,
+        # A group trains every policy of its stream: each policy's bound holds, so the most
+        # constrained decides (with eta = 0 a policy whose trainer runs ahead waits for the
+        # others instead of training tokens of a version behind its own).
+        return min(
+            offpolicy_capacity(
+                g.max_offpolicyness,
+                self.versions.current(p),
+                self.config.policy(p).batch_groups,
+                self.accepted[p],
+                running,
+                g.max_concurrent_groups,
+            )
+            for p in stream.policy_ids
         )
 
     def buffer_room(self, stream: StreamSettings) -> int:
