@@ -65,6 +65,8 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         _check_list(request.workflows, "workflows")
         if len(request.labels) > MAX_LIST:
             raise invalid_field("labels", f"more than {MAX_LIST} labels")
+        if len(request.incarnation) > 128:
+            raise invalid_field("incarnation", "longer than 128 characters")
         already = await self.df.register(
             request.instance_id,
             request.address,
@@ -73,6 +75,7 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
             list(request.workflows),
             dict(request.labels),
             _versions(request.loaded_versions),
+            request.incarnation,
         )
         resp = pb.RegisterInstanceResponse(already_registered=already)
         self._interval(resp)

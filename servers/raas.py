@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -60,6 +61,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.load_timeout_s = load_timeout_s
         self.capacity = capacity
         self.instance_id = instance_id
+        self.incarnation = uuid.uuid4().hex  # this process (RegisterInstanceRequest.incarnation)
         self.policy_ids = list(backend.policy_ids)
         self.workflows = list(backend.workflows)
         self.store = ResultStore(capacity)

@@ -95,6 +95,7 @@ class Registrar:
             labels=self.labels,
             loaded_versions=_versions(v),
             contract_version=CONTRACT_VERSION,
+            incarnation=getattr(v, "incarnation", ""),
         )
 
     def _heartbeat_request(self) -> df_pb.HeartbeatInstanceRequest:

@@ -3,10 +3,17 @@ supervisor's restart does) must not keep its predecessor's groups leased: they d
 
 from __future__ import annotations
 
+import socket
+from contextlib import asynccontextmanager
+
+import pytest
+
 from astra.raas.scripted import ScriptedGenerator
+from astra.servers.raas import start_raas
 from tests.conftest import running_dataflow
 from tests.test_dataflow_invariants import (
     WEIGHTS,
+    Raas,
     Trainer,
     assert_epoch_trained_once,
     dataflow_config,
@@ -39,6 +46,69 @@ def test_a_restarted_raas_gets_its_predecessors_groups_dispatched_again(tmp_path
                 await until(lambda: df.counters["requeued_instance_restarted"] == len(lost))
                 trainer = Trainer(client)
                 await trainer.drain(df, num_groups=2)
+            assert_epoch_trained_once(trainer.consumed, n)
+            assert lost <= set(trainer.consumed)
+
+    run(body(), timeout_s=60)
+
+
+@asynccontextmanager
+async def raas_on_port(dataflow_address: str, backend, *, name: str, port: int):
+    server, servicer, registrar = await start_raas(
+        backend,
+        capacity=8,
+        dataflow_address=dataflow_address,
+        instance_id=name,
+        port=port,
+        grace_s=0.1,
+    )
+    r = Raas(server, servicer, registrar, backend)
+    try:
+        yield r
+    finally:
+        await r.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("second_name", ["r", "r-restarted"], ids=["same-id", "new-id"])
+def test_a_raas_restarted_on_the_same_address_frees_its_predecessors_groups(
+    tmp_path, second_name: str
+) -> None:
+    """The restarted process answers health probes at the same address, so nothing would
+    ever confirm the old one dead: its incarnation (same id) or its address (new id) does."""
+    n = 12
+    config = dataflow_config(
+        tmp_path,
+        n,
+        leases={"group_lease_s": 600.0},
+        pool={"heartbeat_timeout_s": 600.0, "confirm_failures": 1000},
+    )
+    port = free_port()
+
+    async def body() -> None:
+        async with running_dataflow(config) as (server, df, client):
+            slow = ScriptedGenerator(delay_s=600.0)  # its groups never finish
+            async with raas_on_port(server.address, slow, name="r", port=port) as first:
+                inst = await in_flight_on(df, "r", 2)
+                lost = set(inst.in_flight)
+                await first.kill()
+            async with raas_on_port(
+                server.address, ScriptedGenerator(), name=second_name, port=port
+            ):
+                await until(
+                    lambda: df.counters["requeued_instance_restarted"] >= len(lost),
+                    10.0,
+                    "the groups freed",
+                )
+                trainer = Trainer(client)
+                await trainer.drain(df, num_groups=2)
+            if second_name != "r":
+                assert df.pool.instances["r"].state.name == "DEAD"
             assert_epoch_trained_once(trainer.consumed, n)
             assert lost <= set(trainer.consumed)
 

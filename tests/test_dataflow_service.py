@@ -125,6 +125,7 @@ BAD_REGISTRATIONS = [
     ({"policy_ids": []}, "policy_ids"),
     ({"policy_ids": ["policy", ""]}, "policy_ids[1]"),
     ({"workflows": []}, "workflows"),
+    ({"incarnation": "x" * 129}, "incarnation"),
 ]
 
 

@@ -265,6 +265,7 @@ class Dataflow(Ingesting, WeightSync):
         workflows: list[str],
         labels: dict[str, str],
         loaded_versions: dict[str, int],
+        incarnation: str = "",
     ) -> bool:
         if not any(p in self.buffers for p in policy_ids):
             raise FailedPrecondition(
@@ -272,9 +273,13 @@ class Dataflow(Ingesting, WeightSync):
                 reason="NO_COMMON_POLICY",
                 metadata={"instance_id": instance_id},
             )
-        already, stale, orphans = self.pool.register(
-            instance_id, address, capacity, policy_ids, workflows, labels, loaded_versions
-        )
+        already, stale, orphans, replaced = self.pool.register(
+            instance_id, address, capacity, policy_ids, workflows, labels, loaded_versions,
+            incarnation,
+        )  # fmt: skip
+        for other in replaced:
+            self.counters["instances_confirmed_dead"] += 1
+            log.warning("instance %s replaced at %s by %s: dead", other, address, instance_id)
         if orphans:
             log.warning(
                 "instance %s registered again from %s (a new process): re-dispatching %d",

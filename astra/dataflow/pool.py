@@ -61,6 +61,7 @@ class Instance:
     load_failures: int = 0
     load_error: str = ""
     load_retry_at: float = 0.0
+    incarnation: str = ""  # the process behind the id (RegisterInstanceRequest.incarnation)
 
     def serves(
         self, workflow: str, policy_ids: Iterable[str], labels: dict[str, str] | None = None
@@ -93,29 +94,42 @@ class Pool:
         workflows: Iterable[str],
         labels: dict[str, str],
         loaded_versions: dict[str, int],
-    ) -> tuple[bool, RolloutPort | None, set[str]]:
+        incarnation: str = "",
+    ) -> tuple[bool, RolloutPort | None, set[str], list[str]]:
         """Adds or refreshes an instance; returns (already registered, port to close, groups
-        orphaned). An instance that registers again from another address is a new process
-        under the same id (restarted before it was confirmed dead): what its predecessor had
-        in flight died with it, so those groups are handed back for re-dispatch."""
+        orphaned, instances replaced). An instance that registers again from another address,
+        or with another incarnation, is a new process under the same id (restarted before it
+        was confirmed dead); another instance registered at this address is a process that
+        is gone (one address, one server). What those predecessors had in flight died with
+        them, so those groups are handed back for re-dispatch, and a replaced one is dead."""
         now = self._clock()
         old = self.instances.get(instance_id)
         stale_port = None
         orphans: set[str] = set()
+        replaced = []
+        for other in list(self.instances.values()):
+            live = other.state in (InstanceState.ACTIVE, InstanceState.SUSPECT)
+            if other.instance_id != instance_id and other.address == address and live:
+                orphans |= self._end(other, InstanceState.DEAD)
+                replaced.append(other.instance_id)
         if old is not None and old.state in (InstanceState.ACTIVE, InstanceState.SUSPECT):
             already = True
-            if old.address != address:
-                stale_port, old.port = old.port, self._connect(address)
-                old.address = address
-                orphans, old.in_flight = set(old.in_flight), set()
+            restarted = bool(incarnation and old.incarnation and incarnation != old.incarnation)
+            if old.address != address or restarted:
+                if old.address != address:
+                    stale_port, old.port = old.port, self._connect(address)
+                    old.address = address
+                orphans |= old.in_flight
+                old.in_flight = set()
                 old.free_slots = capacity
+            old.incarnation = incarnation or old.incarnation
             old.capacity, old.labels = capacity, dict(labels)
             old.policy_ids, old.workflows = frozenset(policy_ids), frozenset(workflows)
             old.loaded_versions = dict(loaded_versions)
             old.state, old.failures, old.last_seen = InstanceState.ACTIVE, 0, now
             old.suspect_reason = ""
             old.load_retry_at = 0.0  # a RaaS that registers again may load at once
-            return already, stale_port, orphans
+            return already, stale_port, orphans, replaced
         if old is not None:
             stale_port = old.port
         self.instances[instance_id] = Instance(
@@ -129,8 +143,9 @@ class Pool:
             loaded_versions=dict(loaded_versions),
             free_slots=capacity,
             last_seen=now,
+            incarnation=incarnation,
         )
-        return False, stale_port, orphans
+        return False, stale_port, orphans, replaced
 
     def live(self, instance_id: str) -> Instance:
         inst = self.instances.get(instance_id)

@@ -39,7 +39,7 @@ GATE_MODE_SYNC_BARRIER: GateMode
 GATE_MODE_THROTTLED: GateMode
 
 class RegisterInstanceRequest(_message.Message):
-    __slots__ = ("instance_id", "address", "capacity", "policy_ids", "workflows", "labels", "loaded_versions", "contract_version")
+    __slots__ = ("instance_id", "address", "capacity", "policy_ids", "workflows", "labels", "loaded_versions", "contract_version", "incarnation")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class RegisterInstanceRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     LOADED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     capacity: int
@@ -63,7 +64,8 @@ class RegisterInstanceRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     loaded_versions: _containers.RepeatedCompositeFieldContainer[_version_pb2.PolicyVersion]
     contract_version: str
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_ids: _Optional[_Iterable[str]] = ..., workflows: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., loaded_versions: _Optional[_Iterable[_Union[_version_pb2.PolicyVersion, _Mapping]]] = ..., contract_version: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_ids: _Optional[_Iterable[str]] = ..., workflows: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., loaded_versions: _Optional[_Iterable[_Union[_version_pb2.PolicyVersion, _Mapping]]] = ..., contract_version: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RegisterInstanceResponse(_message.Message):
     __slots__ = ("heartbeat_interval", "dataflow_id", "already_registered")
