@@ -1053,3 +1053,34 @@ def test_sync_barrier_is_left_once_in_flight_work_has_drained(tmp_path):
             await trainer.drain(df, timeout_s=4.0)
 
     run(body())
+
+
+def test_a_storage_failure_during_ingest_stops_dataflow_before_it_acknowledges(
+    tmp_path, monkeypatch
+):
+    """A full disk under the ingest transaction: the in-memory buffer may already hold the
+    group, so Dataflow fail-stops (to recover from its store, as after kill -9) and never
+    acknowledges to the RaaS what is not durable."""
+    import sqlite3
+
+    from astra.dataflow import store as store_mod
+
+    config = dataflow_config(tmp_path, 8)
+    stopped: list[BaseException] = []
+
+    def full_disk(self, groups, staged=None):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    async def body():
+        async with running_dataflow(config) as (server, df, _client):
+            df.fail_stop = stopped.append
+            monkeypatch.setattr(store_mod.Tx, "add_groups", full_disk)
+            gen = ScriptedGenerator()
+            async with raas(server.address, gen, capacity=8, name="r") as r:
+                await until(lambda: stopped, 5.0, "the fail-stop")
+                acked = r.servicer.store.counters.get("results_acknowledged", 0)
+                return acked, df.counters["storage_failures"]
+
+    acked, failures = run(body())
+    assert failures >= 1 and "full" in str(stopped[0])
+    assert acked == 0, "nothing was acknowledged to the RaaS"

@@ -117,3 +117,42 @@ def test_staged_room_is_counted_once_per_reservation(tmp_path):
     store.discard_staged(staged.values())
     assert store.blobs.live[store.blobs.active] == 0
     store.close()
+
+
+class _FullDiskAtCommit:
+    """The store's connection, whose next COMMIT fails as on a full disk."""
+
+    def __init__(self, conn) -> None:
+        self.conn, self.fail = conn, True
+
+    def execute(self, sql, *args):
+        if sql == "COMMIT" and self.fail:
+            self.fail = False
+            import sqlite3
+
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.conn.execute(sql, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def test_a_failed_commit_is_rolled_back_reported_and_the_store_goes_on(tmp_path):
+    import sqlite3
+
+    store = StateStore(tmp_path)
+    failures = []
+    store.on_failure = failures.append
+    real = store.conn
+    store.conn = _FullDiskAtCommit(real)
+    with pytest.raises(sqlite3.OperationalError), store.tx() as tx:
+        tx.add_groups([group("g1")])
+    assert len(failures) == 1 and "full" in str(failures[0])
+    store.conn = real
+    with store.tx() as tx:  # no transaction was left open
+        tx.add_groups([group("g2")])
+    assert [g.group_id for g, _ in store.groups()] == ["g2"], "g1 was rolled back"
+    with pytest.raises(ValueError), store.tx():  # not a storage failure: not reported
+        raise ValueError("a refusal")
+    assert len(failures) == 1
+    store.close()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import heapq
 import logging
+import os
 import time
 import uuid
 from collections import Counter, deque
@@ -50,6 +51,7 @@ TRAINER_FIRST_MAX_S = 0.5
 # The dispatcher runs when woken (registration, heartbeat, result, version, finished weight
 # load, requeue) and at the latest this often.
 IDLE_POLL_S = 0.2
+EXIT_STORAGE_FAILED = 75  # EX_TEMPFAIL: a supervisor restarts the process, which recovers
 POOL_EMPTY = "pool empty: waiting for a rollout service to register"
 
 
@@ -92,6 +94,7 @@ class Dataflow(Ingesting, WeightSync):
         self.config = config
         self.dataflow_id = uuid.uuid4().hex[:12]
         self.store = StateStore(config.state_dir)
+        self.store.on_failure = self._storage_failed
         self.pool = Pool(config.pool, connect)
         self.streams: dict[str, StreamSettings] = {s.name: s for s in config.streams}
         self.sources: dict[str, PromptSource] = {}
@@ -211,6 +214,20 @@ class Dataflow(Ingesting, WeightSync):
                 await inst.port.close()
         self._writer.shutdown(wait=True)
         self.store.close()
+
+    def _storage_failed(self, exc: BaseException) -> None:
+        """A transaction failed in storage (full disk, I/O error): what this process holds in
+        memory may now differ from what is durable, so it stops at once (fail-stop) and the
+        next start recovers from the store, exactly as after kill -9. `fail_stop` is the
+        process exit; tests replace it."""
+        log.critical("Dataflow state store failed (%s): stopping to recover from disk", exc)
+        self.counters["storage_failures"] += 1
+        self.fail_stop(exc)
+
+    @staticmethod
+    def fail_stop(exc: BaseException) -> None:
+        logging.shutdown()
+        os._exit(EXIT_STORAGE_FAILED)
 
     def _off_loop(self, fn) -> None:
         """Runs `fn` on the writer thread; inline once that has shut down."""

@@ -18,7 +18,7 @@ import json
 import sqlite3
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -260,21 +260,29 @@ class StateStore:
         self._wal = Path(f"{self.path}-wal")
         self._commits = 0
         self._checkpointer = _Checkpointer(self.path)
+        # Called with the error when a transaction fails in storage (see `tx`).
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     @contextlib.contextmanager
     def tx(self) -> Iterator[Tx]:
+        """One transaction. A storage failure in it (SQLite or the blob log: a full disk, an
+        I/O error), at COMMIT too, is rolled back and reported to `on_failure` before it is
+        raised: the caller's in-memory state may already hold what the store does not."""
         self.conn.execute("BEGIN IMMEDIATE")
         tx = Tx(self.conn, self.blobs)
         try:
             yield tx
-        except BaseException:
-            self.conn.execute("ROLLBACK")
+            self.conn.execute("COMMIT")
+        except BaseException as exc:
+            with contextlib.suppress(sqlite3.Error):  # a failed COMMIT may have ended it
+                self.conn.execute("ROLLBACK")
             for seg in tx.appended:
                 self.blobs.release(seg)
             for st in tx.staged_used:  # back to its owner, who discards it
                 st.used = False
+            if isinstance(exc, (sqlite3.Error, OSError)) and self.on_failure is not None:
+                self.on_failure(exc)
             raise
-        self.conn.execute("COMMIT")
         for seg in tx.released:
             self.blobs.release(seg)
         self._commits += 1
