@@ -19,6 +19,7 @@ class DataflowClient(BaseClient):
         "HeartbeatInstance",
         "DeregisterInstance",
         "AckBatch",
+        "ExtendBatchLease",
         "AnnounceVersion",
         "GetStatus",
         "GetCapabilities",
@@ -85,6 +86,13 @@ class DataflowClient(BaseClient):
     ) -> pb.AckBatchResponse:
         return await self.stub.AckBatch(
             pb.AckBatchRequest(batch_id=batch_id), timeout=self._timeout(timeout_s)
+        )
+
+    async def extend_batch_lease(
+        self, batch_id: str, *, timeout_s: float | None = None
+    ) -> pb.ExtendBatchLeaseResponse:
+        return await self.stub.ExtendBatchLease(
+            pb.ExtendBatchLeaseRequest(batch_id=batch_id), timeout=self._timeout(timeout_s)
         )
 
     async def announce_version(

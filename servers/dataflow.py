@@ -166,6 +166,13 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         check_id(request.batch_id, "batch_id")
         return pb.AckBatchResponse(consumed_groups=self.df.batches.ack(request.batch_id))
 
+    async def ExtendBatchLease(self, request: pb.ExtendBatchLeaseRequest, context):
+        check_id(request.batch_id, "batch_id")
+        resp = pb.ExtendBatchLeaseResponse()
+        expire = self.df.batches.extend(request.batch_id)
+        resp.lease_expire_time.FromNanoseconds(int(expire * 1e9))
+        return resp
+
     async def AnnounceVersion(self, request: pb.AnnounceVersionRequest, context):
         v = request.version
         check_id(v.policy_id, "version.policy_id")

@@ -1084,3 +1084,71 @@ def test_a_storage_failure_during_ingest_stops_dataflow_before_it_acknowledges(
     acked, failures = run(body())
     assert failures >= 1 and "full" in str(stopped[0])
     assert acked == 0, "nothing was acknowledged to the RaaS"
+
+
+def test_a_trainer_step_longer_than_the_batch_lease_keeps_its_batch(tmp_path):
+    """The trainer extends the lease while it trains (Feed.leased): a step that outlasts
+    leases.batch_lease_s does not send its groups back to be trained a second time."""
+    from astra.trainer.config import TrainerConfig
+    from astra.trainer.feed import Feed
+    from astra.trainer.sources import DataflowSource
+
+    config = dataflow_config(tmp_path, 8, leases={"batch_lease_s": 1.0})
+
+    async def body():
+        async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (
+            df,
+            client,
+            _,
+        ):
+            await until(lambda: len(df.buffers[POLICY]) >= 2, what="2 buffered groups")
+            source = DataflowSource(client.address, POLICY, trainer_id="t", weights_address=WEIGHTS)
+            cfg = TrainerConfig.model_validate(
+                {"policy_id": POLICY, "port": None, "batch": {"num_groups": 2}}
+            )
+            feed = Feed(cfg, Counter())
+            feed.source = source
+            try:
+                fetched = await feed.fetch(1)
+                assert fetched.lease_expire > time.time()
+                async with feed.leased(fetched):
+                    await asyncio.sleep(2.5)  # the step: 2.5 leases long
+                await feed.ack(fetched.batch_id)
+            finally:
+                await source.close()
+            return df.counters, feed.counters
+
+    counters, trainer_counters = run(body())
+    assert counters.get("batch_leases_expired", 0) == 0
+    assert counters["batch_leases_extended"] >= 2 and trainer_counters["lease_extensions"] >= 2
+    assert trainer_counters["ack_failures"] == 0 and counters["consumed_groups"] == 2
+
+
+def test_extend_batch_lease_refuses_unknown_acknowledged_and_bad_ids(tmp_path):
+    config = dataflow_config(tmp_path, 8)
+
+    async def body():
+        async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (
+            df,
+            client,
+            _,
+        ):
+            await until(lambda: len(df.buffers[POLICY]) >= 2, what="2 buffered groups")
+            header, _, _ = await client.fetch_batch(POLICY, 2, "r1", max_wait_s=2)
+            before = header.lease_expire_time.ToNanoseconds()
+            resp = await client.extend_batch_lease(header.batch_id)
+            assert resp.lease_expire_time.ToNanoseconds() >= before
+            await client.ack_batch(header.batch_id)
+            cases = [
+                (header.batch_id, grpc.StatusCode.FAILED_PRECONDITION, "BATCH_ACKNOWLEDGED"),
+                ("nope", grpc.StatusCode.NOT_FOUND, "BATCH_NOT_FOUND"),
+                ("", grpc.StatusCode.INVALID_ARGUMENT, None),
+            ]
+            for batch_id, code, reason in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.extend_batch_lease(batch_id)
+                assert err.value.code() is code
+                if reason:
+                    assert error_info(err.value)[0].reason == reason
+
+    run(body())

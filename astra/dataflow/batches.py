@@ -193,6 +193,28 @@ class BatchDesk:
             with self.df.store.tx() as tx:
                 tx.delete_groups((g.group_id, g.policy_id) for g in dropped)
 
+    def extend(self, batch_id: str) -> float:
+        """Renews a leased batch's lease for a full batch_lease_s; returns the new expiry."""
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            raise NotFound(
+                f"batch_id: unknown batch {batch_id!r}",
+                reason="BATCH_NOT_FOUND",
+                metadata={"batch_id": batch_id},
+            )
+        if batch.state != "leased":
+            reason = "BATCH_ACKNOWLEDGED" if batch.state == "acked" else "BATCH_LEASE_EXPIRED"
+            raise FailedPrecondition(
+                f"batch {batch_id} is {batch.state}: its lease cannot be extended",
+                reason=reason,
+                metadata={"batch_id": batch_id},
+            )
+        batch.lease_expire = time.time() + self.df.config.leases.batch_lease_s
+        with self.df.store.tx() as tx:
+            tx.put_batch(batch.row())
+        self.df.counters["batch_leases_extended"] += 1
+        return batch.lease_expire
+
     def ack(self, batch_id: str) -> int:
         batch = self.batches.get(batch_id)
         if batch is None:

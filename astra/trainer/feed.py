@@ -11,6 +11,7 @@ acknowledged, so a poisonous batch is not served again, and counted by reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ MAX_BACKOFF_S = 1.0
 # lease lasts by default (leases.batch_lease_s), after which the ack could only be refused.
 ACK_RETRY_S = 300.0
 ACK_MAX_BACKOFF_S = 5.0
+LEASE_MIN_WAIT_S = 0.5  # between lease extensions at the least
 
 
 class Feed:
@@ -125,6 +127,35 @@ class Feed:
                 log.warning("AckBatch %s: %s; retrying in %.1f s", batch_id, exc, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, ACK_MAX_BACKOFF_S)
+
+    @contextlib.asynccontextmanager
+    async def leased(self, batch: FetchedBatch):
+        """While the body runs (the step), keeps the batch's lease from ending: extends it
+        once half of what is left has passed, so a step longer than Dataflow's batch lease
+        does not send the batch back to the buffer to be trained a second time."""
+        extend = getattr(self.source, "extend_lease", None)
+        if extend is None or not batch.lease_expire:
+            yield
+            return
+        task = asyncio.create_task(self._keep_lease(extend, batch.batch_id, batch.lease_expire))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _keep_lease(self, extend, batch_id: str, expire: float) -> None:
+        while True:
+            await asyncio.sleep(max(LEASE_MIN_WAIT_S, (expire - time.time()) / 2))
+            try:
+                expire = await extend(batch_id)
+                self.counters["lease_extensions"] += 1
+            except Exception as exc:
+                if not _unreachable(exc):  # acknowledged or expired: nothing left to keep
+                    log.warning("lease of batch %s not extended: %s", batch_id, exc)
+                    return
+                log.info("lease of batch %s: %s; trying again", batch_id, exc)
 
 
 def _unreachable(exc: Exception) -> bool:

@@ -226,7 +226,10 @@ class Trainer(StateMixin):
         if self.world_size > 1:
             plan = ranks.train_plan(fetched.trajectories, self.version, publish)
             await self._compute(broadcast_object, plan)
-        result, stale, host, copy_s = await self._compute(self._train, batch, self.version, publish)
+        async with self.feed.leased(fetched):  # a step may outlast the batch's lease
+            result, stale, host, copy_s = await self._compute(
+                self._train, batch, self.version, publish
+            )
         t_step = time.perf_counter()
         await self.feed.ack(fetched.batch_id)
         skipped, blocked = "", copy_s

@@ -41,6 +41,7 @@ class FetchedBatch:
     policy_version: int
     trajectories: list[rollout_pb2.Trajectory]
     max_staleness: int = 0
+    lease_expire: float = 0.0  # seconds since the epoch; 0: the source has no leases
 
 
 class BatchSource(Protocol):
@@ -113,8 +114,29 @@ class DataflowSource:
                 raise RequestIdSpent(reason) from exc
             raise
         return FetchedBatch(
-            header.batch_id, header.policy_version, list(trajectories), footer.max_staleness
+            header.batch_id,
+            header.policy_version,
+            list(trajectories),
+            footer.max_staleness,
+            header.lease_expire_time.ToNanoseconds() / 1e9,
         )
+
+    async def extend_lease(self, batch_id: str) -> float:
+        """ExtendBatchLease: the new expiry (seconds since the epoch). Unavailable when
+        Dataflow does not answer, else its error (the batch was acknowledged or expired)."""
+        from astra.clients.weights import domain_error
+
+        try:
+            resp = await self.client.extend_batch_lease(batch_id)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise Unavailable(
+                    f"ExtendBatchLease {batch_id}: {exc.code().name}: {exc.details()}",
+                    reason="DATAFLOW_UNREACHABLE",
+                    metadata={"batch_id": batch_id},
+                ) from exc
+            raise domain_error(exc) from exc
+        return resp.lease_expire_time.ToNanoseconds() / 1e9
 
     async def ack(self, batch_id: str) -> None:
         """Raises Unavailable when Dataflow does not answer (worth retrying), else its error."""

@@ -181,6 +181,18 @@ class AckBatchResponse(_message.Message):
     consumed_groups: int
     def __init__(self, consumed_groups: _Optional[int] = ...) -> None: ...
 
+class ExtendBatchLeaseRequest(_message.Message):
+    __slots__ = ("batch_id",)
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    batch_id: str
+    def __init__(self, batch_id: _Optional[str] = ...) -> None: ...
+
+class ExtendBatchLeaseResponse(_message.Message):
+    __slots__ = ("lease_expire_time",)
+    LEASE_EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    lease_expire_time: _timestamp_pb2.Timestamp
+    def __init__(self, lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
 class AnnounceVersionRequest(_message.Message):
     __slots__ = ("version", "weights_address", "trainer_id", "resumed")
     VERSION_FIELD_NUMBER: _ClassVar[int]

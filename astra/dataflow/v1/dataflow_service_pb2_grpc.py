@@ -74,6 +74,11 @@ class DataflowServiceStub:
                 request_serializer=astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.AckBatchRequest.SerializeToString,
                 response_deserializer=astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.AckBatchResponse.FromString,
                 _registered_method=True)
+        self.ExtendBatchLease = channel.unary_unary(
+                '/astra.dataflow.v1.DataflowService/ExtendBatchLease',
+                request_serializer=astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.ExtendBatchLeaseRequest.SerializeToString,
+                response_deserializer=astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.ExtendBatchLeaseResponse.FromString,
+                _registered_method=True)
         self.AnnounceVersion = channel.unary_unary(
                 '/astra.dataflow.v1.DataflowService/AnnounceVersion',
                 request_serializer=astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.AnnounceVersionRequest.SerializeToString,
@@ -184,6 +189,20 @@ class DataflowServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExtendBatchLease(self, request, context):
+        """Extends a leased batch's lease to a full `lease_duration` from now,
+        without consuming it. Called by a trainer whose step may outlast the
+        lease, periodically while it trains, so its batch is not served again
+        meanwhile. Idempotent; retry UNAVAILABLE.
+
+        Errors: NOT_FOUND (unknown batch; reason BATCH_NOT_FOUND),
+        FAILED_PRECONDITION (the batch was acknowledged, reason BATCH_ACKNOWLEDGED,
+        or its lease already expired, reason BATCH_LEASE_EXPIRED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AnnounceVersion(self, request, context):
         """Announces that a trainer published version `version` of its policy to a
         WeightService. Dataflow records it and tells rollout services to load it
@@ -242,6 +261,11 @@ def add_DataflowServiceServicer_to_server(servicer, server):
                     servicer.AckBatch,
                     request_deserializer=astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.AckBatchRequest.FromString,
                     response_serializer=astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.AckBatchResponse.SerializeToString,
+            ),
+            'ExtendBatchLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendBatchLease,
+                    request_deserializer=astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.ExtendBatchLeaseRequest.FromString,
+                    response_serializer=astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.ExtendBatchLeaseResponse.SerializeToString,
             ),
             'AnnounceVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.AnnounceVersion,
@@ -409,6 +433,33 @@ class DataflowService:
             '/astra.dataflow.v1.DataflowService/AckBatch',
             astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.AckBatchRequest.SerializeToString,
             astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.AckBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendBatchLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/astra.dataflow.v1.DataflowService/ExtendBatchLease',
+            astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.ExtendBatchLeaseRequest.SerializeToString,
+            astra_dot_dataflow_dot_v1_dot_dataflow__service__pb2.ExtendBatchLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
