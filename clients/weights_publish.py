@@ -33,6 +33,7 @@ from astra.clients.weights import CHUNK_BYTES, WeightClient, domain_error, error
 from astra.weights.checksum import adler32_hex, format_adler32
 from astra.weights.delta import encode_if_changed, encode_xor_zstd
 from astra.weights.malloc import keep_freed_memory
+from astra.weights.safetensors_io import safetensors_dtype
 from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.wire import chunk_message, serialize
 
@@ -99,6 +100,14 @@ class _Preparer:
             future.cancel()
 
 
+def _transport_failed(exc: grpc.aio.AioRpcError) -> bool:
+    """The stream broke (the service went away): resume on a new one. gRPC reports a write on
+    a connection the peer just reset as INTERNAL "Internal error from Core", not UNAVAILABLE."""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return True
+    return exc.code() == grpc.StatusCode.INTERNAL and "from Core" in (exc.details() or "")
+
+
 class _StaleStage(Exception):
     """The service holds tensors of this identity, staged by an earlier publisher, that differ
     from ours (a trainer that restarted and produced other content for the same identity)."""
@@ -114,7 +123,8 @@ def _stale_held(
         if ours is None:
             return h.name
         dtype, shape, view = ours
-        if (dtype, shape, view.nbytes) != (h.dtype, tuple(h.shape), h.size_bytes):
+        mine = (safetensors_dtype(dtype), tuple(shape), view.nbytes)
+        if mine != (safetensors_dtype(h.dtype), tuple(h.shape), h.size_bytes):
             return h.name
         if adler32_hex(view) != h.adler32:
             return h.name
@@ -161,7 +171,7 @@ async def _publish_once(
     held = set(first.accepted.held_tensors)
     if header.restart:
         header.restart = False  # done: a later attempt resumes what this one stages
-    elif held and (stale := _stale_held(first.accepted, tensors)):
+    elif held and (stale := await asyncio.to_thread(_stale_held, first.accepted, tensors)):
         raise _StaleStage(stale)
     answers = _Answers(call)
 
@@ -271,8 +281,9 @@ async def _publish(
                 request_serializer=serialize,
                 response_deserializer=pb.PublishVersionResponse.FromString,
             )
-            restarted = False
-            for attempt in range(1, max_attempts + 1):
+            restarted, attempt = False, 0
+            while attempt < max_attempts:
+                attempt += 1
                 call = publish(timeout=timeout_s)
                 try:
                     result = await _publish_once(
@@ -291,9 +302,9 @@ async def _publish(
                     log.warning("publish %s: the service holds another attempt's %s; "
                                 "starting over", identity, exc)  # fmt: skip
                     restarted = header.restart = True
-                    continue
+                    attempt -= 1  # not a failed attempt: the same one, from the start
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == max_attempts:
+                    if not _transport_failed(exc) or attempt == max_attempts:
                         raise domain_error(exc) from exc
                     log.info("publish %s: %s; retrying", identity, exc.details())
                 finally:

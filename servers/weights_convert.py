@@ -10,24 +10,12 @@ from __future__ import annotations
 from astra.errors import InvalidArgument, invalid_field
 from astra.weights.layout import check_identity
 from astra.weights.records import VersionRecord
+from astra.weights.safetensors_io import safetensors_dtype
 from astra.weights.store_fetch import RAW, XOR_ZSTD, WireTensor
 from astra.weights.v1 import weight_service_pb2 as pb
 
 ENCODINGS = {RAW: pb.TENSOR_ENCODING_RAW, XOR_ZSTD: pb.TENSOR_ENCODING_XOR_ZSTD}
 KINDS = {"full": pb.VERSION_KIND_FULL, "delta": pb.VERSION_KIND_DELTA}
-# astra.common.v1.NDArray dtype names -> safetensors names (which pass through unchanged).
-NDARRAY_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "int16": "I16",
-    "int32": "I32",
-    "int64": "I64",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "float32": "F32",
-    "float64": "F64",
-}
 MAX_HELD = 64
 MAX_TENSORS = 1_000_000
 MAX_METADATA = 64
@@ -71,10 +59,6 @@ def tensor_header(t: WireTensor) -> pb.TensorHeader:
     )
 
 
-def wire_dtype(dtype: str) -> str:
-    return NDARRAY_DTYPES.get(dtype, dtype)
-
-
 def check_publish_tensor(
     h: pb.TensorHeader, delta_base: str = ""
 ) -> tuple[str, tuple[int, ...], int | None]:
@@ -107,7 +91,7 @@ def check_publish_tensor(
         )
     if any(d < 0 for d in h.shape):
         raise invalid_field("tensor.shape", "dimensions must be >= 0", reason="INVALID_TENSOR")
-    return wire_dtype(h.dtype), tuple(h.shape), encoded
+    return safetensors_dtype(h.dtype), tuple(h.shape), encoded
 
 
 def max_frame_bytes(size: int) -> int:

@@ -478,7 +478,7 @@ def test_staleness_counts_from_the_trainer_version_when_its_announcement_lags(tm
     assert c[f"buffer.{POLICY}.filtered_stale"] >= 4 and c.get("consumed_groups", 0) == 0
 
 
-def test_a_trainer_at_the_announced_version_gets_its_batch(tmp_path):
+def test_a_trainer_one_version_ahead_still_gets_the_groups_within_the_bound(tmp_path):
     config = dataflow_config(
         tmp_path, 8, policies=[policy(max_staleness=1)], gate={"max_offpolicyness": None}
     )

@@ -113,3 +113,51 @@ def test_an_in_process_publish_replaces_a_stale_streamed_attempt(
     record, existed = store.publish("p", "v1", 1, retrained)
     assert not existed and record.identity == "v1"
     assert same(full_copy(store, "p", "v1"), retrained)
+
+
+def test_numpy_dtype_names_resume_too_and_a_restart_costs_no_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service stores safetensors names ("BF16"); a sender naming dtypes as NDArray does
+    ("bfloat16") still resumes. And a stale stage found on the last allowed attempt is still
+    replaced: starting over is not a failed attempt."""
+    models = chain_of(2, seed=37, size=1 << 15)
+    named = {n: ("bfloat16", s, b) for n, (_, s, b) in models[1].items()}
+    retrained = {n: ("bfloat16", s, b) for n, (_, s, b) in bf16_model(97, size=1 << 15).items()}
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, models[0])
+            with monkeypatch.context() as m:
+                dying_after(m, 2)
+                with pytest.raises(TrainerDied):
+                    await publish_version(server.address, "p", "v1", 1, named)
+            resumed = await publish_version(server.address, "p", "v1", 1, named)
+            assert resumed.tensors_skipped == 2
+            with monkeypatch.context() as m:
+                dying_after(m, 2)
+                with pytest.raises(TrainerDied):
+                    await publish_version(server.address, "p", "v2", 2, named)
+            replaced = await publish_version(
+                server.address, "p", "v2", 2, retrained, max_attempts=1
+            )
+            assert replaced.tensors_skipped == 0 and replaced.attempts == 1
+            async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
+                await rx.fetch("v2")
+                assert same(rx.current_path, bf16_model(97, size=1 << 15))
+
+    run(body())
+
+
+def test_a_write_on_a_reset_connection_counts_as_the_service_going_away() -> None:
+    import grpc
+
+    from astra.clients.weights_publish import _transport_failed
+
+    def error(code, details):
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    assert _transport_failed(error(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    assert _transport_failed(error(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    assert not _transport_failed(error(grpc.StatusCode.INTERNAL, "a bug in the service"))
+    assert not _transport_failed(error(grpc.StatusCode.ALREADY_EXISTS, "other content"))

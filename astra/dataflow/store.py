@@ -268,18 +268,20 @@ class StateStore:
         """One transaction. A storage failure in it (SQLite or the blob log: a full disk, an
         I/O error), at COMMIT too, is rolled back and reported to `on_failure` before it is
         raised: the caller's in-memory state may already hold what the store does not."""
-        self.conn.execute("BEGIN IMMEDIATE")
-        tx = Tx(self.conn, self.blobs)
+        tx: Tx | None = None
         try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            tx = Tx(self.conn, self.blobs)
             yield tx
             self.conn.execute("COMMIT")
         except BaseException as exc:
-            with contextlib.suppress(sqlite3.Error):  # a failed COMMIT may have ended it
-                self.conn.execute("ROLLBACK")
-            for seg in tx.appended:
-                self.blobs.release(seg)
-            for st in tx.staged_used:  # back to its owner, who discards it
-                st.used = False
+            if tx is not None:
+                with contextlib.suppress(sqlite3.Error):  # a failed COMMIT may have ended it
+                    self.conn.execute("ROLLBACK")
+                for seg in tx.appended:
+                    self.blobs.release(seg)
+                for st in tx.staged_used:  # back to its owner, who discards it
+                    st.used = False
             if isinstance(exc, (sqlite3.Error, OSError)) and self.on_failure is not None:
                 self.on_failure(exc)
             raise

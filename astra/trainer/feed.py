@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections import Counter
@@ -30,7 +31,8 @@ MAX_BACKOFF_S = 1.0
 # lease lasts by default (leases.batch_lease_s), after which the ack could only be refused.
 ACK_RETRY_S = 300.0
 ACK_MAX_BACKOFF_S = 5.0
-LEASE_MIN_WAIT_S = 0.5  # between lease extensions at the least
+LEASE_MIN_WAIT_S = 0.25  # between lease extensions at the least
+LEASE_MAX_WAIT_S = 30.0  # and at the most (batch leases are far longer by default: 300 s)
 
 
 class Feed:
@@ -47,6 +49,13 @@ class Feed:
         self.attempt = 0
         self.on_wait = on_wait
 
+    def _versioned(self) -> bool:
+        """Whether the source's fetch takes trainer_version (one written before it may not)."""
+        try:
+            return "trainer_version" in inspect.signature(self.source.fetch).parameters
+        except (TypeError, ValueError):
+            return False
+
     def request_id(self, next_version: int) -> str:
         return f"{self.config.trainer_id}-v{next_version}-a{self.attempt}"
 
@@ -60,9 +69,8 @@ class Feed:
             try:
                 # The batch trains the weights of version next_version - 1: staleness counts
                 # from there even while the announcement of that version is still on its way.
-                batch = await self.source.fetch(
-                    request_id, self.config.batch.num_groups, trainer_version=next_version - 1
-                )
+                extra = {"trainer_version": next_version - 1} if self._versioned() else {}
+                batch = await self.source.fetch(request_id, self.config.batch.num_groups, **extra)
             except BatchNotReady as exc:
                 self.counters["fetch_waits"] += 1
                 log.debug("batch not ready: %s", exc)
@@ -142,12 +150,14 @@ class Feed:
             yield
         finally:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait({task})  # never raises: an outer cancellation still propagates
 
     async def _keep_lease(self, extend, batch_id: str, expire: float) -> None:
         while True:
-            await asyncio.sleep(max(LEASE_MIN_WAIT_S, (expire - time.time()) / 2))
+            # Half of what is left by this host's clock, within bounds: Dataflow's clock may
+            # differ, so the lease is renewed at least every LEASE_MAX_WAIT_S whatever it says.
+            wait = (expire - time.time()) / 2
+            await asyncio.sleep(min(LEASE_MAX_WAIT_S, max(LEASE_MIN_WAIT_S, wait)))
             try:
                 expire = await extend(batch_id)
                 self.counters["lease_extensions"] += 1

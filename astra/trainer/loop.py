@@ -211,24 +211,29 @@ class Trainer(StateMixin):
         fetched = await self.feed.fetch(self.version + 1)
         t_fetch = time.perf_counter()
         n_traj = len(fetched.trajectories)
-        try:
-            batch = await asyncio.to_thread(self.feed.build, fetched.trajectories)
-        except BatchRejected as exc:
-            log.warning("batch %s rejected: %s", fetched.batch_id, exc)
+        async with self.feed.leased(fetched):  # a step may outlast the batch's lease
+            try:
+                batch = await asyncio.to_thread(self.feed.build, fetched.trajectories)
+            except BatchRejected as exc:
+                rejected: BatchRejected | None = exc
+            else:
+                rejected = None
+                publish = self.sink is not None
+                if self.world_size > 1:
+                    plan = ranks.train_plan(fetched.trajectories, self.version, publish)
+                    await self._compute(broadcast_object, plan)
+                result, stale, host, copy_s = await self._compute(
+                    self._train, batch, self.version, publish
+                )
+        if rejected is not None:
+            log.warning("batch %s rejected: %s", fetched.batch_id, rejected)
             self.counters["batches_rejected"] += 1
-            self.feed.consumed_without_update(exc.reason)
+            self.feed.consumed_without_update(rejected.reason)
             await self.feed.ack(fetched.batch_id)
             ms = (time.perf_counter() - t0) * 1e3
+            reason = rejected.reason
             return self._finish(
-                StepResult(self.step, None, None, 0, n_traj, ms, {}, self.version, exc.reason)
-            )
-        publish = self.sink is not None
-        if self.world_size > 1:
-            plan = ranks.train_plan(fetched.trajectories, self.version, publish)
-            await self._compute(broadcast_object, plan)
-        async with self.feed.leased(fetched):  # a step may outlast the batch's lease
-            result, stale, host, copy_s = await self._compute(
-                self._train, batch, self.version, publish
+                StepResult(self.step, None, None, 0, n_traj, ms, {}, self.version, reason)
             )
         t_step = time.perf_counter()
         await self.feed.ack(fetched.batch_id)

@@ -85,6 +85,26 @@ class TensorInfo:
         return self.end - self.begin
 
 
+# astra.common.v1.NDArray dtype names -> safetensors names (which pass through unchanged).
+NDARRAY_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+}
+
+
+def safetensors_dtype(dtype: str) -> str:
+    """The safetensors name of a dtype given by either name ("float32" or "F32")."""
+    return NDARRAY_DTYPES.get(dtype, dtype)
+
+
 def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
     """Size in bytes of a row-major tensor; ValueError for an unknown dtype or partial byte."""
     if dtype not in DTYPE_BITS:

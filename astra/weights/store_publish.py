@@ -127,6 +127,7 @@ class PublishSession:
         self.store, self.policy, self.identity = store, policy, identity
         self.version, self.metadata = version, metadata
         self._key = (policy, identity)
+        self._closed = False
         self.stage: PublishStage | None = None
         base: Version | None = None
         with store._guard:
@@ -236,6 +237,11 @@ class PublishSession:
         return result
 
     def close(self) -> None:
+        """Releases the stage and the identity; a second call does nothing (the identity may
+        be another stream's by then)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.stage is not None:
             hot_base = self.stage.hot_base
             if self.stage.base_suspect and hot_base is not None:
@@ -248,7 +254,6 @@ class PublishSession:
                     if self.store.hot.get(self.policy) is hot_base:
                         del self.store.hot[self.policy]
             self.stage.close()
-            self.stage = None  # closing twice is harmless
         with self.store._guard:
             self.store._publishing.discard(self._key)
 
