@@ -113,6 +113,7 @@ class Receiver:
             self.local = LocalVersions(directory, durable=durable)
         self.receiver_id = receiver_id or self.local.receiver_id
         self.extra_held = {identity_of(Path(p)): Path(p) for p in held_dirs}
+        self._distrusted: set[str] = set()  # held versions found corrupt: never a base again
         self.max_bytes_per_second, self.max_attempts = max_bytes_per_second, max_attempts
         self.backoff_s, self.timeout_s, self.idle_timeout_s = backoff_s, timeout_s, idle_timeout_s
         keep_freed_memory()  # chunk buffers come back from the heap, not as fresh pages
@@ -180,7 +181,13 @@ class Receiver:
                 if attempt == self.max_attempts:
                     raise
                 last = exc.message
-                log.warning("fetch %s: %s; resuming", target, exc.message)
+                corrupt = self._corrupt_held(exc)
+                if corrupt:  # the next attempt plans without it (another base, or a full copy)
+                    self._distrusted.add(corrupt)
+                    log.error("fetch %s: held version %s is corrupt (%s); fetching without it",
+                              target, corrupt, exc.message)  # fmt: skip
+                else:
+                    log.warning("fetch %s: %s; resuming", target, exc.message)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is None or task.cancelling():
@@ -248,6 +255,16 @@ class Receiver:
             if not read.done():
                 read.cancel()
 
+    def _corrupt_held(self, exc: AstraError) -> str:
+        """The held version a failure found corrupt on disk (its path in the error), or ""."""
+        path = exc.metadata.get("path", "")
+        if not path:
+            return ""
+        for identity, held in {**self.extra_held, **self.local.held()}.items():
+            if isinstance(held, Path) and Path(path).resolve() == held.resolve():
+                return identity
+        return ""
+
     def _relay(self, result: FetchResult) -> None:
         try:
             self.relay.publish_dir(self.policy, result.identity, result.version, result.path)
@@ -255,7 +272,11 @@ class Receiver:
             log.warning("relay store refused %s: %s", result.identity, exc.message)
 
     async def _attempt(self, target: str, deadline: float) -> FetchResult:
-        held = {**self.extra_held, **self.local.held()}
+        held = {
+            k: v
+            for k, v in {**self.extra_held, **self.local.held()}.items()
+            if k not in self._distrusted
+        }
         stage = self.local.stage(target)
         resumed = len(stage.entries)
         started = time.monotonic()

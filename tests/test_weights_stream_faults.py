@@ -376,3 +376,36 @@ def test_a_stage_left_by_an_older_layout_is_fetched_again(tmp_path: Path) -> Non
             assert same(rx / "current", model)
 
     run(body())
+
+
+def test_a_byte_rotted_in_a_held_tensor_the_delta_leaves_unchanged_is_caught(
+    tmp_path: Path,
+) -> None:
+    """The receiver's v0 rots on disk in a tensor v1 does not change. That tensor would be
+    linked into v1 as is: it is checked first, the corrupt v0 is named, and the fetch goes
+    on without it (a full copy), so v1 arrives intact."""
+    m0 = chain_of(1, seed=41, size=1 << 14)[0]
+    m1 = dict(m0)
+    name = "layers.0.w"
+    dtype, shape, data = m1[name]
+    m1[name] = (dtype, shape, bytes([data[0] ^ 1]) + data[1:])  # only layers.0 changes
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v0", 0, m0)
+            receiver = Receiver(server.address, "p", tmp_path / "rx", durable=False, backoff_s=0.01)
+            await receiver.fetch()
+            held = receiver.current_path.resolve()
+            with Version(held) as v:
+                entry = v.entries["layers.3.w"]
+                shard, pos = entry.shard.path, entry.shard.data_start + entry.info.begin + 10
+            raw = bytearray(Path(shard).read_bytes())
+            raw[pos] ^= 0x40  # bit rot in a tensor v1 leaves unchanged
+            Path(shard).write_bytes(bytes(raw))
+            await publish_version(server.address, "p", "v1", 1, m1)
+            result = await receiver.fetch()
+            assert result.plan == "full" and result.attempts == 2
+            assert same(receiver.current_path, m1)
+            await receiver.close()
+
+    run(body())

@@ -105,10 +105,10 @@ class LocalVersions:
 
         Staged tensors were verified as they landed and are already complete
         single-tensor shards: nothing is rewritten or hashed again. A base
-        tensor is linked when it already sits alone in a shard of a version
-        this directory installed (verified then, immutable since); otherwise
-        it is copied in the kernel into a shard of its own and checked
-        against its recorded Adler-32 first.
+        tensor the delta leaves unchanged is checked against its recorded
+        Adler-32, then linked when it already sits alone in a shard of a version
+        this directory installed, else copied in the kernel into a shard of its
+        own.
         """
         final = self.root / "versions" / dirname_for(stage.target)
         if final.is_dir():
@@ -170,10 +170,10 @@ class LocalVersions:
         return directory.resolve().parent == versions
 
     def _base_checksum(self, base: Version, name: str) -> str:
-        """The base tensor's Adler-32: recorded and trusted in an installed version, else computed."""
+        """The base tensor's Adler-32, computed and checked against the recorded one: a byte
+        that rotted on disk since the base was installed is not carried into the new version
+        (ChecksumMismatch naming the base and the tensor; the fetch then goes without it)."""
         entry = base.entries[name]
-        if entry.checksum is not None and self._installed(base.path):
-            return entry.checksum
         view = base.view(name)
         try:
             got = adler32_hex(view)
