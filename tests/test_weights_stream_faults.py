@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from astra.clients.weights import WeightClient
 from astra.clients.weights_stream import Receiver, publish_version
@@ -378,12 +379,14 @@ def test_a_stage_left_by_an_older_layout_is_fetched_again(tmp_path: Path) -> Non
     run(body())
 
 
-def test_a_byte_rotted_in_a_held_tensor_the_delta_leaves_unchanged_is_caught(
-    tmp_path: Path,
+@pytest.mark.parametrize("rotted", ["layers.3.w", "layers.0.w"], ids=["unchanged", "changed"])
+def test_a_byte_rotted_in_a_held_version_is_caught_and_the_fetch_goes_on_without_it(
+    tmp_path: Path, rotted: str
 ) -> None:
-    """The receiver's v0 rots on disk in a tensor v1 does not change. That tensor would be
-    linked into v1 as is: it is checked first, the corrupt v0 is named, and the fetch goes
-    on without it (a full copy), so v1 arrives intact."""
+    """The receiver's v0 rots on disk. In a tensor v1 does not change, it would be linked into
+    v1 as is; in one v1 changes, the decode fails its checksum as if the sender were wrong.
+    Either way the corrupt v0 is named and the fetch goes on without it (a full copy), so v1
+    arrives intact."""
     m0 = chain_of(1, seed=41, size=1 << 14)[0]
     m1 = dict(m0)
     name = "layers.0.w"
@@ -397,10 +400,10 @@ def test_a_byte_rotted_in_a_held_tensor_the_delta_leaves_unchanged_is_caught(
             await receiver.fetch()
             held = receiver.current_path.resolve()
             with Version(held) as v:
-                entry = v.entries["layers.3.w"]
+                entry = v.entries[rotted]
                 shard, pos = entry.shard.path, entry.shard.data_start + entry.info.begin + 10
             raw = bytearray(Path(shard).read_bytes())
-            raw[pos] ^= 0x40  # bit rot in a tensor v1 leaves unchanged
+            raw[pos] ^= 0x40  # bit rot
             Path(shard).write_bytes(bytes(raw))
             await publish_version(server.address, "p", "v1", 1, m1)
             result = await receiver.fetch()

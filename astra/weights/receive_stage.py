@@ -158,8 +158,17 @@ class Incoming:
         except OSError as exc:
             self.abort()
             raise disk_full(exc, f"cannot stage {self.name}") from exc
-        self._frame = None
-        checked_adler32(self.name, self._adler, self.h["adler32"], self.abort)
+        decoded, self._frame = self._frame is not None and self.size > 0, None
+        try:
+            checked_adler32(self.name, self._adler, self.h["adler32"], self.abort)
+        except DataLoss:
+            if decoded and self._base_rotted():  # ours, not the sender's: name the base
+                raise ChecksumMismatch(
+                    "the held base's bytes no longer match their Adler-32",
+                    path=self.base.path,
+                    tensor=self.name,
+                ) from None
+            raise
         try:
             self._out.close(durable=self.stage.durable)
         except OSError as exc:
@@ -170,6 +179,20 @@ class Incoming:
         entry = {k: self.h[k] for k in ("dtype", "shape", "adler32", "size_bytes")}
         entry.update(file=self.file, layout=LAYOUT)
         self.stage.record(self.name, entry)
+
+    def _base_rotted(self) -> bool:
+        """Whether the base tensor a frame was decoded against differs from its record."""
+        entry = self.base.entries[self.name]
+        if entry.checksum is None:
+            return False
+        pieces = read_range(entry.shard.path, entry.shard.data_start + entry.info.begin, self.size)
+        value = 1
+        try:
+            for piece in pieces:
+                value = adler32(piece, value)
+        finally:
+            pieces.close()
+        return format_adler32(value) != entry.checksum
 
     def abort(self) -> None:
         """Drops an unfinished tensor (a no-op once finished)."""
