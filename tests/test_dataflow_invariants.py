@@ -1152,3 +1152,36 @@ def test_extend_batch_lease_refuses_unknown_acknowledged_and_bad_ids(tmp_path):
                     assert error_info(err.value)[0].reason == reason
 
     run(body())
+
+
+@pytest.mark.parametrize("eta", [2, None], ids=["eta-2", "no-eta"])
+def test_with_no_trainer_dataflow_keeps_buffering_within_its_bounds(tmp_path, eta):
+    """The failure matrix's trainer row: while no trainer fetches (dead, restarting), rollouts
+    go on only as far as the bounds allow: eta batches ahead of the version, and never past
+    the buffer's high watermark, counting what is in flight."""
+    capacity = 40
+    config = dataflow_config(
+        tmp_path,
+        400,
+        policies=[policy(capacity_groups=capacity)],
+        gate={"max_offpolicyness": eta, "buffer_high_watermark": 0.5},
+    )
+
+    async def body():
+        async with with_raas(config, ScriptedGenerator(), capacity=64, name="raas-a") as (
+            df,
+            _client,
+            _,
+        ):
+            peak = 0
+            for _ in range(30):  # 3 s of a busy RaaS and no trainer
+                await asyncio.sleep(0.1)
+                in_flight = sum(len(i.in_flight) for i in df.pool.instances.values())
+                peak = max(peak, len(df.buffers[POLICY]) + in_flight)
+            return peak, len(df.buffers[POLICY]), df.status()
+
+    peak, buffered, status = run(body())
+    batch = 2  # policy(): batch_groups
+    bound = (eta + 1) * batch if eta is not None else int(0.5 * capacity)
+    assert 0 < buffered <= bound and peak <= bound, (peak, buffered, bound)
+    assert status["counters"].get("buffer.policy.evicted_full", 0) == 0, "nothing evicted"
