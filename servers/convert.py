@@ -41,6 +41,7 @@ SEQUENCE_ARRAYS = {
 
 
 MAX_ID_CHARS = 128
+MAX_DIMS = 64  # NDArray dimensions
 
 
 def check_id(value: str, field: str, limit: int = MAX_ID_CHARS) -> None:
@@ -76,6 +77,8 @@ def from_array(msg: array_pb2.NDArray, field: str) -> np.ndarray:
     dtype = DTYPES.get(msg.dtype)
     if dtype is None:
         raise Malformed(f"{field}.dtype: unsupported dtype {msg.dtype!r}")
+    if len(msg.shape) > MAX_DIMS:
+        raise Malformed(f"{field}.shape: more than {MAX_DIMS} dimensions")
     if any(d < 0 for d in msg.shape):
         raise Malformed(f"{field}.shape: negative extent")
     count = math.prod(msg.shape)

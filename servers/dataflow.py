@@ -24,6 +24,7 @@ from astra.servers.convert import MAX_ID_CHARS, check_id, trajectories_parts
 
 CONTRACT_VERSION = "1.0.0"
 MAX_LIST = 256
+MAX_LABEL_VALUE = 1024
 CHUNK_BYTES = 8 << 20
 
 
@@ -35,6 +36,8 @@ def _check_list(values, field: str) -> None:
 
 
 def _versions(items) -> dict[str, int]:
+    if len(items) > MAX_LIST:
+        raise invalid_field("loaded_versions", f"more than {MAX_LIST} entries")
     out = {}
     for i, v in enumerate(items):
         check_id(v.policy_id, f"loaded_versions[{i}].policy_id")
@@ -65,6 +68,12 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         _check_list(request.workflows, "workflows")
         if len(request.labels) > MAX_LIST:
             raise invalid_field("labels", f"more than {MAX_LIST} labels")
+        for key, value in request.labels.items():
+            check_id(key, "labels")
+            if len(value) > MAX_LABEL_VALUE:
+                raise invalid_field(f"labels[{key}]", f"longer than {MAX_LABEL_VALUE} characters")
+        if len(request.contract_version) > MAX_ID_CHARS:
+            raise invalid_field("contract_version", f"longer than {MAX_ID_CHARS} characters")
         if len(request.incarnation) > 128:
             raise invalid_field("incarnation", "longer than 128 characters")
         already = await self.df.register(
@@ -112,6 +121,8 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
             raise invalid_field("max_wait", "must not be negative")
         if request.trainer_version < 0:
             raise invalid_field("trainer_version", "must not be negative")
+        if len(request.trainer_id) > MAX_ID_CHARS:
+            raise invalid_field("trainer_id", f"longer than {MAX_ID_CHARS} characters")
         # Ingest yields to the trainer from the start when the batch is there to take; if
         # the fetch has to wait for data, not while it waits.
         turn = self.df.trainer_turn()
@@ -179,6 +190,8 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         if v.version_id and len(v.version_id) > MAX_ID_CHARS:
             raise invalid_field("version.version_id", f"longer than {MAX_ID_CHARS} characters")
         check_id(request.weights_address, "weights_address")
+        if len(request.trainer_id) > MAX_ID_CHARS:
+            raise invalid_field("trainer_id", f"longer than {MAX_ID_CHARS} characters")
         repeat = self.df.announce(
             v.policy_id, v.version, v.version_id, request.weights_address, resumed=request.resumed
         )

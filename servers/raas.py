@@ -29,7 +29,7 @@ from astra.raas.results import ResultStore
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
 from astra.servers.convert import MAX_ID_CHARS, check_id
-from astra.servers.raas_convert import check_ids, group_result, group_spec
+from astra.servers.raas_convert import check_bounds, check_ids, group_result, group_spec
 from astra.servers.registrar import Registrar
 from astra.servers.runtime import GrpcServer
 from astra.weights.deadline import DeadlineExceeded
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 CONTRACT_VERSION = "1.0.0"
 MAX_GROUPS, MAX_SAMPLES, MAX_COLLECT = 1024, 1024, 4096
 MAX_GROUP_ID = 256
+MAX_POLICIES = 64
 MAX_WAIT_S = 30.0
 # A LoadWeights (waiting for an earlier one, fetching, swapping) ends by then with
 # DEADLINE_EXCEEDED and the versions in service unchanged; Dataflow's call allows more.
@@ -123,6 +124,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         for i, g in enumerate(request.groups):
             where = f"groups[{i}]"
             check_id(g.group_id, f"{where}.group_id", MAX_GROUP_ID)
+            check_bounds(g, where)  # sizes first: nothing looks a long name up
             if g.workflow not in self.backend.workflows:
                 raise invalid_field(
                     f"{where}.workflow",
@@ -131,6 +133,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 )
             if not g.policy_ids:
                 raise invalid_field(f"{where}.policy_ids", "at least one policy is required")
+            if len(g.policy_ids) > MAX_POLICIES or len(set(g.policy_ids)) != len(g.policy_ids):
+                raise invalid_field(
+                    f"{where}.policy_ids", f"1-{MAX_POLICIES} policies, each listed once"
+                )
             for j, p in enumerate(g.policy_ids):
                 if p not in self.backend.policy_ids:
                     raise invalid_field(

@@ -22,6 +22,36 @@ def check_ids(ids, field: str = "group_ids") -> None:
         raise invalid_field(field, f"{len(ids)} ids, expected 1..{MAX_IDS}")
 
 
+MAX_NAME = 128  # workflow and reward names
+MAX_PROMPT_BYTES = 1 << 20
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKENS = 64, 1024, 1024
+
+
+def check_bounds(g: rollout_pb2.PromptGroup, where: str) -> None:
+    """The size bounds rollout.proto states for a PromptGroup's fields."""
+    if len(g.workflow) > MAX_NAME:
+        raise invalid_field(f"{where}.workflow", f"longer than {MAX_NAME} characters")
+    if len(g.reward) > MAX_NAME:
+        raise invalid_field(f"{where}.reward", f"longer than {MAX_NAME} characters")
+    if len(g.prompt.text.encode()) > MAX_PROMPT_BYTES:
+        raise invalid_field(f"{where}.prompt.text", "longer than 1 MiB")
+    sp = g.sampling_params
+    if len(sp.stop_strings) > MAX_STOP_STRINGS:
+        raise invalid_field(
+            f"{where}.sampling_params.stop_strings", f"more than {MAX_STOP_STRINGS} strings"
+        )
+    for i, s in enumerate(sp.stop_strings):
+        if len(s) > MAX_STOP_CHARS:
+            raise invalid_field(
+                f"{where}.sampling_params.stop_strings[{i}]",
+                f"longer than {MAX_STOP_CHARS} characters",
+            )
+    if len(sp.stop_token_ids) > MAX_STOP_TOKENS:
+        raise invalid_field(
+            f"{where}.sampling_params.stop_token_ids", f"more than {MAX_STOP_TOKENS} ids"
+        )
+
+
 def group_spec(g: rollout_pb2.PromptGroup, where: str) -> GroupSpec:
     sp = g.sampling_params
     tokens = None

@@ -52,6 +52,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
 def _page_token(token: str) -> int | None:
     if not token:
         return None
+    if len(token) > 128:
+        raise invalid_field("page_token", "not a token this service issued")
     try:
         return int(base64.urlsafe_b64decode(token.encode()).decode())
     except ValueError as exc:

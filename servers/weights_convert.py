@@ -19,6 +19,8 @@ KINDS = {"full": pb.VERSION_KIND_FULL, "delta": pb.VERSION_KIND_DELTA}
 MAX_HELD = 64
 MAX_TENSORS = 1_000_000
 MAX_METADATA = 64
+MAX_DIMS = 64
+MAX_METADATA_VALUE = 4096
 
 
 def identity(value: str, field: str, *, required: bool = True) -> str:
@@ -89,8 +91,10 @@ def check_publish_tensor(
         raise invalid_field(
             "tensor.encoded_size_bytes", "must equal size_bytes for raw", reason="INVALID_TENSOR"
         )
-    if any(d < 0 for d in h.shape):
-        raise invalid_field("tensor.shape", "dimensions must be >= 0", reason="INVALID_TENSOR")
+    if len(h.shape) > MAX_DIMS or any(d < 0 for d in h.shape):
+        raise invalid_field(
+            "tensor.shape", f"at most {MAX_DIMS} dimensions, each >= 0", reason="INVALID_TENSOR"
+        )
     return safetensors_dtype(h.dtype), tuple(h.shape), encoded
 
 

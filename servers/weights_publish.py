@@ -24,6 +24,7 @@ from astra.servers.convert import check_id
 from astra.servers.errors import status_for
 from astra.servers.weights_convert import (
     MAX_METADATA,
+    MAX_METADATA_VALUE,
     MAX_TENSORS,
     check_publish_tensor,
     identity,
@@ -59,6 +60,12 @@ def _check_header(h: pb.PublishHeader) -> None:
         raise invalid_field("header.num_tensors", f"must be 0-{MAX_TENSORS}")
     if len(h.metadata) > MAX_METADATA:
         raise invalid_field("header.metadata", f"more than {MAX_METADATA} entries")
+    for key, value in h.metadata.items():
+        check_id(key, "header.metadata")
+        if len(value) > MAX_METADATA_VALUE:
+            raise invalid_field(
+                f"header.metadata[{key}]", f"longer than {MAX_METADATA_VALUE} characters"
+            )
 
 
 def accepted(session: PublishSession) -> pb.PublishAccepted:

@@ -126,6 +126,13 @@ BAD_REGISTRATIONS = [
     ({"policy_ids": ["policy", ""]}, "policy_ids[1]"),
     ({"workflows": []}, "workflows"),
     ({"incarnation": "x" * 129}, "incarnation"),
+    ({"contract_version": "v" * 129}, "contract_version"),
+    ({"labels": {"": "x"}}, "labels"),
+    ({"labels": {"k": "x" * 1025}}, "labels[k]"),
+    (
+        {"loaded_versions": [{"policy_id": "policy", "version": 0}] * 257},
+        "loaded_versions",
+    ),
 ]
 
 
@@ -171,6 +178,7 @@ def test_every_rpc_rejects_bad_input_and_keeps_serving(config):
                 ({"num_groups": 70000}, "num_groups"),
                 ({"request_id": ""}, "request_id"),
                 ({"trainer_version": -1}, "trainer_version"),
+                ({"trainer_id": "t" * 129}, "trainer_id"),
             ]:
                 await expect_invalid_field(lambda c=change: fetch(**c), field)
             neg = pb.FetchBatchRequest(policy_id="policy", num_groups=1, request_id="r2")

@@ -361,8 +361,69 @@ def _collect(stub, max_groups, wait_s=None):
     return stub.CollectResults(req, timeout=5)
 
 
+def group_with(gid: str, **change) -> rollout_pb2.PromptGroup:
+    """group(gid) with some fields replaced (dotted names reach into sub-messages)."""
+    g = group(gid)
+    for path, value in change.items():
+        *parents, leaf = path.split("__")
+        target = g
+        for p in parents:
+            target = getattr(target, p)
+        field = getattr(target, leaf)
+        if isinstance(value, list):
+            del field[:]
+            field.extend(value)
+        else:
+            setattr(target, leaf, value)
+    return g
+
+
 BAD = [
     ("submit_empty", lambda c: c.submit_groups([]), "INVALID_FIELD", "groups"),
+    (
+        "policy_twice",
+        lambda c: c.submit_groups([group("a", policies=("policy", "policy"))]),
+        "INVALID_FIELD",
+        "groups[0].policy_ids",
+    ),
+    (
+        "long_workflow",
+        lambda c: c.submit_groups([group_with("a", workflow="w" * 129)]),
+        "INVALID_FIELD",
+        "groups[0].workflow",
+    ),
+    (
+        "long_reward",
+        lambda c: c.submit_groups([group_with("a", reward="r" * 129)]),
+        "INVALID_FIELD",
+        "groups[0].reward",
+    ),
+    (
+        "huge_prompt",
+        lambda c: c.submit_groups([group_with("a", prompt__text="x" * ((1 << 20) + 1))]),
+        "INVALID_FIELD",
+        "groups[0].prompt.text",
+    ),
+    (
+        "many_stop_strings",
+        lambda c: c.submit_groups([group_with("a", sampling_params__stop_strings=["s"] * 65)]),
+        "INVALID_FIELD",
+        "groups[0].sampling_params.stop_strings",
+    ),
+    (
+        "long_stop_string",
+        lambda c: c.submit_groups([group_with("a", sampling_params__stop_strings=["s" * 1025])]),
+        "INVALID_FIELD",
+        "groups[0].sampling_params.stop_strings[0]",
+    ),
+    (
+        "many_stop_ids",
+        lambda c: c.submit_groups(
+            [group_with("a", sampling_params__stop_token_ids=list(range(1025)))]
+        ),
+        "INVALID_FIELD",
+        "groups[0].sampling_params.stop_token_ids",
+    ),
     (
         "submit_too_many",
         lambda c: c.submit_groups([group(f"g{i}", 1) for i in range(1025)]),

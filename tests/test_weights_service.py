@@ -187,8 +187,14 @@ def test_every_rpc_refuses_bad_input_and_the_server_keeps_serving(tmp_path: Path
             commit = pb.PublishVersionRequest(commit=pb.PublishCommit(num_tensors=1))
             data = bytes(range(200))
             chunk = _tensor_msgs("w", data)[1]
+            long_meta = pb.PublishHeader(policy_id="p", version_id="v1", version=1)
+            long_meta.metadata["note"] = "x" * 4097
+            many_dims = pb.TensorHeader(name="w", dtype="U8", shape=[1] * 65, adler32="00000001")
+            many_dims.size_bytes = many_dims.encoded_size_bytes = 1
             cases = [
                 ([chunk], code.INVALID_ARGUMENT, "PUBLISH_HEADER_REQUIRED", None),
+                ([pb.PublishVersionRequest(header=long_meta)], code.INVALID_ARGUMENT, "INVALID_FIELD", None),
+                ([hdr, pb.PublishVersionRequest(tensor=many_dims)], code.INVALID_ARGUMENT, "INVALID_TENSOR", None),
                 ([pb.PublishVersionRequest(header=pb.PublishHeader(policy_id="p", version_id="initial"))],
                  code.INVALID_ARGUMENT, "INVALID_IDENTITY", None),
                 ([hdr, *_tensor_msgs("w", data, adler="00000001")], code.DATA_LOSS, "CHECKSUM_MISMATCH", "w"),
