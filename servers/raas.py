@@ -31,7 +31,7 @@ from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
 from astra.servers.convert import MAX_ID_CHARS, check_id
 from astra.servers.raas_convert import check_bounds, check_ids, group_result, group_spec
 from astra.servers.registrar import Registrar
-from astra.servers.runtime import GrpcServer
+from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer
 from astra.weights.deadline import DeadlineExceeded
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.capacity = capacity
         self.instance_id = instance_id
         self.incarnation = uuid.uuid4().hex  # this process (RegisterInstanceRequest.incarnation)
+        # The largest GroupResult a CollectResults message can carry (the send limit, less
+        # the response's own framing).
+        self.max_result_bytes = DEFAULT_MAX_MESSAGE_BYTES - 64 * 1024
         self.policy_ids = list(backend.policy_ids)
         self.workflows = list(backend.workflows)
         self.store = ResultStore(capacity)
@@ -113,6 +116,21 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         finally:
             if self._tasks.get(spec.group_id) is asyncio.current_task():
                 del self._tasks[spec.group_id]
+        if result.ByteSize() > self.max_result_bytes:
+            # Never deliverable (one group per CollectResults message): it would block every
+            # result after it. Delivered as the group's failure instead, and counted.
+            log.error("group %s: result of %d bytes exceeds the %d-byte message limit",
+                      spec.group_id, result.ByteSize(), self.max_result_bytes)  # fmt: skip
+            self.counters["results_too_large"] += 1
+            size, failed = result.ByteSize(), True
+            result = rollout_pb2.GroupResult(group_id=spec.group_id, instance_id=self.instance_id)
+            result.error.CopyFrom(
+                status_pb2.Status(
+                    code=code_pb2.RESOURCE_EXHAUSTED,
+                    message=f"result of {size} bytes exceeds the {self.max_result_bytes}-byte "
+                    "message limit: fewer samples or tokens per group",
+                )
+            )
         if self.metrics is not None:
             self.metrics.observe_group(spec.workflow, time.perf_counter() - started, failed)
         self.store.finish(spec.group_id, result)
@@ -120,10 +138,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def SubmitGroups(self, request: pb.SubmitGroupsRequest, context):
         if not 1 <= len(request.groups) <= MAX_GROUPS:
             raise invalid_field("groups", f"{len(request.groups)} groups, expected 1..{MAX_GROUPS}")
-        specs = []
+        specs, seen = [], set()
         for i, g in enumerate(request.groups):
             where = f"groups[{i}]"
             check_id(g.group_id, f"{where}.group_id", MAX_GROUP_ID)
+            if g.group_id in seen:
+                raise invalid_field(f"{where}.group_id", f"{g.group_id!r} twice in one request")
+            seen.add(g.group_id)
             check_bounds(g, where)  # sizes first: nothing looks a long name up
             if g.workflow not in self.backend.workflows:
                 raise invalid_field(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from astra.errors import InvalidArgument, invalid_field
 from astra.weights.layout import check_identity
 from astra.weights.records import VersionRecord
-from astra.weights.safetensors_io import safetensors_dtype
+from astra.weights.safetensors_io import safetensors_dtype, tensor_nbytes
 from astra.weights.store_fetch import RAW, XOR_ZSTD, WireTensor
 from astra.weights.v1 import weight_service_pb2 as pb
 
@@ -20,6 +20,7 @@ MAX_HELD = 64
 MAX_TENSORS = 1_000_000
 MAX_METADATA = 64
 MAX_DIMS = 64
+MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: a tensor larger than any model's
 MAX_METADATA_VALUE = 4096
 
 
@@ -95,7 +96,20 @@ def check_publish_tensor(
         raise invalid_field(
             "tensor.shape", f"at most {MAX_DIMS} dimensions, each >= 0", reason="INVALID_TENSOR"
         )
-    return safetensors_dtype(h.dtype), tuple(h.shape), encoded
+    dtype, shape = safetensors_dtype(h.dtype), tuple(h.shape)
+    try:
+        size = tensor_nbytes(dtype, shape)
+    except ValueError as exc:
+        raise invalid_field("tensor.dtype", str(exc), reason="INVALID_TENSOR") from exc
+    if size > MAX_TENSOR_BYTES:
+        raise invalid_field(
+            "tensor.shape", f"{size} bytes; at most {MAX_TENSOR_BYTES}", reason="INVALID_TENSOR"
+        )
+    if h.size_bytes != size:
+        raise invalid_field(
+            "tensor.size_bytes", f"{size} for {dtype}{list(shape)}", reason="INVALID_TENSOR"
+        )
+    return dtype, shape, encoded
 
 
 def max_frame_bytes(size: int) -> int:

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from astra.errors import AstraError, DataLoss, InvalidArgument, invalid_field
+from astra.errors import AstraError, DataLoss, InvalidArgument, Unavailable, invalid_field
 from astra.servers.convert import check_id
 from astra.servers.weights_convert import (
     MAX_HELD,
@@ -34,6 +34,7 @@ from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.wire import chunk_message
 
 MiB = 1 << 20
+MIN_BYTES_PER_SECOND = 4096  # below, a cap would hold a stream (and the versions it pins) for weeks
 
 
 @dataclass(frozen=True)
@@ -99,14 +100,16 @@ class AckReader:
             if ready():
                 return
             if self.closed:
-                raise InvalidArgument(
+                raise Unavailable(
                     "the receiver closed the stream before acknowledging every tensor",
                     reason="ACKS_MISSING",
                 )
             self._event.clear()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise InvalidArgument("no acknowledgement in time", reason="ACK_TIMEOUT")
+                # Unavailable: the receiver resumes from what it acknowledged (a slow disk
+                # verifying a large tensor is not the receiver's error).
+                raise Unavailable("no acknowledgement in time", reason="ACK_TIMEOUT")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._event.wait(), left)
 
@@ -123,8 +126,10 @@ def _check_start(start: pb.FetchStart) -> None:
         raise invalid_field("start.held_version_ids", f"more than {MAX_HELD}")
     if len(start.acknowledged_tensors) > MAX_TENSORS:
         raise invalid_field("start.acknowledged_tensors", f"more than {MAX_TENSORS}")
-    if start.max_bytes_per_second < 0:
-        raise invalid_field("start.max_bytes_per_second", "must be >= 0")
+    if start.max_bytes_per_second < 0 or 0 < start.max_bytes_per_second < MIN_BYTES_PER_SECOND:
+        raise invalid_field(
+            "start.max_bytes_per_second", f"0 (no cap) or at least {MIN_BYTES_PER_SECOND}"
+        )
     if len(start.receiver_id) > 128:
         raise invalid_field("start.receiver_id", "longer than 128 characters")
 
@@ -147,7 +152,9 @@ async def fetch_stream(
     )
     reader: AckReader | None = None
     try:
-        acked = set(start.acknowledged_tensors)
+        # Resumption needs an explicit target (the proto): with "" the current version may have
+        # changed since, and the names would skip that version's tensors.
+        acked = set(start.acknowledged_tensors) if start.target_version_id else set()
         todo = [t for t in source.tensors() if t.name not in acked]
         store.counters["fetch_tensors_resumed"] += len(source.tensors()) - len(todo)
         target = source.target

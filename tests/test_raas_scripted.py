@@ -677,3 +677,53 @@ def test_scripted_raas_process_registers_serves_and_exits_zero_on_sigterm(tmp_pa
             await df_server.stop(0)
 
     run(body(), timeout_s=60)
+
+
+def test_a_result_too_large_to_deliver_fails_its_group_and_blocks_nothing():
+    """One group whose result exceeds a CollectResults message would fail every collect of
+    the instance after it (results are sent oldest first until acknowledged)."""
+    import numpy as np
+
+    from astra.raas.backend import SequenceSpec, TrajectorySpec
+
+    class Big(ScriptedGenerator):
+        async def generate(self, g, versions):
+            if not g.group_id.startswith("big"):
+                return await super().generate(g, versions)
+            n = 400_000  # x 17 bytes per token x 2 samples: ~13.6 MB
+            seq = SequenceSpec(
+                "policy", np.zeros(n, np.int32), np.zeros(n, np.float32),
+                np.ones(n, np.uint8), np.zeros(n, np.int64), 1, "stop", 0.0,
+            )  # fmt: skip
+            return [TrajectorySpec(i, [seq], 0.0) for i in range(g.num_samples)]
+
+    async def body():
+        async with raas(capacity=64, backend=Big(("policy",), ("single_turn",))) as (c, servicer):
+            servicer.max_result_bytes = 4 << 20
+            await c.submit_groups([group("big", 2)])
+            await c.submit_groups([group("small", 1)])
+            got = {}
+            for _ in range(20):
+                got.update({r.group_id: r for r in await c.collect_results(10, max_wait_s=0.5)})
+                if len(got) == 2:
+                    break
+            assert got["small"].trajectories and not got["small"].HasField("error")
+            assert got["big"].error.code == 8 and "message limit" in got["big"].error.message
+            assert servicer.counters["results_too_large"] == 1
+
+    run(body(), timeout_s=60)
+
+
+def test_a_group_id_twice_in_one_submit_is_refused():
+    async def body():
+        async with raas(capacity=64) as (c, _servicer):
+            await expect(
+                c.submit_groups([group("dup", 1), group("dup", 8)]),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_FIELD",
+                "groups[1].group_id",
+            )
+            status = await c.get_status()
+            assert status.free_slots == 64, "nothing reserved"
+
+    run(body())

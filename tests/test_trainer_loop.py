@@ -244,3 +244,33 @@ def test_dataflow_source_reports_an_unreachable_dataflow_as_unavailable() -> Non
             await source.close()
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_overlapping_checkpoint_requests_each_get_one_answer() -> None:
+    """SaveCheckpoint twice while paused, the second while the first is written: each gets a
+    checkpoint, none an error (a second answer to the first request's future raised)."""
+    from astra.trainer.state import StateMixin
+
+    class Writer(StateMixin):
+        def __init__(self) -> None:
+            self._init_checkpoints()
+            self.step, self.writes = 3, 0
+
+        async def _checkpoint_now(self):
+            self.writes += 1
+            n = self.writes
+            await asyncio.sleep(0.2)
+            return Path(f"/ckpt/step-{self.step}-w{n}"), self.step
+
+    async def body():
+        t = Writer()
+        a = asyncio.create_task(t.checkpoint_async("req-A"))
+        await asyncio.sleep(0.05)
+        b = asyncio.create_task(t.checkpoint_async("req-B"))
+        first, second = await asyncio.gather(a, b)
+        again = await t.checkpoint_async("req-A")
+        return first, second, again, t.writes
+
+    first, second, again, writes = asyncio.run(asyncio.wait_for(body(), 10))
+    assert first[1] == second[1] == 3 and again == first
+    assert writes == 2 and first != second

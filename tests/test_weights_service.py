@@ -178,6 +178,7 @@ def test_every_rpc_refuses_bad_input_and_the_server_keeps_serving(tmp_path: Path
                 (pb.FetchStart(policy_id="p", target_version_id="v7"), code.NOT_FOUND, "VERSION_NOT_FOUND"),
                 (pb.FetchStart(policy_id="p", target_version_id="initial"), code.INVALID_ARGUMENT, "INVALID_IDENTITY"),
                 (pb.FetchStart(policy_id="p", max_bytes_per_second=-1), code.INVALID_ARGUMENT, "INVALID_FIELD"),
+                (pb.FetchStart(policy_id="p", max_bytes_per_second=1), code.INVALID_ARGUMENT, "INVALID_FIELD"),
             ]:  # fmt: skip
                 await _expect(
                     _stream(stub.FetchVersion, [pb.FetchVersionRequest(start=start)]), c, reason
@@ -291,5 +292,56 @@ def test_receiver_error_names_the_tensor_and_keeps_the_previous_version(tmp_path
             assert same(receiver.current_path, models[0]), "the previous version stays current"
             assert not (tmp_path / "rx" / "versions" / "v1").exists()
             await receiver.close()
+
+    run(body())
+
+
+def test_acknowledged_tensors_count_only_with_an_explicit_target(tmp_path: Path) -> None:
+    """FetchStart.acknowledged_tensors is honoured only with target_version_id (the proto):
+    with "" the service must send every tensor, not a plan of zero tensors."""
+    import numpy as np
+
+    from astra.servers.weights_fetch import StreamSettings, fetch_stream
+    from astra.weights.store import Store, StoreConfig
+
+    store = Store(tmp_path, StoreConfig(durable=False, hot_bytes=0))
+
+    def model(v):
+        return {
+            n: ("F32", (4,), np.full(4, v + i, np.float32).tobytes()) for i, n in enumerate("ab")
+        }
+
+    store.publish("p", "v1", 1, model(1))
+    store.publish("p", "v2", 2, model(5))
+
+    async def body():
+        async def requests():
+            yield pb.FetchVersionRequest(
+                start=pb.FetchStart(policy_id="p", acknowledged_tensors=["a", "b"])
+            )
+            await asyncio.sleep(30)
+
+        stream = fetch_stream(store, requests(), StreamSettings(ack_timeout_s=1))
+        first = await anext(stream)
+        await stream.aclose()
+        return first.plan
+
+    plan = asyncio.run(asyncio.wait_for(body(), 10))
+    assert plan.target.version_id == "v2" and plan.num_tensors == 2
+
+
+def test_a_tensor_too_large_for_any_model_is_refused_in_band(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server, WeightClient(server.address) as client:
+            hdr = pb.PublishVersionRequest(
+                header=pb.PublishHeader(policy_id="p", version_id="v1", version=1, num_tensors=1)
+            )
+            huge = pb.TensorHeader(name="w", dtype="F64", shape=[2**61], adler32="00000001")
+            huge.size_bytes = huge.encoded_size_bytes = 2**63 - 1
+            await _expect(
+                _stream(client.stub.PublishVersion, [hdr, pb.PublishVersionRequest(tensor=huge)]),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_TENSOR",
+            )
 
     run(body())

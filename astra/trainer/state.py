@@ -59,6 +59,7 @@ class StateMixin:
         self.last_checkpoint: Path | None = None
         self.last_checkpoint_time: datetime.datetime | None = None
         self._requests: dict[str, asyncio.Future[tuple[Path, int]]] = {}
+        self._checkpoint_lock = asyncio.Lock()  # one checkpoint written at a time
         self._idle = asyncio.Event()  # set while no step is in progress
         self._idle.set()
 
@@ -153,17 +154,22 @@ class StateMixin:
         return await asyncio.shield(fut)
 
     async def _serve_checkpoint_requests(self) -> None:
-        pending = [f for f in self._requests.values() if not f.done()]
-        if not pending:
-            return
-        try:
-            result = await self._checkpoint_now()
-        except Exception as exc:
+        """Writes one checkpoint for every request waiting; one writer at a time (a request
+        that comes in while a checkpoint is written gets the next one, never a second answer)."""
+        async with self._checkpoint_lock:
+            pending = [f for f in self._requests.values() if not f.done()]
+            if not pending:
+                return
+            try:
+                result = await self._checkpoint_now()
+            except Exception as exc:
+                for f in pending:
+                    if not f.done():
+                        f.set_exception(exc)
+                return
             for f in pending:
-                f.set_exception(exc)
-            return
-        for f in pending:
-            f.set_result(result)
+                if not f.done():
+                    f.set_result(result)
 
     async def _after_step(self, applied: bool) -> None:
         every = self.config.checkpoint.every_steps

@@ -116,10 +116,13 @@ class RolloutServiceServicer:
         as accepted and not run again. Dataflow retries on UNAVAILABLE and
         DEADLINE_EXCEEDED with the same groups.
 
-        Errors: INVALID_ARGUMENT (empty groups, num_samples outside 1..1024,
-        max_new_tokens < 1, an unknown workflow or policy; reason names the
-        field), RESOURCE_EXHAUSTED (not enough free slots for all groups; none is
-        accepted; RetryInfo set), UNAVAILABLE (model not loaded).
+        Errors: INVALID_ARGUMENT (empty groups, a group_id twice in one request,
+        num_samples outside 1..1024, max_new_tokens < 1, an unknown workflow or
+        policy; reason names the field), RESOURCE_EXHAUSTED (not enough free
+        slots for all groups; none is accepted; RetryInfo set), UNAVAILABLE
+        (model not loaded). A group whose result would not fit in one
+        CollectResults message (64 MiB) finishes as a failed group with status
+        RESOURCE_EXHAUSTED instead, so it never blocks the results after it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

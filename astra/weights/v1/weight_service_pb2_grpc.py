@@ -164,7 +164,9 @@ class WeightServiceServicer:
 
         Errors: NOT_FOUND (unknown policy or version), INVALID_ARGUMENT (no
         FetchStart first), FAILED_PRECONDITION (held version not in the chain
-        and no full root available).
+        and no full root available), UNAVAILABLE (no acknowledgement within the
+        service's timeout, reason ACK_TIMEOUT, or the receiver closed its side
+        early, ACKS_MISSING: resume with acknowledged_tensors).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
