@@ -40,6 +40,7 @@ CONTRACT_VERSION = "1.0.0"
 MAX_GROUPS, MAX_SAMPLES, MAX_COLLECT = 1024, 1024, 4096
 MAX_GROUP_ID = 256
 MAX_POLICIES = 64
+MAX_LOAD_REQUESTS = 256  # LoadWeights request ids remembered for retries
 MAX_WAIT_S = 30.0
 # A LoadWeights (waiting for an earlier one, fetching, swapping) ends by then with
 # DEADLINE_EXCEEDED and the versions in service unchanged; Dataflow's call allows more.
@@ -77,6 +78,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         }
         self._tasks: dict[str, asyncio.Task] = {}
         self._load_lock = asyncio.Lock()
+        self._load_requests: dict[str, tuple[tuple, pb.LoadWeightsResponse]] = {}
 
     # ----- what the Registrar reports --------------------------------------------------------
 
@@ -242,6 +244,24 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if p in wanted and addr != request.weights_address:
                 # This policy comes from its own WeightService; the set still switches together.
                 wanted[p] = replace(wanted[p], weights_address=addr)
+        # Idempotent by request_id: a retry gets the first answer (a load that failed is run
+        # again); the same id with other versions is a caller's bug.
+        # What is loaded, not where from: a retry may name another address for the same set.
+        asked = tuple(sorted((p, s.version, s.version_id) for p, s in wanted.items()))
+        known = self._load_requests.get(request.request_id)
+        if known is not None and known[0] != asked:
+            raise invalid_field(
+                "request_id",
+                f"{request.request_id!r} was used for another load",
+                reason="REQUEST_ID_REUSED",
+            )
+        if known is not None:
+            return known[1]
+        if all(s.version <= self._versions[p].version for p, s in wanted.items()):
+            # Already in service (or newer): at once, without waiting behind a running load.
+            if any(s.version < self._versions[p].version for p, s in wanted.items()):
+                return await self._load(wanted, request.weights_address)  # the regression error
+            return self._remember_load(request.request_id, asked, 0)
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.load_timeout_s) as limit:
@@ -266,7 +286,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 reason="LOAD_DEADLINE_EXCEEDED",
                 metadata={"weights_address": request.weights_address},
             ) from None
-        return pb.LoadWeightsResponse(loaded_versions=self._version_protos(), fetched_bytes=fetched)
+        return self._remember_load(request.request_id, asked, fetched)
+
+    def _remember_load(self, request_id: str, asked: tuple, fetched: int) -> pb.LoadWeightsResponse:
+        resp = pb.LoadWeightsResponse(loaded_versions=self._version_protos(), fetched_bytes=fetched)
+        self._load_requests[request_id] = (asked, resp)
+        while len(self._load_requests) > MAX_LOAD_REQUESTS:
+            self._load_requests.pop(next(iter(self._load_requests)))
+        return resp
 
     async def _load(self, wanted: dict[str, VersionSpec], address: str) -> int:
         async with self._load_lock:

@@ -314,7 +314,7 @@ def test_load_weights_versions_tokens_and_regression():
                 "other": 1,
             }
             assert gen.loaded["policy"].version == 2
-            same = await client.load_weights([pv("policy", 2)], "w:1", "r1")
+            same = await client.load_weights([pv("policy", 2)], "w:1", "r1b")
             assert same.fetched_bytes == 0
             await client.submit_groups([group("v", 2, policies=("policy", "other"))])
             (result,) = await client.collect_results(1, 5.0)
@@ -328,6 +328,17 @@ def test_load_weights_versions_tokens_and_regression():
             )
             status = await client.get_status()
             assert {v.policy_id: v.version for v in status.loaded_versions}["policy"] == 2
+            # A late retry of r1 gets r1's answer, not a regression; r1 for another set is
+            # a caller's bug.
+            await client.load_weights([pv("policy", 3)], "w:1", "r3")
+            retry = await client.load_weights([pv("policy", 2), pv("other", 1)], "w:1", "r1")
+            assert {v.policy_id: v.version for v in retry.loaded_versions}["policy"] == 2
+            await expect(
+                client.load_weights([pv("policy", 4)], "w:1", "r1"),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "REQUEST_ID_REUSED",
+                "request_id",
+            )
 
     run(body())
 

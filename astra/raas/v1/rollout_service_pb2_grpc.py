@@ -160,7 +160,9 @@ class RolloutServiceServicer:
         """Loads a set of policy versions from a WeightService, all together: the
         RaaS never serves a mix of the old and the new set for the policies in
         the request (the version barrier). Returns when the versions are in
-        service. Idempotent: versions already loaded return at once. Dataflow
+        service. Idempotent: versions already loaded return at once, and a retry
+        with the same request_id gets the first answer (the same request_id for
+        other versions is INVALID_ARGUMENT, reason REQUEST_ID_REUSED). Dataflow
         retries on UNAVAILABLE with the same request.
 
         In-flight sequences either finish on the old version or continue on the
