@@ -5,6 +5,8 @@ Field names in errors are wire names, so a RaaS in any language reports the same
 
 from __future__ import annotations
 
+import math
+
 from google.protobuf import json_format
 from google.rpc import code_pb2, status_pb2
 
@@ -36,15 +38,24 @@ def check_bounds(g: rollout_pb2.PromptGroup, where: str) -> None:
     if len(g.prompt.text.encode()) > MAX_PROMPT_BYTES:
         raise invalid_field(f"{where}.prompt.text", "longer than 1 MiB")
     sp = g.sampling_params
+    at = f"{where}.sampling_params"
+    if not (math.isfinite(sp.temperature) and sp.temperature >= 0):
+        raise invalid_field(f"{at}.temperature", "must be finite and >= 0")
+    if not 0 <= sp.top_p <= 1:
+        raise invalid_field(f"{at}.top_p", "must be in (0, 1] (0 means 1)")
+    if sp.top_k < 0:
+        raise invalid_field(f"{at}.top_k", "must be >= 0 (0 = no limit)")
+    if any(t < 0 for t in sp.stop_token_ids):
+        raise invalid_field(f"{at}.stop_token_ids", "token ids must be >= 0")
     if len(sp.stop_strings) > MAX_STOP_STRINGS:
         raise invalid_field(
             f"{where}.sampling_params.stop_strings", f"more than {MAX_STOP_STRINGS} strings"
         )
     for i, s in enumerate(sp.stop_strings):
-        if len(s) > MAX_STOP_CHARS:
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
             raise invalid_field(
                 f"{where}.sampling_params.stop_strings[{i}]",
-                f"longer than {MAX_STOP_CHARS} characters",
+                f"must be 1-{MAX_STOP_CHARS} characters",
             )
     if len(sp.stop_token_ids) > MAX_STOP_TOKENS:
         raise invalid_field(

@@ -428,6 +428,30 @@ BAD = [
         "groups[0].sampling_params.stop_strings[0]",
     ),
     (
+        "nan_temperature",
+        lambda c: c.submit_groups([group_with("a", sampling_params__temperature=float("nan"))]),
+        "INVALID_FIELD",
+        "groups[0].sampling_params.temperature",
+    ),
+    (
+        "top_p_above_one",
+        lambda c: c.submit_groups([group_with("a", sampling_params__top_p=1.5)]),
+        "INVALID_FIELD",
+        "groups[0].sampling_params.top_p",
+    ),
+    (
+        "negative_top_k",
+        lambda c: c.submit_groups([group_with("a", sampling_params__top_k=-1)]),
+        "INVALID_FIELD",
+        "groups[0].sampling_params.top_k",
+    ),
+    (
+        "empty_stop_string",
+        lambda c: c.submit_groups([group_with("a", sampling_params__stop_strings=[""])]),
+        "INVALID_FIELD",
+        "groups[0].sampling_params.stop_strings[0]",
+    ),
+    (
         "many_stop_ids",
         lambda c: c.submit_groups(
             [group_with("a", sampling_params__stop_token_ids=list(range(1025)))]

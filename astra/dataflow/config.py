@@ -5,7 +5,7 @@ Unknown keys fail loudly. Defaults are the documented defaults of the README.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -42,8 +42,12 @@ class SamplingSettings(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass.")
     top_k: int = Field(0, ge=0, description="Top-k; 0 means no limit.")
     max_new_tokens: int = Field(256, ge=1, le=1 << 20, description="Tokens per sequence.")
-    stop_strings: list[str] = Field(default_factory=list, description="Stop strings.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids.")
+    stop_strings: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list, max_length=64, description="Stop strings (rollout.proto bounds)."
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, max_length=1024, description="Stop token ids."
+    )
     seed: int = Field(0, description="Base seed; each group derives its own.")
 
 
