@@ -270,3 +270,29 @@ def test_kill_9_mid_publish_leaves_versions_absent_or_complete(tmp_path: Path) -
     n = records[0].version + 1 if records else 0
     store.publish("p", f"v{n}", n, expected[n], files={"config.json": b"{}"})
     assert same(full_copy(store, "p", f"v{n}"), expected[n])
+
+
+def test_concurrent_rollbacks_with_one_request_id_commit_once(tmp_path: Path) -> None:
+    """Two callers race the same request_id for different new identities: one commits, the
+    other is told REQUEST_ID_REUSED (the check and the commit are one step)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from astra.errors import AlreadyExists
+
+    store = Store(tmp_path, StoreConfig(**FAST))
+    models = chain_of(3, size=1 << 16)
+    for i, m in enumerate(models):
+        store.publish("p", f"v{i}", i, m)
+
+    def rollback(new_identity: str):
+        try:
+            return store.rollback("p", "v0", new_identity, 3, request_id="once")
+        except AlreadyExists as exc:
+            return exc.reason
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(rollback, ["r-a", "r-b"]))
+    committed = [r for r in results if not isinstance(r, str)]
+    assert len(committed) == 1 and results.count("REQUEST_ID_REUSED") == 1, results
+    ids = [r.identity for r in store.list_versions("p")]
+    assert ("r-a" in ids) != ("r-b" in ids)

@@ -85,8 +85,17 @@ class StoreLifecycle:
         new_version: int,
         request_id: str = "",
     ) -> VersionRecord:
-        """Publishes an earlier version's content again as a new identity (the new current)."""
+        """Publishes an earlier version's content again as a new identity (the new current).
+
+        Under the policy's lock from the request_id check to the commit: two rollbacks with one
+        request_id cannot both commit, and no collection can take the source meanwhile."""
         check_identity(new_identity)
+        with self._lock(policy):
+            return self._rollback(policy, source, new_identity, new_version, request_id)
+
+    def _rollback(
+        self: Store, policy: str, source: str, new_identity: str, new_version: int, request_id: str
+    ) -> VersionRecord:
         chain = self.chain(policy)
         for rec in chain.records:
             if request_id and rec.request_id == request_id:
