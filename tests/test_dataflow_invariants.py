@@ -189,12 +189,15 @@ class Raas:
 
 
 @asynccontextmanager
-async def raas(dataflow_address: str, backend: ScriptedGenerator, *, capacity: int, name: str):
+async def raas(
+    dataflow_address: str, backend: ScriptedGenerator, *, capacity: int, name: str, port: int = 0
+):
     server, servicer, registrar = await start_raas(
         backend,
         capacity=capacity,
         dataflow_address=dataflow_address,
         instance_id=name,
+        port=port,
         grace_s=0.1,
     )
     r = Raas(server, servicer, registrar, backend)

@@ -4,16 +4,13 @@ supervisor's restart does) must not keep its predecessor's groups leased: they d
 from __future__ import annotations
 
 import socket
-from contextlib import asynccontextmanager
 
 import pytest
 
 from astra.raas.scripted import ScriptedGenerator
-from astra.servers.raas import start_raas
 from tests.conftest import running_dataflow
 from tests.test_dataflow_invariants import (
     WEIGHTS,
-    Raas,
     Trainer,
     assert_epoch_trained_once,
     dataflow_config,
@@ -52,23 +49,6 @@ def test_a_restarted_raas_gets_its_predecessors_groups_dispatched_again(tmp_path
     run(body(), timeout_s=60)
 
 
-@asynccontextmanager
-async def raas_on_port(dataflow_address: str, backend, *, name: str, port: int):
-    server, servicer, registrar = await start_raas(
-        backend,
-        capacity=8,
-        dataflow_address=dataflow_address,
-        instance_id=name,
-        port=port,
-        grace_s=0.1,
-    )
-    r = Raas(server, servicer, registrar, backend)
-    try:
-        yield r
-    finally:
-        await r.kill()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,12 +73,12 @@ def test_a_raas_restarted_on_the_same_address_frees_its_predecessors_groups(
     async def body() -> None:
         async with running_dataflow(config) as (server, df, client):
             slow = ScriptedGenerator(delay_s=600.0)  # its groups never finish
-            async with raas_on_port(server.address, slow, name="r", port=port) as first:
+            async with raas(server.address, slow, capacity=8, name="r", port=port) as first:
                 inst = await in_flight_on(df, "r", 2)
                 lost = set(inst.in_flight)
                 await first.kill()
-            async with raas_on_port(
-                server.address, ScriptedGenerator(), name=second_name, port=port
+            async with raas(
+                server.address, ScriptedGenerator(), capacity=8, name=second_name, port=port
             ):
                 await until(
                     lambda: df.counters["requeued_instance_restarted"] >= len(lost),

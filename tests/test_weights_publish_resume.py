@@ -38,6 +38,14 @@ def dying_after(monkeypatch: pytest.MonkeyPatch, sent: int) -> None:
     monkeypatch.setattr(weights_publish._Preparer, "get", get)
 
 
+async def interrupted(monkeypatch: pytest.MonkeyPatch, *args, **kwargs) -> None:
+    """A publish_version(*args, **kwargs) whose publisher dies after staging two tensors."""
+    with monkeypatch.context() as m:
+        dying_after(m, 2)
+        with pytest.raises(TrainerDied):
+            await publish_version(*args, **kwargs)
+
+
 def source_of(directory: Path, models: dict[str, dict]) -> dict[str, str]:
     """For each tensor of a fetched version: which of `models` it equals."""
     from astra.weights.layout import load_tensors
@@ -59,10 +67,7 @@ def test_a_restarted_publisher_with_other_content_replaces_the_stale_attempt(
         async with serving(tmp_path / "store") as server:
             await publish_version(server.address, "p", "v0", 0, models[0])
             against = ("v0", models[0]) if base else None
-            with monkeypatch.context() as m:
-                dying_after(m, 2)
-                with pytest.raises(TrainerDied):
-                    await publish_version(server.address, "p", "v1", 1, models[1], base=against)
+            await interrupted(monkeypatch, server.address, "p", "v1", 1, models[1], base=against)
             result = await publish_version(server.address, "p", "v1", 1, retrained, base=against)
             assert result.tensors_skipped == 0 and not result.already_existed
             async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
@@ -81,10 +86,7 @@ def test_the_same_content_still_resumes_from_what_was_staged(
     async def body() -> None:
         async with serving(tmp_path / "store") as server:
             await publish_version(server.address, "p", "v0", 0, models[0])
-            with monkeypatch.context() as m:
-                dying_after(m, 2)
-                with pytest.raises(TrainerDied):
-                    await publish_version(server.address, "p", "v1", 1, models[1])
+            await interrupted(monkeypatch, server.address, "p", "v1", 1, models[1])
             result = await publish_version(server.address, "p", "v1", 1, models[1])
             assert result.tensors_skipped == 2 and result.tensors_sent == len(models[1]) - 2
             async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
@@ -103,10 +105,7 @@ def test_an_in_process_publish_replaces_a_stale_streamed_attempt(
     async def body() -> None:
         async with serving(tmp_path / "store") as server:
             await publish_version(server.address, "p", "v0", 0, models[0])
-            with monkeypatch.context() as m:
-                dying_after(m, 2)
-                with pytest.raises(TrainerDied):
-                    await publish_version(server.address, "p", "v1", 1, models[1])
+            await interrupted(monkeypatch, server.address, "p", "v1", 1, models[1])
 
     run(body())
     store = Store(tmp_path / "store", StoreConfig(**FAST))
@@ -128,16 +127,10 @@ def test_numpy_dtype_names_resume_too_and_a_restart_costs_no_attempt(
     async def body() -> None:
         async with serving(tmp_path / "store") as server:
             await publish_version(server.address, "p", "v0", 0, models[0])
-            with monkeypatch.context() as m:
-                dying_after(m, 2)
-                with pytest.raises(TrainerDied):
-                    await publish_version(server.address, "p", "v1", 1, named)
+            await interrupted(monkeypatch, server.address, "p", "v1", 1, named)
             resumed = await publish_version(server.address, "p", "v1", 1, named)
             assert resumed.tensors_skipped == 2
-            with monkeypatch.context() as m:
-                dying_after(m, 2)
-                with pytest.raises(TrainerDied):
-                    await publish_version(server.address, "p", "v2", 2, named)
+            await interrupted(monkeypatch, server.address, "p", "v2", 2, named)
             replaced = await publish_version(
                 server.address, "p", "v2", 2, retrained, max_attempts=1
             )

@@ -193,8 +193,7 @@ class BatchDesk:
             with self.df.store.tx() as tx:
                 tx.delete_groups((g.group_id, g.policy_id) for g in dropped)
 
-    def extend(self, batch_id: str) -> float:
-        """Renews a leased batch's lease for a full batch_lease_s; returns the new expiry."""
+    def _known(self, batch_id: str) -> Batch:
         batch = self.batches.get(batch_id)
         if batch is None:
             raise NotFound(
@@ -202,6 +201,11 @@ class BatchDesk:
                 reason="BATCH_NOT_FOUND",
                 metadata={"batch_id": batch_id},
             )
+        return batch
+
+    def extend(self, batch_id: str) -> float:
+        """Renews a leased batch's lease for a full batch_lease_s; returns the new expiry."""
+        batch = self._known(batch_id)
         if batch.state != "leased":
             reason = "BATCH_ACKNOWLEDGED" if batch.state == "acked" else "BATCH_LEASE_EXPIRED"
             raise FailedPrecondition(
@@ -216,13 +220,7 @@ class BatchDesk:
         return batch.lease_expire
 
     def ack(self, batch_id: str) -> int:
-        batch = self.batches.get(batch_id)
-        if batch is None:
-            raise NotFound(
-                f"batch_id: unknown batch {batch_id!r}",
-                reason="BATCH_NOT_FOUND",
-                metadata={"batch_id": batch_id},
-            )
+        batch = self._known(batch_id)
         if batch.state == "acked":
             return 0
         if batch.state == "expired":

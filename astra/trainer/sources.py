@@ -74,6 +74,23 @@ def _code(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
     return exc.code(), domain_error(exc).reason
 
 
+async def _batch_call(rpc: str, call: Callable[[str], Awaitable[Any]], batch_id: str) -> Any:
+    """`call(batch_id)`; Dataflow not answering is Unavailable (worth retrying), any other
+    failure its domain error (the batch was acknowledged, expired, unknown)."""
+    from astra.clients.weights import domain_error
+
+    try:
+        return await call(batch_id)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise Unavailable(
+                f"{rpc} {batch_id}: {exc.code().name}: {exc.details()}",
+                reason="DATAFLOW_UNREACHABLE",
+                metadata={"batch_id": batch_id},
+            ) from exc
+        raise domain_error(exc) from exc
+
+
 class DataflowSource:
     """BatchSource over DataflowService."""
 
@@ -124,34 +141,12 @@ class DataflowSource:
     async def extend_lease(self, batch_id: str) -> float:
         """ExtendBatchLease: the new expiry (seconds since the epoch). Unavailable when
         Dataflow does not answer, else its error (the batch was acknowledged or expired)."""
-        from astra.clients.weights import domain_error
-
-        try:
-            resp = await self.client.extend_batch_lease(batch_id)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise Unavailable(
-                    f"ExtendBatchLease {batch_id}: {exc.code().name}: {exc.details()}",
-                    reason="DATAFLOW_UNREACHABLE",
-                    metadata={"batch_id": batch_id},
-                ) from exc
-            raise domain_error(exc) from exc
+        resp = await _batch_call("ExtendBatchLease", self.client.extend_batch_lease, batch_id)
         return resp.lease_expire_time.ToNanoseconds() / 1e9
 
     async def ack(self, batch_id: str) -> None:
         """Raises Unavailable when Dataflow does not answer (worth retrying), else its error."""
-        from astra.clients.weights import domain_error
-
-        try:
-            await self.client.ack_batch(batch_id)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise Unavailable(
-                    f"AckBatch {batch_id}: {exc.code().name}: {exc.details()}",
-                    reason="DATAFLOW_UNREACHABLE",
-                    metadata={"batch_id": batch_id},
-                ) from exc
-            raise domain_error(exc) from exc
+        await _batch_call("AckBatch", self.client.ack_batch, batch_id)
 
     async def current_version(self) -> int | None:
         status = await self.client.get_status()
