@@ -78,6 +78,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         }
         self._tasks: dict[str, asyncio.Task] = {}
         self._load_lock = asyncio.Lock()
+        if hasattr(backend, "on_swapped"):
+            backend.on_swapped = self._swapped
         self._load_requests: dict[str, tuple[tuple, pb.LoadWeightsResponse]] = {}
 
     # ----- what the Registrar reports --------------------------------------------------------
@@ -282,11 +284,18 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             )
             raise DeadlineExceeded(
                 f"loading {wanted_txt} from {request.weights_address} did not finish within "
-                f"{self.load_timeout_s:g}s; still serving {self.loaded_versions}",
+                f"{self.load_timeout_s:g}s; serving {self.loaded_versions} (a swap the engine "
+                "had already begun still completes, and GetStatus then shows it)",
                 reason="LOAD_DEADLINE_EXCEEDED",
                 metadata={"weights_address": request.weights_address},
             ) from None
         return self._remember_load(request.request_id, asked, fetched)
+
+    def _swapped(self, versions: dict[str, VersionSpec]) -> None:
+        """The engine serves `versions` now (even when the load call that asked timed out)."""
+        newer = {p: s for p, s in versions.items() if s.version > self._versions[p].version}
+        if newer:
+            self._versions = {**self._versions, **newer}
 
     def _remember_load(self, request_id: str, asked: tuple, fetched: int) -> pb.LoadWeightsResponse:
         resp = pb.LoadWeightsResponse(loaded_versions=self._version_protos(), fetched_bytes=fetched)

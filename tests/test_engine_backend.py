@@ -236,3 +236,42 @@ def test_unknown_reward_is_refused_at_submit_and_the_server_keeps_serving():
             assert status.running_groups == 0 and status.free_slots == 16
 
     run(body())
+
+
+def test_a_load_that_times_out_while_the_engine_swaps_still_reports_the_swap():
+    """The engine installs a swap it was handed even when the LoadWeights that asked timed
+    out; the RaaS must then report the versions it serves, not the old ones."""
+
+    class SlowSwap(ScriptedTestEngine):
+        async def swap_weights(self, versions, state) -> None:
+            await asyncio.shield(asyncio.sleep(0.6))  # installing: not cancellable
+            await super().swap_weights(versions, state)
+
+    async def body():
+        engine = SlowSwap(seed_echo, ("policy",), versions={"policy": 1})
+        backend = EngineBackend(engine, ["single_turn"], FakeLoader())
+        server, servicer, _ = await start_raas(
+            backend, capacity=16, grace_s=0.2, load_timeout_s=0.2
+        )
+        client = RolloutClient(server.address, timeout_s=5.0)
+        try:
+            pv = version_pb2.PolicyVersion(policy_id="policy", version=2)
+            with pytest.raises(Exception) as err:
+                await client.load_weights([pv], "w:1", "r1")
+            assert "did not finish" in str(err.value)
+            for _ in range(50):
+                await asyncio.sleep(0.05)
+                if engine.version("policy") == 2:
+                    break
+            await asyncio.sleep(0.05)
+            status = await client.get_status()
+            return engine.version("policy"), {
+                v.policy_id: v.version for v in status.loaded_versions
+            }
+        finally:
+            await client.close()
+            await server.stop(0)
+            await servicer.close()
+
+    engine_version, reported = run(body())
+    assert engine_version == 2 and reported == {"policy": 2}

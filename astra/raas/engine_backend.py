@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from astra.engine.api import InferenceEngine
@@ -73,6 +73,9 @@ class EngineBackend:
         self._workflows: dict[str, Workflow] = {name: get_workflow(name) for name in self.workflows}
         self._options = {k: dict(v) for k, v in (workflow_options or {}).items()}
         self.weight_loader = weight_loader
+        # Called with the versions of every swap the engine completed (the RaaS servicer's
+        # bookkeeping of what it serves), also for a swap whose load call was cancelled.
+        self.on_swapped: Callable[[dict[str, VersionSpec]], None] | None = None
         self.rewards = None if rewards is None else tuple(dict.fromkeys(rewards))
         for name in self.rewards or ():
             get_reward(name)
@@ -164,10 +167,22 @@ class EngineBackend:
             raise _first_leaf(group) from None
         state = {p: t.result()[0] for p, t in tasks.items()}
         fetched = sum(t.result()[1] for t in tasks.values())
-        await self.inference_engine.swap_weights({p: s.version for p, s in versions.items()}, state)
+        # Once handed to the engine the swap completes even if this call is cancelled (a load
+        # timeout): `on_swapped` hears of it then too, so what is reported stays what is served.
+        swap = asyncio.ensure_future(
+            self.inference_engine.swap_weights({p: s.version for p, s in versions.items()}, state)
+        )
+        swap.add_done_callback(lambda done: self._swapped(done, versions))
+        await asyncio.shield(swap)
         self.counters["weight_loads"] += 1
         log.info("loaded %s (%d bytes)", {p: s.version for p, s in versions.items()}, fetched)
         return fetched
+
+    def _swapped(self, done: asyncio.Future, versions: dict[str, VersionSpec]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        if self.on_swapped is not None:
+            self.on_swapped(versions)
 
     async def close(self) -> None:
         await self.inference_engine.close()
