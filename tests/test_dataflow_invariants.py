@@ -1188,3 +1188,36 @@ def test_with_no_trainer_dataflow_keeps_buffering_within_its_bounds(tmp_path, et
     bound = (eta + 1) * batch if eta is not None else int(0.5 * capacity)
     assert 0 < buffered <= bound and peak <= bound, (peak, buffered, bound)
     assert status["counters"].get("buffer.policy.evicted_full", 0) == 0, "nothing evicted"
+
+
+def test_a_collector_that_fails_on_a_bug_is_logged_restarted_and_loses_nothing(
+    tmp_path, monkeypatch
+):
+    from astra.servers.rollout_port import GrpcRolloutPort
+
+    n = 8
+    config = dataflow_config(tmp_path, n, pool={"heartbeat_interval_s": 0.2})
+    real, failures = GrpcRolloutPort.decode, []
+
+    def decode_once_broken(self, received):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("a bug in decoding")
+        return real(self, received)
+
+    monkeypatch.setattr(GrpcRolloutPort, "decode", decode_once_broken)
+
+    async def body():
+        async with with_raas(config, ScriptedGenerator(), capacity=16, name="raas-a") as (
+            df,
+            client,
+            _,
+        ):
+            trainer = Trainer(client)
+            await trainer.drain(df, num_groups=2)
+            return trainer, df.counters["collector_failures"]
+
+    trainer, collector_failures = run(body())
+    assert failures and collector_failures == 1
+    assert_consumed_once(trainer.consumed)
+    assert set(trainer.consumed) == all_ids(n)

@@ -327,6 +327,13 @@ class Dataflow(Ingesting, WeightSync):
 
     def _ensure_collector(self, instance_id: str) -> None:
         task = self._collectors.get(instance_id)
+        if task is not None and task.done() and not task.cancelled() and task.exception():
+            # A bug, not a RaaS failure (those are PortErrors, handled in the loop): never
+            # silent. The loop starts again below; the results it held are delivered again.
+            self.counters["collector_failures"] += 1
+            log.error(
+                "collector of %s failed; restarting it", instance_id, exc_info=task.exception()
+            )
         if task is None or task.done():
             self._collectors[instance_id] = asyncio.create_task(
                 self._collect_loop(instance_id), name=f"collect:{instance_id}"
