@@ -74,8 +74,8 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
                 raise invalid_field(f"labels[{key}]", f"longer than {MAX_LABEL_VALUE} characters")
         if len(request.contract_version) > MAX_ID_CHARS:
             raise invalid_field("contract_version", f"longer than {MAX_ID_CHARS} characters")
-        if len(request.incarnation) > 128:
-            raise invalid_field("incarnation", "longer than 128 characters")
+        if len(request.incarnation) > MAX_ID_CHARS:
+            raise invalid_field("incarnation", f"longer than {MAX_ID_CHARS} characters")
         already = await self.df.register(
             request.instance_id,
             request.address,

@@ -48,19 +48,12 @@ def check_bounds(g: rollout_pb2.PromptGroup, where: str) -> None:
     if any(t < 0 for t in sp.stop_token_ids):
         raise invalid_field(f"{at}.stop_token_ids", "token ids must be >= 0")
     if len(sp.stop_strings) > MAX_STOP_STRINGS:
-        raise invalid_field(
-            f"{where}.sampling_params.stop_strings", f"more than {MAX_STOP_STRINGS} strings"
-        )
+        raise invalid_field(f"{at}.stop_strings", f"more than {MAX_STOP_STRINGS} strings")
     for i, s in enumerate(sp.stop_strings):
         if not 1 <= len(s) <= MAX_STOP_CHARS:
-            raise invalid_field(
-                f"{where}.sampling_params.stop_strings[{i}]",
-                f"must be 1-{MAX_STOP_CHARS} characters",
-            )
+            raise invalid_field(f"{at}.stop_strings[{i}]", f"must be 1-{MAX_STOP_CHARS} characters")
     if len(sp.stop_token_ids) > MAX_STOP_TOKENS:
-        raise invalid_field(
-            f"{where}.sampling_params.stop_token_ids", f"more than {MAX_STOP_TOKENS} ids"
-        )
+        raise invalid_field(f"{at}.stop_token_ids", f"more than {MAX_STOP_TOKENS} ids")
 
 
 def group_spec(g: rollout_pb2.PromptGroup, where: str) -> GroupSpec:

@@ -31,7 +31,7 @@ import grpc
 from astra import __version__
 from astra.common.v1 import capabilities_pb2
 from astra.errors import invalid_field
-from astra.servers.convert import check_id
+from astra.servers.convert import MAX_ID_CHARS, check_id
 from astra.servers.runtime import GrpcServer
 from astra.servers.weights_convert import identity, tensor_header, version_info
 from astra.servers.weights_fetch import StreamSettings, fetch_stream
@@ -52,7 +52,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
 def _page_token(token: str) -> int | None:
     if not token:
         return None
-    if len(token) > 128:
+    if len(token) > MAX_ID_CHARS:
         raise invalid_field("page_token", "not a token this service issued")
     try:
         return int(base64.urlsafe_b64decode(token.encode()).decode())

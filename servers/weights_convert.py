@@ -8,6 +8,7 @@ the store is asked anything.
 from __future__ import annotations
 
 from astra.errors import InvalidArgument, invalid_field
+from astra.servers.convert import MAX_DIMS
 from astra.weights.layout import check_identity
 from astra.weights.records import VersionRecord
 from astra.weights.safetensors_io import safetensors_dtype, tensor_nbytes
@@ -19,7 +20,6 @@ KINDS = {"full": pb.VERSION_KIND_FULL, "delta": pb.VERSION_KIND_DELTA}
 MAX_HELD = 64
 MAX_TENSORS = 1_000_000
 MAX_METADATA = 64
-MAX_DIMS = 64
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: a tensor larger than any model's
 MAX_METADATA_VALUE = 4096
 

@@ -455,21 +455,24 @@ def test_nothing_older_than_max_staleness_reaches_the_trainer(tmp_path):
     assert len(trained_versions) >= 2, trained_versions
 
 
+@asynccontextmanager
+async def four_groups_at_version_0(tmp_path):
+    """Dataflow with max_staleness 1, no eta, version 0 announced and 4 groups buffered."""
+    config = dataflow_config(
+        tmp_path, 8, policies=[policy(max_staleness=1)], gate={"max_offpolicyness": None}
+    )
+    async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (df, c, _):
+        await until(lambda: len(df.buffers[POLICY]) >= 4, what="4 buffered groups")
+        yield df, c
+
+
 def test_staleness_counts_from_the_trainer_version_when_its_announcement_lags(tmp_path):
     """The trainer publishes in the background, so Dataflow may not know its version yet:
     groups within the bound of the announced version but past it for the trainer's own
     (FetchBatchRequest.trainer_version) must not be served."""
-    config = dataflow_config(
-        tmp_path, 8, policies=[policy(max_staleness=1)], gate={"max_offpolicyness": None}
-    )
 
     async def body():
-        async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (
-            df,
-            client,
-            _,
-        ):
-            await until(lambda: len(df.buffers[POLICY]) >= 4, what="4 buffered groups")
+        async with four_groups_at_version_0(tmp_path) as (df, client):
             # Version 0 is announced; the trainer already trains version 2's weights.
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await client.fetch_batch(POLICY, 2, "ahead", trainer_version=2, max_wait_s=0.2)
@@ -482,17 +485,8 @@ def test_staleness_counts_from_the_trainer_version_when_its_announcement_lags(tm
 
 
 def test_a_trainer_one_version_ahead_still_gets_the_groups_within_the_bound(tmp_path):
-    config = dataflow_config(
-        tmp_path, 8, policies=[policy(max_staleness=1)], gate={"max_offpolicyness": None}
-    )
-
     async def body():
-        async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (
-            df,
-            client,
-            _,
-        ):
-            await until(lambda: len(df.buffers[POLICY]) >= 4, what="4 buffered groups")
+        async with four_groups_at_version_0(tmp_path) as (_df, client):
             header, trajectories, footer = await client.fetch_batch(
                 POLICY, 2, "level", trainer_version=1, max_wait_s=2
             )

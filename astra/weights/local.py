@@ -21,9 +21,8 @@ import uuid
 from pathlib import Path
 
 from astra.errors import DataLoss
-from astra.weights.checksum import adler32_hex
 from astra.weights.layout import ChecksumMismatch, Version, open_full, read_index
-from astra.weights.receive_stage import FetchStage
+from astra.weights.receive_stage import FetchStage, checked_base
 from astra.weights.records import dirname_for, fsync_path
 from astra.weights.tensor_files import assemble, copy_range, pwrite_all, tensor_header
 
@@ -173,19 +172,7 @@ class LocalVersions:
         """The base tensor's Adler-32, computed and checked against the recorded one: a byte
         that rotted on disk since the base was installed is not carried into the new version
         (ChecksumMismatch naming the base and the tensor; the fetch then goes without it)."""
-        entry = base.entries[name]
-        view = base.view(name)
-        try:
-            got = adler32_hex(view)
-        finally:
-            view.release()
-        if entry.checksum is not None and got != entry.checksum:
-            raise ChecksumMismatch(
-                f"base bytes hash to {got}, its shard says {entry.checksum}",
-                path=base.path,
-                tensor=name,
-            )
-        return got
+        return checked_base(base, name)
 
     def _extract(self, base: Version, name: str, checksum: str, stage: FetchStage) -> Path:
         """Copies one base tensor (in the kernel) into a single-tensor shard in the stage."""

@@ -61,6 +61,29 @@ def checked_sizes(header: dict[str, Any]) -> tuple[int, int]:
     return size, header["encoded_size_bytes"]
 
 
+def checked_base(base: Version, name: str) -> str:
+    """A held version's tensor's Adler-32, computed from its bytes on disk; ChecksumMismatch
+    naming the version and the tensor when it differs from the one recorded (bit rot)."""
+    entry = base.entries[name]
+    pieces = read_range(
+        entry.shard.path, entry.shard.data_start + entry.info.begin, entry.info.nbytes
+    )
+    value = 1
+    try:
+        for piece in pieces:
+            value = adler32(piece, value)
+    finally:
+        pieces.close()
+    got = format_adler32(value)
+    if entry.checksum is not None and got != entry.checksum:
+        raise ChecksumMismatch(
+            f"base bytes hash to {got}, its shard says {entry.checksum}",
+            path=base.path,
+            tensor=name,
+        )
+    return got
+
+
 class Incoming:
     """One tensor's bytes arriving in order; `finish` verifies, syncs and records it.
 
@@ -162,12 +185,8 @@ class Incoming:
         try:
             checked_adler32(self.name, self._adler, self.h["adler32"], self.abort)
         except DataLoss:
-            if decoded and self._base_rotted():  # ours, not the sender's: name the base
-                raise ChecksumMismatch(
-                    "the held base's bytes no longer match their Adler-32",
-                    path=self.base.path,
-                    tensor=self.name,
-                ) from None
+            if decoded:  # a base that rotted is ours, not the sender's: name the base
+                checked_base(self.base, self.name)
             raise
         try:
             self._out.close(durable=self.stage.durable)
@@ -179,20 +198,6 @@ class Incoming:
         entry = {k: self.h[k] for k in ("dtype", "shape", "adler32", "size_bytes")}
         entry.update(file=self.file, layout=LAYOUT)
         self.stage.record(self.name, entry)
-
-    def _base_rotted(self) -> bool:
-        """Whether the base tensor a frame was decoded against differs from its record."""
-        entry = self.base.entries[self.name]
-        if entry.checksum is None:
-            return False
-        pieces = read_range(entry.shard.path, entry.shard.data_start + entry.info.begin, self.size)
-        value = 1
-        try:
-            for piece in pieces:
-                value = adler32(piece, value)
-        finally:
-            pieces.close()
-        return format_adler32(value) != entry.checksum
 
     def abort(self) -> None:
         """Drops an unfinished tensor (a no-op once finished)."""
