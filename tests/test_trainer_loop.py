@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from astra.config import ConfigError, load_config
+from astra.engine.tiny import tiny_model
 from astra.servers.convert import to_array
 from astra.trainer.checkpoint import list_checkpoints, read_checkpoint
 from astra.trainer.config import TrainerConfig
@@ -100,6 +101,21 @@ def test_the_loop_waits_out_a_batch_that_is_not_ready() -> None:
     source.not_ready = 3
     (r,) = list(t.run_training(1))
     assert r.version == 1 and t.counters["fetch_waits"] == 3
+    t.close()
+
+
+def test_bf16_compute_keeps_fp32_masters_so_updates_below_bf16_spacing_accumulate() -> None:
+    # AdamW moves each weight by ~lr per step: 1e-4 is below half the bf16 spacing of a norm
+    # weight near 1.0 (2^-8), so bf16 parameters updated in place would never move.
+    t, _, sink = trainer(config(dtype="bfloat16", optim={"lr": 1e-4}))
+    list(t.run_training(3))
+    before = tiny_model().hf_state_dict()
+    after = full_state(t.model)
+    assert {v.dtype for v in after.values()} == {torch.float32}  # the masters
+    moved = {n: float((v != before[n]).float().mean()) for n, v in after.items()}
+    assert min(moved.values()) > 0.9, moved
+    assert any("norm" in n for n in moved)
+    assert all(d == "BF16" for d, _, _ in sink.versions[3].values())  # published in bf16
     t.close()
 
 

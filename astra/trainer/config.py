@@ -92,7 +92,7 @@ class PublishConfig(_Strict):
 
     enabled: bool = Field(True, description="Publish every version to the WeightService.")
     dtype: Literal["model", "bfloat16", "float32"] = Field(
-        "model", description="Dtype of the host copy that is published."
+        "model", description="Dtype of the host copy that is published; model: the compute dtype."
     )
     max_pending: int = Field(
         2, ge=1, le=16, description="Host copies waiting to stream before a step blocks."
@@ -128,7 +128,11 @@ class TrainerConfig(_Strict):
         None, ge=0, le=65535, description="Prometheus /metrics port (rank 0); 0 picks; None: off."
     )
     device: str = Field("cpu", description="Torch device: cpu or cuda.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Compute dtype of forward and backward; the optimiser always updates fp32 "
+        "master weights (a frozen KL reference is held in this dtype).",
+    )
     seed: int = Field(0, ge=0, description="Seed of torch and Python RNGs.")
     num_steps: int = Field(0, ge=0, description="Optimiser steps to run when served; 0: no end.")
     loss: LossConfig = Field(default_factory=LossConfig)

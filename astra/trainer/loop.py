@@ -148,8 +148,8 @@ class Trainer(StateMixin):
         self._pool.shutdown(wait=True)
 
     def _host_copy(self) -> dict[str, torch.Tensor]:
-        dtype = self.config.publish.dtype
-        return full_state(self.model, None if dtype == "model" else torch_dtype(dtype))
+        dtype = self.config.publish.dtype  # "model": the compute dtype, not the fp32 masters
+        return full_state(self.model, torch_dtype(self.config.dtype if dtype == "model" else dtype))
 
     def _train(self, batch: TrainBatch, version: int, publish: bool) -> tuple[Any, ...]:
         """Every rank: one step on its share, then (if applied and published) the host copy."""

@@ -9,11 +9,20 @@ the world size, since losses are already normalised by step-wide counts
 (a divide factor of 1 would need PREMUL_SUM, which gloo lacks).
 Backends: gloo on CPU, nccl on CUDA; the single mesh axis is named "dp".
 With one process there is no process group and the model stays plain.
+
+Mixed precision: a trainable model keeps fp32 master weights whatever the
+compute dtype (an AdamW step of ~lr on a bf16 weight near 1.0 is below half
+its spacing and rounds away: norms would never move). With bf16 compute,
+FSDP2 gathers bf16 copies for forward and backward and reduces gradients in
+fp32 (MixedPrecisionPolicy); a single process runs the forward under
+autocast (`compute`). A frozen model (the KL reference) is held in the
+compute dtype itself: nothing updates it.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -27,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from astra.engine.model import CausalLM
 from astra.engine.model_config import ModelConfig
@@ -56,12 +65,18 @@ def init_distributed(device: str) -> DeviceMesh | None:
     return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=(DP,))
 
 
-def parallelize(model: CausalLM, mesh: DeviceMesh) -> CausalLM:
-    """FSDP2 over the "dp" axis: each decoder layer, then the root."""
+def parallelize(
+    model: CausalLM, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None
+) -> CausalLM:
+    """FSDP2 over the "dp" axis: each decoder layer, then the root; with `compute_dtype`
+    (lower than the parameters'), forward and backward in it, gradients reduced in fp32."""
     assert mesh.mesh_dim_names == (DP,), f"expected a mesh with one axis {DP!r}"
+    mp = MixedPrecisionPolicy()
+    if compute_dtype is not None and compute_dtype != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
@@ -72,17 +87,33 @@ def build_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     mesh: DeviceMesh | None = None,
+    trainable: bool = True,
 ) -> CausalLM:
-    """A trainable model: meta -> (parallelize) -> materialise -> load the full `state`."""
+    """A model computing in `dtype`: meta -> (parallelize) -> materialise -> load the full
+    `state`. Trainable: fp32 master weights (see the module doc); frozen: held in `dtype`."""
+    param_dtype = torch.float32 if trainable else dtype
     with torch.device("meta"):
-        model = CausalLM(cfg).to(dtype)
+        model = CausalLM(cfg).to(param_dtype)
     if mesh is not None:
-        parallelize(model, mesh)
+        parallelize(model, mesh, dtype if trainable else None)
     model.to_empty(device=device)
     if mesh is None:
         model.tie()  # to_empty gives each module its own tensor
     load_full_state(model, state)
+    model.compute_dtype = dtype
+    # FSDP casts the parameters itself; a plain model computes lower under autocast.
+    model.autocast_dtype = dtype if mesh is None and param_dtype != dtype else None
     return model.train()
+
+
+def compute(model: nn.Module) -> AbstractContextManager[Any]:
+    """Where `model`'s forward runs: autocast to its compute dtype when a plain (unsharded)
+    model holds fp32 master weights for a lower compute dtype, else nothing."""
+    dtype = getattr(model, "autocast_dtype", None)
+    if dtype is None:
+        return nullcontext()
+    device = next(model.parameters()).device
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def load_full_state(model: CausalLM, state: dict[str, Tensor]) -> None:

@@ -53,8 +53,9 @@ def make_model(
     *,
     frozen: bool = False,
 ) -> CausalLM:
+    dtype = torch_dtype(config.dtype)
     model = build_model(
-        cfg, state, device=config.device, dtype=torch_dtype(config.dtype), mesh=mesh
+        cfg, state, device=config.device, dtype=dtype, mesh=mesh, trainable=not frozen
     )
     if frozen:
         model.eval().requires_grad_(False)

@@ -28,7 +28,7 @@ from astra.engine.model import CausalLM
 from astra.trainer.batch import MicroBatch, TrainBatch, plan_microbatches
 from astra.trainer.config import LossConfig, TrainerConfig
 from astra.trainer.losses import StalenessAccumulator, StalenessMetrics, aggregate, token_losses
-from astra.trainer.parallel import all_reduce, world
+from astra.trainer.parallel import all_reduce, compute, world
 
 # Order of the figures summed across micro-batches and ranks.
 SUMS = ("loss", "policy_loss", "kl_ref", "entropy", "clipped", "dual_clipped", "capped", "tokens")
@@ -59,7 +59,7 @@ def token_logprobs(
 
 def sequence_logprobs(model: CausalLM, ids_BT: Tensor, temperature: float = 1.0) -> Tensor:
     """log-prob [B, T-1] of tokens 1.. of each row under `model` (no gradient)."""
-    with torch.no_grad():
+    with torch.no_grad(), compute(model):
         logits = model(ids_BT[:, :-1].to(model.device))
         return token_logprobs(logits, ids_BT[:, 1:].to(model.device), temperature)[0]
 
@@ -99,7 +99,8 @@ def train_step(
         ids, targets = mb.input_ids.to(device), mb.targets.to(device)
         mask = mb.loss_mask.to(device)
         behaviour = mb.behaviour_logprobs.to(device)
-        logits = model(ids)
+        with compute(model):
+            logits = model(ids)
         logp, ent = token_logprobs(logits, targets, cfg.temperature, entropy=want_entropy)
         if ent is None:
             # Entropy only as a metric: no graph kept for it through backward.
@@ -107,7 +108,7 @@ def train_step(
                 ent = token_logprobs(logits.detach(), targets, cfg.temperature, entropy=True)[1]
         ref = None
         if ref_model is not None and cfg.kl_coef > 0:
-            with torch.no_grad():
+            with torch.no_grad(), compute(ref_model):
                 ref = token_logprobs(ref_model(ids), targets, cfg.temperature)[0]
         out = token_losses(
             logp,
