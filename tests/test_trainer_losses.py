@@ -77,6 +77,31 @@ def test_truncated_importance_sampling() -> None:
     close(logp.grad, [-3.0])
 
 
+def test_truncated_importance_sampling_can_mask_instead() -> None:
+    logp = lg(0.5).requires_grad_()
+    cfg = LossConfig(kind="tis", behaviour_cap=2.0, behaviour_mode="mask")
+    out = token_losses(logp, lg(0.1), t(1.5), cfg)  # weight 5 > 2: the token is dropped
+    out.loss.sum().backward()
+    assert float(out.loss.detach()) == 0.0 and float(logp.grad) == 0.0 and bool(out.capped)
+
+
+def test_a_masked_position_cannot_make_the_step_nan() -> None:
+    # A prompt position (m = 0) where the policy is 93 nats less sure than the reference: k3
+    # would be exp(93) = inf there, and inf * 0 = NaN in the loss and in every gradient.
+    logp = torch.tensor([[-95.0, -1.0, -0.5]], requires_grad=True)
+    ref, behaviour = torch.tensor([[-2.0, -1.0, -0.6]]), torch.tensor([[0.0, -1.1, -0.4]])
+    cfg = LossConfig(kind="decoupled", kl_coef=0.01, kl_estimator="k3")
+    out = token_losses(logp, behaviour, torch.full((1, 3), 0.7), cfg, ref_logp=ref)
+    mask = torch.tensor([[False, True, True]])
+    for mode in ("token", "sequence"):
+        logp.grad = None
+        loss = aggregate(out.loss, mask, mode, num_tokens=2, num_sequences=1)
+        loss.backward(retain_graph=True)
+        assert math.isfinite(float(loss.detach())) and torch.isfinite(logp.grad).all()
+        assert float(logp.grad[0, 0]) == 0.0  # the masked position trains nothing
+    assert float(kl_penalty(t(-95.0), t(-2.0), "k3")) == 10.0  # clamped as verl clamps
+
+
 def test_kl_estimators_and_entropy_bonus() -> None:
     logp, ref = lg(0.5), lg(0.25)
     d = math.log(0.5)  # ref - logp

@@ -17,10 +17,12 @@ kinds:
                weight w = sg(exp(prox - mu)), truncated to min(w, C) ("truncate") or
                its token dropped when w > C ("mask", AReaL's behav_imp_weight_cap).
     tis        truncated importance sampling: l = -sg(min(exp(logp - mu), C)) * A * logp,
-               whose gradient is min(r, C) * A * grad(logp) (IMPALA's truncated rho).
+               whose gradient is min(r, C) * A * grad(logp) (IMPALA's truncated rho);
+               with "mask", tokens with r > C are dropped instead.
 
 KL to a frozen reference, d = ref - logp: k1 = -d, k2 = d^2 / 2,
-k3 = exp(d) - d - 1 (unbiased and non-negative). Per-token total:
+k3 = exp(d) - d - 1 (unbiased and non-negative; d clamped to [-20, 20] and k3 to
+at most 10, as verl does, so it stays finite). Per-token total:
 l + kl_coef * k - entropy_coef * H, H the entropy of the next-token distribution.
 
 Aggregation over a micro-batch laid out [B, T] (one sequence per row), with
@@ -28,6 +30,7 @@ normalisers counted over the whole step (every micro-batch and every rank), so
 gradient accumulation yields the gradient of the full batch:
     token      sum(m * l) / N_tokens
     sequence   sum_rows(sum_t(m * l) / n_row) / N_sequences   (rows with n_row > 0)
+(m * l selects l where m = 1: an inf at a masked position never reaches the sum).
 
 Staleness (Flux's three signals): version gap = trainer version - token version
 (max and token mean); KL(behaviour || current) by k3 over tokens sampled from
@@ -43,6 +46,9 @@ import torch
 from torch import Tensor
 
 from astra.trainer.config import LossConfig
+
+KL_DELTA_BOUND = 20.0  # |log ratio| to the reference, for the k3 estimator
+KL_K3_BOUND = 10.0  # the k3 estimate per token
 
 
 @dataclass
@@ -94,7 +100,10 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
         return -delta
     if estimator == "k2":
         return 0.5 * delta.square()
-    return delta.exp() - delta - 1.0
+    # k3 overflows fp32 where the reference is ~88 nats surer than the policy (an untrained
+    # prompt position can be); clamped as verl's low_var_kl is, so it and its gradient stay finite.
+    delta = delta.clamp(-KL_DELTA_BOUND, KL_DELTA_BOUND)
+    return (delta.exp() - delta - 1.0).clamp(max=KL_K3_BOUND)
 
 
 def token_losses(
@@ -113,7 +122,7 @@ def token_losses(
     prox = logp.detach() if proximal_logp is None else proximal_logp.to(logp.dtype).detach()
     if cfg.kind == "tis":
         ratio = (logp - behaviour_logp).exp()
-        weight, capped = capped_weight(logp - behaviour_logp, cfg.behaviour_cap, "truncate")
+        weight, capped = capped_weight(logp - behaviour_logp, cfg.behaviour_cap, cfg.behaviour_mode)
         policy = -weight * adv * logp
         clip_active = dual_active = torch.zeros_like(capped)
     else:
@@ -154,9 +163,12 @@ def aggregate(
 ) -> Tensor:
     """The micro-batch's share of the step loss; `num_*` count the whole step."""
     mask = mask_BT.to(loss_BT.dtype)
+    # Selected, not multiplied: an inf at a masked position (prompt, tool output, padding)
+    # would make inf * 0 = NaN of the whole step.
+    kept_BT = torch.where(mask_BT.bool(), loss_BT, torch.zeros_like(loss_BT))
     if mode == "token":
-        return (loss_BT * mask).sum() / max(num_tokens, 1)
-    per_row = (loss_BT * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return kept_BT.sum() / max(num_tokens, 1)
+    per_row = kept_BT.sum(-1) / mask.sum(-1).clamp(min=1.0)
     return per_row.sum() / max(num_sequences, 1)
 
 
