@@ -154,6 +154,20 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> N
     second.close()
 
 
+def test_resume_takes_the_configured_learning_rate_and_keeps_the_moments(tmp_path: Path) -> None:
+    source, sink = SyntheticSource("p", vocab_size=100, max_lag=1), MemorySink()
+    first, _ = _run(config(checkpoint={"dir": str(tmp_path)}), 2, source, sink)
+    first.save_checkpoint()
+    first.close()
+    calmer = config(checkpoint={"dir": str(tmp_path), "resume": True}, optim={"lr": 1e-5})
+    second = Trainer(calmer, source=source, sink=sink)
+    (result,) = list(second.run_training(1))
+    assert result.metrics["lr"] == 1e-5  # not the checkpoint's 1e-3
+    steps = {float(v["step"]) for v in second.optimizer.state.values()}
+    assert steps == {3.0}  # Adam's state came back: 2 steps before the checkpoint, 1 after
+    second.close()
+
+
 def test_versions_stay_monotonic_when_services_are_ahead_of_the_checkpoint() -> None:
     source, sink = SyntheticSource("p", vocab_size=100), MemorySink()
     source.version = 5

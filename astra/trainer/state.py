@@ -119,12 +119,24 @@ class StateMixin:
         ckpt = read_checkpoint(target)
         load_full_state(self.model, ckpt.model)
         load_optimizer_state(self.model, self.optimizer, ckpt.optimizer)
+        self._apply_optim_config()
         restore_rng(ckpt.rng)
         self.step, self.version = int(ckpt.trainer["step"]), int(ckpt.trainer["version"])
         self.attempt = int(ckpt.trainer.get("attempt", 0))
         self.counters.update(ckpt.trainer.get("counters", {}))
         self.last_checkpoint = target
         log.info("resumed from %s at step %d, version %d", target, self.step, self.version)
+
+    def _apply_optim_config(self) -> None:
+        """The configured hyper-parameters over the checkpoint's (its moments and step counts
+        stay): lowering `optim.lr` and resuming is how an unstable run is calmed."""
+        o = self.config.optim
+        want = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+        for group in self.optimizer.param_groups:
+            changed = {k: (group[k], v) for k, v in want.items() if tuple_or(group[k]) != v}
+            if changed:
+                log.info("optimiser settings from the config over the checkpoint's: %s", changed)
+            group.update(want)
 
     async def _checkpoint_now(self) -> tuple[Path, int]:
         # A checkpoint never gets ahead of what is published: a resume continues from a
@@ -195,3 +207,8 @@ class StateMixin:
         if self.rank == 0 and self.initialized:
             stats["publisher"] = vars(self.publisher.stats)
         return stats
+
+
+def tuple_or(value: Any) -> Any:
+    """A list (betas as JSON gives them back) as a tuple, anything else as it is."""
+    return tuple(value) if isinstance(value, list) else value
