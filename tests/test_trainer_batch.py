@@ -115,6 +115,28 @@ def test_advantages_recomputed_per_group_or_batch() -> None:
     assert [s.advantages[0].item() for s in batch.sequences] == pytest.approx([-1, 1, -1, 1])
 
 
+def _two_agents(index: int, solver: float, verifier: float, adv: float):
+    """One policy playing both agents: a solver turn and a verifier turn, each its reward."""
+    s = make_sequence("p", [1, 2, 3, 4, 5], 2, logprobs=[-1.0] * 5, reward=solver)
+    v = make_sequence("p", [6, 7, 8, 9], 2, logprobs=[-1.0] * 4, reward=verifier)
+    s.agent_id, v.agent_id = "solver", "verifier"
+    return make_trajectory("g", index, [s, v], reward=solver, advantage=adv)
+
+
+@pytest.mark.parametrize("mode", ["dataflow", "group", "batch"])
+def test_one_policy_playing_two_agents_credits_each_agent_with_its_own_reward(mode: str) -> None:
+    # Episode 0: the solver right, the verifier wrong; episode 1 the other way round. The
+    # episode's reward (the solver's, which Dataflow's stamp follows) or the agents' mean
+    # (0.5 in both: no signal) would reinforce the wrong verdicts.
+    ts = [_two_agents(0, 1.0, 0.0, adv=1.0), _two_agents(1, 0.0, 1.0, adv=-1.0)]
+    batch = build(ts, advantages=mode, adv_eps=0.0)
+    got = [s.advantages[0].item() for s in batch.sequences]  # s0, v0, s1, v1
+    assert got == pytest.approx([1.0, -1.0, -1.0, 1.0])
+    # One agent per episode: the trajectory's advantage, as before.
+    single = [traj([1, 2, 3], adv=0.25, index=0), traj([1, 2, 4], adv=-0.25, index=1)]
+    assert [s.advantages[0].item() for s in build(single).sequences] == [0.25, -0.25]
+
+
 def _seqs(lengths):
     return build(
         [traj(list(range(1, n + 2)), prompt_len=1, index=i) for i, n in enumerate(lengths)]

@@ -88,8 +88,22 @@ class MicroBatch:
         return int(self.loss_mask.sum())
 
 
+def _normalised(rewards: np.ndarray, keys: list, std_normalize: bool, eps: float) -> np.ndarray:
+    """Each reward centred (and divided by std + eps) over the rewards sharing its key."""
+    members: dict[object, list[int]] = defaultdict(list)
+    for i, key in enumerate(keys):
+        members[key].append(i)
+    out = np.zeros_like(rewards)
+    for idx in members.values():
+        r = rewards[idx]
+        centred = r - r.mean()
+        out[idx] = centred / (r.std() + eps) if std_normalize else centred
+    return out
+
+
 def _reward(t: rollout_pb2.Trajectory) -> float:
-    """Reward a recomputed advantage uses: the agents' mean in a multi-agent episode."""
+    """Reward a recomputed advantage uses: in a multi-agent episode the mean of its agents'
+    sequence rewards (a multi-policy episode reaches a trainer holding only its policy's)."""
     agent = [s.reward for s in t.sequences if s.agent_id]
     return sum(agent) / len(agent) if agent else t.reward
 
@@ -99,15 +113,39 @@ def recompute_advantages(
 ) -> list[float]:
     """Group- or batch-relative advantages from rewards, as Dataflow computes them."""
     rewards = np.array([_reward(t) for t in trajectories], dtype=np.float64)
-    groups: dict[str, list[int]] = defaultdict(list)
+    keys = [t.group_id if mode == "group" else "" for t in trajectories]
+    return [float(a) for a in _normalised(rewards, keys, std_normalize, eps)]
+
+
+def agent_advantages(
+    trajectories: Sequence[rollout_pb2.Trajectory], scope: str, std_normalize: bool, eps: float
+) -> dict[tuple[int, int], float]:
+    """(trajectory, sequence) -> advantage, for episodes in which this policy plays several
+    agents: each agent credited with its own reward (the mean of its sequences' rewards),
+    normalised over the same agent's episodes in the group (or the batch), as two policies
+    would each be. Episodes with one agent (or none) are not in the result."""
+    cells: list[tuple[int, str, str]] = []  # (trajectory, agent, group key)
+    rewards: list[float] = []
     for i, t in enumerate(trajectories):
-        groups[t.group_id if mode == "group" else ""].append(i)
-    out = np.zeros_like(rewards)
-    for idx in groups.values():
-        r = rewards[idx]
-        centred = r - r.mean()
-        out[idx] = centred / (r.std() + eps) if std_normalize else centred
-    return [float(a) for a in out]
+        by_agent: dict[str, list[float]] = defaultdict(list)
+        for s in t.sequences:
+            by_agent[s.agent_id].append(s.reward)
+        if len(by_agent) < 2:
+            continue
+        for agent, rs in by_agent.items():
+            cells.append((i, agent, t.group_id if scope == "group" else ""))
+            rewards.append(sum(rs) / len(rs))
+    if not cells:
+        return {}
+    keys = [(g, agent) for _, agent, g in cells]
+    advs = _normalised(np.array(rewards, dtype=np.float64), keys, std_normalize, eps)
+    per_agent = {(i, agent): float(a) for (i, agent, _), a in zip(cells, advs, strict=True)}
+    return {
+        (i, j): per_agent[(i, s.agent_id)]
+        for i, t in enumerate(trajectories)
+        for j, s in enumerate(t.sequences)
+        if (i, s.agent_id) in per_agent
+    }
 
 
 def _sequence(
@@ -174,10 +212,14 @@ def build_batch(
         advs = [t.advantage for t in trajectories]
     else:
         advs = recompute_advantages(trajectories, advantages, std_normalize, adv_eps)
+    # Dataflow stamps one advantage per trajectory: an episode in which this policy plays
+    # several agents gets each agent's own, computed here (group-relative under "dataflow").
+    scope = "group" if advantages == "dataflow" else advantages
+    per_agent = agent_advantages(trajectories, scope, std_normalize, adv_eps)
     sequences = [
-        _sequence(s, t.trajectory_id, adv, vocab_size, max_seq_len)
-        for t, adv in zip(trajectories, advs, strict=True)
-        for s in t.sequences
+        _sequence(s, t.trajectory_id, per_agent.get((i, j), adv), vocab_size, max_seq_len)
+        for i, (t, adv) in enumerate(zip(trajectories, advs, strict=True))
+        for j, s in enumerate(t.sequences)
     ]
     batch = TrainBatch([s for s in sequences if s.length > 0], len(trajectories))
     if batch.num_tokens == 0:

@@ -81,7 +81,9 @@ class BatchConfig(_Strict):
     advantages: Literal["dataflow", "group", "batch"] = Field(
         "dataflow",
         description="dataflow: use the advantages Dataflow stamped; group/batch: recompute from "
-        "rewards here, normalised per prompt group or over the batch.",
+        "rewards here, normalised per prompt group or over the batch. An episode in which the "
+        "policy plays several agents credits each agent with its own reward, normalised over "
+        "that agent's episodes (per group under dataflow), as two policies would be.",
     )
     std_normalize: bool = Field(True, description="Recomputed advantages divided by the std.")
     adv_eps: float = Field(1e-6, gt=0.0, description="Added to the std before dividing.")
