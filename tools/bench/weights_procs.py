@@ -39,6 +39,8 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
+
 MiB = 1 << 20
 GRPC_METHOD = "/bench.Blob/Get"
 
@@ -165,6 +167,14 @@ async def op_fetch_mem(c: dict) -> dict:
             c["address"], c["policy"], None, in_memory=held, keep_versions=1,
             receiver_id=f"bench-mem-{c['key']}",
         )  # fmt: skip
+    if c.get("prefault"):  # spare buffers already touched, as raw TCP's receiver has its buffer
+        pool = receiver.local.pool
+        pool.max_bytes = sum(c["prefault"])
+        for size in c["prefault"]:
+            buf = np.empty(size, np.uint8)
+            buf.fill(1)
+            pool.put(buf)
+        del buf
     sys0, cpu0, t0 = sys_self(), cpu_self(), time.monotonic()
     res = await receiver.fetch(c["target"])
     t1, cpu1, sys1 = time.monotonic(), cpu_self(), sys_self()
@@ -177,13 +187,34 @@ async def op_fetch_mem(c: dict) -> dict:
     return _fetched(res, ok, (t0, t1), (cpu0, cpu1), (sys0, sys1))
 
 
-def ram_buffer(n: int):
-    """The receiver's in-RAM copy, its pages touched before the clock starts (AstraFlow keeps one)."""
-    import numpy as np
+RAM_BUFFERS: dict = {}
 
-    buf = np.empty(n, np.uint8)
-    buf.fill(1)
+
+def ram_buffer(n: int):
+    """The receiver's in-RAM copy, its pages touched before the clock starts (AstraFlow keeps one).
+
+    Made by the `prep` op, before the orchestrator's clock starts; kept for the next trial."""
+    buf = RAM_BUFFERS.get(n)
+    if buf is None:
+        buf = RAM_BUFFERS[n] = np.empty(n, np.uint8)
+        buf.fill(1)
     return buf
+
+
+async def op_prep(c: dict) -> dict:
+    ram_buffer(c["total"])
+    return {"ready": True}
+
+
+async def op_free(c: dict) -> dict:
+    """Drops the RAM buffers and the in-memory receiver `key` (and what it holds)."""
+    RAM_BUFFERS.clear()
+    old = MEMORY_RECEIVERS.pop(c.get("key", ""), None)
+    if old is not None:
+        await old.close()
+    del old
+    gc.collect()
+    return {"freed": True}
 
 
 async def op_tcp(c: dict) -> dict:
@@ -239,6 +270,7 @@ def worker() -> None:
     instrument()
     loop = asyncio.new_event_loop()
     ops = {"fetch": op_fetch, "fetch_mem": op_fetch_mem, "tcp": op_tcp, "grpc": op_grpc}
+    ops["prep"], ops["free"] = op_prep, op_free
     emit({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:
         cmd = json.loads(line)
