@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 from collections.abc import AsyncIterator
 
-import grpc
 from google.protobuf import json_format
 
 from astra import __version__
@@ -223,32 +222,6 @@ def _chunk(pending: list[tuple[bytes, float]]) -> bytes:
 _TRAJECTORIES_TAG = bytes([(2 << 3) | 2])  # FetchBatchResponse.trajectories
 
 
-def _serialize(message: pb.FetchBatchResponse | bytes) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
-def add_servicer(servicer: DataflowServicer, server) -> None:
-    """Registers the service with FetchBatch answering pre-serialized chunks as they are."""
-    name = pb.DESCRIPTOR.services_by_name["DataflowService"].full_name
-
-    class _Capture:
-        def add_generic_rpc_handlers(self, handlers) -> None:
-            pass
-
-        def add_registered_method_handlers(self, service, handlers) -> None:
-            self.handlers = handlers
-
-    capture = _Capture()
-    pb_grpc.add_DataflowServiceServicer_to_server(servicer, capture)
-    handlers = dict(capture.handlers)
-    fetch = handlers["FetchBatch"]
-    handlers["FetchBatch"] = grpc.unary_stream_rpc_method_handler(
-        fetch.unary_stream, fetch.request_deserializer, _serialize
-    )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)
-
-
 def _settle_gc() -> None:
     """Keeps Python's cyclic GC off the batch path.
 
@@ -271,17 +244,16 @@ async def start_dataflow(config, connector=None):
     """Builds and starts a Dataflow server; returns (GrpcServer, Dataflow, metrics server)."""
     from astra.dataflow.metrics import serve_metrics
     from astra.servers.rollout_port import connect
-    from astra.servers.runtime import GrpcServer
+    from astra.servers.runtime import GrpcServer, with_raw_responses
 
     df = Dataflow(config, connector or connect(config.pool.call_timeout_s))
     server = GrpcServer(
         config.host, config.port, max_message_bytes=config.max_message_bytes, grace_s=config.grace_s
     )
-    server.add_service(
-        add_servicer,
-        DataflowServicer(df),
-        pb.DESCRIPTOR.services_by_name["DataflowService"].full_name,
-    )
+    name = pb.DESCRIPTOR.services_by_name["DataflowService"].full_name
+    # FetchBatch answers chunks serialized ahead (from the stored trajectory bytes) as they are.
+    add = with_raw_responses(pb_grpc.add_DataflowServiceServicer_to_server, name, ("FetchBatch",))
+    server.add_service(add, DataflowServicer(df), name)
     await server.start()
     await df.start()
     _settle_gc()

@@ -24,6 +24,7 @@ from google.rpc import code_pb2, status_pb2
 from astra import __version__
 from astra.common.v1 import capabilities_pb2, rollout_pb2, version_pb2
 from astra.errors import FailedPrecondition, Unavailable, invalid_field
+from astra.protowire import varint
 from astra.raas.backend import GroupSpec, RolloutBackend, VersionSpec
 from astra.raas.results import ResultStore
 from astra.raas.v1 import rollout_service_pb2 as pb
@@ -31,9 +32,10 @@ from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
 from astra.servers.convert import MAX_ID_CHARS, check_id
 from astra.servers.raas_convert import check_bounds, check_ids, group_result, group_spec
 from astra.servers.registrar import Registrar
-from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer
+from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, with_raw_responses
 from astra.weights.deadline import DeadlineExceeded
 
+RESULT_TAG = bytes([(1 << 3) | 2])  # CollectResultsResponse.result, length-delimited
 log = logging.getLogger(__name__)
 
 CONTRACT_VERSION = "1.0.0"
@@ -120,13 +122,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         finally:
             if self._tasks.get(spec.group_id) is asyncio.current_task():
                 del self._tasks[spec.group_id]
-        if result.ByteSize() > self.max_result_bytes:
+        payload = result.SerializeToString()  # once: every CollectResults sends these bytes
+        if len(payload) > self.max_result_bytes:
             # Never deliverable (one group per CollectResults message): it would block every
             # result after it. Delivered as the group's failure instead, and counted.
             log.error("group %s: result of %d bytes exceeds the %d-byte message limit",
-                      spec.group_id, result.ByteSize(), self.max_result_bytes)  # fmt: skip
+                      spec.group_id, len(payload), self.max_result_bytes)  # fmt: skip
             self.counters["results_too_large"] += 1
-            size, failed = result.ByteSize(), True
+            size, failed = len(payload), True
             result = rollout_pb2.GroupResult(group_id=spec.group_id, instance_id=self.instance_id)
             result.error.CopyFrom(
                 status_pb2.Status(
@@ -135,9 +138,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     "message limit: fewer samples or tokens per group",
                 )
             )
+            payload = result.SerializeToString()
         if self.metrics is not None:
             self.metrics.observe_group(spec.workflow, time.perf_counter() - started, failed)
-        self.store.finish(spec.group_id, result)
+        # Held as the wire bytes of its CollectResultsResponse (field 1: result).
+        self.store.finish(spec.group_id, RESULT_TAG + varint(len(payload)) + payload)
 
     async def SubmitGroups(self, request: pb.SubmitGroupsRequest, context):
         if not 1 <= len(request.groups) <= MAX_GROUPS:
@@ -200,8 +205,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         max_wait = request.max_wait.ToNanoseconds() / 1e9
         if not 0 <= max_wait <= MAX_WAIT_S:
             raise invalid_field("max_wait", f"{max_wait}s outside 0..{MAX_WAIT_S}s")
-        for result in await self.store.collect(request.max_groups, max_wait):
-            yield pb.CollectResultsResponse(result=result)
+        for response in await self.store.collect(request.max_groups, max_wait):
+            yield response  # a CollectResultsResponse's wire bytes (see _run)
 
     async def AckResults(self, request: pb.AckResultsRequest, context):
         check_ids(request.group_ids)
@@ -391,11 +396,11 @@ async def start_raas(
         backend, capacity, initial_versions=initial_versions, load_timeout_s=load_timeout_s
     )
     server = GrpcServer(host, port, grace_s=grace_s)
-    server.add_service(
-        pb_grpc.add_RolloutServiceServicer_to_server,
-        servicer,
-        pb.DESCRIPTOR.services_by_name["RolloutService"].full_name,
+    name = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+    add = with_raw_responses(
+        pb_grpc.add_RolloutServiceServicer_to_server, name, ("CollectResults",)
     )
+    server.add_service(add, servicer, name)
     await server.start(serving=False)
     servicer.instance_id = instance_id or f"raas-{server.address}-{time.time_ns() // 1_000_000}"
     await server.set_serving(True)

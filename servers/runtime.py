@@ -36,6 +36,41 @@ def install_event_loop_policy() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def passthrough(message: Any) -> bytes:
+    """A response serializer: bytes (a message serialized ahead) go out as they are."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def with_raw_responses(
+    add_fn: Callable[[Any, Any], None], full_name: str, methods: tuple[str, ...]
+) -> Callable[[Any, grpc.aio.Server], None]:
+    """`add_fn` (a generated add_*Servicer_to_server) whose `methods` (server-streaming) may
+    yield the wire bytes of their response messages instead of messages."""
+
+    def add(servicer: Any, server: grpc.aio.Server) -> None:
+        class _Capture:
+            def add_generic_rpc_handlers(self, handlers) -> None:
+                pass
+
+            def add_registered_method_handlers(self, service, handlers) -> None:
+                self.handlers = handlers
+
+        capture = _Capture()
+        add_fn(servicer, capture)
+        handlers = dict(capture.handlers)
+        for method in methods:
+            h = handlers[method]
+            handlers[method] = grpc.unary_stream_rpc_method_handler(
+                h.unary_stream, h.request_deserializer, passthrough
+            )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(full_name, handlers),)
+        )
+        server.add_registered_method_handlers(full_name, handlers)
+
+    return add
+
+
 class GrpcServer:
     """A grpc.aio server with health, reflection and error mapping."""
 
