@@ -131,6 +131,15 @@ async def _serve_dataflow(config) -> None:
 @click.option("--engine-args", default="", help="Extra arguments for a launched engine server.")
 @click.option("--engine-python", default="", help="Python that runs a launched vLLM/SGLang server.")
 @click.option(
+    "--engine-logprobs-mode",
+    type=click.Choice(["raw_logprobs", "processed_logprobs"]),
+    default="raw_logprobs",
+    show_default=True,
+    help="vllm/openai with --engine-url: the log-probs the server reports (vLLM's "
+    "--logprobs-mode); raw ones serve temperature 1 (or 0) only. A launched vLLM runs "
+    "processed_logprobs.",
+)
+@click.option(
     "--served-model-name",
     default="policy",
     show_default=True,
@@ -186,6 +195,7 @@ def serve_raas(
     engine_url: str,
     engine_args: str,
     engine_python: str,
+    engine_logprobs_mode: str,
     served_model_name: str,
     hot_loaded: bool,
     model: str,
@@ -234,6 +244,7 @@ def serve_raas(
         engine_url=engine_url,
         engine_args=engine_args,
         engine_python=engine_python,
+        engine_logprobs_mode=engine_logprobs_mode,
         served_model_name=served_model_name,
         hot_loaded=hot_loaded,
         metrics_port=metrics_port,

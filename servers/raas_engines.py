@@ -48,11 +48,23 @@ async def build_engine(opts: Any) -> Any:
                 field_violations=[("engine_url", "required for openai")],
             )
         engine = OpenAIEngine(
-            opts.engine_url, opts.served_model_name, policy, tokenizer, hot_loaded=opts.hot_loaded
+            opts.engine_url,
+            opts.served_model_name,
+            policy,
+            tokenizer,
+            hot_loaded=opts.hot_loaded,
+            logprobs_mode=opts.engine_logprobs_mode,
         )
     elif opts.engine == "vllm":
         engine = (
-            VLLMEngine(opts.engine_url, opts.served_model_name, policy, tokenizer)
+            VLLMEngine(
+                opts.engine_url,
+                opts.served_model_name,
+                policy,
+                tokenizer,
+                on_swap=opts.on_swap,
+                logprobs_mode=opts.engine_logprobs_mode,
+            )
             if opts.engine_url
             else VLLMEngine.launch(
                 opts.model,
@@ -62,6 +74,7 @@ async def build_engine(opts: Any) -> Any:
                 served_model_name=opts.served_model_name,
                 log_path=log_path,
                 python=opts.engine_python,
+                on_swap=opts.on_swap,
             )
         )
     elif opts.engine == "sglang":

@@ -37,6 +37,7 @@ class RaasOptions:
     engine_url: str = ""
     engine_args: str = ""
     engine_python: str = ""
+    engine_logprobs_mode: str = "raw_logprobs"  # what an attached vLLM/OpenAI server reports
     served_model_name: str = "policy"
     hot_loaded: bool = False
     metrics_port: int | None = None

@@ -19,6 +19,7 @@ from astra.engine.api import Generation, Sampling  # noqa: E402
 from astra.engine.http import OpenAIEngine, SGLangEngine, VLLMEngine, WeightsDir  # noqa: E402
 from astra.engine.http.base import HTTPEngine  # noqa: E402
 from astra.engine.http.launch import free_port  # noqa: E402
+from astra.engine.http.vllm import logprobs_mode_of  # noqa: E402
 from astra.engine.tiny import TINY_CONFIG, random_model, save_model, tiny_model  # noqa: E402
 from astra.engine.tokenizer import CharTokenizer  # noqa: E402
 from astra.errors import FailedPrecondition, InvalidArgument, Unavailable  # noqa: E402
@@ -106,6 +107,49 @@ def test_sglang_logprobs_are_tempered(fake: FakeEngineServer) -> None:
     body = next(c.body for c in fake.calls if c.path == "/generate")
     assert body["input_ids"] == PROMPT and body["return_logprob"] is True
     assert body["sampling_params"]["top_k"] == 20 and body["sampling_params"]["min_p"] == 0.0
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "openai"])
+def test_raw_logprobs_servers_refuse_temperatures_the_trainer_would_score_otherwise(
+    flavor: str,
+) -> None:
+    # vLLM's default raw_logprobs are log_softmax(logits) before temperature; the trainer's
+    # ratios take log_softmax(logits / T): at T = 0.7 every token's ratio would be off.
+    tempered = Sampling(max_new_tokens=4, temperature=0.7, seed=1)
+    with FakeEngineServer(cast(Flavor, flavor)) as fake:
+
+        async def body(engine: HTTPEngine) -> None:
+            with pytest.raises(InvalidArgument, match=r"sampling\.temperature") as info:
+                await engine.generate("p", PROMPT, tempered)
+            assert info.value.reason == "LOGPROBS_BEFORE_TEMPERATURE"
+            for t in (1.0, 0.0):  # the two temperatures where raw and tempered agree
+                await engine.generate("p", PROMPT, Sampling(max_new_tokens=2, temperature=t))
+
+        run(lambda: with_engine(fake, body))
+        assert sum(c.path == "/v1/completions" for c in fake.calls) == 2
+
+
+def test_processed_logprobs_serve_any_temperature_as_the_trainer_scores_it() -> None:
+    sampling = Sampling(max_new_tokens=8, temperature=0.7, seed=1)
+    with FakeEngineServer("vllm", logprobs_mode="processed_logprobs") as fake:
+        gen = run(
+            lambda: with_engine(
+                fake,
+                lambda e: e.generate("p", PROMPT, sampling),
+                logprobs_mode="processed_logprobs",
+            )
+        )
+    ref = reference_logprobs(tiny_model(), PROMPT, gen, 0.7)
+    assert max(abs(a - b) for a, b in zip(gen.logprobs, ref, strict=True)) < TOL
+    assert "processed_logprobs" in gen.meta["logprob_convention"]
+
+
+def test_a_launched_vllm_reports_processed_logprobs_unless_told_otherwise() -> None:
+    assert logprobs_mode_of(["--max-model-len", "4096"]) is None  # launch adds processed
+    assert logprobs_mode_of(["--logprobs-mode", "raw_logprobs"]) == "raw_logprobs"
+    assert logprobs_mode_of(["--logprobs-mode=processed_logprobs"]) == "processed_logprobs"
+    with pytest.raises(InvalidArgument, match="raw_logits"):
+        VLLMEngine.launch("/nonexistent", "p", TOK, extra_args=["--logprobs-mode", "raw_logits"])
 
 
 @pytest.mark.parametrize("fake", [(f, 0.0) for f in FLAVORS], indirect=True, ids=FLAVORS)
@@ -399,3 +443,26 @@ def test_unknown_policy_and_bad_sampling_are_refused(fake: FakeEngineServer) -> 
 
     run(lambda: with_engine(fake, body))
     assert "/generate" not in fake.paths()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "openai"])
+def test_serve_raas_options_reach_an_attached_engine(engine: str, tmp_path: Path) -> None:
+    from astra.servers.raas_engines import build_engine
+    from astra.servers.raas_serve import RaasOptions
+
+    with FakeEngineServer(cast(Flavor, engine)) as fake:
+        opts = RaasOptions(dataflow="", policies=["p"], engine=engine, engine_url=fake.url,
+                           served_model_name="FAKE-tiny", on_swap="finish_old",
+                           engine_logprobs_mode="processed_logprobs",
+                           state_dir=str(tmp_path))  # fmt: skip
+
+        async def body() -> tuple[str, str]:
+            built = await build_engine(opts)
+            try:
+                return built.on_swap, built.logprobs_mode
+            finally:
+                await built.close()
+
+        on_swap, mode = run(body)
+        assert mode == "processed_logprobs"
+        assert on_swap == ("finish_old" if engine == "vllm" else "continue")  # openai: relabels

@@ -18,10 +18,12 @@ Flavors and routes:
   POST /continue_generation, POST /flush_cache, POST /update_weights_from_disk
   {model_path, weight_version, flush_cache}, POST /abort_request {rid, abort_all}.
 
-Log-prob conventions follow the real servers' defaults: vllm/openai report
-log_softmax(logits) (raw, before temperature); sglang reports
-log_softmax(logits / temperature) (temperature 0 counted as 1). Both before
-top-k/top-p. Pausing with mode "abort" ends running requests at their next
+Log-prob conventions follow the real servers: vllm/openai report
+log_softmax(logits) (vLLM's default raw_logprobs, before temperature), or with
+`logprobs_mode="processed_logprobs"` (vLLM's `--logprobs-mode`) the log-prob
+of the distribution sampled from: after temperature, top-k and top-p;
+sglang reports log_softmax(logits / temperature) (temperature 0 counted as
+1) before top-k/top-p. Pausing with mode "abort" ends running requests at their next
 step with finish reason abort and the tokens so far; requests that arrive
 while paused wait for resume. Every call is recorded (`calls`, `paths()`), and
 `fail(path, status)` makes the next call(s) to a path fail, for error tests.
@@ -102,12 +104,16 @@ class FakeEngineServer:
         step_delay_s: float = 0.0,
         max_model_len: int | None = None,
         token_ids_field: bool = False,
+        logprobs_mode: str = "raw_logprobs",
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
         if flavor not in ("openai", "vllm", "sglang"):
             raise ValueError(f"unknown FAKE flavor {flavor!r}")
+        if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"unknown logprobs_mode {logprobs_mode!r}")
         self.flavor: Flavor = flavor
+        self.logprobs_mode = logprobs_mode
         self.model, self.tokenizer = load_model(model)
         self.served_model_name = served_model_name
         self.step_delay_s = step_delay_s
@@ -212,6 +218,8 @@ class FakeEngineServer:
                 sorted_p = torch.where(before < p.top_p * sorted_p.sum(), sorted_p, 0.0)
                 probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
             token = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+            if self.logprobs_mode == "processed_logprobs" and self.flavor != "sglang":
+                report = torch.log(probs / probs.sum())  # what was sampled from
         return token, float(report[token])
 
     def _generate(

@@ -427,12 +427,16 @@ async def _astra_measure(p, label: str, address: str, pids: dict[str, int]) -> d
     snaps: dict[str, Snap] = {}
     try:
         await asyncio.sleep(p.warmup)
-        spy = pyspy(p, f"{label}-dataflow", pids["dataflow"])
+        spies = [pyspy(p, f"{label}-dataflow", pids["dataflow"])]
+        spies += (
+            [pyspy(p, f"{label}-raas_host0", pids["raas_host0"])] if "raas_host0" in pids else []
+        )
         snaps["a"] = await snap()
         await asyncio.sleep(p.window)
         snaps["b"] = await snap()
-        if spy is not None:
-            spy.wait()
+        for spy in spies:
+            if spy is not None:
+                spy.wait()
         log.period_s = p.batch_groups * p.group_size / p.pace
         await asyncio.sleep(p.lat_warmup)
         snaps["c"] = await snap()

@@ -18,9 +18,17 @@ Unavailable(ENGINE_BAD_RESPONSE): text tokens cannot be mapped back to ids
 reliably. `stop_reason` (vLLM: the matched string or token id) is read when
 present.
 
-Log-probs are whatever the server reports; vLLM's default
-(`--logprobs-mode raw_logprobs`) is log_softmax of the raw logits, i.e. the
-built-in engine's convention only at temperature 1 (or 0). Versions: every
+Log-probs are whatever the server reports, and the trainer scores tokens by
+log_softmax(logits / temperature). vLLM's default (`--logprobs-mode
+raw_logprobs`) is log_softmax of the raw logits, which agrees only at
+temperature 1 (or 0, counted as 1), so an engine told its server reports raw
+log-probs (`logprobs_mode="raw_logprobs"`, the default for an attached server)
+refuses any other temperature (InvalidArgument naming sampling.temperature,
+reason LOGPROBS_BEFORE_TEMPERATURE) rather than hand the trainer importance
+ratios that are off at every token. With `processed_logprobs` (what
+`VLLMEngine.launch` starts vLLM with) they are taken after temperature (and
+after top-k/top-p: the distribution actually sampled), so every temperature
+is served. Versions: every
 token carries the engine's label; `swap_weights` raises FailedPrecondition
 (FROZEN_ENDPOINT) unless `hot_loaded=True`, where it only relabels.
 """
@@ -40,6 +48,11 @@ RAW_LOGPROBS = (
     "sampled token before temperature, top-k and top-p (the built-in convention at temperature "
     "1 or 0 only)"
 )
+PROCESSED_LOGPROBS = (
+    "server log-probs as reported; vLLM's processed_logprobs: log_softmax(logits / temperature) "
+    "of the sampled token after top-k and top-p (the distribution sampled from)"
+)
+LOGPROBS_MODES = {"raw_logprobs": RAW_LOGPROBS, "processed_logprobs": PROCESSED_LOGPROBS}
 TOKEN_ID_PREFIX = "token_id:"
 
 
@@ -119,15 +132,27 @@ def parse_completion(answer: Any) -> Segment:
 class CompletionsEngine(HTTPEngine):
     """Shared by OpenAIEngine and VLLMEngine: generation through /v1/completions."""
 
-    logprob_convention = RAW_LOGPROBS
     extensions = True
 
     def __init__(
-        self, base_url: str, model: str, policy_id: str, tokenizer: Tokenizer, **kwargs: Any
+        self,
+        base_url: str,
+        model: str,
+        policy_id: str,
+        tokenizer: Tokenizer,
+        *,
+        logprobs_mode: str = "raw_logprobs",
+        **kwargs: Any,
     ) -> None:
-        """`kwargs` are HTTPEngine's (version, api_key, max_running, timeouts, process)."""
+        """`logprobs_mode`: what the server's log-probs are (vLLM's `--logprobs-mode`:
+        raw_logprobs or processed_logprobs); `kwargs` are HTTPEngine's (version, api_key,
+        max_running, timeouts, process)."""
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode {logprobs_mode!r}: one of {sorted(LOGPROBS_MODES)}")
         super().__init__(base_url, policy_id, tokenizer, **kwargs)
         self.model = model
+        self.logprobs_mode = logprobs_mode
+        self.logprob_convention = LOGPROBS_MODES[logprobs_mode]
 
     async def _probe(self) -> None:
         await self.client.request("GET", "/v1/models", timeout_s=10.0)
@@ -136,6 +161,15 @@ class CompletionsEngine(HTTPEngine):
         if not self.extensions and sampling.top_k > 0:
             raise invalid_field(
                 "sampling.top_k", f"not supported by the {self.name} endpoint (extensions off)"
+            )
+        if self.logprobs_mode == "raw_logprobs" and sampling.temperature not in (0.0, 1.0):
+            raise invalid_field(
+                "sampling.temperature",
+                f"{sampling.temperature}: the {self.name} server reports log-probs before "
+                "temperature (raw_logprobs), which the trainer's ratios take after it; sample at "
+                "temperature 1, or run the server with --logprobs-mode processed_logprobs "
+                "(astra's vLLM launch does) and say so (--engine-logprobs-mode)",
+                reason="LOGPROBS_BEFORE_TEMPERATURE",
             )
 
     def _segment_request(
@@ -169,6 +203,7 @@ class OpenAIEngine(CompletionsEngine):
         *,
         hot_loaded: bool = False,
         extensions: bool = True,
+        logprobs_mode: str = "raw_logprobs",
         api_key: str | None = None,
         max_seq_len: int | None = None,
         max_running: int = 256,
@@ -180,6 +215,7 @@ class OpenAIEngine(CompletionsEngine):
             policy_id,
             tokenizer,
             version=version,
+            logprobs_mode=logprobs_mode,
             api_key=api_key,
             max_seq_len=max_seq_len,
             max_running=max_running,

@@ -3,9 +3,12 @@
 Generation goes through `/v1/completions` exactly as astra.engine.http.openai
 describes (token-id prompts, `logprobs: 1`, `return_tokens_as_token_ids`,
 vLLM's `top_k`, `stop_token_ids`, `min_p`, `repetition_penalty`, `seed`).
-Log-probs are vLLM's `--logprobs-mode` output; the default raw_logprobs is
-log_softmax(logits) before temperature/top-k/top-p, the built-in engine's
-convention at temperature 1 (or 0) only.
+Log-probs are vLLM's `--logprobs-mode` output. `launch` starts the server
+with processed_logprobs (log_softmax(logits / temperature), after top-k/top-p)
+unless the extra arguments choose a mode; vLLM's default raw_logprobs
+(before temperature) agrees with the trainer at temperature 1 (or 0) only, so
+an engine on a raw_logprobs server refuses other temperatures (see
+astra.engine.http.openai).
 
 Weight reloads rely on vLLM's development endpoints, mounted only when the
 server runs with `VLLM_SERVER_DEV_MODE=1` (`launch` sets it); their HTTP
@@ -36,8 +39,8 @@ from typing import Any
 
 from astra.engine.api import Tokenizer
 from astra.engine.http.launch import start_server
-from astra.engine.http.openai import CompletionsEngine
-from astra.errors import AstraError, FailedPrecondition
+from astra.engine.http.openai import LOGPROBS_MODES, CompletionsEngine
+from astra.errors import AstraError, FailedPrecondition, InvalidArgument
 
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
@@ -77,18 +80,31 @@ class VLLMEngine(CompletionsEngine):
         python: str = sys.executable,
         **kwargs: Any,
     ) -> VLLMEngine:
-        """Starts `python -m vllm.entrypoints.openai.api_server` in dev mode; await
+        """Starts `python -m vllm.entrypoints.openai.api_server` in dev mode, with
+        `--logprobs-mode processed_logprobs` unless `extra_args` name a mode; await
         `wait_ready()` next."""
+        args = ["--model", str(model_path), "--served-model-name", served_model_name]
+        mode = logprobs_mode_of(extra_args)
+        if mode is None:
+            mode = "processed_logprobs"
+            args += ["--logprobs-mode", mode]
+        elif mode not in LOGPROBS_MODES:
+            raise InvalidArgument(
+                f"--logprobs-mode {mode}: astra needs log-probs ({', '.join(LOGPROBS_MODES)})",
+                reason="INVALID_FIELD",
+                field_violations=[("engine_args", f"--logprobs-mode {mode}")],
+            )
         proc = start_server(
             python,
             "vllm.entrypoints.openai.api_server",
-            ["--model", str(model_path), "--served-model-name", served_model_name],
+            args,
             host=host,
             port=port,
             extra_args=extra_args,
             log_path=log_path,
             env=DEV_MODE_ENV,
         )
+        kwargs["logprobs_mode"] = mode
         return cls(proc.url, served_model_name, policy_id, tokenizer, process=proc, **kwargs)
 
     async def _pause(self) -> None:
@@ -141,3 +157,13 @@ class VLLMEngine(CompletionsEngine):
                     reason="VLLM_DEV_ENDPOINT_MISSING",
                 ) from exc
             raise
+
+
+def logprobs_mode_of(args: Sequence[str]) -> str | None:
+    """The `--logprobs-mode` value in vLLM server arguments, or None."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--logprobs-mode="):
+            return arg.split("=", 1)[1]
+        if arg == "--logprobs-mode" and i + 1 < len(args):
+            return args[i + 1]
+    return None
