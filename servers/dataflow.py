@@ -152,8 +152,8 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
             max_staleness = 0
             for g in batch.groups:
                 max_staleness = max(max_staleness, g.staleness(batch.policy_version))
-                advantages = g.advantages or [0.0] * len(g.trajectories)
-                for t, adv in zip(g.trajectories, advantages, strict=True):
+                # Stamped by the buffer (and stored with the batch): never made up here.
+                for t, adv in zip(g.trajectories, g.advantages, strict=True):
                     pending.append((t.payload, adv))
                     size += len(t.payload)
                 if size >= CHUNK_BYTES:

@@ -3,13 +3,16 @@
 A batch is cut from one policy's buffer and leased to the trainer until
 AckBatch. A retry with the same request id gets the same batch; a lease that
 runs out puts the groups back into the buffer. Durable through the store,
-so a trainer can acknowledge a batch across a Dataflow restart.
+so a trainer can acknowledge a batch across a Dataflow restart, and a retried
+fetch after one gets the same batch: the same groups in the same order, with the
+same advantages (stored with the batch), replayed copies included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +24,8 @@ from astra.errors import FailedPrecondition, InvalidArgument, NotFound, Unavaila
 
 if TYPE_CHECKING:
     from astra.dataflow.coordinator import Dataflow
+
+log = logging.getLogger("astra.dataflow.coordinator")
 
 MAX_WAIT_S = 60.0
 # Finished (acknowledged or expired) batches remembered for request-id replays.
@@ -51,7 +56,11 @@ class Batch:
             self.state,
             self.lease_expire,
             self.policy_version,
-            [(g.group_id, g.replay) for g in self.groups],
+            # Advantages only while they may have to be served again.
+            [
+                (g.group_id, g.replay, list(g.advantages) if self.state == "leased" else None)
+                for g in self.groups
+            ],
         )
 
     def stored_keys(self) -> list[tuple[str, str]]:
@@ -64,7 +73,16 @@ class BatchDesk:
         self.batches: dict[str, Batch] = {}
         self.by_request: dict[tuple[str, str], str] = {}
 
-    def recover(self, rows: list[BatchRow], groups: dict[str, list[GroupRecord]]) -> None:
+    def recover(
+        self,
+        rows: list[BatchRow],
+        groups: dict[str, list[GroupRecord]],
+        replays: dict[str, dict[int, GroupRecord]],
+    ) -> None:
+        """Rebuilds the batches from the store: a leased batch exactly as it was served
+        (groups, order, advantages), or, where it cannot be (its stored rows incomplete),
+        expired with its fresh groups back in the buffer; never served different."""
+        unbuilt: list[Batch] = []
         for row in rows:
             if row.state != "leased":
                 self.by_request[(row.policy_id, row.request_id)] = row.batch_id
@@ -79,17 +97,41 @@ class BatchDesk:
                     row.state,
                 )
                 continue
+            stored = groups.pop(row.batch_id, [])
+            rebuilt = _rebuild(row, stored, replays.get(row.batch_id, {}))
             batch = Batch(
                 row.batch_id,
                 row.policy_id,
                 row.request_id,
                 row.trainer_id,
-                groups.get(row.batch_id, []),
+                stored if rebuilt is None else rebuilt,
                 row.policy_version,
                 row.lease_expire,
             )
+            if rebuilt is not None and any(a is None for _, _, a in row.group_keys):
+                # A schema-1 row: no advantages stored. They depend only on the batch's
+                # rewards (and the normalisation settings), so stamping them again gives the
+                # numbers first served.
+                self.df.buffers[row.policy_id].stamp_advantages(batch.groups)
             self.batches[row.batch_id] = batch
             self.by_request[(row.policy_id, row.request_id)] = row.batch_id
+            if rebuilt is None:
+                unbuilt.append(batch)
+        # Rows of groups leased in a batch that is not (or no longer) known: buffered again.
+        for orphans in groups.values():
+            for g in orphans:
+                self.df.buffers[g.policy_id].restore(g)
+            with self.df.store.tx() as tx:
+                tx.set_group_batch([(g.group_id, g.policy_id) for g in orphans], None)
+        for batch in unbuilt:
+            log.warning(
+                "leased batch %s (request %s) cannot be rebuilt as served: expired, its fresh "
+                "groups buffered again",
+                batch.batch_id,
+                batch.request_id,
+            )
+            self.df.counters["batches_expired_on_recovery"] += 1
+            self._expire(batch, restored=True)
 
     def leased_groups(self, policy_id: str) -> int:
         return sum(
@@ -183,6 +225,7 @@ class BatchDesk:
         df.counters["batches_served"] += 1
         with df.store.tx() as tx:
             tx.set_group_batch(batch.stored_keys(), batch.batch_id)
+            tx.add_replays(batch.batch_id, [(i, g) for i, g in enumerate(groups) if g.replay])
             tx.put_batch(batch.row())
             df.persist_counters(tx)
         return batch
@@ -230,12 +273,16 @@ class BatchDesk:
                 metadata={"batch_id": batch_id},
             )
         batch.state = "acked"
-        consumed = len(batch.groups)
+        # Fresh groups only: a replayed copy is a group consumed before, counted then.
+        fresh = [g for g in batch.groups if not g.replay]
+        consumed = len(fresh)
         df = self.df
         df.counters["consumed_groups"] += consumed
-        df.counters["consumed_trajectories"] += batch.num_trajectories
+        df.counters["consumed_trajectories"] += sum(len(g.trajectories) for g in fresh)
+        df.counters["consumed_replay_groups"] += len(batch.groups) - consumed
         with df.store.tx() as tx:
             tx.delete_groups(batch.stored_keys())
+            tx.delete_replays([batch.batch_id])
             tx.put_batch(batch.row())
             df.persist_counters(tx)
         batch.groups = []
@@ -257,12 +304,42 @@ class BatchDesk:
         for batch in self.batches.values():
             if batch.state != "leased" or batch.lease_expire >= now:
                 continue
-            batch.state = "expired"
-            fresh = [g for g in batch.groups if not g.replay]
-            self.df.buffers[batch.policy_id].put_back(fresh)
-            self.df.counters["batch_leases_expired"] += 1
-            with self.df.store.tx() as tx:
-                tx.set_group_batch(batch.stored_keys(), None)
-                tx.put_batch(batch.row())
-                self.df.persist_counters(tx)
-            batch.groups = []
+            self._expire(batch)
+
+    def _expire(self, batch: Batch, *, restored: bool = False) -> None:
+        """Ends a leased batch: its fresh groups go back to the buffer (`restored`: they were
+        read from the store at start-up, not taken from this buffer)."""
+        batch.state = "expired"
+        fresh = [g for g in batch.groups if not g.replay]
+        buf = self.df.buffers[batch.policy_id]
+        if restored:
+            for g in fresh:
+                buf.restore(g)
+        else:
+            buf.put_back(fresh)
+        self.df.counters["batch_leases_expired"] += 1
+        with self.df.store.tx() as tx:
+            tx.set_group_batch(batch.stored_keys(), None)
+            tx.delete_replays([batch.batch_id])
+            tx.put_batch(batch.row())
+            self.df.persist_counters(tx)
+        batch.groups = []
+
+
+def _rebuild(
+    row: BatchRow, stored: list[GroupRecord], replays: dict[int, GroupRecord]
+) -> list[GroupRecord] | None:
+    """The groups of a leased batch in the order served, with their advantages; None if the
+    store does not hold every one of them (or holds fresh groups the row does not list)."""
+    fresh = {g.group_id: g for g in stored}
+    out = []
+    for pos, (group_id, replay, advantages) in enumerate(row.group_keys):
+        group = replays.get(pos) if replay else fresh.pop(group_id, None)
+        if group is None or group.group_id != group_id:
+            return None
+        group.replay = replay
+        group.advantages = [] if advantages is None else list(advantages)
+        if advantages is not None and len(advantages) != len(group.trajectories):
+            return None
+        out.append(group)
+    return None if fresh else out

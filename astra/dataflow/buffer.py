@@ -425,6 +425,11 @@ class PolicyBuffer:
             del self._replay[group_id]
         self._counters["replay_filtered_stale"] += len(stale)
 
+    def stamp_advantages(self, batch: list[GroupRecord]) -> None:
+        """Sets each group's advantages as `take` does for this batch (a function of the
+        batch's rewards and the normalisation settings only)."""
+        self._stamp_advantages(batch)
+
     def _stamp_advantages(self, batch: list[GroupRecord]) -> None:
         mode = self.config.normalization
         if mode == "none":

@@ -184,7 +184,7 @@ class Dataflow(Ingesting, WeightSync):
                 self.buffers[group.policy_id].restore(group)
             else:
                 leased.setdefault(batch_id, []).append(group)
-        self.batches.recover(st.batches(), leased)
+        self.batches.recover(st.batches(), leased, st.replays())
         if self.work:
             log.info("recovered %d unfinished groups to dispatch again", len(self.work))
 

@@ -2,7 +2,8 @@
 
 Holds the work table (every dispatched group: pending, leased, done), the
 buffered groups (their trajectory bytes in a `BlobLog` beside the database),
-trainer batch leases, and small key/value state (dataset positions,
+trainer batch leases (with their advantages and the bytes of their replayed copies, so a
+leased batch is rebuilt exactly), and small key/value state (dataset positions,
 versions, counters). Every change that
 Dataflow acknowledges to anyone is committed here first. WAL with
 synchronous=NORMAL is durable against a process crash; only a power loss can
@@ -26,7 +27,9 @@ from typing import Any
 from astra.dataflow.blobs import BlobLog, write_parts
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
 
-SCHEMA_VERSION = 1
+# 2: batch_replays; a batch row's groups carry their advantages. A schema-1 directory is
+# migrated on open (the new table is created; its batch rows are read without advantages).
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS work (
@@ -62,6 +65,19 @@ CREATE TABLE IF NOT EXISTS batches (
     groups TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS batches_request ON batches(policy_id, request_id);
+CREATE TABLE IF NOT EXISTS batch_replays (
+    batch_id TEXT NOT NULL,
+    pos INTEGER NOT NULL,
+    group_id TEXT NOT NULL,
+    policy_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    meta TEXT NOT NULL,
+    seg INTEGER NOT NULL,
+    off INTEGER NOT NULL,
+    len INTEGER NOT NULL,
+    PRIMARY KEY (batch_id, pos)
+);
 """
 
 
@@ -85,7 +101,9 @@ class BatchRow:
     state: str
     lease_expire: float
     policy_version: int
-    group_keys: list[tuple[str, bool]]
+    # (group_id, replay, advantages) in batch order; advantages None in a schema-1 row and
+    # in a finished batch's row.
+    group_keys: list[tuple[str, bool, list[float] | None]]
 
 
 def _pack(trajectories: list[TrajectoryRecord]) -> tuple[str, list]:
@@ -214,7 +232,30 @@ class Tx:
         )
 
     def delete_batches(self, batch_ids: Iterable[str]) -> None:
+        batch_ids = list(batch_ids)
+        self.delete_replays(batch_ids)
         self.c.executemany("DELETE FROM batches WHERE batch_id=?", [(b,) for b in batch_ids])
+
+    def add_replays(self, batch_id: str, groups: Iterable[tuple[int, GroupRecord]]) -> None:
+        """Stores the replayed copies of a leased batch, each at its position in the batch:
+        their originals' rows may be gone (trained and deleted) by the time the batch has to
+        be rebuilt after a restart."""
+        for pos, g in groups:
+            meta, parts = _pack(g.trajectories)
+            seg, off, length = self.blobs.append_parts(parts)
+            self.appended.append(seg)
+            self.c.execute(
+                "INSERT INTO batch_replays(batch_id, pos, group_id, policy_id, seq, epoch, meta,"
+                " seg, off, len) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (batch_id, pos, g.group_id, g.policy_id, g.seq, g.epoch, meta, seg, off, length),
+            )
+
+    def delete_replays(self, batch_ids: Iterable[str]) -> None:
+        for batch_id in batch_ids:
+            rows = self.c.execute(
+                "DELETE FROM batch_replays WHERE batch_id=? RETURNING seg", (batch_id,)
+            ).fetchall()
+            self.released.extend(r[0] for r in rows)
 
     def put_batch(self, b: BatchRow) -> None:
         self.c.execute(
@@ -228,7 +269,7 @@ class Tx:
                 b.state,
                 b.lease_expire,
                 b.policy_version,
-                json.dumps(b.group_keys),
+                json.dumps([list(k) for k in b.group_keys]),
             ),
         )
 
@@ -242,12 +283,14 @@ class StateStore:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, 1, SCHEMA_VERSION):
             raise RuntimeError(f"{self.path}: schema {version}, this build reads {SCHEMA_VERSION}")
         self.conn.executescript(SCHEMA)
         self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self.blobs = BlobLog(path / "blobs")
-        for (seg,) in self.conn.execute("SELECT seg FROM groups"):
+        for (seg,) in self.conn.execute(
+            "SELECT seg FROM groups UNION ALL SELECT seg FROM batch_replays"
+        ):
             self.blobs.adopt(seg)
         self.blobs.collect_garbage()
         # Checkpoints (WAL -> database file, with an fsync) run on a thread of their own:
@@ -343,7 +386,20 @@ class StateStore:
             " policy_version, groups FROM batches"
         ):
             *head, groups = row
-            out.append(BatchRow(*head, [tuple(k) for k in json.loads(groups)]))
+            keys = [(k[0], bool(k[1]), k[2] if len(k) > 2 else None) for k in json.loads(groups)]
+            out.append(BatchRow(*head, keys))
+        return out
+
+    def replays(self) -> dict[str, dict[int, GroupRecord]]:
+        """The stored replayed copies: batch id -> position in the batch -> copy."""
+        out: dict[str, dict[int, GroupRecord]] = {}
+        for batch_id, pos, gid, pid, seq, epoch, meta, seg, off, length in self.conn.execute(
+            "SELECT batch_id, pos, group_id, policy_id, seq, epoch, meta, seg, off, len"
+            " FROM batch_replays"
+        ):
+            blob = self.blobs.read(seg, off, length)
+            group = GroupRecord(gid, pid, epoch, _unpack(meta, blob), seq=seq, replay=True)
+            out.setdefault(batch_id, {})[pos] = group
         return out
 
     def close(self) -> None:

@@ -1,0 +1,339 @@
+"""Dataflow driven by hand in-process: crash and recovery, ingest failures, admission bounds.
+
+A real `Dataflow` over SQLite with an in-memory RolloutPort (no gRPC): dispatch rounds,
+ingests and batch fetches are called directly, so each test controls which version
+generated which group and when the trainer advances. `crash(df)` abandons a Dataflow
+without a clean stop (like kill -9 for the store); the next `Dataflow(...)` recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from astra.common.v1 import rollout_pb2
+from astra.dataflow.config import DataflowConfig
+from astra.dataflow.coordinator import Dataflow
+from astra.dataflow.ports import IncomingGroup
+from astra.dataflow.records import TrajectoryRecord
+
+# ----- harness -------------------------------------------------------------------------------
+
+
+class FakePort:
+    """Accepts every submission; results come in through `Dataflow.ingest` in the tests."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.submitted: list[str] = []
+        self._never = asyncio.Event()
+
+    async def submit(self, work):
+        ids = [item.group_id for item, _ in work]
+        self.submitted += ids
+        return ids, 10_000
+
+    async def collect(self, max_groups, max_wait_s):
+        await self._never.wait()
+        return []
+
+    def decode(self, received):
+        return list(received)
+
+    async def ack(self, group_ids):
+        pass
+
+    async def cancel(self, group_ids):
+        pass
+
+    async def load_weights(self, versions, request_id):
+        return {p: v[0] for p, v in versions.items()}
+
+    async def check_health(self):
+        return True
+
+    async def close(self):
+        pass
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"q{i}="}) + "\n" for i in range(n)))
+    return path
+
+
+def make_config(tmp_path: Path, n_prompts: int = 16, streams=None, **over) -> DataflowConfig:
+    data = write_prompts(tmp_path / "prompts.jsonl", n_prompts)
+    raw = {
+        "port": 0,
+        "state_dir": str(tmp_path / "state"),
+        "policies": [{"id": "p", "batch_groups": 2, "buffer": {"drop_equal_rewards": False}}],
+        "streams": streams
+        or [
+            {
+                "name": "s",
+                "dataset": {"path": str(data), "num_epochs": 1},
+                "policy_ids": ["p"],
+                "group_size": 2,
+            }
+        ],
+        "gate": {"max_offpolicyness": None},
+    }
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(raw.get(k), dict):
+            raw[k] = {**raw[k], **v}
+        else:
+            raw[k] = v
+    return DataflowConfig.model_validate(raw)
+
+
+class FailStopped(Exception):
+    pass
+
+
+def new_dataflow(config: DataflowConfig) -> Dataflow:
+    df = Dataflow(config, FakePort)
+    df.fail_stops = []
+
+    def fail_stop(exc: BaseException) -> None:  # the process exit, in production
+        df.fail_stops.append(exc)
+        raise FailStopped(repr(exc)) from exc
+
+    df.fail_stop = fail_stop
+    return df
+
+
+def crash(df: Dataflow) -> None:
+    """Like kill -9 for the store: nothing flushed or cleaned up on purpose (only the
+    checkpoint thread is stopped, so the test process does not leak it)."""
+    for t in [*df._collectors.values(), *df._tasks, *df._background, *df._loads.values()]:
+        t.cancel()
+    df.store._checkpointer.stop()
+
+
+async def register(df: Dataflow, iid: str = "r1", versions=None, policies=("p",)) -> None:
+    await df.register(
+        iid, f"addr-{iid}", 10_000, list(policies), ["single_turn"], {}, dict(versions or {})
+    )
+
+
+def traj(tid: str, reward: float, version: int) -> TrajectoryRecord:
+    payload = rollout_pb2.Trajectory(trajectory_id=tid, reward=reward).SerializeToString()
+    return TrajectoryRecord(tid, reward, version, version, 4, payload, False)
+
+
+def result(gid: str, iid: str, version: int, rewards=(0.0, 1.0), policies=("p",)) -> IncomingGroup:
+    r = IncomingGroup(gid, iid)
+    for p in policies:
+        r.per_policy[p] = [traj(f"{gid}/{k}", rw, version) for k, rw in enumerate(rewards)]
+    return r
+
+
+def leased(df: Dataflow) -> dict[str, str]:
+    return {g: w.instance_id for g, w in df.work.items() if w.instance_id is not None}
+
+
+def varied(gid: str) -> tuple[float, ...]:
+    """Rewards that differ from group to group, so batch-normalised advantages are not
+    the same numbers for every group."""
+    k = int(gid.rsplit("/", 1)[1])
+    return (0.0, 1.0 + k, 0.5 * k)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30.0))
+
+
+# ----- a batch leased before a crash is the same batch after it --------------------------------
+
+
+def replay_config(tmp_path: Path, **buffer) -> DataflowConfig:
+    return make_config(
+        tmp_path,
+        policies=[
+            {
+                "id": "p",
+                "batch_groups": 2,
+                "buffer": {"drop_equal_rewards": False, "normalization": "batch", **buffer},
+            }
+        ],
+    )
+
+
+async def fill_and_fetch(df: Dataflow, n_batches: int):
+    await register(df, versions={"p": 0})
+    await df._dispatch_round()
+    await df.ingest("r1", [result(g, "r1", 0, rewards=varied(g)) for g in sorted(leased(df))])
+    batches = []
+    for i in range(n_batches):
+        b = await df.batches.fetch("p", 2, f"req-{i}", "t", 0.1)
+        batches.append(b)
+        if i < n_batches - 1:
+            df.batches.ack(b.batch_id)
+    return batches
+
+
+def snapshot(batch) -> list[tuple]:
+    return [
+        (g.group_id, g.replay, list(g.advantages), [t.payload for t in g.trajectories])
+        for g in batch.groups
+    ]
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["fresh", "with_replay"])
+def test_a_batch_leased_before_a_crash_is_served_again_unchanged(tmp_path, replay):
+    """Same groups, same order, same advantages, replayed copies included; and it can be
+    acknowledged across the restart."""
+    extra = {"replay_ratio": 0.5, "replay_capacity_groups": 8} if replay else {}
+    cfg = replay_config(tmp_path, **extra)
+
+    async def body():
+        df = new_dataflow(cfg)
+        before = (await fill_and_fetch(df, 2 if replay else 1))[-1]
+        assert sum(g.replay for g in before.groups) == int(replay)
+        assert all(g.advantages for g in before.groups)
+        want = snapshot(before)
+        crash(df)
+        df2 = new_dataflow(cfg)
+        try:
+            again = await df2.batches.fetch("p", 2, before.request_id, "t", 0.1)
+            assert again.batch_id == before.batch_id and again.state == "leased"
+            assert snapshot(again) == want
+            fresh = sum(not g.replay for g in again.groups)
+            assert df2.batches.ack(again.batch_id) == fresh
+        finally:
+            crash(df2)
+        # Acknowledged across the restart: nothing of that batch comes back.
+        df3 = new_dataflow(cfg)
+        try:
+            assert not set(g.group_id for g in before.groups if not g.replay) & set(
+                df3.buffers["p"]._groups
+            )
+            assert df3.store.replays() == {}
+        finally:
+            crash(df3)
+
+    run(body())
+
+
+def test_a_retried_fetch_after_a_restart_streams_the_same_advantages(tmp_path):
+    """Through the servicer the trainer talks to: never 0.0 made up for every trajectory."""
+    from astra.dataflow.v1 import dataflow_service_pb2 as pb
+    from astra.servers.dataflow import DataflowServicer
+
+    async def streamed(df, request_id):
+        req = pb.FetchBatchRequest(policy_id="p", num_groups=2, request_id=request_id)
+        req.max_wait.FromNanoseconds(100_000_000)
+        out = []
+        async for msg in DataflowServicer(df).FetchBatch(req, None):
+            if isinstance(msg, bytes):
+                msg = pb.FetchBatchResponse.FromString(msg)
+            if msg.HasField("trajectories"):
+                out += [(t.trajectory_id, t.advantage) for t in msg.trajectories.trajectories]
+        return out
+
+    cfg = replay_config(tmp_path)
+
+    async def body():
+        df = new_dataflow(cfg)
+        await register(df, versions={"p": 0})
+        await df._dispatch_round()
+        await df.ingest("r1", [result(g, "r1", 0, rewards=varied(g)) for g in sorted(leased(df))])
+        first = await streamed(df, "req-0")
+        assert any(a != 0.0 for _, a in first)
+        crash(df)
+        df2 = new_dataflow(cfg)
+        try:
+            assert await streamed(df2, "req-0") == first
+        finally:
+            crash(df2)
+
+    run(body())
+
+
+def test_a_leased_batch_that_cannot_be_rebuilt_goes_back_to_the_buffer(tmp_path):
+    """A replayed copy whose bytes are gone (a state directory written before they were
+    stored): the batch is expired and its fresh groups buffered again, never served
+    different."""
+    cfg = replay_config(tmp_path, replay_ratio=0.5, replay_capacity_groups=8)
+
+    async def body():
+        df = new_dataflow(cfg)
+        before = (await fill_and_fetch(df, 2))[-1]
+        crash(df)
+        db = sqlite3.connect(Path(cfg.state_dir) / "dataflow.sqlite")
+        db.execute("DELETE FROM batch_replays")
+        db.commit()
+        db.close()
+        df2 = new_dataflow(cfg)
+        try:
+            fresh = [g.group_id for g in before.groups if not g.replay]
+            assert all(g in df2.buffers["p"] for g in fresh)
+            assert df2.counters["batches_expired_on_recovery"] == 1
+            with pytest.raises(Exception) as info:
+                await df2.batches.fetch("p", 2, before.request_id, "t", 0.1)
+            assert getattr(info.value, "reason", "") == "BATCH_LEASE_EXPIRED"
+        finally:
+            crash(df2)
+        df3 = new_dataflow(cfg)  # and that decision was durable
+        try:
+            assert all(g in df3.buffers["p"] for g in fresh)
+            assert df3.batches.batches[before.batch_id].state == "expired"
+        finally:
+            crash(df3)
+
+    run(body())
+
+
+def test_a_state_directory_of_schema_1_still_opens_and_its_leased_batch_is_served(tmp_path):
+    """Before advantages were stored: the leased batch's advantages are stamped again from its
+    groups (the same numbers, since they depend only on the batch's rewards)."""
+    cfg = replay_config(tmp_path)
+
+    async def body():
+        df = new_dataflow(cfg)
+        (before,) = await fill_and_fetch(df, 1)
+        want = snapshot(before)
+        crash(df)
+        db = sqlite3.connect(Path(cfg.state_dir) / "dataflow.sqlite")
+        (keys,) = db.execute(
+            "SELECT groups FROM batches WHERE batch_id=?", (before.batch_id,)
+        ).fetchone()
+        old = [[gid, replay] for gid, replay, *_ in json.loads(keys)]
+        db.execute(
+            "UPDATE batches SET groups=? WHERE batch_id=?", (json.dumps(old), before.batch_id)
+        )
+        db.execute("DROP TABLE batch_replays")
+        db.execute("PRAGMA user_version=1")
+        db.commit()
+        db.close()
+        df2 = new_dataflow(cfg)
+        try:
+            again = await df2.batches.fetch("p", 2, before.request_id, "t", 0.1)
+            assert snapshot(again) == want
+        finally:
+            crash(df2)
+
+    run(body())
+
+
+def test_replayed_copies_are_not_counted_as_consumed(tmp_path):
+    cfg = replay_config(tmp_path, replay_ratio=0.5, replay_capacity_groups=8)
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            _, b2 = await fill_and_fetch(df, 2)
+            assert [g.replay for g in b2.groups] == [False, True]
+            n = len(b2.groups[0].trajectories)
+            assert df.batches.ack(b2.batch_id) == 1  # AckBatch's consumed_groups
+            assert df.counters["consumed_groups"] == 3  # b1's 2 and b2's 1
+            assert df.counters["consumed_replay_groups"] == 1
+            assert df.counters["consumed_trajectories"] == 3 * n
+        finally:
+            crash(df)
+
+    run(body())
