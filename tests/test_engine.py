@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from astra.engine.api import Generation, Sampling  # noqa: E402
+from astra.engine.batch import Sequence  # noqa: E402
 from astra.engine.model import CausalLM  # noqa: E402
 from astra.engine.tiny import TINY_CONFIG, load_model, random_model, tiny_model  # noqa: E402
 from astra.engine.tokenizer import CharTokenizer  # noqa: E402
@@ -175,6 +177,82 @@ def test_stop_strings_ids_eos_and_length() -> None:
 
     eos = asyncio.run(with_eos())
     assert eos.finish_reason == "stop" and eos.token_ids == full.token_ids[:cut]
+
+
+class ByteTokenizer:
+    """GPT-2-style byte tokens over the tiny model's 100 ids: id i decodes to the byte
+    `table[i]`; 2 is eos; an incomplete UTF-8 character decodes as U+FFFD."""
+
+    eos_id = 2
+    vocab_size = 100
+
+    def __init__(self, table: dict[int, int]) -> None:
+        self.table = table
+
+    def encode(self, text: str) -> list[int]:
+        return [4 + (ord(c) % 90) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(self.table[i] for i in ids if i != self.eos_id).decode(errors="replace")
+
+
+def test_stop_string_ending_in_a_multibyte_character_split_across_tokens() -> None:
+    """The completing byte turns a trailing U+FFFD into the character without growing the
+    text; the stop string must still be found (it was missed: generation ran to "length")."""
+    seq = Sequence(
+        policy="p",
+        prompt=[1],
+        sampling=Sampling(max_new_tokens=10, stop_strings=("é",)),
+        seed=0,
+        tokenizer=ByteTokenizer({4: ord("a"), 5: 0xC3, 6: 0xA9}),
+        stop_ids=frozenset({2}),
+        deliver=lambda _: None,
+    )
+    assert [seq.add(t, -1.0, -1.0, 0) for t in (4, 5, 6)] == [None, None, "stop"]  # a, C3, A9
+    assert seq.result("stop").text == "aé"
+
+    prompt = [10, 11, 12, 13]
+    base = Sampling(max_new_tokens=40, temperature=1.0, seed=3)
+
+    def sampled(tok: ByteTokenizer, stops: tuple[str, ...] = ()) -> Generation:
+        async def go() -> Generation:
+            engine = TorchEngine({"p": (tiny_model(), tok)})
+            try:
+                s = Sampling(**{**_kw(base), "stop_strings": stops})
+                return await asyncio.wait_for(engine.generate("p", prompt, s), 30)
+            finally:
+                await engine.close()
+
+        return asyncio.run(go())
+
+    plain = {i: ord("a") + i % 26 for i in range(100)}
+    ids = sampled(ByteTokenizer(plain)).token_ids
+    # two consecutive distinct ids new to the text; mapped to C3 A9 they decode to "é"
+    k = next(
+        k
+        for k in range(3, len(ids) - 1)
+        if ids[k] != ids[k + 1] and ids[k] not in ids[:k] and ids[k + 1] not in ids[: k + 1]
+    )
+    table = dict(plain) | {ids[k]: 0xC3, ids[k + 1]: 0xA9}
+    tok = ByteTokenizer(table)
+    assert "é" in tok.decode(ids)
+    gen = sampled(tok, ("é",))
+    assert gen.finish_reason == "stop" and gen.meta["stop"] == "é"
+    assert gen.token_ids == ids[: k + 2] and gen.text.endswith("é")
+
+
+def test_a_tiny_positive_temperature_is_refused() -> None:
+    """logits / 1e-40 overflow float32: NaN log-probs and an arbitrary token were returned."""
+
+    async def go(engine: TorchEngine) -> Generation:
+        for t in (1e-40, 1e-5):
+            with pytest.raises(InvalidArgument) as info:
+                await engine.generate("p", TOK.encode("hello"), Sampling(5, temperature=t))
+            assert info.value.field_violations[0][0] == "sampling.temperature"
+        return await engine.generate("p", TOK.encode("hello"), Sampling(5, 1e-4, seed=1))
+
+    gen = run(go)
+    assert len(gen.token_ids) == 5 and all(math.isfinite(lp) for lp in gen.logprobs)
 
 
 def _kw(s: Sampling) -> dict[str, Any]:

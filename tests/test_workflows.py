@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from astra.engine.api import Generation, Sampling
+from astra.engine.validate import check_request
 from astra.raas.backend import GroupSpec, TrajectorySpec
 from astra.rewards import get_reward
 from astra.rewards.safe_math import UnsafeExpression
@@ -60,6 +61,7 @@ class ScriptedTestEngine:
     would. Every token gets log-prob -0.5 and the policy's current version.
     `keep_stop=False` imitates engines that drop the stop string. `delay(sampling)`
     sleeps before answering; `fail_finish=True` reports finish_reason "error".
+    `max_seq_len` is the context it reports and enforces as engines do (check_request).
     """
 
     name = "scripted-test"
@@ -73,8 +75,10 @@ class ScriptedTestEngine:
         keep_stop: bool = True,
         delay: Callable[[Sampling], float] | None = None,
         fail_finish: bool = False,
+        max_seq_len: int = 2**31 - 1,
     ) -> None:
         self.script = script
+        self.limit = max_seq_len
         self.policy_ids = policy_ids
         self._tok = ByteTokenizer()
         self._versions = {p: 0 for p in policy_ids} | dict(versions or {})
@@ -92,7 +96,11 @@ class ScriptedTestEngine:
     def version(self, policy_id: str) -> int:
         return self._versions[policy_id]
 
+    def max_seq_len(self, policy_id: str) -> int:
+        return self.limit
+
     async def generate(self, policy_id: str, prompt_ids: list[int], sampling: Sampling):
+        check_request(prompt_ids, sampling, vocab_size=self._tok.vocab_size, max_seq_len=self.limit)
         prompt = self._tok.decode(prompt_ids)
         self.calls.append((policy_id, prompt, sampling))
         self.in_flight += 1
@@ -252,6 +260,111 @@ def test_multi_turn_token_budget_covers_the_whole_episode():
     budgets = [c[2].max_new_tokens for c in engine.calls]
     assert budgets[0] == 60 and all(b > 0 for b in budgets) and sorted(budgets, reverse=True)
     assert int(t.sequences[0].loss_mask.sum()) <= 60
+
+
+CALL = '<tool name="calculator">1+1</tool>'  # 34 tokens; its observation <result>2</result>: 18
+
+
+def test_multi_turn_later_turns_fit_the_engine_context():
+    """Turn 2 asked for the whole remaining budget on top of prompt + turn 1 + observation, past
+    the engine's max_seq_len: refused, and the whole episode (turn 1 too) became an error."""
+
+    def script(policy_id: str, prompt: str, sampling: Sampling) -> str:
+        return "So 2." if "<result>" in prompt else CALL
+
+    engine = ScriptedTestEngine(script, max_seq_len=80)
+    g = make_group("Q: 1+1? ", workflow="multi_turn_tools", tokens=72)  # 8 + 72 = 80 fits
+    t = episode(engine, g)
+    assert t.error is None and t.reward == 1.0 and t.metadata["ended"] == "answer"
+    assert [c[2].max_new_tokens for c in engine.calls] == [72, 80 - (8 + 34 + 18)]
+    assert len(t.sequences[0].token_ids) == 8 + 34 + 18 + 5 <= 80
+
+    # An observation that would leave no room for a model token is not appended: "length".
+    engine = ScriptedTestEngine(script, max_seq_len=8 + 34 + 18)
+    t = episode(engine, make_group("Q: 1+1? ", workflow="multi_turn_tools", tokens=52))
+    assert t.error is None and t.metadata["ended"] == "length" and len(engine.calls) == 1
+    assert t.metadata["tool_calls"] == [] and t.metadata["turns"] == 1
+    assert ByteTokenizer().decode(t.sequences[0].token_ids.tolist()) == "Q: 1+1? " + CALL
+
+
+def test_multi_turn_near_the_torch_engine_context_is_not_an_error():
+    """The same through the built-in engine's own checks (turn 1 is scripted: the tiny random
+    model cannot be steered into a tool call)."""
+    from astra.engine.tiny import load_model
+    from astra.engine.torch_engine import TorchEngine
+
+    class FirstTurnScripted:
+        name = "first-turn-scripted"
+
+        def __init__(self, inner: TorchEngine) -> None:
+            self.inner, self.policy_ids, self.calls = inner, inner.policy_ids, 0
+            self.tokenizer, self.version = inner.tokenizer, inner.version
+            self.max_seq_len = inner.max_seq_len
+
+        async def generate(self, policy_id, prompt_ids, sampling):
+            self.calls += 1
+            if self.calls > 1:
+                return await self.inner.generate(policy_id, prompt_ids, sampling)
+            ids = self.tokenizer(policy_id).encode(CALL)
+            n = len(ids)
+            return Generation(ids, [-0.1] * n, [0] * n, "stop", text=CALL, meta={"stop": "</tool>"})
+
+    async def main() -> TrajectorySpec:
+        model, tok = load_model("tiny")
+        inner = TorchEngine({"p": (model, tok)}, max_seq_len=64)
+        engine = FirstTurnScripted(inner)
+        g = make_group(
+            "Q: 1+1? ", workflow="multi_turn_tools", policies=("p",), tokens=56, temperature=0.0
+        )
+        try:
+            return await run_episode(get_workflow(g.workflow), context(engine, g))
+        finally:
+            await inner.close()
+
+    t = run(main(), 60.0)
+    assert t.error is None, t.error
+    assert t.metadata["tool_calls"] == ["calculator"] and t.metadata["turns"] == 2
+    assert len(t.sequences[0].token_ids) <= 64
+
+
+class EosEngine:
+    """Answers turn 1 with `first` then eos, as the torch engine reports an eos stop: the eos
+    id kept as the last token, the text without it, meta["stop"] the eos id."""
+
+    name = "eos-test"
+    policy_ids = ("policy",)
+
+    def __init__(self, first: str) -> None:
+        self.first = first
+        self.calls: list[list[int]] = []
+        self._tok = ByteTokenizer()
+
+    def tokenizer(self, policy_id: str) -> ByteTokenizer:
+        return self._tok
+
+    def version(self, policy_id: str) -> int:
+        return 0
+
+    async def generate(self, policy_id: str, prompt_ids: list[int], sampling: Sampling):
+        self.calls.append(list(prompt_ids))
+        text = self.first if len(self.calls) == 1 else "2"
+        ids = [*self._tok.encode(text), self._tok.eos_id]
+        n = len(ids)
+        meta = {"stop": self._tok.eos_id}
+        return Generation(ids, [-0.1] * n, [0] * n, "stop", text=text, meta=meta)
+
+
+@pytest.mark.parametrize("first", ['<tool name="calculator">1+1', CALL])
+def test_multi_turn_a_turn_ended_by_eos_ends_the_episode(first):
+    """A call (left open, or closed by an engine that ignored the stop string) in a turn the
+    model ended with eos was run, its observation appended after the eos, and generation went
+    on past the model's own end."""
+    engine = EosEngine(first)
+    t = episode(engine, make_group("Q: ", workflow="multi_turn_tools", tokens=100))
+    assert t.error is None and len(engine.calls) == 1
+    assert t.metadata["tool_calls"] == [] and t.metadata["ended"] == "answer"
+    ids = t.sequences[0].token_ids.tolist()
+    assert ids.index(ByteTokenizer.eos_id) == len(ids) - 1
 
 
 def test_parse_tool_call():

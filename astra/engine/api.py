@@ -61,6 +61,14 @@ class InferenceEngine(Protocol):
 
     def version(self, policy_id: str) -> int: ...
 
+    def max_seq_len(self, policy_id: str) -> int:
+        """Longest prompt + max_new_tokens the engine accepts for the policy (its context).
+
+        Callers that must work with engines predating this method use
+        `WorkflowContext.max_seq_len`, which treats a missing method as no limit.
+        """
+        ...
+
     async def generate(
         self, policy_id: str, prompt_ids: list[int], sampling: Sampling
     ) -> Generation:

@@ -75,7 +75,9 @@ class Sequence:
         text = self.text()
         longest = max(len(s) for s in self.sampling.stop_strings)
         start = max(0, self._searched - longest + 1)
-        self._searched = len(text)
+        # Not past a trailing U+FFFD: a multi-byte character split across tokens decodes as
+        # U+FFFD until its last byte arrives, which completes it without growing the text.
+        self._searched = len(text.rstrip("\ufffd"))
         hits = [(text.find(s, start), s) for s in self.sampling.stop_strings]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:

@@ -14,6 +14,10 @@ from collections.abc import Sequence
 from astra.engine.api import Sampling
 from astra.errors import invalid_field
 
+# Smallest positive temperature: far below it logits / temperature overflow float32 (inf
+# logits, NaN log-probs, an arbitrary token). Use 0 for greedy.
+MIN_TEMPERATURE = 1e-4
+
 
 def check_request(
     prompt_ids: Sequence[int], s: Sampling, *, vocab_size: int, max_seq_len: int
@@ -34,6 +38,11 @@ def check_request(
         )
     if not (math.isfinite(s.temperature) and s.temperature >= 0):
         raise invalid_field("sampling.temperature", "must be finite and >= 0")
+    if 0 < s.temperature < MIN_TEMPERATURE:
+        raise invalid_field(
+            "sampling.temperature",
+            f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {s.temperature:g}",
+        )
     if not 0 < s.top_p <= 1:
         raise invalid_field("sampling.top_p", "must be in (0, 1]")
     if s.top_k < 0:

@@ -67,6 +67,12 @@ class WorkflowContext:
     def tokenizer(self, policy_id: str) -> Tokenizer:
         return self.engine.tokenizer(policy_id)
 
+    def max_seq_len(self, policy_id: str) -> int | None:
+        """The engine's context (prompt + new tokens) for the policy; None when the engine
+        names none (an engine without `max_seq_len`)."""
+        limit = getattr(self.engine, "max_seq_len", None)
+        return None if limit is None else int(limit(policy_id))
+
     def prompt_ids(self, policy_id: str) -> list[int]:
         """The group's prompt as token ids: the shipped ids, else the text encoded."""
         if self.group.prompt_token_ids is not None:
