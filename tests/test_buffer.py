@@ -30,7 +30,7 @@ def accounted(buf: PolicyBuffer) -> None:
     """Every group given to the buffer is still inside or counted by exactly one sink."""
     c = buf.counters
     given = c["added"] + c["restored"] + c["put_back"]
-    filtered = sum(v for k, v in c.items() if k.startswith("filtered_"))
+    filtered = sum(v for k, v in c.items() if k.startswith(("filtered_", "filter_error_")))
     assert given == len(buf) + filtered + sum(c[k] for k in _SINKS)
 
 
@@ -228,6 +228,27 @@ def test_custom_filter_registry() -> None:
         register_filter("stale", lambda g: True)
     with pytest.raises(ValueError):
         register_filter("not a name", lambda g: True)
+    accounted(buf)
+
+
+def test_a_filter_that_raises_drops_the_group_and_counts_it(caplog) -> None:
+    """A custom filter is user code: its exception must not escape `add` (Dataflow calls it
+    inside its ingest transaction) but drop the group, counted and logged."""
+
+    def picky(g: GroupRecord) -> bool:
+        if g.group_id == "b":
+            raise KeyError("metadata missing")
+        return True
+
+    register_filter("picky", picky, replace_existing=True)
+    buf = PolicyBuffer(BufferConfig(drop_equal_rewards=False, filters=["picky"]))
+    assert buf.counters["filter_error_picky"] == 0
+    assert buf.add(group("a", [0.0, 1.0]), 0) == "accepted"
+    assert buf.add(group("b", [0.0, 1.0]), 0) == "filter_error_picky"
+    assert buf.add(group("c", [0.0, 1.0]), 0) == "accepted"
+    assert "b" not in buf and len(buf) == 2
+    assert buf.counters["filter_error_picky"] == 1 and buf.counters["filtered_picky"] == 0
+    assert "picky" in caplog.text and "metadata missing" in caplog.text
     accounted(buf)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from astra.common.v1 import rollout_pb2
+from astra.dataflow.buffer import register_filter
 from astra.dataflow.config import DataflowConfig
 from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.ports import IncomingGroup
@@ -335,5 +336,105 @@ def test_replayed_copies_are_not_counted_as_consumed(tmp_path):
             assert df.counters["consumed_trajectories"] == 3 * n
         finally:
             crash(df)
+
+    run(body())
+
+
+# ----- an exception inside the ingest transaction never leaves memory ahead of the store -------
+
+
+def _boom(group) -> bool:
+    if group.group_id.endswith(("/1", "/3")):
+        raise KeyError("metadata missing")  # a bug in user code, on some groups only
+    return True
+
+
+register_filter("recovery_boom", _boom, replace_existing=True)
+
+
+def unshuffled(cfg: DataflowConfig) -> DataflowConfig:
+    s = cfg.streams[0]
+    ds = s.dataset.model_copy(update={"shuffle": False})
+    return cfg.model_copy(update={"streams": [s.model_copy(update={"dataset": ds})]})
+
+
+def test_a_raising_filter_drops_its_groups_counted_and_none_is_trained_twice(tmp_path):
+    cfg = unshuffled(
+        make_config(
+            tmp_path,
+            n_prompts=4,
+            policies=[
+                {
+                    "id": "p",
+                    "batch_groups": 1,
+                    "buffer": {"drop_equal_rewards": False, "filters": ["recovery_boom"]},
+                }
+            ],
+        )
+    )
+
+    async def body():
+        df = new_dataflow(cfg)
+        await register(df, versions={"p": 0})
+        await df._dispatch_round()
+        gids = sorted(leased(df))
+        assert gids == ["s/0/0", "s/0/1", "s/0/2", "s/0/3"]
+        assert await df.ingest("r1", [result(g, "r1", 0) for g in gids]) == gids
+        status = df.status()["counters"]
+        assert status["buffer.p.filter_error_recovery_boom"] == 2
+        assert sorted(df.buffers["p"]._groups) == ["s/0/0", "s/0/2"]
+        assert not df.fail_stops
+        batch = await df.batches.fetch("p", 1, "req-0", "t", 0.1)
+        trained = [g.group_id for g in batch.groups]
+        df.batches.ack(batch.batch_id)
+        crash(df)
+
+        df2 = new_dataflow(cfg)
+        try:
+            await register(df2, versions={"p": 0})
+            await df2._dispatch_round()
+            assert not leased(df2), "every group was done before the restart"
+            assert not set(trained) & set(df2.buffers["p"]._groups)
+        finally:
+            crash(df2)
+
+    run(body())
+
+
+def test_a_bug_inside_the_ingest_transaction_fail_stops(tmp_path, monkeypatch):
+    """Not a storage failure, yet memory took the first results of the slice while the
+    transaction rolled back: Dataflow stops (to recover from the store, as after kill -9),
+    acknowledges nothing, and after the restart every group is dispatched again and none
+    is buffered (so none is trained twice)."""
+    from astra.dataflow.buffer import PolicyBuffer
+
+    cfg = unshuffled(make_config(tmp_path, n_prompts=4))
+    real_add = PolicyBuffer.add
+
+    def add(self, group, current_version):
+        if group.group_id == "s/0/2":
+            raise RuntimeError("a bug in Dataflow")
+        return real_add(self, group, current_version)
+
+    async def body():
+        df = new_dataflow(cfg)
+        await register(df, versions={"p": 0})
+        await df._dispatch_round()
+        gids = sorted(leased(df))
+        monkeypatch.setattr(PolicyBuffer, "add", add)
+        with pytest.raises(FailStopped):
+            await df.ingest("r1", [result(g, "r1", 0) for g in gids])
+        monkeypatch.setattr(PolicyBuffer, "add", real_add)
+        assert [type(e) for e in df.fail_stops] == [RuntimeError]
+        assert df.counters["transaction_failures"] == 1
+        crash(df)
+        df2 = new_dataflow(cfg)
+        try:
+            assert len(df2.buffers["p"]) == 0 and not df2.done
+            await register(df2, versions={"p": 0})
+            await df2._dispatch_round()
+            assert sorted(leased(df2)) == gids
+        finally:
+            crash(df2)
 
     run(body())

@@ -17,6 +17,7 @@ which trainer version is current.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import random
 from collections import Counter, OrderedDict
@@ -27,6 +28,8 @@ from typing import Literal
 import numpy as np
 
 from astra.dataflow.records import GroupRecord
+
+log = logging.getLogger(__name__)
 
 FilterFn = Callable[[GroupRecord], bool]
 Eviction = Literal["drop_oldest", "reject_new"]
@@ -71,7 +74,8 @@ def register_filter(name: str, fn: FilterFn, *, replace_existing: bool = False) 
     """Register a custom group filter; `fn(group)` returns True to keep the group.
 
     Drops are counted as `filtered_<name>`, so `name` must be a Python identifier and must not
-    shadow a built-in filter. Registering a taken name raises unless `replace_existing`.
+    shadow a built-in filter. A filter that raises drops the group too, counted as
+    `filter_error_<name>` and logged. Registering a taken name raises unless `replace_existing`.
     """
     if not name.isidentifier() or name in _RESERVED_FILTER_NAMES:
         raise ValueError(f"invalid filter name {name!r}")
@@ -187,7 +191,9 @@ class PolicyBuffer:
         # groups that left are skipped when popped, as in the eviction heap.
         self._order: list[tuple[int, int, str]] = []
         self._counters: Counter[str] = Counter()
-        for key in _COUNTERS + tuple(f"filtered_{name}" for name, _ in self._filters):
+        for key in _COUNTERS + tuple(
+            f"{kind}_{name}" for name, _ in self._filters for kind in ("filtered", "filter_error")
+        ):
             self._counters[key] = 0
 
     def __len__(self) -> int:
@@ -229,7 +235,13 @@ class PolicyBuffer:
         if self.config.drop_equal_rewards and len(kept) >= 2 and len(set(group.rewards)) == 1:
             return self._count(FILTERED_EQUAL_REWARD)
         for name, keep in self._filters:
-            if not keep(group):
+            try:
+                kept_by_filter = keep(group)
+            except Exception:
+                # User code: its bug must not escape into the caller's transaction.
+                log.exception("buffer filter %r failed on group %s: dropped", name, group.group_id)
+                return self._count(f"filter_error_{name}")
+            if not kept_by_filter:
                 return self._count(f"filtered_{name}")
         while len(self._groups) >= self.config.capacity_groups:
             if self.config.eviction == "reject_new":

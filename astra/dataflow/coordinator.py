@@ -39,7 +39,7 @@ from astra.dataflow.pool import Instance, InstanceState, Pool
 from astra.dataflow.ports import Connector, PortError
 from astra.dataflow.records import GroupRecord, WorkItem
 from astra.dataflow.status import dataflow_status
-from astra.dataflow.store import StateStore
+from astra.dataflow.store import StateStore, is_storage_error
 from astra.dataflow.versions import VersionBook
 from astra.dataflow.weight_sync import WeightSync
 from astra.errors import FailedPrecondition, InvalidArgument
@@ -216,12 +216,22 @@ class Dataflow(Ingesting, WeightSync):
         self.store.close()
 
     def _storage_failed(self, exc: BaseException) -> None:
-        """A transaction failed in storage (full disk, I/O error): what this process holds in
-        memory may now differ from what is durable, so it stops at once (fail-stop) and the
-        next start recovers from the store, exactly as after kill -9. `fail_stop` is the
-        process exit; tests replace it."""
-        log.critical("Dataflow state store failed (%s): stopping to recover from disk", exc)
-        self.counters["storage_failures"] += 1
+        """A transaction failed in storage (full disk, I/O error), or on a bug inside one
+        that changes memory as it goes (`tx(any_failure=True)`: ingest): what this process
+        holds in memory may now differ from what is durable, so it stops at once (fail-stop)
+        and the next start recovers from the store, exactly as after kill -9. `fail_stop` is
+        the process exit; tests replace it."""
+        if is_storage_error(exc):
+            log.critical("Dataflow state store failed (%s): stopping to recover from disk", exc)
+            self.counters["storage_failures"] += 1
+        else:
+            log.critical(
+                "Dataflow failed inside a transaction (%r): memory and store may differ; "
+                "stopping to recover from disk",
+                exc,
+                exc_info=exc,
+            )
+            self.counters["transaction_failures"] += 1
         self.fail_stop(exc)
 
     @staticmethod

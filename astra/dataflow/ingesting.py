@@ -116,7 +116,11 @@ class Ingesting:
         acks: list[str] = []
         cancel: dict[str, list[str]] = {}
         evaluated = False  # an evaluation group's result: the tallies are written once, below
-        with self.store.tx() as tx:
+        # Memory (buffers, work, done, counters) changes result by result inside the
+        # transaction: any exception in it, not only storage's, fail-stops (see
+        # Dataflow._storage_failed), or a rolled-back result would stay buffered and done
+        # in memory and be dispatched and trained again after a restart.
+        with self.store.tx(any_failure=True) as tx:
             for r in results:
                 acks.append(r.group_id)
                 if r.group_id in self.done:

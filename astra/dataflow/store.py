@@ -81,6 +81,11 @@ CREATE TABLE IF NOT EXISTS batch_replays (
 """
 
 
+def is_storage_error(exc: BaseException) -> bool:
+    """A failure of the store itself (SQLite or the blob log), not of its caller."""
+    return isinstance(exc, (sqlite3.Error, OSError))
+
+
 @dataclass(slots=True)
 class WorkRow:
     group_id: str
@@ -307,10 +312,12 @@ class StateStore:
         self.on_failure: Callable[[BaseException], None] | None = None
 
     @contextlib.contextmanager
-    def tx(self) -> Iterator[Tx]:
+    def tx(self, *, any_failure: bool = False) -> Iterator[Tx]:
         """One transaction. A storage failure in it (SQLite or the blob log: a full disk, an
         I/O error), at COMMIT too, is rolled back and reported to `on_failure` before it is
-        raised: the caller's in-memory state may already hold what the store does not."""
+        raised: the caller's in-memory state may already hold what the store does not.
+        `any_failure`: any other exception raised in the block is reported too (the caller
+        changes its memory as it goes, which the rollback cannot undo)."""
         tx: Tx | None = None
         try:
             self.conn.execute("BEGIN IMMEDIATE")
@@ -325,7 +332,8 @@ class StateStore:
                     self.blobs.release(seg)
                 for st in tx.staged_used:  # back to its owner, who discards it
                     st.used = False
-            if isinstance(exc, (sqlite3.Error, OSError)) and self.on_failure is not None:
+            reported = is_storage_error(exc) or (any_failure and isinstance(exc, Exception))
+            if reported and self.on_failure is not None:
                 self.on_failure(exc)
             raise
         for seg in tx.released:
