@@ -378,21 +378,34 @@ class Dataflow(Ingesting, WeightSync):
             1 for w in self.work.values() if w.instance_id is not None and w.stream == stream.name
         )
 
+    def _running_for(self, policy_id: str) -> int:
+        """Training groups in flight that will land in `policy_id`'s buffer, of any stream."""
+        return sum(
+            1
+            for w in self.work.values()
+            if w.instance_id is not None
+            and not self.evals.is_eval(w.stream)
+            and policy_id in self.streams[w.stream].policy_ids
+        )
+
     def stream_capacity(self, stream: StreamSettings) -> int:
         g = self.config.gate
-        running = self._running(stream)
         if g.max_offpolicyness is None or self.evals.is_eval(stream.name):
-            return max(0, g.max_concurrent_groups - running)
+            return max(0, g.max_concurrent_groups - self._running(stream))
         # A group trains every policy of its stream: each policy's bound holds, so the most
         # constrained decides (with eta = 0 a policy whose trainer runs ahead waits for the
-        # others instead of training tokens of a version behind its own).
+        # others instead of training tokens of a version behind its own). The bound is the
+        # policy's: `accepted` counts what every stream gave it, so `running` counts what
+        # every stream has in flight for it (one stream's alone would give each stream the
+        # policy's whole budget). Streams are dispatched one after another and a lease counts
+        # at once, so a round never leases past the budget either.
         return min(
             offpolicy_capacity(
                 g.max_offpolicyness,
                 self.versions.current(p),
                 self.config.policy(p).batch_groups,
                 self.accepted[p],
-                running,
+                self._running_for(p),
                 g.max_concurrent_groups,
             )
             for p in stream.policy_ids
