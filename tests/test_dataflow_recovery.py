@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -480,6 +481,57 @@ def test_eta_zero_with_two_streams_on_one_policy_is_synchronous(tmp_path):
                 df.batches.ack(batch.batch_id)
                 df.announce("p", step + 1, str(step + 1), "w0")
             assert staleness == [0] * 6
+        finally:
+            crash(df)
+
+    run(body())
+
+
+# ----- a full buffer holds dispatch back instead of losing finished results ------------------
+
+
+@pytest.mark.parametrize("eviction", ["drop_oldest", "reject_new"])
+def test_groups_leased_to_a_trainer_count_against_the_buffer_capacity(tmp_path, eviction):
+    """A trainer dies holding a batch: its groups come back when the lease expires (whatever
+    the buffer's capacity), so what was admitted meanwhile must have left room for them."""
+    cfg = make_config(
+        tmp_path,
+        policies=[
+            {
+                "id": "p",
+                "batch_groups": 2,
+                "buffer": {"drop_equal_rewards": False, "capacity_groups": 4, "eviction": eviction},
+            }
+        ],
+        gate={"buffer_high_watermark": 1.0},
+    )
+
+    def lost(df) -> int:
+        c = df.buffers["p"].counters
+        return c["evicted_full"] + c["rejected_full"]
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            await register(df, versions={"p": 0})
+            await df._dispatch_round()
+            await df.ingest("r1", [result(g, "r1", 0) for g in sorted(leased(df))])
+            assert len(df.buffers["p"]) == 4
+            batch = await df.batches.fetch("p", 2, "req-0", "t", 0.1)  # the trainer then dies
+            await df._dispatch_round()
+            assert not leased(df), "2 buffered + 2 leased: the buffer is full"
+            assert df.gate_state.buffer_fill_ratio == 1.0
+            batch.lease_expire = time.time() - 1
+            df.batches.expire(time.time())
+            assert len(df.buffers["p"]) == 4 and lost(df) == 0
+            # A trainer that acknowledges makes room for exactly what it consumed.
+            again = await df.batches.fetch("p", 2, "req-1", "t", 0.1)
+            df.batches.ack(again.batch_id)
+            await df._dispatch_round()
+            more = sorted(leased(df))
+            assert len(more) == 2
+            await df.ingest("r1", [result(g, "r1", 0) for g in more])
+            assert len(df.buffers["p"]) == 4 and lost(df) == 0
         finally:
             crash(df)
 

@@ -140,6 +140,16 @@ class BatchDesk:
             if b.policy_id == policy_id and b.state == "leased"
         )
 
+    def leased_fresh(self, policy_id: str) -> int:
+        """Fresh groups of the policy in leased batches: back in its buffer if a lease expires."""
+        return sum(
+            1
+            for b in self.batches.values()
+            if b.policy_id == policy_id and b.state == "leased"
+            for g in b.groups
+            if not g.replay
+        )
+
     async def fetch(
         self,
         policy_id: str,

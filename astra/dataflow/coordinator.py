@@ -411,17 +411,21 @@ class Dataflow(Ingesting, WeightSync):
             for p in stream.policy_ids
         )
 
+    def _held(self, policy_id: str) -> int:
+        """Groups the policy's buffer holds or may get back: buffered, and fresh groups leased
+        to a trainer (an expired lease puts them back, whatever the buffer's capacity)."""
+        return len(self.buffers[policy_id]) + self.batches.leased_fresh(policy_id)
+
     def buffer_room(self, stream: StreamSettings) -> int:
         """Groups that may still be dispatched before the stream's buffers would pass the
-        high watermark, counting what is in flight: admission never overfills a buffer."""
+        high watermark, counting what is in flight and what trainers hold leased: admission
+        never overfills a buffer."""
         in_flight = self._in_flight()
         mark = self.config.gate.buffer_high_watermark
         return max(
             0,
             min(
-                int(mark * self.config.policy(p).buffer.capacity_groups)
-                - len(self.buffers[p])
-                - in_flight
+                int(mark * self.config.policy(p).buffer.capacity_groups) - self._held(p) - in_flight
                 for p in stream.policy_ids
             ),
         )
@@ -446,10 +450,11 @@ class Dataflow(Ingesting, WeightSync):
         training = [s for s in self.streams.values() if not self.evals.is_eval(s.name)]
         capacity = 0 if self.pool.empty else sum(self.stream_capacity(s) for s in training)
         in_flight = self._in_flight()
-        # Groups in flight will land in the buffers: count them, or a full pool overfills.
+        # Groups in flight will land in the buffers, and leased ones may come back: count
+        # them, or a full pool overfills.
         fill = max(
-            (len(b) + in_flight) / self.config.policy(p).buffer.capacity_groups
-            for p, b in self.buffers.items()
+            (self._held(p) + in_flight) / self.config.policy(p).buffer.capacity_groups
+            for p in self.buffers
         )
         if in_flight == 0 and self.gate.mode is GateMode.SYNC_BARRIER:
             # The barrier has drained: whatever is dispatched next starts at the current
