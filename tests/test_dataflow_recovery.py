@@ -536,3 +536,53 @@ def test_groups_leased_to_a_trainer_count_against_the_buffer_capacity(tmp_path, 
             crash(df)
 
     run(body())
+
+
+# ----- counters after a restart are what was durably recorded ---------------------------------
+
+
+def test_buffer_counters_survive_a_restart(tmp_path):
+    """Every drop is counted, and a restart does not set those counts back to 0."""
+    register_filter(
+        "recovery_odd", lambda g: int(g.group_id.rsplit("/", 1)[1]) % 2 == 0, replace_existing=True
+    )
+    cfg = make_config(
+        tmp_path,
+        n_prompts=8,
+        policies=[
+            {
+                "id": "p",
+                "batch_groups": 2,
+                "buffer": {"drop_equal_rewards": True, "filters": ["recovery_odd"]},
+            }
+        ],
+    )
+
+    def buffer_counters(df):
+        return {k: v for k, v in df.status()["counters"].items() if k.startswith("buffer.")}
+
+    async def body():
+        df = new_dataflow(cfg)
+        await register(df, versions={"p": 0})
+        await df._dispatch_round()
+        gids = sorted(leased(df))
+        # 0/2: equal rewards; 1/3/5/7: refused by the filter; 4/6: accepted.
+        equal = {"s/0/0", "s/0/2"}
+        await df.ingest(
+            "r1",
+            [result(g, "r1", 0, rewards=(1.0, 1.0) if g in equal else (0.0, 1.0)) for g in gids],
+        )
+        before = buffer_counters(df)
+        assert before["buffer.p.filtered_equal_reward"] == 2
+        assert before["buffer.p.filtered_recovery_odd"] == 4
+        assert before["buffer.p.accepted"] == 2
+        crash(df)
+        df2 = new_dataflow(cfg)
+        try:
+            after = buffer_counters(df2)
+            assert after.pop("buffer.p.restored") == before.pop("buffer.p.restored") + 2
+            assert after == before
+        finally:
+            crash(df2)
+
+    run(body())

@@ -215,6 +215,11 @@ class PolicyBuffer:
         """Monotonic counts of every outcome (a copy)."""
         return dict(self._counters)
 
+    def restore_counters(self, saved: dict[str, int]) -> None:
+        """Counters as durably recorded before a restart (before any `restore`)."""
+        for key, value in saved.items():
+            self._counters[key] = int(value)
+
     def add(self, group: GroupRecord, current_version: int) -> str:
         """Admit a finished group, or say why not. The buffer takes ownership of `group`.
 

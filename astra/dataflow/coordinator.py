@@ -146,7 +146,7 @@ class Dataflow(Ingesting, WeightSync):
         self._collectors: dict[str, asyncio.Task] = {}
         self._loads: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
-        self._saved_counters: Counter[str] = Counter()
+        self._saved_counters: tuple = ()
         self._pulled: list[str] = []
         self._ingest_turn = asyncio.Lock()
         # Writes trajectory bytes to the blob log off the event loop, one batch at a time.
@@ -165,6 +165,10 @@ class Dataflow(Ingesting, WeightSync):
         st = self.store
         self.counters.update(st.get("counters", {}))
         self.accepted.update(st.get("accepted", {}))
+        # Before the groups are restored below (which counts them `restored`).
+        for policy_id, saved in st.get("buffer_counters", {}).items():
+            if policy_id in self.buffers:
+                self.buffers[policy_id].restore_counters(saved)
         self.versions.restore(st.get("versions", {}))
         self.evals.restore(st.get("evals", {}))
         for name, source in self.sources.items():
@@ -188,10 +192,15 @@ class Dataflow(Ingesting, WeightSync):
         if self.work:
             log.info("recovered %d unfinished groups to dispatch again", len(self.work))
 
+    def _counter_state(self) -> tuple:
+        return dict(self.counters), {p: b.counters for p, b in self.buffers.items()}
+
     def persist_counters(self, tx) -> None:
-        tx.put("counters", dict(self.counters))
+        state = self._counter_state()
+        tx.put("counters", state[0])
         tx.put("accepted", dict(self.accepted))
-        self._saved_counters = Counter(self.counters)
+        tx.put("buffer_counters", state[1])
+        self._saved_counters = state
 
     # ----- lifecycle -----------------------------------------------------------------------
 
@@ -702,7 +711,7 @@ class Dataflow(Ingesting, WeightSync):
             with contextlib.suppress(Exception):
                 await port.close()
         self._sync_weights()
-        if self.counters != self._saved_counters:
+        if self._counter_state() != self._saved_counters:
             with self.store.tx() as tx:
                 self.persist_counters(tx)
 
