@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from google.protobuf import struct_pb2
 
+import astra.rewards.code_tests as code_tests_module
 from astra.dataflow.dataset import load_records
 from astra.raas.tasks import generate_records, write_dataset
 from astra.rewards import REWARDS, Scored, UnknownReward, get_reward, known_rewards, score
 from astra.rewards.answers import arithmetic, countdown, exact_match, numeric
 from astra.rewards.code_tests import code_tests, extract_program
 from astra.rewards.safe_math import UnsafeExpression, evaluate, format_number
+from astra.rewards.sandbox import SandboxResult
 
 
 def half_reward(record, completion, **context):
@@ -49,6 +54,36 @@ def test_arithmetic_takes_the_first_number():
     assert arithmetic({"answer": "19"}, "19 and then 12+7=19") == 1.0
     assert arithmetic({"answer": "-25"}, "-25") == 1.0
     assert arithmetic({"answer": "19"}, "18") == 0.0
+
+
+def test_numbers_read_the_unicode_minus_sign():
+    # U+2212, as typographic or LaTeX-ish output writes it, is a minus, not nothing.
+    assert numeric({"answer": "-5"}, "The answer is \u22125") == 1.0
+    assert numeric({"answer": "5"}, "The answer is \u22125") == 0.0
+    assert arithmetic({"answer": "-25"}, "\u221225") == 1.0
+
+
+def test_numbers_compare_exactly_past_float_range_and_precision():
+    big = "1" + "0" * 400  # a float would be inf, and inf - inf is NaN
+    assert numeric({"answer": big}, big) == 1.0
+    assert numeric({"answer": int(big)}, f"<answer>{big}</answer>") == 1.0
+    assert numeric({"answer": big}, big + "0") == 0.0
+    # 2**53 + 1 == 2**53 as floats: a wrong answer must not pass.
+    assert arithmetic({"answer": str(2**53)}, str(2**53 + 1)) == 0.0
+    assert arithmetic({"answer": 2**53 + 1}, str(2**53 + 1)) == 1.0
+    assert numeric({"answer": str(2**53), "tolerance": 0}, str(2**53 + 1)) == 0.0
+    # Floats from a record (a protobuf Struct) still match what is written.
+    assert arithmetic({"answer": 0.1}, "0.1") == 1.0 and arithmetic({"answer": 42.0}, "42") == 1.0
+
+
+def test_answer_extraction_is_linear_on_unclosed_tags():
+    # Many opening tags and no closing one (a collapsed, repetitive completion): the
+    # quadratic pattern took over 20 s on 160k characters; linear takes milliseconds.
+    for completion in ("<answer>" * 20_000, "<answer>" * 10_000 + "1" * 80_000):
+        start = time.perf_counter()
+        numeric({"answer": "1"}, completion)
+        assert time.perf_counter() - start < 1.0
+    assert numeric({"answer": "2"}, "<answer>1 <answer>2</answer>") == 1.0
 
 
 def test_countdown_checks_numbers_and_target():
@@ -104,6 +139,72 @@ def test_code_tests_timeout_crash_and_load_failure_score_zero_with_reason():
         code_tests({}, ADD)
 
 
+def test_code_tests_verdict_cannot_be_forged_through_main_globals():
+    # The program runs in the harness's interpreter: it used to read the result path from
+    # `__main__`, write its own verdict and exit, for a reward of 100 / 2 = 50.0.
+    record = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}
+    forged = (
+        "```python\n"
+        "import sys, json, os\n"
+        "m = sys.modules['__main__']\n"
+        "json.dump({'loaded': True, 'passed': 100, 'failures': []}, open(m._result, 'w'))\n"
+        "os._exit(0)\n"
+        "```"
+    )
+    value = code_tests(record, forged)
+    assert value == 0.0
+
+
+def test_code_tests_harness_hides_its_names_source_and_builtins():
+    program = (
+        "import builtins, os, sys\n"
+        "leaked = [n for n in vars(sys.modules['__main__']) if not n.startswith('__')]\n"
+        "assert not leaked, leaked\n"
+        "assert sorted(os.listdir('.')) == ['stderr', 'stdin', 'stdout'], os.listdir('.')\n"
+        "builtins.exec = lambda *a, **k: None  # must not make every test pass\n"
+    )
+    r = code_tests({"tests": ["assert True", "assert False"]}, program)
+    assert r == 0.5 and r.metadata["passed"] == 1, r.metadata
+
+
+def test_code_tests_refuses_a_result_file_the_program_wrote():
+    # Reaching the harness frame is possible in-process (see the module doc); a verdict
+    # the program writes before the tests run is still refused.
+    program = (
+        "import json, sys\n"
+        "names = sys._getframe(1).f_locals.values()\n"
+        "name = next(v for v in names if isinstance(v, str) and v.startswith('result-'))\n"
+        "with open(name, 'w') as f:\n"
+        "    json.dump({'loaded': True, 'passed': 2, 'failed': 0, 'failures': []}, f)\n"
+    )
+    r = code_tests({"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}, program)
+    assert r == 0.0 and r.metadata["reason"] == "exit 1", r.metadata
+
+
+@pytest.mark.parametrize(
+    ("verdict", "want", "reason"),
+    [
+        ({"loaded": True, "passed": 2, "failed": 0, "failures": []}, 1.0, "ok"),
+        ({"loaded": True, "passed": -1, "failed": 3, "failures": []}, 0.0, "ok"),  # clamped
+        ({"loaded": True, "passed": 100, "failures": []}, 0.0, "inconsistent result"),
+        ({"loaded": True, "passed": 100, "failed": -98}, 0.0, "inconsistent result"),
+        ({"loaded": True, "passed": 3, "failed": 0}, 0.0, "inconsistent result"),
+        ({"loaded": True, "passed": 1.5, "failed": 0.5}, 0.0, "inconsistent result"),
+        ([1, 2], 0.0, "unreadable result"),
+        ("[" * 5000, 0.0, "unreadable result"),
+    ],
+)
+def test_code_tests_reward_is_a_fraction_of_consistent_counts(monkeypatch, verdict, want, reason):
+    def fake_run(harness, *, limits, keep):
+        raw = verdict if isinstance(verdict, str) else json.dumps(verdict)
+        return SandboxResult("", "", 0, "ok", 0.0, files={keep[0]: raw})
+
+    monkeypatch.setattr(code_tests_module, "run_python", fake_run)
+    r = code_tests({"tests": ["assert f()", "assert g()"]}, "")
+    assert 0.0 <= r <= 1.0
+    assert r == want and r.metadata["reason"] == reason
+
+
 # ----- lookup --------------------------------------------------------------------------------
 
 
@@ -134,6 +235,37 @@ def test_score_checks_the_value():
         score(lambda r, c, **k: math.nan, {}, "x")
     with pytest.raises(TypeError, match="expected a float"):
         score(lambda r, c, **k: "1.0", {}, "x")
+
+
+def test_score_makes_metadata_json_safe():
+    # A reward using numpy used to make the trajectory's Struct.update raise, and with it
+    # the whole group.
+    def numpy_reward(record, completion, **context):
+        return Scored(
+            1.0,
+            passed=np.int64(3),
+            score=np.float32(0.5),
+            ok=np.bool_(True),
+            nested={1: [np.float64(0.25), (np.int32(2),)]},
+            odd={1, 2},
+            big=10**400,
+            bad=math.nan,
+        )
+
+    value, meta = score(numpy_reward, {}, "x")
+    assert value == 1.0
+    assert meta == {
+        "passed": 3,
+        "score": 0.5,
+        "ok": True,
+        "nested": {"1": [0.25, [2]]},
+        "odd": "{1, 2}",
+        "big": str(10**400),
+        "bad": "nan",
+    }
+    assert type(meta["passed"]) is int and type(meta["ok"]) is bool
+    struct_pb2.Struct().update(meta)
+    json.dumps(meta, allow_nan=False)
 
 
 def test_reward_plugin_from_an_entry_point(tmp_path: Path, monkeypatch):

@@ -5,22 +5,30 @@ Each reads the policy's answer from the completion (the last
 `<answer>...</answer>` span when there is one, else the completion) and
 compares it with the record: `answer` for the first three, `numbers` and
 `target` for countdown (records as astra.raas.tasks writes them). A record
-without the field it needs raises; a malformed completion scores 0.
+without the field it needs raises; a malformed completion scores 0. Numbers
+are compared exactly, as decimals: no float rounding (2**53 + 1 is not
+2**53) and no float overflow (an exact answer past 1e308 still matches).
 """
 
 from __future__ import annotations
 
+import decimal
 import re
 from collections import Counter
+from decimal import Decimal
 from typing import Any
 
 from astra.rewards import safe_math
 from astra.rewards.registry import Scored, register_reward
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+# A span may not hold another opening tag: each scan then stops at the next <answer>,
+# so a completion of many unclosed tags takes linear time, not quadratic.
+_ANSWER_TAG = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL | re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 DEFAULT_TOLERANCE = 1e-6
 COUNTDOWN_OPS = frozenset({"+", "-", "*", "/"})
+# Differences and tolerances: wide exponents, no traps (a NaN compares false).
+_EXACT = decimal.Context(prec=64, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[])
 
 
 def answer_span(completion: str) -> str:
@@ -34,14 +42,22 @@ def normalize(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
-def numbers_in(text: str) -> list[float]:
-    """Every number in `text`, in order (thousands separators allowed: 1,000)."""
+def numbers_in(text: str) -> list[Decimal]:
+    """Every number in `text`, in order, exactly (thousands separators allowed: 1,000).
+
+    The minus sign U+2212 counts as "-". An exponent too wide for a decimal
+    reads as a float would (an infinity or 0).
+    """
     out = []
-    for match in _NUMBER.findall(text):
+    for match in _NUMBER.findall(text.replace("\u2212", "-")):
+        literal = match.replace(",", "")
         try:
-            out.append(float(match.replace(",", "")))
-        except ValueError:
-            continue
+            out.append(Decimal(literal))
+        except (decimal.InvalidOperation, ValueError):
+            try:
+                out.append(Decimal(float(literal)))
+            except ValueError:
+                continue
     return out
 
 
@@ -51,10 +67,12 @@ def _field(record: dict[str, Any], name: str) -> Any:
     return record[name]
 
 
-def _reference_number(record: dict[str, Any]) -> float:
+def _reference_number(record: dict[str, Any]) -> Decimal:
     ref = _field(record, "answer")
-    if isinstance(ref, int | float) and not isinstance(ref, bool):
-        return float(ref)
+    if isinstance(ref, int) and not isinstance(ref, bool):
+        return Decimal(ref)
+    if isinstance(ref, float):
+        return Decimal(repr(float(ref)))  # 0.1 as written, not its binary expansion
     found = numbers_in(str(ref))
     if not found:
         raise ValueError(f"the record's answer {ref!r} holds no number")
@@ -77,8 +95,9 @@ def numeric(record: dict[str, Any], completion: str, **context: Any) -> float:
     found = numbers_in(answer_span(completion))
     if not found:
         return Scored(0.0, reason="no number in the completion")
-    tol = float(record.get("tolerance", DEFAULT_TOLERANCE))
-    return float(abs(found[-1] - ref) <= tol * max(1.0, abs(ref)))
+    tol = Decimal(repr(float(record.get("tolerance", DEFAULT_TOLERANCE))))
+    with decimal.localcontext(_EXACT):
+        return float(abs(found[-1] - ref) <= tol * max(Decimal(1), abs(ref)))
 
 
 @register_reward("arithmetic")
