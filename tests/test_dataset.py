@@ -146,3 +146,18 @@ def test_item_for_round_trip_and_rejects_foreign(tmp_path: Path) -> None:
             src.item_for(bad)
     nested = PromptSource(DatasetConfig(path=str(p)), ("a", "b"), "duel", 2, "team/x")
     assert nested.item_for("team/x/0/5").index == 5
+
+
+def test_a_negative_shuffle_seed_is_refused_in_the_config(tmp_path):
+    """numpy refuses a negative seed: accepted, it would fail every dispatch round at the first
+    draw while the run looked healthy. The config refuses it up front."""
+    from pydantic import ValidationError
+
+    from astra.dataflow.config import DatasetSettings
+
+    path = write_jsonl(tmp_path / "d.jsonl", 3)
+    with pytest.raises(ValidationError, match="seed"):
+        DatasetSettings(path=str(path), seed=-1)
+    cfg = DatasetSettings(path=str(path), seed=0)
+    src = make_source(path, seed=cfg.seed)
+    assert len(drain(src)) == 3

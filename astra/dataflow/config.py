@@ -62,7 +62,7 @@ class DatasetSettings(_Strict):
     prompt_field: str = Field("prompt", description="Field holding the prompt text.")
     num_epochs: int = Field(1, ge=0, description="Epochs to run; 0 means unbounded.")
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded).")
-    seed: int = Field(0, description="Shuffle seed.")
+    seed: int = Field(0, ge=0, description="Shuffle seed (numpy seeds are >= 0).")
 
 
 class StreamSettings(_Strict):
