@@ -586,3 +586,58 @@ def test_buffer_counters_survive_a_restart(tmp_path):
             crash(df2)
 
     run(body())
+
+
+# ----- every result ends in a counted outcome --------------------------------------------------
+
+
+def test_a_result_with_no_trajectories_and_no_error_is_counted_malformed(tmp_path):
+    cfg = make_config(tmp_path, n_prompts=1)
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            await register(df, versions={"p": 0})
+            await df._dispatch_round()
+            (gid,) = leased(df)
+            assert await df.ingest("r1", [IncomingGroup(gid, "r1")]) == [gid]
+            assert gid in df.done and not len(df.buffers["p"])
+            assert df.counters["malformed_results"] == 1
+            assert df.counters["completed_groups"] == 0
+            (row,) = df.store.work_rows()
+            assert row.outcome == "malformed: no trajectories"
+        finally:
+            crash(df)
+
+    run(body())
+
+
+def test_a_policy_missing_from_a_multi_policy_result_is_counted(tmp_path):
+    data = write_prompts(tmp_path / "d.jsonl", 1)
+    cfg = make_config(
+        tmp_path,
+        policies=[
+            {"id": "a", "batch_groups": 1, "buffer": {"drop_equal_rewards": False}},
+            {"id": "b", "batch_groups": 1, "buffer": {"drop_equal_rewards": False}},
+        ],
+        streams=[
+            {"name": "s", "dataset": {"path": str(data)}, "policy_ids": ["a", "b"], "group_size": 2}
+        ],
+    )
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            await register(df, versions={"a": 0, "b": 0}, policies=("a", "b"))
+            await df._dispatch_round()
+            (gid,) = leased(df)
+            await df.ingest("r1", [result(gid, "r1", 0, policies=("a",))])
+            assert gid in df.buffers["a"]  # a's part is trained
+            assert df.status()["counters"]["malformed_missing_policy.b"] == 1
+            assert "malformed_missing_policy.a" not in df.counters
+            (row,) = df.store.work_rows()
+            assert row.outcome == "b:missing,a:accepted"
+        finally:
+            crash(df)
+
+    run(body())

@@ -170,6 +170,11 @@ class Ingesting:
         if r.error is not None:
             self.counters["failed_groups"] += 1
             return f"failed: {r.error}"
+        if not r.per_policy:
+            # Neither trajectories nor an error: nothing to train, and not a success.
+            self.counters["malformed_results"] += 1
+            log.warning("malformed result for %s: no trajectories and no error", r.group_id)
+            return "malformed: no trajectories"
         self.counters["completed_groups"] += 1
         outcomes = []
         per_policy = dict(r.per_policy)
@@ -177,6 +182,12 @@ class Ingesting:
         orphans = per_policy.pop("", [])
         for policy_id in w.item.policy_ids if orphans else ():
             per_policy.setdefault(policy_id, []).extend(replace(t) for t in orphans)
+        for policy_id in w.item.policy_ids:
+            if policy_id not in per_policy:
+                # The other policies' parts are trained; this one's is counted, not silent.
+                self.counters[f"malformed_missing_policy.{policy_id}"] += 1
+                log.warning("result for %s has no trajectories of %s", r.group_id, policy_id)
+                outcomes.append(f"{policy_id}:missing")
         for policy_id, trajectories in per_policy.items():
             buf = self.buffers.get(policy_id)
             if buf is None:
