@@ -641,3 +641,34 @@ def test_a_policy_missing_from_a_multi_policy_result_is_counted(tmp_path):
             crash(df)
 
     run(body())
+
+
+def test_a_run_whose_data_is_exhausted_says_so_to_the_trainer(tmp_path):
+    """num_epochs done with fewer groups left than a batch: BATCH_NOT_READY names it."""
+    from astra.errors import Unavailable
+
+    cfg = make_config(tmp_path, n_prompts=3)
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            await register(df, versions={"p": 0})
+            await df._dispatch_round()
+            gids = sorted(leased(df))
+            await df.ingest("r1", [result(g, "r1", 0) for g in gids[:2]])
+            with pytest.raises(Unavailable) as info:  # one group still to come
+                b = await df.batches.fetch("p", 2, "req-0", "t", 0.05)
+                df.batches.ack(b.batch_id)
+                await df.batches.fetch("p", 2, "req-1", "t", 0.05)
+            assert "exhausted" not in str(info.value)
+            await df.ingest("r1", [result(gids[2], "r1", 0)])
+            await df._dispatch_round()
+            assert not df.work and all(s.exhausted for s in df.sources.values())
+            with pytest.raises(Unavailable) as info:
+                await df.batches.fetch("p", 2, "req-1", "t", 0.05)
+            assert "training data exhausted" in str(info.value)
+            assert "exhausted" in df.status()["gate"]["reason"]
+        finally:
+            crash(df)
+
+    run(body())

@@ -362,6 +362,11 @@ class Dataflow(Ingesting, WeightSync):
 
     def why(self) -> str:
         """Why work is or is not being admitted, in words."""
+        if self.data_exhausted():
+            return (
+                "training data exhausted: every training stream ran its num_epochs and no "
+                "group is left to generate; what is buffered is all there will be"
+            )
         if self.pool.empty:
             return POOL_EMPTY
         state = self.gate_state or self.evaluate_gate()
@@ -373,6 +378,15 @@ class Dataflow(Ingesting, WeightSync):
                 "waiting for the trainer's next version"
             )
         return state.reason
+
+    def data_exhausted(self) -> bool:
+        """Every training stream's dataset is used up and none of its groups is unfinished."""
+        training = {n for n in self.streams if not self.evals.is_eval(n)}
+        return (
+            bool(training)
+            and all(self.sources[n].exhausted for n in training)
+            and not any(w.stream in training for w in self.work.values())
+        )
 
     def _in_flight(self) -> int:
         """Training groups leased to instances (evaluation groups never reach a buffer)."""
