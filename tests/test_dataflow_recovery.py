@@ -672,3 +672,45 @@ def test_a_run_whose_data_is_exhausted_says_so_to_the_trainer(tmp_path):
             crash(df)
 
     run(body())
+
+
+# ----- trained staleness never exceeds eta -----------------------------------------------------
+
+
+def test_an_instance_behind_the_trainer_does_not_add_its_lag_to_eta(tmp_path):
+    """eta = 1, and the instance's loads land one version late (what the floor target - eta
+    allows): AReaL's budget counted from the trainer's version let such an instance generate
+    groups that were trained at staleness 2. Counted from the version it holds: <= 1."""
+    cfg = make_config(
+        tmp_path,
+        n_prompts=64,
+        policies=[{"id": "p", "batch_groups": 1, "buffer": {"drop_equal_rewards": False}}],
+        gate={"max_offpolicyness": 1},
+    )
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            df.announce("p", 0, "0", "w0")
+            await register(df, versions={"p": 0})
+            inst = df.pool.instances["r1"]
+
+            async def slow_load(versions, request_id):  # loads land one version late
+                return dict(inst.loaded_versions)
+
+            inst.port.load_weights = slow_load
+            trained = []
+            for v in range(8):
+                inst.loaded_versions["p"] = max(0, v - 1)
+                await df._dispatch_round()
+                gen = inst.loaded_versions["p"]
+                await df.ingest("r1", [result(g, "r1", gen) for g in sorted(leased(df))])
+                batch = await df.batches.fetch("p", 1, f"req-{v}", "t", 0.05, trainer_version=v)
+                trained += [g.staleness(batch.policy_version) for g in batch.groups]
+                df.batches.ack(batch.batch_id)
+                df.announce("p", v + 1, str(v + 1), "w0")
+            assert len(trained) == 8 and max(trained) <= 1, trained
+        finally:
+            crash(df)
+
+    run(body())

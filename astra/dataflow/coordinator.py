@@ -453,6 +453,32 @@ class Dataflow(Ingesting, WeightSync):
             ),
         )
 
+    def _version_room(self, stream: StreamSettings, floor: dict[str, int]):
+        """With eta: how many groups an instance may still start for the stream, from the
+        versions it holds (a function of the instance), or None where no bound applies.
+
+        `stream_capacity` is AReaL's bound counted from the trainer's version v: a group
+        started now is trained by version v + eta at the latest. The floor lets an instance
+        still holding v - eta generate, and its tokens are then up to 2 * eta old when
+        trained. Counted from the version u the instance holds instead, a group must be
+        among the first (eta + u + 1) * batch_groups of its policy, so it is trained by
+        version u + eta: staleness <= eta. The same bound when the instance is up to date.
+        """
+        eta = self.config.gate.max_offpolicyness
+        if eta is None or not floor:
+            return None
+        used = {p: self.accepted[p] + self._running_for(p) for p in floor}
+        size = {p: self.config.policy(p).batch_groups for p in floor}
+        current = {p: self.versions.current(p) for p in floor}
+
+        def room(inst: Instance) -> int:
+            return min(
+                (eta + min(inst.loaded_versions.get(p, -1), current[p]) + 1) * size[p] - used[p]
+                for p in floor
+            )
+
+        return room
+
     def version_floor(self, stream: StreamSettings) -> dict[str, int]:
         """Oldest version an instance may hold to get this stream's work: target - eta.
 
@@ -566,6 +592,8 @@ class Dataflow(Ingesting, WeightSync):
             else:
                 budget = min(self.stream_capacity(stream), self.buffer_room(stream))
                 floor = self.version_floor(stream)
+            room = None if self.evals.is_eval(stream.name) else self._version_room(stream, floor)
+            leased = 0
             while budget > 0:
                 plan: dict[str, list[str]] = {}
                 # Pool.pick once per group, without scanning the pool each time: the
@@ -577,12 +605,15 @@ class Dataflow(Ingesting, WeightSync):
                 heapq.heapify(heap)
                 while budget > 0 and heap:
                     _, k, inst = heapq.heappop(heap)
+                    if room is not None and room(inst) <= leased:
+                        continue  # its weights are too old for what is left of the bound
                     gid = self._next_work(stream)
                     if gid is None:
                         break
                     self._lease(gid, inst)
                     plan.setdefault(inst.instance_id, []).append(gid)
                     budget -= 1
+                    leased += 1
                     if len(plan[inst.instance_id]) >= SUBMIT_BATCH:
                         break
                     if inst.free_slots >= stream.group_size:
