@@ -322,6 +322,24 @@ def test_a_state_directory_of_schema_1_still_opens_and_its_leased_batch_is_serve
     run(body())
 
 
+def test_the_run_summary_reads_the_batch_rows_of_schema_2(tmp_path):
+    """astra.run.summary reads the batches table itself (the run's end report)."""
+    from astra.run.summary import read_state
+
+    cfg = replay_config(tmp_path, replay_ratio=0.5, replay_capacity_groups=8)
+
+    async def body():
+        df = new_dataflow(cfg)
+        _, b2 = await fill_and_fetch(df, 2)
+        df.batches.ack(b2.batch_id)
+        crash(df)
+
+    run(body())
+    state = read_state(Path(cfg.state_dir))
+    assert state["acked_batches"] == 2
+    assert state["trained_keys"] == 3 and state["duplicated"] == 0  # the replayed copy: not
+
+
 def test_replayed_copies_are_not_counted_as_consumed(tmp_path):
     cfg = replay_config(tmp_path, replay_ratio=0.5, replay_capacity_groups=8)
 
@@ -712,5 +730,54 @@ def test_an_instance_behind_the_trainer_does_not_add_its_lag_to_eta(tmp_path):
             assert len(trained) == 8 and max(trained) <= 1, trained
         finally:
             crash(df)
+
+    run(body())
+
+
+def test_replay_with_eta_zero_keeps_every_fresh_group_on_policy(tmp_path):
+    """A batch of 4 with replay_ratio 0.5 takes 2 fresh groups once replay holds 2: AReaL's
+    budget of batch_groups fresh groups per version generated 2 too many each version,
+    trained by the next (staleness 1 with eta = 0). A crash midway changes nothing."""
+    cfg = make_config(
+        tmp_path,
+        n_prompts=64,
+        policies=[
+            {
+                "id": "p",
+                "batch_groups": 4,
+                "buffer": {
+                    "drop_equal_rewards": False,
+                    "replay_ratio": 0.5,
+                    "replay_capacity_groups": 8,
+                },
+            }
+        ],
+        gate={"max_offpolicyness": 0},
+    )
+
+    async def body():
+        df = new_dataflow(cfg)
+        df.announce("p", 0, "0", "w0")
+        await register(df, versions={"p": 0})
+        fresh, replayed = [], []
+        try:
+            for v in range(6):
+                if v == 3:  # kill -9 and start again: the replay memory is gone, not the count
+                    crash(df)
+                    df = new_dataflow(cfg)
+                    await register(df, versions={"p": v})
+                df.pool.instances["r1"].loaded_versions["p"] = v
+                await df._dispatch_round()
+                await df.ingest("r1", [result(g, "r1", v) for g in sorted(leased(df))])
+                batch = await df.batches.fetch("p", 4, f"req-{v}", "t", 0.1, trainer_version=v)
+                fresh.append([g.staleness(v) for g in batch.groups if not g.replay])
+                replayed.append(sum(g.replay for g in batch.groups))
+                df.batches.ack(batch.batch_id)
+                df.announce("p", v + 1, str(v + 1), "w0")
+                assert not leased(df)
+        finally:
+            crash(df)
+        assert replayed == [0, 2, 2, 0, 2, 2]
+        assert all(s == 0 for step in fresh for s in step), fresh
 
     run(body())

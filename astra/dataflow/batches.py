@@ -131,13 +131,22 @@ class BatchDesk:
                 batch.request_id,
             )
             self.df.counters["batches_expired_on_recovery"] += 1
-            self._expire(batch, restored=True)
+            row = next(r for r in rows if r.batch_id == batch.batch_id)
+            self._expire(batch, restored=True, replays=sum(r for _, r, _ in row.group_keys))
 
     def leased_groups(self, policy_id: str) -> int:
         return sum(
             len(b.groups)
             for b in self.batches.values()
             if b.policy_id == policy_id and b.state == "leased"
+        )
+
+    def taken_for(self, policy_id: str, version: int) -> bool:
+        """Whether the batch that trains `version` (or a later one) was taken: leased or
+        acknowledged."""
+        return any(
+            b.policy_id == policy_id and b.state != "expired" and b.policy_version >= version
+            for b in self.batches.values()
         )
 
     def leased_fresh(self, policy_id: str) -> int:
@@ -233,6 +242,7 @@ class BatchDesk:
         self.batches[batch.batch_id] = batch
         self.by_request[(policy_id, request_id)] = batch.batch_id
         df.counters["batches_served"] += 1
+        df.replay_slots[policy_id] += sum(1 for g in groups if g.replay)
         with df.store.tx() as tx:
             tx.set_group_batch(batch.stored_keys(), batch.batch_id)
             tx.add_replays(batch.batch_id, [(i, g) for i, g in enumerate(groups) if g.replay])
@@ -316,11 +326,15 @@ class BatchDesk:
                 continue
             self._expire(batch)
 
-    def _expire(self, batch: Batch, *, restored: bool = False) -> None:
+    def _expire(self, batch: Batch, *, restored: bool = False, replays: int | None = None) -> None:
         """Ends a leased batch: its fresh groups go back to the buffer (`restored`: they were
-        read from the store at start-up, not taken from this buffer)."""
+        read from the store at start-up, not taken from this buffer; `replays`: how many
+        replayed copies it held, if not in `groups`)."""
         batch.state = "expired"
         fresh = [g for g in batch.groups if not g.replay]
+        if replays is None:
+            replays = len(batch.groups) - len(fresh)
+        self.df.replay_slots[batch.policy_id] -= replays  # taken again by the next batch
         buf = self.df.buffers[batch.policy_id]
         if restored:
             for g in fresh:

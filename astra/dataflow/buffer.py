@@ -290,10 +290,7 @@ class PolicyBuffer:
             raise ValueError("n_groups must be >= 1")
         self._dropped.extend(self.drop_stale(current_version))
         self._expire_replay(current_version)
-        n_replay = 0
-        if self.config.replay_ratio > 0:
-            wanted = math.floor(n_groups * self.config.replay_ratio + _RATIO_SLACK)
-            n_replay = min(wanted, len(self._replay))
+        n_replay = min(self.replays_wanted(n_groups), len(self._replay))
         n_fresh = n_groups - n_replay
         if len(self._groups) < n_fresh:
             return None
@@ -311,6 +308,12 @@ class PolicyBuffer:
         batch = fresh + replayed
         self._stamp_advantages(batch)
         return batch
+
+    def replays_wanted(self, n_groups: int) -> int:
+        """Replayed copies a batch of `n_groups` takes when replay holds that many."""
+        if self.config.replay_ratio <= 0:
+            return 0
+        return math.floor(n_groups * self.config.replay_ratio + _RATIO_SLACK)
 
     def put_back(self, groups: Iterable[GroupRecord]) -> None:
         """Re-insert taken groups (a trainer's lease expired) at their original priority.

@@ -92,7 +92,7 @@ class WeightSync:
         fresh = (
             self.versions.current(policy_id) * b
             + len(self.buffers[policy_id])
-            + self.batches.leased_groups(policy_id)
+            + self.batches.leased_fresh(policy_id)
         )
         if fresh < self.accepted[policy_id]:
             log.warning(
@@ -103,6 +103,10 @@ class WeightSync:
             )
             self.counters["groups_untrained_at_resume"] += self.accepted[policy_id] - fresh
             self.accepted[policy_id] = fresh
+            # The versions' slots are all in `fresh` now: only the leased batches' replayed
+            # copies still fill slots of their own.
+            leased = self.batches.leased_groups(policy_id)
+            self.replay_slots[policy_id] = leased - self.batches.leased_fresh(policy_id)
             with self.store.tx() as tx:
                 self.persist_counters(tx)
             self.wake()

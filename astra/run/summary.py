@@ -38,7 +38,8 @@ def read_state(state_dir: Path) -> dict[str, Any]:
     trained: Counter[tuple[str, str]] = Counter()
     for policy_id, state, groups in batches:
         if state == "acked":
-            trained.update((policy_id, gid) for gid, replay in json.loads(groups) if not replay)
+            # Entries are [group_id, replay] or, from schema 2, [group_id, replay, advantages].
+            trained.update((policy_id, k[0]) for k in json.loads(groups) if not k[1])
     return {
         "dispatched": len(dispatched),
         "with_outcome": sum(1 for s, _ in dispatched if s == "done"),
