@@ -781,3 +781,49 @@ def test_replay_with_eta_zero_keeps_every_fresh_group_on_policy(tmp_path):
         assert all(s == 0 for step in fresh for s in step), fresh
 
     run(body())
+
+
+def test_groups_dropped_untrained_give_their_off_policy_slots_back(tmp_path):
+    """eta = 1, max_staleness = 0: a group generated ahead by version 0 expires at the take of
+    version 1. It was counted in `accepted`; kept there, every such expiry shrank AReaL's
+    budget for good (after (eta + 1) * batch_groups of them nothing is dispatched again)."""
+    cfg = make_config(
+        tmp_path,
+        n_prompts=64,
+        policies=[
+            {
+                "id": "p",
+                "batch_groups": 1,
+                "buffer": {"drop_equal_rewards": False, "max_staleness": 0},
+            }
+        ],
+        gate={"max_offpolicyness": 1},
+    )
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            df.announce("p", 0, "0", "w0")
+            await register(df, versions={"p": 0})
+            await df._dispatch_round()
+            first = sorted(leased(df))
+            assert len(first) == 2  # (eta + 1) * batch_groups ahead of version 0
+            await df.ingest("r1", [result(g, "r1", 0) for g in first])
+            b0 = await df.batches.fetch("p", 1, "req-0", "t", 0.05, trainer_version=0)
+            df.batches.ack(b0.batch_id)
+            df.announce("p", 1, "1", "w0")
+            df.pool.instances["r1"].loaded_versions["p"] = 1
+            await df._dispatch_round()
+            second = sorted(leased(df))
+            await df.ingest("r1", [result(g, "r1", 1) for g in second])
+            b1 = await df.batches.fetch("p", 1, "req-1", "t", 0.05, trainer_version=1)
+            assert df.buffers["p"].counters["filtered_stale"] == 1  # the version-0 leftover
+            df.batches.ack(b1.batch_id)
+            df.announce("p", 2, "2", "w0")
+            # Two trained, none buffered or in flight: the whole lookahead is open again.
+            assert df.accepted["p"] == 2
+            assert df.stream_capacity(df.streams["s"]) == 2
+        finally:
+            crash(df)
+
+    run(body())

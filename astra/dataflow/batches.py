@@ -251,10 +251,10 @@ class BatchDesk:
         return batch
 
     def _persist_dropped(self, policy_id: str) -> None:
-        dropped = self.df.buffers[policy_id].pop_dropped()
-        if dropped:
+        if self.df.buffers[policy_id].has_dropped:
             with self.df.store.tx() as tx:
-                tx.delete_groups((g.group_id, g.policy_id) for g in dropped)
+                self.df.let_go(tx, policy_id)
+                self.df.persist_counters(tx)
 
     def _known(self, batch_id: str) -> Batch:
         batch = self.batches.get(batch_id)

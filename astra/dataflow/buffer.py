@@ -410,6 +410,10 @@ class PolicyBuffer:
         self._compact_eviction()
         return stale
 
+    @property
+    def has_dropped(self) -> bool:
+        return bool(self._dropped)
+
     def pop_dropped(self) -> list[GroupRecord]:
         """Groups the buffer removed on its own (eviction in add, expiry in take) since last call.
 

@@ -466,6 +466,17 @@ class Dataflow(Ingesting, WeightSync):
             held = min(buf.config.replay_capacity_groups, held + size - n)
         return used
 
+    def let_go(self, tx, policy_id: str) -> None:
+        """Persists the removal of the groups the policy's buffer let go untrained (evicted
+        when full, expired as stale at a take) and frees their slots in AReaL's bound: they
+        were counted in `accepted` and no batch will train them, so each would otherwise
+        shrink the off-policy budget for good (after (eta + 1) * batch_groups of them nothing
+        would be dispatched again, and no batch could fill)."""
+        dropped = self.buffers[policy_id].pop_dropped()
+        if dropped:
+            tx.delete_groups((g.group_id, g.policy_id) for g in dropped)
+            self.accepted[policy_id] = max(0, self.accepted[policy_id] - len(dropped))
+
     def _held(self, policy_id: str) -> int:
         """Groups the policy's buffer holds or may get back: buffered, and fresh groups leased
         to a trainer (an expired lease puts them back, whatever the buffer's capacity)."""

@@ -145,9 +145,8 @@ class Ingesting:
                 del self.work[r.group_id]
                 self.done.add(r.group_id)
                 tx.set_work(r.group_id, w.stream, "done", attempts=w.attempts, outcome=outcome)
-            for buf in self.buffers.values():
-                evicted = buf.pop_dropped()
-                tx.delete_groups((g.group_id, g.policy_id) for g in evicted)
+            for policy_id in self.buffers:
+                self.let_go(tx, policy_id)
             if evaluated:
                 tx.put("evals", self.evals.state())
             self.persist_counters(tx)
