@@ -20,6 +20,7 @@ from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
 from astra.errors import invalid_field
 from astra.protowire import varint
 from astra.servers.convert import MAX_ID_CHARS, check_id, trajectories_parts
+from astra.servers.weights_convert import identity
 
 CONTRACT_VERSION = "1.0.0"
 MAX_LIST = 256
@@ -186,8 +187,7 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
     async def AnnounceVersion(self, request: pb.AnnounceVersionRequest, context):
         v = request.version
         check_id(v.policy_id, "version.policy_id")
-        if v.version_id and len(v.version_id) > MAX_ID_CHARS:
-            raise invalid_field("version.version_id", f"longer than {MAX_ID_CHARS} characters")
+        identity(v.version_id, "version.version_id", required=False)  # the RaaS loads it
         check_id(request.weights_address, "weights_address")
         if len(request.trainer_id) > MAX_ID_CHARS:
             raise invalid_field("trainer_id", f"longer than {MAX_ID_CHARS} characters")

@@ -4,7 +4,9 @@
 its canonical code with a google.rpc.ErrorInfo (domain = the proto package),
 BadRequest field violations and RetryInfo; any other exception becomes
 INTERNAL with reason INTERNAL_ERROR and is logged, so a bug in one call
-never takes the server down.
+never takes the server down. A request message that does not parse (corrupt
+bytes, bad UTF-8 in a string) is INVALID_ARGUMENT with reason MALFORMED_REQUEST,
+in a request stream too, rather than gRPC's own UNKNOWN without details.
 """
 
 from __future__ import annotations
@@ -18,20 +20,42 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from astra.errors import AstraError
+from astra.errors import AstraError, InvalidArgument
 
 log = logging.getLogger(__name__)
 
 
+# Messages and dynamic values echo the request (ids, names, keys); clipped so that a status
+# fits the trailers a client accepts (gRPC's default limit is 8 KiB, and grpc-message is
+# percent-encoded: up to 3 characters a byte). A metadata value keeps a 1024-character ASCII
+# name (a tensor's, at most 1024 characters).
+MAX_MESSAGE_BYTES = 512
+MAX_VALUE_BYTES = 1024
+MAX_FIELD_BYTES = 256
+
+
+def _clip(text: str, limit: int) -> str:
+    """`text` within `limit` UTF-8 bytes; its middle elided, so the start and the end (which
+    says what is wrong with the value) both stay."""
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    half = (limit - 3) // 2
+    return raw[:half].decode(errors="ignore") + "..." + raw[-half:].decode(errors="ignore")
+
+
 def status_for(exc: AstraError, domain: str) -> grpc.Status:
     details = []
-    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=domain, metadata=exc.metadata)
+    metadata = {k: _clip(v, MAX_VALUE_BYTES) for k, v in exc.metadata.items()}
+    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=domain, metadata=metadata)
     details.append(info)
     if exc.field_violations:
         details.append(
             error_details_pb2.BadRequest(
                 field_violations=[
-                    error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
+                    error_details_pb2.BadRequest.FieldViolation(
+                        field=_clip(f, MAX_FIELD_BYTES), description=_clip(d, MAX_MESSAGE_BYTES)
+                    )
                     for f, d in exc.field_violations
                 ]
             )
@@ -46,7 +70,9 @@ def status_for(exc: AstraError, domain: str) -> grpc.Status:
         a.Pack(d)
         packed.append(a)
     proto = status_pb2.Status(
-        code=code_pb2.Code.Value(exc.code), message=exc.message, details=packed
+        code=code_pb2.Code.Value(exc.code),
+        message=_clip(exc.message, MAX_MESSAGE_BYTES),
+        details=packed,
     )
     return rpc_status.to_status(proto)
 
@@ -54,6 +80,58 @@ def status_for(exc: AstraError, domain: str) -> grpc.Status:
 def _internal(domain: str, exc: BaseException) -> grpc.Status:
     err = AstraError(f"internal error: {type(exc).__name__}: {exc}", reason="INTERNAL_ERROR")
     return status_for(err, domain)
+
+
+class _Undecodable:
+    """What a request deserializer returned for bytes that do not parse."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, exc: Exception) -> None:
+        self.error = InvalidArgument(
+            f"the request message does not parse: {type(exc).__name__}: {exc}",
+            reason="MALFORMED_REQUEST",
+        )
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """The deserializer, with a failure handed to the handler instead of raised inside gRPC
+    (where it would end the call UNKNOWN, without ErrorInfo)."""
+    if deserializer is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:
+            return _Undecodable(exc)
+
+    return parse
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise request.error
+    return request
+
+
+class _ParsedRequests:
+    """A request stream that raises INVALID_ARGUMENT at a message that did not parse.
+
+    Iterating it again continues the same stream, as gRPC's request iterator does.
+    """
+
+    def __init__(self, requests: Any) -> None:
+        self._requests = requests
+        self._it: Any = None
+
+    def __aiter__(self) -> _ParsedRequests:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._it is None:
+            self._it = aiter(self._requests)
+        return _parsed(await anext(self._it))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -78,9 +156,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             log.exception("unhandled error in %s", handler_call_details.method)
             await context.abort_with_status(_internal(domain, exc))
 
-        def wrap_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+        def wrap_unary(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
+                    request = _ParsedRequests(request) if stream_in else _parsed(request)
                     return await behavior(request, context)
                 except Exception as exc:
                     if _is_abort(exc):
@@ -89,9 +168,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return run
 
-        def wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+        def wrap_stream(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
+                    request = _ParsedRequests(request) if stream_in else _parsed(request)
                     async for item in behavior(request, context):
                         yield item
                 except Exception as exc:
@@ -102,20 +182,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return run
 
         h = handler
+        parse = _tolerant(h.request_deserializer)
         if h.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(h.unary_unary), h.request_deserializer, h.response_serializer
+                wrap_unary(h.unary_unary, False), parse, h.response_serializer
             )
         if h.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(h.unary_stream), h.request_deserializer, h.response_serializer
+                wrap_stream(h.unary_stream, False), parse, h.response_serializer
             )
         if h.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(h.stream_unary), h.request_deserializer, h.response_serializer
+                wrap_unary(h.stream_unary, True), parse, h.response_serializer
             )
         return grpc.stream_stream_rpc_method_handler(
-            wrap_stream(h.stream_stream), h.request_deserializer, h.response_serializer
+            wrap_stream(h.stream_stream, True), parse, h.response_serializer
         )
 
 

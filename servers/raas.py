@@ -29,10 +29,11 @@ from astra.raas.backend import GroupSpec, RolloutBackend, VersionSpec
 from astra.raas.results import ResultStore
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
-from astra.servers.convert import MAX_ID_CHARS, check_id
+from astra.servers.convert import check_id
 from astra.servers.raas_convert import check_bounds, check_ids, group_result, group_spec
 from astra.servers.registrar import Registrar
 from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, with_raw_responses
+from astra.servers.weights_convert import identity
 from astra.weights.deadline import DeadlineExceeded
 
 RESULT_TAG = bytes([(1 << 3) | 2])  # CollectResultsResponse.result, length-delimited
@@ -240,8 +241,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 raise invalid_field(f"{where}.policy_id", f"{v.policy_id!r} listed twice")
             if v.version < 0:
                 raise invalid_field(f"{where}.version", "must be >= 0")
-            if len(v.version_id) > MAX_ID_CHARS:
-                raise invalid_field(f"{where}.version_id", f"longer than {MAX_ID_CHARS} characters")
+            identity(v.version_id, f"{where}.version_id", required=False)
             wanted[v.policy_id] = VersionSpec(v.version, v.version_id or str(v.version))
         for p, addr in sorted(request.policy_weights_addresses.items()):
             where = f"policy_weights_addresses[{p}]"

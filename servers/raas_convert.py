@@ -11,6 +11,7 @@ from google.protobuf import json_format
 from google.rpc import code_pb2, status_pb2
 
 from astra.common.v1 import rollout_pb2
+from astra.engine.validate import MIN_TEMPERATURE
 from astra.errors import invalid_field
 from astra.raas.backend import GroupSpec, TrajectorySpec
 from astra.servers.convert import Malformed, from_array, to_array
@@ -41,6 +42,8 @@ def check_bounds(g: rollout_pb2.PromptGroup, where: str) -> None:
     at = f"{where}.sampling_params"
     if not (math.isfinite(sp.temperature) and sp.temperature >= 0):
         raise invalid_field(f"{at}.temperature", "must be finite and >= 0")
+    if 0 < sp.temperature < MIN_TEMPERATURE:  # logits / temperature would overflow
+        raise invalid_field(f"{at}.temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}")
     if not 0 <= sp.top_p <= 1:
         raise invalid_field(f"{at}.top_p", "must be in (0, 1] (0 means 1)")
     if sp.top_k < 0:
@@ -66,6 +69,12 @@ def group_spec(g: rollout_pb2.PromptGroup, where: str) -> GroupSpec:
             raise invalid_field(f"{where}.prompt.token_ids", str(exc)) from exc
         if tokens.ndim != 1 or tokens.dtype.kind != "i":
             raise invalid_field(f"{where}.prompt.token_ids", "must be a 1-D integer array")
+    data = {}
+    if g.prompt.HasField("data"):
+        try:
+            data = json_format.MessageToDict(g.prompt.data)
+        except ValueError as exc:  # NaN or an infinity: not a JSON record
+            raise invalid_field(f"{where}.prompt.data", str(exc)) from exc
     return GroupSpec(
         group_id=g.group_id,
         workflow=g.workflow,
@@ -80,7 +89,7 @@ def group_spec(g: rollout_pb2.PromptGroup, where: str) -> GroupSpec:
         seed=sp.seed,
         prompt_text=g.prompt.text,
         prompt_token_ids=tokens,
-        data=json_format.MessageToDict(g.prompt.data) if g.prompt.HasField("data") else {},
+        data=data,
         reward=g.reward,
         epoch=g.epoch,
     )

@@ -25,6 +25,9 @@ from astra.raas.backend import GroupSpec, SequenceSpec, TrajectorySpec, VersionS
 
 PROMPT_LENGTH = 8
 VOCAB_SIZE = 32_000
+# Context length, as an engine has one: max_new_tokens is unbounded on the wire, and a sequence
+# drawn up to 2**31 tokens long would take the process's memory and event loop.
+MAX_SEQ_LEN = 1 << 17
 # Success rate of a group's samples, picked per group: 0 and 1 give all-equal rewards.
 SUCCESS_RATES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -85,7 +88,7 @@ class ScriptedGenerator:
     Per sample and policy it returns one sequence: PROMPT_LENGTH prompt
     tokens (loss_mask 0, logprob 0, version -1) then L generated tokens
     (loss_mask 1, negative finite log-probs, the version of that policy given
-    to `generate`), L in [1, max_new_tokens] from the hash, or exactly
+    to `generate`), L in [1, max_new_tokens] (within MAX_SEQ_LEN) from the hash, or exactly
     `tokens_override` when that is > 0. Rewards are 0.0 or 1.0.
 
     `delay_s` is slept once per group (cancellable), plus, with a `latency` model, the
@@ -169,10 +172,11 @@ class ScriptedGenerator:
         rate: float,
     ) -> SequenceSpec:
         rng = np.random.default_rng(_hash("sample", group.group_id, group.seed, sample, policy_id))
+        limit = min(group.max_new_tokens, MAX_SEQ_LEN - PROMPT_LENGTH)
         if self.tokens_override > 0:
             length = self.tokens_override
         else:
-            length = int(rng.integers(1, group.max_new_tokens + 1))
+            length = int(rng.integers(1, limit + 1))
         p = len(prompt)
         tokens = np.concatenate([prompt, rng.integers(0, VOCAB_SIZE, length, dtype=np.int32)])
         logprobs = np.zeros(p + length, dtype=np.float32)
@@ -188,7 +192,7 @@ class ScriptedGenerator:
             loss_mask=mask,
             weight_versions=weight_versions,
             prompt_length=p,
-            finish_reason="length" if length >= group.max_new_tokens else "stop",
+            finish_reason="length" if length >= limit else "stop",
             reward=1.0 if rng.random() < rate else 0.0,
         )
 

@@ -63,7 +63,7 @@ def check_files(files: Mapping[str, bytes]) -> None:
     for name, content in files.items():
         bad = (
             not name
-            or len(name) > 255
+            or len(name.encode()) > 255  # the filesystem's limit is in bytes
             or "/" in name
             or "\\" in name
             or "\0" in name

@@ -64,7 +64,7 @@ def parse_chunk(raw: bytes) -> WireChunk | None:
         if pos + size != len(raw):
             return None
         offset = 0
-        if raw[pos] == _OFFSET_TAG:
+        if pos < len(raw) and raw[pos] == _OFFSET_TAG:  # an empty chunk ends here
             offset, pos = read_varint(raw, pos + 1)
         if pos >= len(raw) or raw[pos] != _DATA_TAG:
             return None
