@@ -14,13 +14,14 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from astra.clients.raas import RolloutClient
 from astra.common.v1 import rollout_pb2, version_pb2
 from astra.dataflow.config import StreamSettings
 from astra.dataflow.ports import IncomingGroup, PortError
 from astra.dataflow.records import WorkItem
-from astra.servers.convert import field_slices, incoming_group, prompt_group
+from astra.servers.convert import Malformed, field_slices, incoming_group, prompt_group
 
 
 @contextlib.contextmanager
@@ -64,8 +65,16 @@ class GrpcRolloutPort:
     def decode(self, received: Sequence[bytes]) -> list[IncomingGroup]:
         out = []
         for msg in received:
-            (raw,) = field_slices(msg, 1, copy=False) or [b""]
-            result = rollout_pb2.GroupResult.FromString(raw)
+            try:
+                (raw,) = field_slices(msg, 1, copy=False) or [b""]
+                result = rollout_pb2.GroupResult.FromString(raw)
+            except (DecodeError, Malformed, ValueError, IndexError) as exc:
+                # A RaaS bug, not Dataflow's: the collector must not die of it (it would
+                # collect the same bytes again forever). Named by its group id where that
+                # much parses, so the group is counted malformed, acknowledged and
+                # dispatched again; else skipped (its lease expires) and counted.
+                out.append(_undecodable(msg, exc))
+                continue
             out.append(incoming_group(result, result.instance_id, raw))
         return out
 
@@ -110,3 +119,13 @@ def connect(timeout_s: float):
         return GrpcRolloutPort(address, timeout_s=timeout_s)
 
     return make
+
+
+def _undecodable(msg: bytes, exc: Exception) -> IncomingGroup:
+    """An IncomingGroup marked invalid for a result that does not parse, with the group id
+    when its field (GroupResult.group_id = 1) is readable on its own."""
+    group_id = ""
+    with contextlib.suppress(Exception):
+        (raw,) = field_slices(msg, 1)
+        group_id = bytes(field_slices(raw, 1)[0]).decode()
+    return IncomingGroup(group_id, "", invalid=f"result does not parse: {exc}"[:512])

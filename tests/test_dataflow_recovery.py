@@ -827,3 +827,34 @@ def test_groups_dropped_untrained_give_their_off_policy_slots_back(tmp_path):
             crash(df)
 
     run(body())
+
+
+def test_a_result_that_does_not_parse_is_counted_not_fatal_to_the_collector(tmp_path):
+    """A RaaS bug sends bytes that are no GroupResult (a string with bad UTF-8): decoding
+    raised in the collector, which was restarted and collected the same bytes forever."""
+    from astra.servers.rollout_port import GrpcRolloutPort
+
+    bad_traj = b"\x12\x03\x0a\x01\xff"  # Trajectory.trajectory_id = b"\xff"
+    named = b"\x0a\x03s/0" + bad_traj  # GroupResult.group_id = "s/0", then the bad part
+    port = GrpcRolloutPort("127.0.0.1:1")
+    msgs = [b"\x0a" + bytes([len(named)]) + named, b"\x0a\x02\x12\x00\xff\xff"]
+    first, second = port.decode(msgs)
+    assert first.group_id == "s/0" and "does not parse" in first.invalid
+    assert second.group_id == "" and second.invalid
+
+    async def body():
+        df = new_dataflow(make_config(tmp_path))
+        try:
+            await register(df, versions={"p": 0})
+            await df._dispatch_round()
+            gid = sorted(leased(df))[0]
+            named_here = IncomingGroup(gid, "", invalid=first.invalid)
+            acks = await df.ingest("r1", [named_here, second])
+            assert acks == [gid]  # nothing acknowledged for the unnamed one
+            assert df.counters["malformed_results"] == 1
+            assert df.counters["unattributable_results"] == 1
+            assert gid in df.done
+        finally:
+            crash(df)
+
+    run(body())

@@ -122,6 +122,10 @@ class Ingesting:
         # in memory and be dispatched and trained again after a restart.
         with self.store.tx(any_failure=True) as tx:
             for r in results:
+                if not r.group_id:  # a result that names no group cannot be acknowledged
+                    self.counters["unattributable_results"] += 1
+                    log.warning("result from %s without a group id: %s", instance_id, r.invalid)
+                    continue
                 acks.append(r.group_id)
                 if r.group_id in self.done:
                     self.counters["duplicates_dropped"] += 1
