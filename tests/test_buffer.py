@@ -8,7 +8,13 @@ import random
 import numpy as np
 import pytest
 
-from astra.dataflow.buffer import BufferConfig, PolicyBuffer, register_filter
+from astra.dataflow.buffer import (
+    FILTERS,
+    BufferConfig,
+    PolicyBuffer,
+    register_filter,
+    registered_filters,
+)
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
 
 _ids = itertools.count()
@@ -229,6 +235,33 @@ def test_custom_filter_registry() -> None:
     with pytest.raises(ValueError):
         register_filter("not a name", lambda g: True)
     accounted(buf)
+
+
+def test_a_filter_from_an_entry_point_is_found_by_name(tmp_path, monkeypatch) -> None:
+    # How `astra serve dataflow` gets a custom filter its config names: a package's entry
+    # point in the group `astra.filters` (nothing registers it in that process).
+    (tmp_path / "astra_filter_plugin_mod.py").write_text(
+        "def no_singletons(group):\n    return len(group.trajectories) > 1\n"
+    )
+    info = tmp_path / "astra_filter_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: astra-filter-plugin\nVersion: 1.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[astra.filters]\nno_singletons = astra_filter_plugin_mod:no_singletons\n"
+    )
+    config = BufferConfig(drop_equal_rewards=False, filters=["no_singletons"])
+    with pytest.raises(ValueError, match="no_singletons"):
+        PolicyBuffer(config)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        buf = PolicyBuffer(config)
+        assert buf.add(group("a", [1.0]), 0) == "filtered_no_singletons"
+        assert buf.add(group("b", [0.0, 1.0]), 0) == "accepted"
+        assert "no_singletons" in registered_filters()
+    finally:
+        FILTERS.remove("no_singletons")
 
 
 def test_a_filter_that_raises_drops_the_group_and_counts_it(caplog) -> None:

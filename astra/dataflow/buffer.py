@@ -28,6 +28,7 @@ from typing import Literal
 import numpy as np
 
 from astra.dataflow.records import GroupRecord
+from astra.plugins import Registry
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ _COUNTERS = (
     "replay_filtered_stale",
 )
 
-_FILTERS: dict[str, FilterFn] = {}
+# Custom filters: registered in process, or plugins of the entry-point group `astra.filters`
+# (how `astra serve dataflow` finds a filter a config names).
+FILTERS: Registry[FilterFn] = Registry("buffer filter", "astra.filters")
 _RESERVED_FILTER_NAMES = frozenset({"stale", "equal_reward"})
 # Floating error in `n * ratio` (0.29 * 100 = 28.999...) must not lose a replay slot.
 _RATIO_SLACK = 1e-9
@@ -76,17 +79,22 @@ def register_filter(name: str, fn: FilterFn, *, replace_existing: bool = False) 
     Drops are counted as `filtered_<name>`, so `name` must be a Python identifier and must not
     shadow a built-in filter. A filter that raises drops the group too, counted as
     `filter_error_<name>` and logged. Registering a taken name raises unless `replace_existing`.
+    A package can ship one as an entry point instead (group `astra.filters`, the same rules).
     """
+    _check_filter_name(name)
+    if name in FILTERS and not replace_existing:
+        raise ValueError(f"filter {name!r} is already registered")
+    FILTERS.add(name, fn, replace=True)
+
+
+def _check_filter_name(name: str) -> None:
     if not name.isidentifier() or name in _RESERVED_FILTER_NAMES:
         raise ValueError(f"invalid filter name {name!r}")
-    if name in _FILTERS and not replace_existing:
-        raise ValueError(f"filter {name!r} is already registered")
-    _FILTERS[name] = fn
 
 
 def registered_filters() -> list[str]:
-    """Names of all registered custom filters."""
-    return sorted(_FILTERS)
+    """Names of all custom filters, entry-point plugins included."""
+    return list(FILTERS.names())
 
 
 @dataclass
@@ -177,10 +185,13 @@ class PolicyBuffer:
 
     def __init__(self, config: BufferConfig | None = None, rng: random.Random | None = None):
         self.config = config or BufferConfig()
-        unknown = [name for name in self.config.filters if name not in _FILTERS]
-        if unknown:
-            raise ValueError(f"unknown buffer filter(s): {', '.join(unknown)}")
-        self._filters = [(name, _FILTERS[name]) for name in self.config.filters]
+        self._filters = []
+        for name in self.config.filters:
+            _check_filter_name(name)
+            fn = FILTERS.find(name)
+            if fn is None:
+                raise ValueError(str(FILTERS.missing(name)))
+            self._filters.append((name, fn))
         self._rng = rng or random.Random()
         self._groups: dict[str, GroupRecord] = {}
         self._replay: OrderedDict[str, GroupRecord] = OrderedDict()

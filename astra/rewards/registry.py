@@ -17,7 +17,7 @@ import numbers
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from astra.rewards.plugins import Registry, UnknownName
+from astra.plugins import Registry, UnknownName
 
 
 class RewardFn(Protocol):

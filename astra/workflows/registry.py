@@ -14,8 +14,8 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from astra.plugins import Registry, UnknownName
 from astra.raas.backend import TrajectorySpec
-from astra.rewards.plugins import Registry, UnknownName
 from astra.workflows.base import Workflow, WorkflowContext
 
 FALLBACK_REWARD = "numeric"

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from astra.plugins import Registry, UnknownName
 from astra.rewards import safe_math
-from astra.rewards.plugins import Registry, UnknownName
 from astra.rewards.sandbox import SandboxLimits, run_python_async
 
 CLOSE_TAG = "</tool>"

@@ -1,8 +1,8 @@
 """`Registry`: objects registered by name, plus plugins found through an entry-point group.
 
-Rewards, workflows and tools each keep one. Built-ins register with a
+Rewards, workflows, tools and Dataflow buffer filters each keep one. Built-ins register with a
 decorator at import; third-party packages declare an entry point in the
-registry's group (`astra.rewards`, `astra.workflows`, `astra.tools`) and are
+registry's group (`astra.rewards`, `astra.workflows`, `astra.tools`, `astra.filters`) and are
 loaded the first time their name is asked for. A name that is neither raises
 the registry's lookup error listing every known name. This module imports no
 plugin by itself and never touches the network.
