@@ -39,8 +39,11 @@ class DataflowServiceStub:
     validation failures, a google.rpc.BadRequest naming each bad field.
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
 
-    Size limits: a request is at most 64 MiB; a FetchBatch response message is
-    at most 16 MiB (a batch is split over several messages).
+    Size limits: a request is at most 64 MiB. A batch is split over several
+    FetchBatch response messages, each ended after the group that brings it to
+    8 MiB: a message is at most 8 MiB of groups plus one group (a group's
+    result is at most 64 MiB), so up to 72 MiB. Receivers set their limit
+    accordingly.
     """
 
     def __init__(self, channel):
@@ -110,8 +113,11 @@ class DataflowServiceServicer:
     validation failures, a google.rpc.BadRequest naming each bad field.
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
 
-    Size limits: a request is at most 64 MiB; a FetchBatch response message is
-    at most 16 MiB (a batch is split over several messages).
+    Size limits: a request is at most 64 MiB. A batch is split over several
+    FetchBatch response messages, each ended after the group that brings it to
+    8 MiB: a message is at most 8 MiB of groups plus one group (a group's
+    result is at most 64 MiB), so up to 72 MiB. Receivers set their limit
+    accordingly.
     """
 
     def RegisterInstance(self, request, context):
@@ -158,19 +164,28 @@ class DataflowServiceServicer:
         the footer is incomplete and the trainer discards what it received.
 
         Called by a trainer. The batch stays leased to that trainer until
-        AckBatch; a retry with the same request_id returns the same batch (the
-        same batch_id and trajectories), so a broken stream loses nothing: retry
-        it. A batch that is not acknowledged within `lease_duration` returns to
-        the buffer and is served again, so every group reaches the trainer
-        exactly once once acknowledged.
+        AckBatch; while it is leased, a retry with the same request_id returns
+        the same batch (the same batch_id and trajectories), so a broken stream
+        loses nothing: retry it. The lease lasts Dataflow's configured batch
+        lease (leases.batch_lease_s, 300 s by default); lease_expire_time is on
+        Dataflow's wall clock, so extend well before it. A batch that is not
+        acknowledged or extended before its lease ends returns to the buffer and
+        is served again, so every group reaches the trainer exactly once once
+        acknowledged.
 
         If fewer than `num_groups` groups are ready, the call waits up to
-        `max_wait` (at most 60 s) and then fails with UNAVAILABLE (reason
-        BATCH_NOT_READY, with RetryInfo); the trainer retries. The status
-        reports why (empty pool, barrier, staleness).
+        `max_wait` and then fails with UNAVAILABLE (reason BATCH_NOT_READY, with
+        RetryInfo); the trainer retries. The status reports why (empty pool,
+        barrier, staleness).
 
         Errors: INVALID_ARGUMENT (num_groups outside 1..65536, missing
-        request_id), NOT_FOUND (unknown policy; reason POLICY_NOT_FOUND).
+        request_id, negative max_wait or trainer_version; reason INVALID_FIELD),
+        NOT_FOUND (unknown policy; reason POLICY_NOT_FOUND), FAILED_PRECONDITION
+        (the batch of this request_id expired; reason BATCH_LEASE_EXPIRED: use a
+        new request_id), INVALID_ARGUMENT reason REQUEST_ID_REUSED (the
+        request_id was used with another num_groups, or its batch was
+        acknowledged: use a new request_id). A retry returns the same batch only
+        while it is leased.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,8 +193,10 @@ class DataflowServiceServicer:
 
     def AckBatch(self, request, context):
         """Acknowledges a batch: its groups are consumed and leave Dataflow for
-        good. Idempotent: acknowledging an acknowledged batch succeeds.
-        Called by a trainer after it has taken the batch into its step.
+        good. Idempotent: acknowledging an acknowledged batch succeeds (for the
+        4096 most recently finished batches; an older one is NOT_FOUND, reason
+        BATCH_NOT_FOUND). Called by a trainer after it has taken the batch into
+        its step.
 
         Errors: NOT_FOUND (unknown batch; reason BATCH_NOT_FOUND),
         FAILED_PRECONDITION (the lease expired and the groups went back to the
@@ -190,10 +207,11 @@ class DataflowServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExtendBatchLease(self, request, context):
-        """Extends a leased batch's lease to a full `lease_duration` from now,
-        without consuming it. Called by a trainer whose step may outlast the
-        lease, periodically while it trains, so its batch is not served again
-        meanwhile. Idempotent; retry UNAVAILABLE.
+        """Extends a leased batch's lease to Dataflow's full configured batch lease
+        (leases.batch_lease_s, 300 s by default) from now, without consuming it.
+        Called by a trainer whose step may outlast the lease, periodically while
+        it trains and well before lease_expire_time (Dataflow's wall clock), so
+        its batch is not served again meanwhile. Idempotent; retry UNAVAILABLE.
 
         Errors: NOT_FOUND (unknown batch; reason BATCH_NOT_FOUND),
         FAILED_PRECONDITION (the batch was acknowledged, reason BATCH_ACKNOWLEDGED,
@@ -208,11 +226,15 @@ class DataflowServiceServicer:
         WeightService. Dataflow records it and tells rollout services to load it
         (under the version barrier when several policies are configured).
 
-        Idempotent: announcing the current version again succeeds and changes
-        nothing. Versions increase by one: a version other than current or
-        current + 1 fails with FAILED_PRECONDITION (reason VERSION_NOT_NEXT, the
-        current version in the metadata). Errors: INVALID_ARGUMENT (negative
-        version, empty weights_address), NOT_FOUND (unknown policy).
+        Idempotent: a repeat of the current (already announced) version
+        succeeds and changes only the WeightService address: every later load of
+        the policy, of any version, uses the newest address. The repeat's
+        version_id is ignored. Versions increase by one: a version other than
+        current or current + 1 fails with FAILED_PRECONDITION (reason
+        VERSION_NOT_NEXT, the current version in the metadata). Errors:
+        INVALID_ARGUMENT (negative version, empty weights_address; reason
+        INVALID_FIELD; a version_id that is not a valid identity, reason
+        INVALID_IDENTITY), NOT_FOUND (unknown policy; reason POLICY_NOT_FOUND).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -304,8 +326,11 @@ class DataflowService:
     validation failures, a google.rpc.BadRequest naming each bad field.
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
 
-    Size limits: a request is at most 64 MiB; a FetchBatch response message is
-    at most 16 MiB (a batch is split over several messages).
+    Size limits: a request is at most 64 MiB. A batch is split over several
+    FetchBatch response messages, each ended after the group that brings it to
+    8 MiB: a message is at most 8 MiB of groups plus one group (a group's
+    result is at most 64 MiB), so up to 72 MiB. Receivers set their limit
+    accordingly.
     """
 
     @staticmethod

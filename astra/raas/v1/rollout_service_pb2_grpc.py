@@ -42,8 +42,8 @@ class RolloutServiceStub:
     carries one group and is at most 64 MiB.
 
     Health: grpc.health.v1 reports NOT_SERVING until the model is loaded and
-    after an engine failure, SERVING otherwise; Dataflow uses it to confirm a
-    suspect instance.
+    after an engine failure, SERVING otherwise. Dataflow checks the service
+    name "astra.raas.v1.RolloutService" to confirm a suspect instance.
     """
 
     def __init__(self, channel):
@@ -106,21 +106,29 @@ class RolloutServiceServicer:
     carries one group and is at most 64 MiB.
 
     Health: grpc.health.v1 reports NOT_SERVING until the model is loaded and
-    after an engine failure, SERVING otherwise; Dataflow uses it to confirm a
-    suspect instance.
+    after an engine failure, SERVING otherwise. Dataflow checks the service
+    name "astra.raas.v1.RolloutService" to confirm a suspect instance.
     """
 
     def SubmitGroups(self, request, context):
         """Accepts prompt groups to run. Idempotent per group: a group_id the RaaS
         already holds (running, or finished and not acknowledged) is reported
-        as accepted and not run again. Dataflow retries on UNAVAILABLE and
-        DEADLINE_EXCEEDED with the same groups.
+        as accepted and not run again; Astra's RaaS does the same for a group_id
+        acknowledged recently (its last 100,000). Dataflow's channel retries
+        UNAVAILABLE; on DEADLINE_EXCEEDED, or UNAVAILABLE after those retries,
+        Dataflow dispatches the groups again, possibly to another instance.
 
         Errors: INVALID_ARGUMENT (empty groups, a group_id twice in one request,
-        num_samples outside 1..1024, max_new_tokens < 1, an unknown workflow or
-        policy; reason names the field), RESOURCE_EXHAUSTED (not enough free
-        slots for all groups; none is accepted; RetryInfo set), UNAVAILABLE
-        (model not loaded). A group whose result would not fit in one
+        num_samples outside 1..min(1024, capacity), max_new_tokens < 1, another
+        field outside its documented bound: reason INVALID_FIELD; an unknown
+        workflow, policy or reward: reason UNKNOWN_WORKFLOW, UNKNOWN_POLICY or
+        UNKNOWN_REWARD; each names the field in the ErrorInfo metadata "field"
+        and in a BadRequest), RESOURCE_EXHAUSTED (not enough free slots for all
+        groups; none is accepted; reason NO_FREE_SLOTS, RetryInfo set),
+        UNAVAILABLE (reason ENGINE_UNAVAILABLE, with RetryInfo, while the health
+        service "astra.raas.v1.RolloutService" is NOT_SERVING). Dataflow does not
+        retry INVALID_ARGUMENT or FAILED_PRECONDITION from SubmitGroups: the
+        groups end as failed. A group whose result would not fit in one
         CollectResults message (64 MiB) finishes as a failed group with status
         RESOURCE_EXHAUSTED instead, so it never blocks the results after it.
         """
@@ -131,9 +139,10 @@ class RolloutServiceServicer:
     def CollectResults(self, request, context):
         """Streams finished results, one group per message, that have not been
         acknowledged, oldest first, at most `max_groups`. If none is ready the
-        call waits up to `max_wait` (at most 30 s) and then ends with OK and no
-        message. Results are not removed: a result stays and is sent again on
-        the next call until AckResults. Idempotent, safe to retry.
+        call waits up to `max_wait` (at most 30 s: a longer one is
+        INVALID_ARGUMENT) and then ends with OK and no message. Results are not
+        removed: a result stays and is sent again on the next call until
+        AckResults. Idempotent, safe to retry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -161,17 +170,29 @@ class RolloutServiceServicer:
         RaaS never serves a mix of the old and the new set for the policies in
         the request (the version barrier). Returns when the versions are in
         service. Idempotent: versions already loaded return at once, and a retry
-        with the same request_id gets the first answer (the same request_id for
-        other versions is INVALID_ARGUMENT, reason REQUEST_ID_REUSED). Dataflow
-        retries on UNAVAILABLE with the same request.
+        with the same request_id gets the first successful answer (a failed load
+        is run again; Astra's RaaS remembers the last 256 request_ids). The
+        request_id of a successful load, reused for other versions, is
+        INVALID_ARGUMENT, reason REQUEST_ID_REUSED. Dataflow retries every
+        failed load with backoff, with the same request_id.
 
         In-flight sequences either finish on the old version or continue on the
-        new one (the RaaS's configuration); every token records its version.
+        new one (the RaaS's configuration); every token records its version. A
+        RaaS whose in-flight sequences continue across a swap lists
+        "partial_rollout" in its features.
 
-        Errors: INVALID_ARGUMENT (empty versions, unknown policy),
-        FAILED_PRECONDITION (the version is older than the one held; reason
-        VERSION_REGRESSION), UNAVAILABLE (WeightService unreachable), DATA_LOSS
-        (a checksum failed; the previous versions stay in service).
+        Errors: INVALID_ARGUMENT (empty versions; reason INVALID_FIELD; an
+        unknown policy, reason UNKNOWN_POLICY; a version_id that is not a valid
+        identity, reason INVALID_IDENTITY), FAILED_PRECONDITION (the version is
+        older than the one held; reason VERSION_REGRESSION), NOT_FOUND (the
+        WeightService does not have the version), UNAVAILABLE (WeightService
+        unreachable, or the load was cancelled inside the RaaS, reason
+        LOAD_CANCELLED), DEADLINE_EXCEEDED (the load did not finish within the
+        RaaS's load timeout, 300 s in Astra's RaaS; reason
+        LOAD_DEADLINE_EXCEEDED), DATA_LOSS (a checksum failed). On every error
+        the previous versions stay in service, except that a swap the engine had
+        already begun when the deadline passed still completes (GetStatus then
+        shows it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -187,7 +208,8 @@ class RolloutServiceServicer:
 
     def GetCapabilities(self, request, context):
         """Returns the contract version and optional features. Read-only.
-        Features: "partial_rollout", "multi_policy", "cancel".
+        Features: "multi_policy", "cancel", and "partial_rollout" when in-flight
+        sequences continue on the new weights across a swap (LoadWeights).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -256,8 +278,8 @@ class RolloutService:
     carries one group and is at most 64 MiB.
 
     Health: grpc.health.v1 reports NOT_SERVING until the model is loaded and
-    after an engine failure, SERVING otherwise; Dataflow uses it to confirm a
-    suspect instance.
+    after an engine failure, SERVING otherwise. Dataflow checks the service
+    name "astra.raas.v1.RolloutService" to confirm a suspect instance.
     """
 
     @staticmethod

@@ -86,8 +86,12 @@ class TrainerServiceServicer:
 
     def SaveCheckpoint(self, request, context):
         """Writes a checkpoint after the current step and returns where. Idempotent
-        with request_id: a retry returns the first checkpoint. UNAVAILABLE while
-        the trainer is starting.
+        with request_id: a retry returns the first checkpoint; a failed
+        checkpoint is stored as that request_id's answer too, so a retry gets the
+        same error (use a new request_id to try again). The trainer remembers
+        the last 1024 request_ids. Errors: UNAVAILABLE while the trainer is
+        starting (reason TRAINER_STARTING), FAILED_PRECONDITION when no
+        checkpoint directory is configured (reason NO_CHECKPOINT_DIR).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

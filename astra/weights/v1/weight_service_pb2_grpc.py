@@ -132,13 +132,17 @@ class WeightServiceServicer:
         PublishCommit. The service answers with a PublishAccepted naming the
         tensors it already holds for this identity (an interrupted publish
         resumes: the client skips those whose Adler-32 matches its own, and
-        restarts the publish when one differs), a TensorAck per verified tensor,
-        and finally PublishCommitted.
+        restarts the publish when one differs; a held tensor must not be sent
+        again on the same stream), a TensorAck per verified tensor, and finally
+        PublishCommitted.
 
         Identities are immutable: publishing an identity again with the same
         content succeeds (idempotent; the content is streamed and compared, and
-        nothing is written); with other content it fails with ALREADY_EXISTS
-        (reason VERSION_CONTENT_MISMATCH) and nothing is written.
+        nothing is written); with other content, or another version or metadata
+        (refused at the header), it fails with ALREADY_EXISTS (reason
+        VERSION_CONTENT_MISMATCH) and nothing is written. A new identity's
+        version must be greater than the current version's, else the commit
+        fails with FAILED_PRECONDITION (reason VERSION_NOT_NEWER).
 
         A refusal during the stream is sent in-band first: a TensorAck whose
         status is not OK means the publish is refused; the client stops writing
@@ -146,6 +150,19 @@ class WeightServiceServicer:
         A tensor whose bytes do not match its Adler-32 fails with DATA_LOSS
         (reason CHECKSUM_MISMATCH, the tensor name in the metadata). The client
         retries UNAVAILABLE by starting the stream again.
+
+        Errors: UNAVAILABLE (reason PUBLISH_IN_PROGRESS, with RetryInfo) while
+        another stream of the same policy and identity is open; INVALID_ARGUMENT
+        with reason PUBLISH_HEADER_REQUIRED (the first message is not a
+        PublishHeader), STREAM_IDLE (no first message within the service's
+        timeout, 30 s by default), UNEXPECTED_HEADER (a second PublishHeader, or
+        a message with no part), UNEXPECTED_CHUNK (a TensorChunk with no
+        TensorHeader before it), TRUNCATED_TENSOR (another part before the
+        current tensor's bytes are complete), INVALID_TENSOR (a bad TensorHeader,
+        or a tensor sent twice, held ones included), INVALID_FILE (a bad or
+        repeated VersionFile) or PUBLISH_INCOMPLETE (PublishCommit.num_tensors
+        differs from the header's or from the tensors held and received, or the
+        stream ended before PublishCommit).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,22 +175,29 @@ class WeightServiceServicer:
         tensor a TensorHeader and its chunks. The receiver applies and verifies
         each tensor and sends a TensorAck. After a disconnect or a checksum
         mismatch the receiver opens a new stream with `acknowledged_tensors` and
-        the service resumes after them. The stream ends with FetchDone once every
-        tensor is acknowledged; the receiver then swaps the staged version in
-        atomically.
+        the service resumes after them. After the last tensor the service sends
+        the version's files (see FetchPlan); the stream ends with FetchDone once
+        every tensor is acknowledged; the receiver then swaps the staged version
+        in atomically.
 
-        Errors: NOT_FOUND (unknown policy or version), INVALID_ARGUMENT (no
-        FetchStart first), FAILED_PRECONDITION (held version not in the chain
-        and no full root available), UNAVAILABLE (no acknowledgement within the
-        service's timeout, reason ACK_TIMEOUT, or the receiver closed its side
-        early, ACKS_MISSING: resume with acknowledged_tensors).
+        Errors: NOT_FOUND (unknown policy or version), INVALID_ARGUMENT (reason
+        FETCH_START_REQUIRED: no FetchStart first; STREAM_IDLE: no first message
+        within the service's timeout, 30 s by default; UNKNOWN_TENSOR: a
+        TensorAck names a tensor this stream did not send), DATA_LOSS (the
+        receiver refused a tensor, a TensorAck whose status is not OK; reason
+        CHECKSUM_MISMATCH, the tensor name in the metadata: resume with a new
+        stream), FAILED_PRECONDITION (held version not in the chain and no full
+        root available), UNAVAILABLE (no acknowledgement within the service's
+        timeout, reason ACK_TIMEOUT, or the receiver closed its side early,
+        ACKS_MISSING: resume with acknowledged_tensors).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListVersions(self, request, context):
-        """Lists a policy's versions, newest first. Read-only.
+        """Lists a policy's versions, newest first. Read-only. NOT_FOUND (reason
+        POLICY_NOT_FOUND) for an unknown policy.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -189,8 +213,12 @@ class WeightServiceServicer:
 
     def RollbackVersion(self, request, context):
         """Makes an earlier identity current again by publishing its content as a
-        new identity. Idempotent with request_id; NOT_FOUND for an unknown
-        source; ALREADY_EXISTS when new_version_id names other content.
+        new identity. Idempotent with request_id. Errors: NOT_FOUND for an
+        unknown policy or source; ALREADY_EXISTS when new_version_id names other
+        content (reason VERSION_CONTENT_MISMATCH) or the request_id was used for
+        another rollback (reason REQUEST_ID_REUSED); FAILED_PRECONDITION when
+        new_version is not greater than the current version's (reason
+        VERSION_NOT_NEWER).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
