@@ -153,13 +153,16 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
             max_staleness = 0
             for g in batch.groups:
                 max_staleness = max(max_staleness, g.staleness(batch.policy_version))
+                group_size = sum(len(t.payload) for t in g.trajectories)
+                if pending and size + group_size > CHUNK_BYTES:
+                    # Whole groups per message, at most CHUNK_BYTES unless one group is larger
+                    # (then alone: at most a CollectResults message, within every default limit).
+                    yield _chunk(pending)
+                    pending, size = [], 0
                 # Stamped by the buffer (and stored with the batch): never made up here.
                 for t, adv in zip(g.trajectories, g.advantages, strict=True):
                     pending.append((t.payload, adv))
-                    size += len(t.payload)
-                if size >= CHUNK_BYTES:
-                    yield _chunk(pending)
-                    pending, size = [], 0
+                size += group_size
             if pending:
                 yield _chunk(pending)
             yield pb.FetchBatchResponse(

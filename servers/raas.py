@@ -73,6 +73,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.policy_ids = list(backend.policy_ids)
         self.workflows = list(backend.workflows)
         self.store = ResultStore(capacity)
+        # Why groups cannot run here (the engine failed), or "": SubmitGroups answers
+        # UNAVAILABLE meanwhile (health is NOT_SERVING too).
+        self.unavailable = ""
         self.counters: Counter[str] = Counter()
         self.metrics: Any = None  # astra.raas.metrics.RaasMetrics when /metrics is served
         start = initial_versions if initial_versions is not None else {}
@@ -146,6 +149,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.store.finish(spec.group_id, RESULT_TAG + varint(len(payload)) + payload)
 
     async def SubmitGroups(self, request: pb.SubmitGroupsRequest, context):
+        if self.unavailable:
+            raise Unavailable(
+                f"instance {self.instance_id} cannot generate: {self.unavailable}",
+                reason="ENGINE_UNAVAILABLE",
+                retry_after_s=5.0,
+            )
         if not 1 <= len(request.groups) <= MAX_GROUPS:
             raise invalid_field("groups", f"{len(request.groups)} groups, expected 1..{MAX_GROUPS}")
         specs, seen = [], set()
@@ -354,11 +363,16 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             counters={**self.store.counters, **self.counters},
         )
 
+    def _features(self) -> list[str]:
+        engine = getattr(self.backend, "inference_engine", None)
+        partial = getattr(engine, "on_swap", None) == "continue"  # sequences span a swap
+        return ["cancel", "multi_policy", *(["partial_rollout"] if partial else [])]
+
     async def GetCapabilities(self, request: pb.GetCapabilitiesRequest, context):
         return pb.GetCapabilitiesResponse(
             capabilities=capabilities_pb2.Capabilities(
                 contract_version=CONTRACT_VERSION,
-                features=["cancel", "multi_policy"],
+                features=self._features(),
                 implementation=f"astra-raas-{self.backend.engine}",
                 implementation_version=__version__,
             )

@@ -93,6 +93,7 @@ async def serve_raas(opts: RaasOptions) -> None:
             await asyncio.sleep(1.0)
             if not engine.healthy:
                 log.error("engine failed: serving NOT_SERVING so Dataflow routes away")
+                servicer.unavailable = "its engine failed"
                 await server.set_serving(False)
                 return
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -71,8 +72,9 @@ class GrpcRolloutPort:
             except (DecodeError, Malformed, ValueError, IndexError) as exc:
                 # A RaaS bug, not Dataflow's: the collector must not die of it (it would
                 # collect the same bytes again forever). Named by its group id where that
-                # much parses, so the group is counted malformed, acknowledged and
-                # dispatched again; else skipped (its lease expires) and counted.
+                # much parses: the group ends counted as malformed and is acknowledged.
+                # Else it cannot be acknowledged: counted once (by digest), its lease
+                # expires and the group is dispatched again elsewhere.
                 out.append(_undecodable(msg, exc))
                 continue
             out.append(incoming_group(result, result.instance_id, raw))
@@ -128,4 +130,5 @@ def _undecodable(msg: bytes, exc: Exception) -> IncomingGroup:
     with contextlib.suppress(Exception):
         (raw,) = field_slices(msg, 1)
         group_id = bytes(field_slices(raw, 1)[0]).decode()
-    return IncomingGroup(group_id, "", invalid=f"result does not parse: {exc}"[:512])
+    digest = hashlib.blake2b(msg, digest_size=8).hexdigest()
+    return IncomingGroup(group_id, "", invalid=f"result {digest} does not parse: {exc}"[:512])

@@ -836,13 +836,14 @@ def test_a_result_that_does_not_parse_is_counted_not_fatal_to_the_collector(tmp_
 
     bad_traj = b"\x12\x03\x0a\x01\xff"  # Trajectory.trajectory_id = b"\xff"
     named = b"\x0a\x03s/0" + bad_traj  # GroupResult.group_id = "s/0", then the bad part
-    port = GrpcRolloutPort("127.0.0.1:1")
     msgs = [b"\x0a" + bytes([len(named)]) + named, b"\x0a\x02\x12\x00\xff\xff"]
-    first, second = port.decode(msgs)
-    assert first.group_id == "s/0" and "does not parse" in first.invalid
-    assert second.group_id == "" and second.invalid
 
     async def body():
+        port = GrpcRolloutPort("127.0.0.1:1")  # a channel needs the running loop
+        first, second = port.decode(msgs)
+        await port.close()
+        assert first.group_id == "s/0" and "does not parse" in first.invalid
+        assert second.group_id == "" and second.invalid
         df = new_dataflow(make_config(tmp_path))
         try:
             await register(df, versions={"p": 0})
@@ -851,9 +852,85 @@ def test_a_result_that_does_not_parse_is_counted_not_fatal_to_the_collector(tmp_
             named_here = IncomingGroup(gid, "", invalid=first.invalid)
             acks = await df.ingest("r1", [named_here, second])
             assert acks == [gid]  # nothing acknowledged for the unnamed one
+            assert await df.ingest("r1", [second]) == []  # collected again: counted once
             assert df.counters["malformed_results"] == 1
             assert df.counters["unattributable_results"] == 1
             assert gid in df.done
+        finally:
+            crash(df)
+
+    run(body())
+
+
+def test_weight_load_request_ids_stay_within_the_contract_whatever_the_names(tmp_path):
+    """rollout_service.proto: LoadWeightsRequest.request_id is 1-128 characters. Built from
+    the instance id and every policy=version, it passed 128 with long names, and the RaaS
+    refused every load of that set, retried for ever."""
+    long = "r" * 128
+    policies = [f"policy-with-a-long-name-{i}" for i in range(4)]
+    cfg = make_config(
+        tmp_path,
+        policies=[{"id": p, "batch_groups": 1} for p in policies],
+        streams=[
+            {
+                "name": "s",
+                "dataset": {"path": str(write_prompts(tmp_path / "d.jsonl", 4))},
+                "policy_ids": policies,
+                "group_size": 1,
+            }
+        ],
+    )
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            await register(df, long, versions=dict.fromkeys(policies, 0), policies=policies)
+            inst = df.pool.instances[long]
+            ids = []
+
+            async def load(versions, request_id):
+                ids.append(request_id)
+                return {p: v[0] for p, v in versions.items()}
+
+            inst.port.load_weights = load
+            for p in policies:
+                df.announce(p, 1, "1", "w0")
+            for _ in range(len(policies)):  # each announce may start a load of its own
+                df._sync_weights()
+                await asyncio.gather(*df._loads.values())
+            assert ids and all(1 <= len(i) <= 128 for i in ids), ids
+            assert all(inst.loaded_versions[p] == 1 for p in policies), (inst.loaded_versions, ids)
+        finally:
+            crash(df)
+
+    run(body())
+
+
+def test_groups_an_instance_refuses_as_invalid_end_counted_without_suspecting_it(tmp_path):
+    """SubmitGroups INVALID_ARGUMENT (e.g. a reward the RaaS does not know): the instance
+    answered, so it is not suspect, and a resend does not mend it; the groups were requeued
+    without counting an attempt and resubmitted for ever."""
+    from astra.dataflow.ports import PortError
+
+    cfg = make_config(tmp_path, n_prompts=2, leases={"max_dispatch_attempts": 3})
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            await register(df, versions={"p": 0})
+            inst = df.pool.instances["r1"]
+            calls = []
+
+            async def refuse(work):
+                calls.append([item.group_id for item, _ in work])
+                raise PortError("INVALID_ARGUMENT: unknown reward", fatal=True)
+
+            inst.port.submit = refuse
+            for _ in range(10):
+                await df._dispatch_round()
+            assert len(calls) == 3  # one per attempt, then the groups are given up
+            assert df.counters["gave_up_after_max_attempts"] == 2 and not df.work
+            assert inst.state.name == "ACTIVE"
         finally:
             crash(df)
 

@@ -262,6 +262,23 @@ def test_submit_collect_ack_and_duplicates_not_rerun():
     run(body())
 
 
+def test_an_instance_whose_engine_failed_refuses_groups_as_unavailable():
+    # Health turns NOT_SERVING, but Dataflow probes health only for suspects: accepting the
+    # groups would end each as a failed result, burning the dataset on a dead engine.
+    async def body():
+        async with raas(capacity=8) as (client, servicer):
+            servicer.unavailable = "its engine failed"
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.submit_groups([group("a", 4)])
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            detail, others = error_info(info.value)
+            assert detail.reason == "ENGINE_UNAVAILABLE"
+            assert any(isinstance(o, error_details_pb2.RetryInfo) for o in others)
+            assert not servicer.store.holds("a")
+
+    run(body())
+
+
 def test_full_instance_refuses_all_with_retry_info_and_cancel_frees_slots():
     async def body():
         gen = ScriptedGenerator(delay_s=30.0)

@@ -151,6 +151,7 @@ class Dataflow(Ingesting, WeightSync):
         self._background: set[asyncio.Task] = set()
         self._saved_counters: tuple = ()
         self._pulled: list[str] = []
+        self._unattributable: set[tuple[str, str | None]] = set()  # (instance, result) counted
         self._ingest_turn = asyncio.Lock()
         # Writes trajectory bytes to the blob log off the event loop, one batch at a time.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="dataflow-blobs")
@@ -701,6 +702,15 @@ class Dataflow(Ingesting, WeightSync):
         try:
             accepted, free = await inst.port.submit([(self.work[g].item, stream) for g in gids])
         except PortError as exc:
+            if exc.fatal:
+                # The instance answered and refused the groups (INVALID_ARGUMENT,
+                # FAILED_PRECONDITION): not a failure of the instance, and not one a resend
+                # mends. Each refusal counts as a dispatch attempt, so the groups end as
+                # counted failures after leases.max_dispatch_attempts instead of circling.
+                log.error("submit to %s refused: %s", instance_id, exc)
+                self.counters["submits_refused_invalid"] += 1
+                self._requeue(set(gids) & inst.in_flight, "submit_invalid")
+                return
             if exc.busy:
                 inst.free_slots = 0
             else:

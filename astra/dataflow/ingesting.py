@@ -59,6 +59,9 @@ class Ingesting:
                     results = inst.port.decode(received[start : start + INGEST_SLICE])
                     acks += await self.ingest(instance_id, results)
                 await asyncio.sleep(0)
+            if not acks:  # only results that cannot be acknowledged: they come back at once
+                await asyncio.sleep(max(ps.collect_wait_s, 0.5))
+                continue
             try:
                 await inst.port.ack(acks)
             except PortError as exc:
@@ -123,8 +126,11 @@ class Ingesting:
         with self.store.tx(any_failure=True) as tx:
             for r in results:
                 if not r.group_id:  # a result that names no group cannot be acknowledged
-                    self.counters["unattributable_results"] += 1
-                    log.warning("result from %s without a group id: %s", instance_id, r.invalid)
+                    key = (instance_id, r.invalid)
+                    if key not in self._unattributable:  # collected again until its RaaS drops it
+                        self._unattributable.add(key)
+                        self.counters["unattributable_results"] += 1
+                        log.warning("result from %s without a group id: %s", instance_id, r.invalid)
                     continue
                 acks.append(r.group_id)
                 if r.group_id in self.done:

@@ -11,6 +11,7 @@ imports gRPC.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -44,9 +45,12 @@ class WeightSync:
         # One call for the whole set, so the RaaS can switch every policy together
         # (the version barrier), even when policies live on different WeightServices.
         versions = {p: (a.version, a.version_id, a.weights_address) for p, a in want.items()}
-        request_id = f"{inst.instance_id}:" + ",".join(
-            f"{p}={v[0]}" for p, v in sorted(versions.items())
+        # Fixed length whatever the ids (the contract allows 1-128 characters): the same set
+        # for the same instance gives the same id, so a retried load is answered, not rerun.
+        key = "\n".join(
+            [inst.instance_id, *(f"{p}={v[0]}:{v[1]}" for p, v in sorted(versions.items()))]
         )
+        request_id = "load-" + hashlib.sha256(key.encode()).hexdigest()[:48]
         try:
             held = await inst.port.load_weights(versions, request_id)
             inst.loaded_versions.update(held)

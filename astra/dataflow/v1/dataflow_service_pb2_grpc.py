@@ -40,10 +40,10 @@ class DataflowServiceStub:
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
 
     Size limits: a request is at most 64 MiB. A batch is split over several
-    FetchBatch response messages, each ended after the group that brings it to
-    8 MiB: a message is at most 8 MiB of groups plus one group (a group's
-    result is at most 64 MiB), so up to 72 MiB. Receivers set their limit
-    accordingly.
+    FetchBatch response messages of whole groups, each at most 8 MiB unless a
+    single group is larger: that group then comes alone (a group's result is at
+    most 64 MiB, so no message passes 64 MiB). Receivers set their limit to
+    64 MiB.
     """
 
     def __init__(self, channel):
@@ -114,10 +114,10 @@ class DataflowServiceServicer:
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
 
     Size limits: a request is at most 64 MiB. A batch is split over several
-    FetchBatch response messages, each ended after the group that brings it to
-    8 MiB: a message is at most 8 MiB of groups plus one group (a group's
-    result is at most 64 MiB), so up to 72 MiB. Receivers set their limit
-    accordingly.
+    FetchBatch response messages of whole groups, each at most 8 MiB unless a
+    single group is larger: that group then comes alone (a group's result is at
+    most 64 MiB, so no message passes 64 MiB). Receivers set their limit to
+    64 MiB.
     """
 
     def RegisterInstance(self, request, context):
@@ -327,10 +327,10 @@ class DataflowService:
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
 
     Size limits: a request is at most 64 MiB. A batch is split over several
-    FetchBatch response messages, each ended after the group that brings it to
-    8 MiB: a message is at most 8 MiB of groups plus one group (a group's
-    result is at most 64 MiB), so up to 72 MiB. Receivers set their limit
-    accordingly.
+    FetchBatch response messages of whole groups, each at most 8 MiB unless a
+    single group is larger: that group then comes alone (a group's result is at
+    most 64 MiB, so no message passes 64 MiB). Receivers set their limit to
+    64 MiB.
     """
 
     @staticmethod

@@ -126,9 +126,11 @@ class RolloutServiceServicer:
         and in a BadRequest), RESOURCE_EXHAUSTED (not enough free slots for all
         groups; none is accepted; reason NO_FREE_SLOTS, RetryInfo set),
         UNAVAILABLE (reason ENGINE_UNAVAILABLE, with RetryInfo, while the health
-        service "astra.raas.v1.RolloutService" is NOT_SERVING). Dataflow does not
-        retry INVALID_ARGUMENT or FAILED_PRECONDITION from SubmitGroups: the
-        groups end as failed. A group whose result would not fit in one
+        service "astra.raas.v1.RolloutService" is NOT_SERVING). Dataflow takes
+        INVALID_ARGUMENT or FAILED_PRECONDITION from SubmitGroups as a refusal of
+        the groups, not a failure of the instance: each counts as a dispatch
+        attempt, and after leases.max_dispatch_attempts (5 by default) the groups
+        end as failed. A group whose result would not fit in one
         CollectResults message (64 MiB) finishes as a failed group with status
         RESOURCE_EXHAUSTED instead, so it never blocks the results after it.
         """
