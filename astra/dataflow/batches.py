@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,17 @@ class BatchDesk:
         self.df = df
         self.batches: dict[str, Batch] = {}
         self.by_request: dict[tuple[str, str], str] = {}
+        # What each dispatch round asks, without scanning the finished batches remembered:
+        # the leased batches per policy (in the order leased) and their groups counted (all,
+        # and fresh), kept as batches are leased, acknowledged and expired.
+        self._leased: defaultdict[str, dict[str, Batch]] = defaultdict(dict)
+        self._leased_groups: Counter[str] = Counter()
+        self._leased_fresh: Counter[str] = Counter()
+        # Per policy, the newest version of an acknowledged batch (one that was trained).
+        self._acked_top: dict[str, int] = {}
+        # Acknowledged batches a resumed trainer never trained (it restarted at their
+        # version or before): not taken (`taken_for`). Durable, kv `untrained_batches`.
+        self.untrained: set[str] = set()
 
     def recover(
         self,
@@ -82,6 +94,7 @@ class BatchDesk:
         """Rebuilds the batches from the store: a leased batch exactly as it was served
         (groups, order, advantages), or, where it cannot be (its stored rows incomplete),
         expired with its fresh groups back in the buffer; never served different."""
+        self.untrained = set(self.df.store.get("untrained_batches", []))
         unbuilt: list[Batch] = []
         for row in rows:
             if row.state != "leased":
@@ -115,8 +128,11 @@ class BatchDesk:
                 self.df.buffers[row.policy_id].stamp_advantages(batch.groups)
             self.batches[row.batch_id] = batch
             self.by_request[(row.policy_id, row.request_id)] = row.batch_id
+            self._track(batch)
             if rebuilt is None:
                 unbuilt.append(batch)
+        for policy_id in {row.policy_id for row in rows}:
+            self._recount_acked(policy_id)
         # Rows of groups leased in a batch that is not (or no longer) known: buffered again.
         for orphans in groups.values():
             for g in orphans:
@@ -134,30 +150,64 @@ class BatchDesk:
             row = next(r for r in rows if r.batch_id == batch.batch_id)
             self._expire(batch, restored=True, replays=sum(r for _, r, _ in row.group_keys))
 
-    def leased_groups(self, policy_id: str) -> int:
-        return sum(
-            len(b.groups)
-            for b in self.batches.values()
-            if b.policy_id == policy_id and b.state == "leased"
+    def _track(self, batch: Batch) -> None:
+        """`batch` is leased now (its groups set)."""
+        self._leased[batch.policy_id][batch.batch_id] = batch
+        self._leased_groups[batch.policy_id] += len(batch.groups)
+        self._leased_fresh[batch.policy_id] += sum(1 for g in batch.groups if not g.replay)
+
+    def _untrack(self, batch: Batch) -> None:
+        """`batch` is no longer leased (called before its groups are let go)."""
+        del self._leased[batch.policy_id][batch.batch_id]
+        self._leased_groups[batch.policy_id] -= len(batch.groups)
+        self._leased_fresh[batch.policy_id] -= sum(1 for g in batch.groups if not g.replay)
+
+    def _recount_acked(self, policy_id: str) -> None:
+        """`_acked_top` of the policy from the batches remembered (a scan: at start-up, at a
+        trainer's resume, and when the newest acknowledged batch is forgotten)."""
+        self._acked_top[policy_id] = max(
+            (
+                b.policy_version
+                for b in self.batches.values()
+                if b.policy_id == policy_id
+                and b.state == "acked"
+                and b.batch_id not in self.untrained
+            ),
+            default=-1,
         )
 
+    def leased_groups(self, policy_id: str) -> int:
+        return self._leased_groups[policy_id]
+
     def taken_for(self, policy_id: str, version: int) -> bool:
-        """Whether the batch that trains `version` (or a later one) was taken: leased or
-        acknowledged."""
-        return any(
-            b.policy_id == policy_id and b.state != "expired" and b.policy_version >= version
-            for b in self.batches.values()
+        """Whether the batch that trains `version` (or a later one) was taken: leased, or
+        acknowledged (and not left untrained by a trainer that resumed before it)."""
+        return self._acked_top.get(policy_id, -1) >= version or any(
+            b.policy_version >= version for b in self._leased[policy_id].values()
         )
 
     def leased_fresh(self, policy_id: str) -> int:
         """Fresh groups of the policy in leased batches: back in its buffer if a lease expires."""
-        return sum(
-            1
+        return self._leased_fresh[policy_id]
+
+    def untrained_since(self, policy_id: str, version: int) -> list[str]:
+        """Acknowledged batches of the policy at `version` or later not yet marked untrained:
+        a trainer that resumes at `version` never trained them."""
+        return [
+            b.batch_id
             for b in self.batches.values()
-            if b.policy_id == policy_id and b.state == "leased"
-            for g in b.groups
-            if not g.replay
-        )
+            if b.policy_id == policy_id
+            and b.state == "acked"
+            and b.policy_version >= version
+            and b.batch_id not in self.untrained
+        ]
+
+    def mark_untrained(self, tx, policy_id: str, batch_ids: list[str]) -> None:
+        """Marks acknowledged batches untrained: no longer taken (`taken_for`), durably."""
+        self.untrained.update(batch_ids)
+        self.untrained = {i for i in self.untrained if i in self.batches}
+        self._recount_acked(policy_id)
+        tx.put("untrained_batches", sorted(self.untrained))
 
     async def fetch(
         self,
@@ -241,6 +291,7 @@ class BatchDesk:
         )
         self.batches[batch.batch_id] = batch
         self.by_request[(policy_id, request_id)] = batch.batch_id
+        self._track(batch)
         df.counters["batches_served"] += 1
         df.replay_slots[policy_id] += sum(1 for g in groups if g.replay)
         with df.store.tx() as tx:
@@ -293,6 +344,9 @@ class BatchDesk:
                 metadata={"batch_id": batch_id},
             )
         batch.state = "acked"
+        self._untrack(batch)
+        top = self._acked_top.get(batch.policy_id, -1)
+        self._acked_top[batch.policy_id] = max(top, batch.policy_version)
         # Fresh groups only: a replayed copy is a group consumed before, counted then.
         fresh = [g for g in batch.groups if not g.replay]
         consumed = len(fresh)
@@ -309,21 +363,33 @@ class BatchDesk:
         return consumed
 
     def _prune(self) -> None:
-        finished = [b for b in self.batches.values() if b.state != "leased"]
-        if len(finished) <= KEEP_FINISHED:
+        leased = sum(len(batches) for batches in self._leased.values())
+        if len(self.batches) - leased <= KEEP_FINISHED:
             return
+        finished = [b for b in self.batches.values() if b.state != "leased"]
         drop = finished[: len(finished) - KEEP_FINISHED]
         for b in drop:
             del self.batches[b.batch_id]
             self.by_request.pop((b.policy_id, b.request_id), None)
+        # Forgotten: no longer taken (as when `taken_for` scanned the batches remembered).
+        for policy_id in {
+            b.policy_id
+            for b in drop
+            if b.state == "acked" and b.policy_version >= self._acked_top.get(b.policy_id, -1)
+        }:
+            self._recount_acked(policy_id)
+        untrained = self.untrained & {b.batch_id for b in drop}
+        self.untrained -= untrained
         with self.df.store.tx() as tx:
             tx.delete_batches(b.batch_id for b in drop)
+            if untrained:
+                tx.put("untrained_batches", sorted(self.untrained))
 
     def expire(self, now: float) -> None:
         self._prune()
-        for batch in self.batches.values():
-            if batch.state != "leased" or batch.lease_expire >= now:
-                continue
+        for batch in [
+            b for batches in self._leased.values() for b in batches.values() if b.lease_expire < now
+        ]:
             self._expire(batch)
 
     def _expire(self, batch: Batch, *, restored: bool = False, replays: int | None = None) -> None:
@@ -331,6 +397,7 @@ class BatchDesk:
         read from the store at start-up, not taken from this buffer; `replays`: how many
         replayed copies it held, if not in `groups`)."""
         batch.state = "expired"
+        self._untrack(batch)
         fresh = [g for g in batch.groups if not g.replay]
         if replays is None:
             replays = len(batch.groups) - len(fresh)

@@ -139,6 +139,19 @@ class Dataflow(Ingesting, WeightSync):
         # fills a batch slot that AReaL's bound otherwise counts for a fresh group.
         self.replay_slots: Counter[str] = Counter()
         self.work: dict[str, Work] = {}
+        # Groups of `work` leased to instances, per stream: kept as groups are leased
+        # (`_lease`), requeued (`_requeue`) and ingested, so the dispatch round's bounds
+        # never scan `work`.
+        self._running_by_stream: Counter[str] = Counter()
+        # The training streams that feed each policy's buffer.
+        self._feeding: dict[str, list[str]] = {
+            p.id: [
+                s.name
+                for s in config.streams
+                if p.id in s.policy_ids and not self.evals.is_eval(s.name)
+            ]
+            for p in config.policies
+        }
         self.waiting: deque[str] = deque()
         self.done: set[str] = set()
         self.batches = BatchDesk(self)
@@ -169,6 +182,8 @@ class Dataflow(Ingesting, WeightSync):
         st = self.store
         self.counters.update(st.get("counters", {}))
         self.accepted.update(st.get("accepted", {}))
+        # Kept since schema 2; counted from the versions trained when missing, below.
+        uncounted = st.get("replay_slots") is None and st.get("accepted") is not None
         self.replay_slots.update(st.get("replay_slots", {}))
         # Before the groups are restored below (which counts them `restored`).
         for policy_id, saved in st.get("buffer_counters", {}).items():
@@ -193,9 +208,40 @@ class Dataflow(Ingesting, WeightSync):
                 self.buffers[group.policy_id].restore(group)
             else:
                 leased.setdefault(batch_id, []).append(group)
-        self.batches.recover(st.batches(), leased, st.replays())
+        rows = st.batches()
+        self.batches.recover(rows, leased, st.replays())
+        if uncounted:
+            self._count_replay_slots(rows)
         if self.work:
             log.info("recovered %d unfinished groups to dispatch again", len(self.work))
+
+    def _count_replay_slots(self, rows) -> None:
+        """A state directory from before `replay_slots` was kept (schema 1): the replayed
+        copies of the batches taken were never counted. Each version trained filled
+        batch_groups slots, and each batch taken since (leased, or acknowledged at the
+        current version or later) its own: what `accepted` (fresh groups) and the groups
+        buffered lack of that are replayed copies. (This also undoes the expiry at recovery
+        of a schema-1 leased batch, which gave back copies that were never counted.)"""
+        for policy_id in self.buffers:
+            current = self.versions.current(policy_id)
+            pending = sum(
+                len(r.group_keys)
+                for r in rows
+                if r.policy_id == policy_id
+                and r.state == "acked"
+                and r.policy_version >= current
+                and r.batch_id not in self.batches.untrained
+            )
+            slots = (
+                current * self.config.policy(policy_id).batch_groups
+                + len(self.buffers[policy_id])
+                + self.batches.leased_groups(policy_id)
+                + pending
+            )
+            self.replay_slots[policy_id] = max(0, slots - self.accepted[policy_id])
+        log.info("replayed copies counted from the versions trained: %s", dict(self.replay_slots))
+        with self.store.tx() as tx:
+            self.persist_counters(tx)
 
     def _counter_state(self) -> tuple:
         return dict(self.counters), {p: b.counters for p, b in self.buffers.items()}
@@ -396,26 +442,14 @@ class Dataflow(Ingesting, WeightSync):
 
     def _in_flight(self) -> int:
         """Training groups leased to instances (evaluation groups never reach a buffer)."""
-        return sum(
-            1
-            for w in self.work.values()
-            if w.instance_id is not None and not self.evals.is_eval(w.stream)
-        )
+        return sum(n for name, n in self._running_by_stream.items() if not self.evals.is_eval(name))
 
     def _running(self, stream: StreamSettings) -> int:
-        return sum(
-            1 for w in self.work.values() if w.instance_id is not None and w.stream == stream.name
-        )
+        return self._running_by_stream[stream.name]
 
     def _running_for(self, policy_id: str) -> int:
         """Training groups in flight that will land in `policy_id`'s buffer, of any stream."""
-        return sum(
-            1
-            for w in self.work.values()
-            if w.instance_id is not None
-            and not self.evals.is_eval(w.stream)
-            and policy_id in self.streams[w.stream].policy_ids
-        )
+        return sum(self._running_by_stream[name] for name in self._feeding[policy_id])
 
     def stream_capacity(self, stream: StreamSettings) -> int:
         g = self.config.gate
@@ -447,6 +481,13 @@ class Dataflow(Ingesting, WeightSync):
         take. Each replayed copy fills a slot a fresh group would otherwise fill: counted as
         fresh, the surplus was generated by version v and trained by a later one (with eta =
         0, off-policy). Without replay: `accepted`."""
+        return self._slots_by_version(policy_id)[-1]
+
+    def _slots_by_version(self, policy_id: str) -> list[int]:
+        """`_slots_used` counting the batches still to come only up to version current + k,
+        for k = 0 .. eta (one entry without eta): a group of an instance that holds version
+        u is trained by u + eta at the latest, so the replayed copies of later batches take
+        none of the slots it may fill (`_version_room`)."""
         # (Never below 0: a state directory from before replay_slots may expire batches
         # whose replayed copies it never counted.)
         used = self.accepted[policy_id] + max(0, self.replay_slots[policy_id])
@@ -455,17 +496,20 @@ class Dataflow(Ingesting, WeightSync):
         size = self.config.policy(policy_id).batch_groups
         wanted = buf.replays_wanted(size)
         if eta is None or wanted == 0:
-            return used
+            return [used]
         version = self.versions.current(policy_id)
         # The batches of versions version .. version + eta not taken yet, each with the
         # replayed copies `take` would give it from what replay holds by then (expiry only
         # lowers that, and the next round counts again from what is left).
         held = buf.replay_len
-        for _ in range(eta + 1 - self.batches.taken_for(policy_id, version)):
-            n = min(wanted, held)
-            used += n
-            held = min(buf.config.replay_capacity_groups, held + size - n)
-        return used
+        out = []
+        for k in range(eta + 1):
+            if k > 0 or not self.batches.taken_for(policy_id, version):
+                n = min(wanted, held)
+                used += n
+                held = min(buf.config.replay_capacity_groups, held + size - n)
+            out.append(used)
+        return out
 
     def let_go(self, tx, policy_id: str) -> None:
         """Persists the removal of the groups the policy's buffer let go untrained (evicted
@@ -511,15 +555,24 @@ class Dataflow(Ingesting, WeightSync):
         eta = self.config.gate.max_offpolicyness
         if eta is None or not floor:
             return None
-        used = {p: self._slots_used(p) + self._running_for(p) for p in floor}
+        # used[p][k]: with the replayed copies of the batches to come up to version
+        # current + k only, the last its groups can be in (u + eta).
+        used = {}
+        for p in floor:
+            running = self._running_for(p)
+            used[p] = [n + running for n in self._slots_by_version(p)]
         size = {p: self.config.policy(p).batch_groups for p in floor}
         current = {p: self.versions.current(p) for p in floor}
 
         def room(inst: Instance) -> int:
-            return min(
-                (eta + min(inst.loaded_versions.get(p, -1), current[p]) + 1) * size[p] - used[p]
-                for p in floor
-            )
+            out = []
+            for p in floor:
+                u = min(inst.loaded_versions.get(p, -1), current[p])
+                last = u + eta - current[p]
+                if last < 0:  # below the floor: anything it generates would be too old
+                    return 0
+                out.append((eta + u + 1) * size[p] - used[p][min(last, len(used[p]) - 1)])
+            return min(out)
 
         return room
 
@@ -674,6 +727,7 @@ class Dataflow(Ingesting, WeightSync):
         w = self.work[gid]
         self.waiting.remove(gid)
         w.instance_id = inst.instance_id
+        self._running_by_stream[w.stream] += 1
         w.lease_expire = time.time() + self.config.leases.group_lease_s
         w.attempts += 1
         inst.in_flight.add(gid)
@@ -740,6 +794,7 @@ class Dataflow(Ingesting, WeightSync):
             if inst is not None:
                 inst.in_flight.discard(gid)
             w.instance_id, w.lease_expire = None, None
+            self._running_by_stream[w.stream] -= 1
             if not count_attempt:
                 w.attempts -= 1
             if count_attempt and w.attempts >= limit:

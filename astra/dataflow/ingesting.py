@@ -152,6 +152,8 @@ class Ingesting:
                 if w.instance_id is None:
                     with contextlib.suppress(ValueError):
                         self.waiting.remove(r.group_id)
+                else:
+                    self._running_by_stream[w.stream] -= 1
                 del self.work[r.group_id]
                 self.done.add(r.group_id)
                 tx.set_work(r.group_id, w.stream, "done", attempts=w.attempts, outcome=outcome)

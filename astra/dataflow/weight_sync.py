@@ -91,26 +91,36 @@ class WeightSync:
 
     def _recount_accepted(self: Dataflow, policy_id: str) -> None:
         """A trainer (re)started at the current version: the off-policy count starts again
-        from it, plus what is buffered and leased (AnnounceVersionRequest.resumed)."""
+        from it, plus what is buffered and leased (AnnounceVersionRequest.resumed).
+
+        Counted in slots on both sides: `accepted` (fresh groups) with `replay_slots`
+        (replayed copies in batches taken) against the versions trained, the groups buffered
+        and the leased batches' groups, replayed copies included. A batch acknowledged at
+        this version or later was never trained: its slots are free again, and it no longer
+        counts as the version's batch taken (whose replayed copies are projected again)."""
         b = self.config.policy(policy_id).batch_groups
-        fresh = (
-            self.versions.current(policy_id) * b
-            + len(self.buffers[policy_id])
-            + self.batches.leased_fresh(policy_id)
-        )
-        if fresh < self.accepted[policy_id]:
+        current = self.versions.current(policy_id)
+        leased = self.batches.leased_groups(policy_id)
+        leased_fresh = self.batches.leased_fresh(policy_id)
+        buffered = len(self.buffers[policy_id])
+        slots = current * b + buffered + leased
+        used = self.accepted[policy_id] + max(0, self.replay_slots[policy_id])
+        untrained = self.batches.untrained_since(policy_id, current)
+        if slots >= used and not untrained:
+            return
+        if slots < used:
             log.warning(
                 "trainer of %s resumed at version %d: %d acknowledged groups were not trained",
                 policy_id,
-                self.versions.current(policy_id),
-                self.accepted[policy_id] - fresh,
+                current,
+                used - slots,
             )
-            self.counters["groups_untrained_at_resume"] += self.accepted[policy_id] - fresh
-            self.accepted[policy_id] = fresh
-            # The versions' slots are all in `fresh` now: only the leased batches' replayed
-            # copies still fill slots of their own.
-            leased = self.batches.leased_groups(policy_id)
-            self.replay_slots[policy_id] = leased - self.batches.leased_fresh(policy_id)
-            with self.store.tx() as tx:
-                self.persist_counters(tx)
-            self.wake()
+            self.counters["groups_untrained_at_resume"] += used - slots
+            self.accepted[policy_id] = current * b + buffered + leased_fresh
+            # The versions' slots are all in `accepted` now: only the leased batches'
+            # replayed copies still fill slots of their own.
+            self.replay_slots[policy_id] = leased - leased_fresh
+        with self.store.tx() as tx:
+            self.batches.mark_untrained(tx, policy_id, untrained)
+            self.persist_counters(tx)
+        self.wake()
