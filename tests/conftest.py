@@ -114,3 +114,18 @@ def runs(tmp_path: Path) -> Iterator:
     yield make
     for r in made:
         r.cleanup()
+
+
+def entry_point_package(
+    root: Path, dist: str, module: str, source: str, group: str, entries: dict[str, str]
+) -> Path:
+    """Writes `module`.py and an installed-looking `dist`-1.0.dist-info declaring `entries`
+    (name -> "module:attribute") in the entry-point `group`; put `root` on sys.path to
+    install it. Returns `root`."""
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in entries.items())
+    (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
+    return root

@@ -16,6 +16,7 @@ from astra.dataflow.buffer import (
     registered_filters,
 )
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
+from tests.conftest import entry_point_package
 
 _ids = itertools.count()
 
@@ -240,16 +241,13 @@ def test_custom_filter_registry() -> None:
 def test_a_filter_from_an_entry_point_is_found_by_name(tmp_path, monkeypatch) -> None:
     # How `astra serve dataflow` gets a custom filter its config names: a package's entry
     # point in the group `astra.filters` (nothing registers it in that process).
-    (tmp_path / "astra_filter_plugin_mod.py").write_text(
-        "def no_singletons(group):\n    return len(group.trajectories) > 1\n"
-    )
-    info = tmp_path / "astra_filter_plugin-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: astra-filter-plugin\nVersion: 1.0\n"
-    )
-    (info / "entry_points.txt").write_text(
-        "[astra.filters]\nno_singletons = astra_filter_plugin_mod:no_singletons\n"
+    entry_point_package(
+        tmp_path,
+        "astra-filter-plugin",
+        "astra_filter_plugin_mod",
+        "def no_singletons(group):\n    return len(group.trajectories) > 1\n",
+        "astra.filters",
+        {"no_singletons": "astra_filter_plugin_mod:no_singletons"},
     )
     config = BufferConfig(drop_equal_rewards=False, filters=["no_singletons"])
     with pytest.raises(ValueError, match="no_singletons"):

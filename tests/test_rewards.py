@@ -20,6 +20,7 @@ from astra.rewards.answers import arithmetic, countdown, exact_match, numeric
 from astra.rewards.code_tests import code_tests, extract_program
 from astra.rewards.safe_math import UnsafeExpression, evaluate, format_number
 from astra.rewards.sandbox import SandboxResult
+from tests.conftest import entry_point_package
 
 
 def half_reward(record, completion, **context):
@@ -269,16 +270,13 @@ def test_score_makes_metadata_json_safe():
 
 
 def test_reward_plugin_from_an_entry_point(tmp_path: Path, monkeypatch):
-    (tmp_path / "astra_reward_plugin_mod.py").write_text(
-        "def always_quarter(record, completion, **context):\n    return 0.25\n"
-    )
-    info = tmp_path / "astra_reward_plugin-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: astra-reward-plugin\nVersion: 1.0\n"
-    )
-    (info / "entry_points.txt").write_text(
-        "[astra.rewards]\nquarter_plugin = astra_reward_plugin_mod:always_quarter\n"
+    entry_point_package(
+        tmp_path,
+        "astra-reward-plugin",
+        "astra_reward_plugin_mod",
+        "def always_quarter(record, completion, **context):\n    return 0.25\n",
+        "astra.rewards",
+        {"quarter_plugin": "astra_reward_plugin_mod:always_quarter"},
     )
     with pytest.raises(UnknownReward):
         get_reward("quarter_plugin")

@@ -31,6 +31,7 @@ from astra.workflows import (
 )
 from astra.workflows.registry import UnknownWorkflow
 from astra.workflows.tools import PythonTool, ToolError, calculator, parse_tool_call
+from tests.conftest import entry_point_package
 
 
 def run(coro, timeout_s: float = 20.0):
@@ -499,19 +500,19 @@ def test_registry_lookup_lists_known_names_and_refuses_duplicates():
 
 
 def test_workflow_plugin_from_an_entry_point(tmp_path: Path, monkeypatch):
-    (tmp_path / "astra_wf_plugin_mod.py").write_text(
+    source = (
         "from astra.raas.backend import TrajectorySpec\n"
         "class Echo:\n"
         "    default_reward = 'exact_match'\n"
         "    async def run(self, ctx):\n"
         "        return TrajectorySpec(ctx.sample_index, [], 0.5)\n"
     )
-    info = tmp_path / "astra_wf_plugin-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: astra-wf-plugin\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[astra.workflows]\necho_plugin = astra_wf_plugin_mod:Echo\n"
-        "broken_plugin = astra_wf_plugin_mod:Missing\n"
+    entries = {
+        "echo_plugin": "astra_wf_plugin_mod:Echo",
+        "broken_plugin": "astra_wf_plugin_mod:Missing",
+    }
+    entry_point_package(
+        tmp_path, "astra-wf-plugin", "astra_wf_plugin_mod", source, "astra.workflows", entries
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
