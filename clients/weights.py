@@ -75,14 +75,18 @@ def error_from_status(status: status_pb2.Status) -> errors.AstraError:
     code = grpc.StatusCode(
         next((c.value for c in grpc.StatusCode if c.value[0] == status.code), (2, "unknown"))
     ).name
-    reason, metadata = code, {}
+    reason, metadata, retry_after_s = code, {}, None
     for detail in status.details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
             reason, metadata = info.reason, dict(info.metadata)
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            retry_after_s = retry.retry_delay.ToNanoseconds() / 1e9
     cls = _ERRORS.get(code, errors.AstraError)
-    err = cls(status.message or code, reason=reason, metadata=metadata)
+    err = cls(status.message or code, reason=reason, metadata=metadata, retry_after_s=retry_after_s)
     if cls is errors.AstraError:
         err.code = code
     return err

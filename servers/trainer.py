@@ -123,16 +123,28 @@ async def start_trainer(
 
 
 async def _train(trainer: Trainer, num_steps: int, metrics: Any = None) -> None:
-    async for result in trainer.run_training_async(num_steps or None):
-        if metrics is not None:
-            metrics.observe_step(result)
-        log.info(
-            "step %d version %d loss %s %s",
-            result.step,
-            result.version,
-            result.metrics.get("loss"),
-            result.skipped,
-        )
+    """Trains until `num_steps` optimiser steps are done (0: no end). Iterations whose batch
+    was rejected or whose loss was not finite take no step and do not count."""
+    if not trainer.initialized:
+        await trainer.initialize()
+    target = trainer.step + num_steps if num_steps else None
+    steps = trainer.run_training_async(None)
+    try:
+        async for result in steps:
+            if metrics is not None:
+                metrics.observe_step(result)
+            log.info(
+                "step %d version %d loss %s %s",
+                result.step,
+                result.version,
+                result.metrics.get("loss"),
+                result.skipped,
+            )
+            if target is not None and trainer.step >= target:
+                break
+    finally:
+        await steps.aclose()
+    await trainer.publisher.drain()
 
 
 async def serve_trainer(config: TrainerConfig) -> None:

@@ -304,3 +304,95 @@ def test_overlapping_checkpoint_requests_each_get_one_answer() -> None:
     first, second, again, writes = asyncio.run(asyncio.wait_for(body(), 10))
     assert first[1] == second[1] == 3 and again == first
     assert writes == 2 and first != second
+
+
+def test_a_publish_that_fails_while_a_step_waits_for_queue_room_fails_the_step() -> None:
+    # The queue is full (a slow WeightService), the step waits for room, then the publish
+    # is refused for good: the worker ends and nothing would ever make room. The step must
+    # fail (the process exits and its supervisor restarts it) rather than hang for ever.
+    from astra.errors import FailedPrecondition
+    from astra.trainer.publisher import Publisher
+
+    class RefusingSink:
+        def __init__(self) -> None:
+            self.gate = asyncio.Event()
+
+        async def publish(self, version, identity, tensors):
+            await self.gate.wait()
+            raise FailedPrecondition("version 1 is not newer", reason="VERSION_NOT_NEWER")
+
+    async def main() -> None:
+        sink = RefusingSink()
+        pub = Publisher(sink, None, max_pending=1)
+        state = {"w": torch.zeros(4)}
+        await pub.submit(1, state)  # the worker takes it and waits in publish
+        await asyncio.sleep(0)
+        await pub.submit(2, state)  # fills the queue
+        blocked = asyncio.create_task(pub.submit(3, state))
+        await asyncio.sleep(0.05)
+        assert not blocked.done()
+        sink.gate.set()
+        done, _ = await asyncio.wait({blocked}, timeout=5.0)
+        assert done, "submit still blocked after the publisher gave up"
+        with pytest.raises(RuntimeError, match="not newer"):
+            blocked.result()
+
+    asyncio.run(main())
+
+
+def test_a_full_weight_store_pauses_publishing_instead_of_killing_the_trainer() -> None:
+    # DISK_FULL comes back as RESOURCE_EXHAUSTED with a RetryInfo: the publish waits it out
+    # (the trainer pauses on its full queue), where a crash would lose the steps since the
+    # checkpoint at every restart until the run gave up.
+    from google.rpc import status_pb2
+
+    from astra.clients.weights import error_from_status
+    from astra.errors import ResourceExhausted
+    from astra.servers.errors import status_for
+    from astra.trainer.sources import is_retryable
+
+    def round_trip(exc):
+        wire = status_for(exc, "astra.weights.v1")
+        raw = dict(wire.trailing_metadata)["grpc-status-details-bin"]
+        return error_from_status(status_pb2.Status.FromString(raw))
+
+    full = round_trip(ResourceExhausted("disk full", reason="DISK_FULL", retry_after_s=30.0))
+    assert full.retry_after_s == 30.0 and is_retryable(full)
+    too_big = round_trip(ResourceExhausted("tensor too large", reason="TOO_LARGE"))
+    assert not is_retryable(too_big)
+
+
+def test_a_served_trainer_takes_num_steps_optimiser_steps_whatever_it_skips() -> None:
+    # num_steps counts optimiser steps: a rejected batch takes none (the supervisor reads the
+    # trainer's exit 0 as "finished its steps").
+    from astra.servers.trainer import _train
+
+    def poison(request_id, trajectories):
+        if request_id == "trainer-v2-a0":
+            seq = trajectories[0].sequences[0]
+            seq.logprobs.CopyFrom(to_array(np.full(seq.token_ids.shape[0], np.nan, np.float32)))
+
+    cfg = config(num_steps=3)
+    t, _, _ = trainer(cfg, source=SyntheticSource("p", vocab_size=100, mutate=poison))
+
+    async def main():
+        await _train(t, cfg.num_steps)
+        await t.shutdown()
+
+    asyncio.run(main())
+    assert t.step == 3 and t.counters["iterations"] == 4
+
+
+def test_a_checkpoint_between_sync_steps_is_never_ahead_of_what_is_published(tmp_path) -> None:
+    class SlowSink(MemorySink):  # a WeightService takes a moment to store a version
+        async def publish(self, version, identity, tensors):
+            await asyncio.sleep(0.05)
+            await super().publish(version, identity, tensors)
+
+    source, sink = SyntheticSource("p", vocab_size=100, max_lag=1), SlowSink()
+    t = Trainer(config(checkpoint={"dir": str(tmp_path)}), source=source, sink=sink)
+    for r in t.run_training(3):
+        if r.step == 2:
+            ckpt = read_checkpoint(t.save_checkpoint())
+            assert ckpt.trainer["version"] <= min(max(sink.versions), source.version)
+    t.close()

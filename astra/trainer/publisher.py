@@ -77,7 +77,16 @@ class Publisher:
         if self._worker is None:
             self._worker = asyncio.create_task(self._run())
         start = time.perf_counter()
-        await self._queue.put((version, identity or str(version), state))
+        put = asyncio.ensure_future(self._queue.put((version, identity or str(version), state)))
+        # The worker may die (a publish that cannot be retried) while the queue is full:
+        # nothing would ever make room, so the step waits for either.
+        await asyncio.wait({put, self._worker}, return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():
+            put.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await put
+            self._check()
+            raise RuntimeError("publishing stopped")  # the worker ended without an error
         blocked = time.perf_counter() - start
         self.stats.blocked_s += blocked
         return blocked

@@ -251,9 +251,14 @@ async def retrying(call: Callable[[], Awaitable[T]], what: str, *, max_backoff_s
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """Errors a background publish or announce waits out (service restarting)."""
+    """Errors a background publish or announce waits out: a service restarting, or one that
+    says when to come back (RESOURCE_EXHAUSTED with a retry delay: the WeightService's disk
+    is full). Training then pauses on the full publish queue instead of the trainer dying
+    and losing the steps since its checkpoint at every restart."""
     if isinstance(exc, (Unavailable, ConnectionError, TimeoutError)):
         return True
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    if isinstance(exc, AstraError) and exc.code == "RESOURCE_EXHAUSTED":
+        return exc.retry_after_s is not None
     return isinstance(exc, AstraError) and exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")

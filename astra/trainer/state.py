@@ -101,6 +101,11 @@ class StateMixin:
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Writes `<path or checkpoint.dir>/step-N` now (between steps); returns it."""
         root = self._root(path)
+        loop = getattr(self, "_sync_loop", None)
+        if self.rank == 0 and loop is not None and getattr(self, "publisher", None) is not None:
+            # Never ahead of what is published (as _checkpoint_now): the sync API's steps
+            # leave their publishes running on its loop.
+            loop.run_until_complete(self.publisher.drain())
         if self.world_size > 1:
             broadcast_object({"kind": "checkpoint", "root": str(root)})
         written = self._write_checkpoint(root)
