@@ -5,6 +5,7 @@ RaaS of different capacities and labels."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,10 +20,13 @@ import pytest
 from astra.dataflow.config import PoolSettings
 from astra.dataflow.pool import Pool
 from astra.run import control
-from astra.run.elastic import RESTORED, hand_added
+from astra.run.children import stop_all
+from astra.run.elastic import RESTORED, Elastic, ElasticError, hand_added
 from astra.run.layout import RunDir
-from astra.run.recipe import RecipeError, load_recipe
+from astra.run.recipe import RaasSpec, RecipeError, load_recipe
+from astra.run.supervisor import Supervisor
 from tests.test_run import Run, gone
+from tests.test_run_children import fake_factory
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs" / "recipes"
 FAST = ["--set", "warmup.steps=0", "--set", "dataset.size=64"]
@@ -356,3 +360,94 @@ def test_a_raas_added_by_hand_comes_back_on_resume(runs) -> None:
     assert [e["source"] for e in final["elastic"]] == ["cli", RESTORED]
     s = run.summary()
     assert s["status"] == "completed" and s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+
+
+# ----- removals and additions while a RaaS restarts (fake children) ---------------------------
+
+
+def _supervisor(tmp_path: Path, plans: dict[str, str], backoff_s: float):
+    recipe = load_recipe(
+        None,
+        [
+            f"supervision.restart_backoff_s={backoff_s}",
+            "on_raas_death=restart",
+            "eval.every_steps=0",
+            "supervision.stop_grace_s=1",
+        ],
+    )
+    rd = RunDir(tmp_path / "run")
+    rd.config.mkdir(parents=True)
+    factory = fake_factory(tmp_path, plans)
+    return Supervisor(recipe, rd, child_factory=factory), factory
+
+
+def _running(factory, name: str) -> list[int]:
+    return [p.pid for n, p in factory.spawned if n == name and p.returncode is None]
+
+
+def test_a_raas_removed_while_its_restart_starts_stays_removed(tmp_path: Path) -> None:
+    """raas-0 crashes; while its restart starts, `astra raas remove raas-0`: the restart is
+    cancelled (or, failing on the stop, ends there) and no raas-0 runs again, unowned."""
+    sup, factory = _supervisor(tmp_path, {"raas-0": "serve,slow,serve", "raas": "serve"}, 0.05)
+
+    async def main() -> None:
+        r0 = sup._child("raas-0", "raas", ["unused"])
+        r1 = sup._child("raas-1", "raas", ["unused"])
+        await sup.start_children([r0, r1])
+        try:
+            os.kill(r0.pid, signal.SIGKILL)
+            sup.restarts.start(r0, await r0.wait())
+            while sum(n == "raas-0" for n, _ in factory.spawned) < 2:  # its restart starts
+                await asyncio.sleep(0.02)
+            await Elastic(sup).remove("raas-0", "cli")
+            await asyncio.sleep(1.5)  # the slow start would have served by now
+            assert [c.name for c in sup.children["raas"]] == ["raas-1"]
+            assert _running(factory, "raas-0") == []
+            assert sum(n == "raas-0" for n, _ in factory.spawned) == 2, sup.restarts.events
+            assert r0.retired and not sup.restarts.restarting(r0)
+        finally:
+            await sup.restarts.close()
+            await stop_all([sup.children["raas"]], 1.0)
+            for pid in _running(factory, "raas-0"):
+                os.killpg(pid, signal.SIGKILL)
+
+    asyncio.run(main())
+
+
+def test_a_raas_name_is_not_taken_while_its_restart_is_pending(tmp_path: Path) -> None:
+    """`astra raas add raas-0` while raas-0 waits out its restart's backoff is refused (two
+    processes would run as one instance); once raas-0 is removed, its restart goes with it and
+    the name is free."""
+    sup, factory = _supervisor(tmp_path, {"dataflow": "serve", "raas": "serve"}, 0.5)
+
+    async def main() -> None:
+        df = sup._child("dataflow", "dataflow", ["unused"])
+        r0 = sup._child("raas-0", "raas", ["unused"])
+        r1 = sup._child("raas-1", "raas", ["unused"])
+        await sup.start_children([df, r0, r1])
+        elastic = Elastic(sup)
+        try:
+            os.kill(r0.pid, signal.SIGKILL)
+            sup.restarts.start(r0, await r0.wait())  # back in 0.5 s
+            with pytest.raises(ElasticError, match="'raas-0' is restarting"):
+                await elastic.add(RaasSpec(name="raas-0"), "raas-0", "cli")
+            while sup.restarts.restarting(r0):
+                await asyncio.sleep(0.05)
+            assert len(_running(factory, "raas-0")) == 1 and r0.returncode is None
+
+            os.kill(r0.pid, signal.SIGKILL)  # again: back in 1 s, removed before
+            sup.restarts.start(r0, await r0.wait())
+            await elastic.remove("raas-0", "cli")
+            assert not sup.restarts.pending
+            await elastic.add(RaasSpec(name="raas-0"), "raas-0", "cli")
+            await asyncio.sleep(1.5)
+            assert len(_running(factory, "raas-0")) == 1
+            (new,) = [c for c in sup.children["raas"] if c.name == "raas-0"]
+            assert new is not r0 and new.returncode is None
+        finally:
+            await sup.restarts.close()
+            await stop_all([sup.children["raas"], sup.children["core"]], 1.0)
+            for pid in _running(factory, "raas-0"):
+                os.killpg(pid, signal.SIGKILL)
+
+    asyncio.run(main())

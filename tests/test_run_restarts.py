@@ -4,6 +4,7 @@ complete with every group trained once and versions that never go back."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,11 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
+from astra.run.children import ChildFailed
 from astra.run.layout import RunDir, trainer_config
 from astra.run.recipe import load_recipe
 from astra.run.restarts import Restarts, port_of
+from astra.run.supervisor import Supervisor
 from tests.test_run import gone
+from tests.test_run_children import fake_factory
 
 
 class _Sup:
@@ -24,6 +29,7 @@ class _Sup:
     def __init__(self, recipe, rd: RunDir) -> None:
         self.recipe = self.started_recipe = recipe
         self.rd, self.dataset, self.children = rd, rd.dataset, {"core": []}
+        self.addresses: dict[str, str] = {}
 
 
 class _Child:
@@ -47,13 +53,21 @@ def test_restart_decisions_and_commands(tmp_path: Path) -> None:
     df = _Child("dataflow", "dataflow", "127.0.0.1:41001")
     ws = _Child("weights", "weights", "127.0.0.1:41002")
     sup.children["core"] = [df, ws]
-    assert port_of(df) == 41001
+    sup.addresses = {"dataflow": df.address, "weights": ws.address}
+    assert port_of(df.address) == 41001
     cmd = r.command(df)
     config = Path(cmd[cmd.index("--config") + 1]).read_text()
     assert "port: 41001" in config  # every other process holds this address
     cmd = r.command(ws)
     assert cmd[cmd.index("--port") + 1] == "41002"
     trainer = _Child("trainer-policy", "trainer")
+    cmd = r.command(trainer)
+    config = Path(cmd[cmd.index("--config") + 1]).read_text()
+    assert "dataflow: 127.0.0.1:41001" in config and "weights: 127.0.0.1:41002" in config
+    # while they restart (their own address is empty) the commands keep their addresses
+    df.info["address"] = ws.info["address"] = ""
+    cmd = r.command(ws)
+    assert cmd[cmd.index("--port") + 1] == "41002"
     cmd = r.command(trainer)
     config = Path(cmd[cmd.index("--config") + 1]).read_text()
     assert "dataflow: 127.0.0.1:41001" in config and "weights: 127.0.0.1:41002" in config
@@ -80,6 +94,115 @@ def test_resumed_trainer_runs_the_steps_left_from_its_checkpoint(tmp_path: Path)
     policy = recipe.policies[0]
     c = trainer_config(recipe, policy, rd, dataflow="a:1", weights="b:2", resume=True)
     assert c.num_steps == 18 and c.checkpoint.resume
+
+
+def _fast_recipe(*more: str):
+    return load_recipe(None, ["supervision.restart_backoff_s=0.05", "eval.every_steps=0", *more])
+
+
+def _run_dir(tmp_path: Path) -> RunDir:
+    rd = RunDir(tmp_path / "run")
+    rd.config.mkdir(parents=True)
+    return rd
+
+
+def test_a_core_service_keeps_its_port_after_a_restart_that_failed(tmp_path: Path) -> None:
+    """The WeightService dies; its first restart exits before serving (its address stays
+    empty); the second comes back on the port of its first start."""
+    rd = _run_dir(tmp_path)
+    factory = fake_factory(tmp_path, {"weights": "serve,die,serve"})
+
+    async def main() -> None:
+        sup = Supervisor(_fast_recipe("supervision.max_restarts=3"), rd, child_factory=factory)
+        ws = sup._child("weights", "weights", ["unused"])
+        await sup.start_children([ws])
+        try:
+            os.kill(ws.pid, signal.SIGKILL)
+            sup.restarts.start(ws, await ws.wait())  # what Supervisor._watch does
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and sup.failure is None:
+                if len(factory.commands) == 3 and ws.address and not sup.restarts.pending:
+                    break
+                await asyncio.sleep(0.05)
+            assert sup.failure is None, (sup.failure, sup.restarts.events)
+            assert [e.get("error") for e in sup.restarts.events] == [
+                "weights exited (3) before serving",
+                None,
+            ]
+            ports = [c[c.index("--port") + 1] for _, c in factory.commands[1:]]
+            assert ports == ["41002", "41002"] and ws.address == "127.0.0.1:41002"
+        finally:
+            await sup.restarts.close()
+            await ws.stop(0)
+
+    asyncio.run(main())
+
+
+def test_dataflows_address_is_kept_when_the_weightservice_beside_it_fails_to_start(
+    tmp_path: Path,
+) -> None:
+    """Supervisor._start_all starts the WeightService again alone when it cannot take its port
+    back: Dataflow, which served, keeps the address its restarts come back on."""
+    factory = fake_factory(tmp_path, {"dataflow": "serve", "weights": "die"}, {"dataflow": "41001"})
+
+    async def main() -> None:
+        sup = Supervisor(_fast_recipe(), _run_dir(tmp_path), child_factory=factory)
+        df = sup._child("dataflow", "dataflow", ["unused"])
+        ws = sup._child("weights", "weights", ["unused"])
+        try:
+            with pytest.raises(ChildFailed, match="weights exited"):
+                await sup.start_children([df, ws])
+            assert sup.addresses == {"dataflow": "127.0.0.1:41001"}
+        finally:
+            await df.stop(0)
+            await ws.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_trainer_restarted_while_dataflow_restarts_is_given_dataflows_address(
+    tmp_path: Path,
+) -> None:
+    """Dataflow and a trainer die together; the trainer's restart is computed while Dataflow's
+    own is starting (its address empty): it gets the address Dataflow comes back on."""
+    rd = _run_dir(tmp_path)
+    rd.dataset.parent.mkdir(parents=True)
+    rd.dataset.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    plans = {"dataflow": "serve,slow", "weights": "serve", "trainer": "serve"}
+    ports = {"dataflow": "41001", "weights": "41002", "trainer": "41003"}
+    factory = fake_factory(tmp_path, plans, ports)
+
+    async def main() -> None:
+        recipe = _fast_recipe()
+        sup = Supervisor(recipe, rd, child_factory=factory)
+        sup.dataset = rd.dataset
+        df = sup._child("dataflow", "dataflow", ["unused"])
+        ws = sup._child("weights", "weights", ["unused"])
+        await sup.start_children([df, ws])
+        tr = sup._child(f"trainer-{recipe.policies[0].id}", "trainer", ["unused"])
+        await sup.start_children([tr])
+        try:
+            for c in (df, tr):
+                os.kill(c.pid, signal.SIGKILL)
+            for c in (df, tr):  # the order Supervisor._watch handles them in
+                sup.restarts.start(c, await c.wait())
+            deadline = time.monotonic() + 20
+            while sup.restarts.pending and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert sup.failure is None and not sup.restarts.pending, sup.restarts.events
+            restarted = [c for name, c in factory.commands if name == tr.name][1:]
+            assert len(restarted) == 1
+            config = yaml.safe_load(
+                Path(restarted[0][restarted[0].index("--config") + 1]).read_text()
+            )
+            assert config["dataflow"] == "127.0.0.1:41001"
+            assert config["weights"] == "127.0.0.1:41002"
+        finally:
+            await sup.restarts.close()
+            for c in (df, ws, tr):
+                await c.stop(0)
+
+    asyncio.run(main())
 
 
 def _pid(run, name: str) -> int | None:

@@ -6,8 +6,19 @@ address on stdout and logs on stderr. The child's stderr goes to its log file;
 after the address line, whatever else it writes on stdout is copied there too (so
 the pipe never fills). `start_new_session=True` makes each child the leader of a
 process group of its own: Ctrl-C in the terminal reaches only the supervisor,
-which decides the order of shutdown, and a stop signals the whole group
-(torchrun ranks included): SIGTERM, a grace period, then SIGKILL.
+which decides the order of shutdown, and a stop signals the whole group:
+SIGTERM, a grace period, then SIGKILL. A restart SIGKILLs the group of the
+process before it first, so helpers of a dead child do not pile up.
+
+What the group does not cover: descendants that start a session of their own.
+torchrun's ranks are such (a trainer with --nproc > 1: torchrun leads the group,
+each rank has a session of its own); torchrun stops them on SIGTERM, but when
+torchrun itself is SIGKILLed (stop_grace_s ran out, a second Ctrl-C, a crash, the
+OOM killer) its ranks are orphaned. A RaaS's engine server
+(astra.engine.http.launch) also has a session of its own; it is given a
+parent-death signal (Linux), so it goes when the RaaS dies however it dies.
+A child's exit is seen from its pid, not from its pipes (such a descendant may
+hold its stdout open): see `Child.wait`.
 """
 
 from __future__ import annotations
@@ -25,6 +36,9 @@ from typing import Any, BinaryIO
 log = logging.getLogger(__name__)
 
 
+EXIT_POLL_S = 0.5  # how often a wait looks at the exit status (see Child.wait)
+
+
 class ChildFailed(RuntimeError):
     """A child that did not start, or died; the message carries the tail of its log."""
 
@@ -39,6 +53,9 @@ class Child:
         self.proc: asyncio.subprocess.Process | None = None
         self.info: dict[str, Any] = {}
         self.stopping = False  # stopped on purpose: its exit is no death
+        # Stopped for good (removed, or the run ends): never started again. Unlike `stopping`,
+        # neither spawn nor a restart clears it (astra.run.restarts checks it).
+        self.retired = False
         self.extra: dict[str, Any] = {}  # more for run.json (a RaaS: capacity, labels, joined)
         self.log_offset = 0  # size of the log when this process started (logs are appended to)
         self._log: BinaryIO | None = None
@@ -57,7 +74,12 @@ class Child:
         return self.proc.returncode if self.proc is not None else None
 
     async def spawn(self) -> None:
-        """Starts the process (again, after it died: a new process, the same log appended to)."""
+        """Starts the process (again, after it died: a new process, the same log appended to).
+
+        Again: what is left of the group of the process before (helpers in its group) is
+        SIGKILLed first."""
+        if self.proc is not None:
+            self.signal_group(signal.SIGKILL)
         self.close()
         self.info, self.stopping = {}, False
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,8 +136,23 @@ class Child:
             out.flush()
 
     async def wait(self) -> int:
-        assert self.proc is not None
-        return await self.proc.wait()
+        """The exit status, once the process exited. Seen from its pid (the loop's child watcher
+        sets `returncode` when it reaps it), not from its pipes: asyncio's Process.wait()
+        returns only once stdout is closed too, which a descendant in a session of its own
+        that inherited it (torchrun's ranks) keeps open after the child died."""
+        proc = self.proc
+        assert proc is not None
+        if proc.returncode is not None:
+            return proc.returncode
+        waiting = asyncio.ensure_future(proc.wait())
+        try:
+            while proc.returncode is None and not waiting.done():
+                await asyncio.wait({waiting}, timeout=EXIT_POLL_S)
+        finally:
+            waiting.cancel()
+        rc = proc.returncode
+        assert rc is not None
+        return rc
 
     def signal_group(self, sig: int) -> None:
         """Signals the child's process group (it is the group leader: pgid == pid)."""
@@ -125,19 +162,22 @@ class Child:
             os.killpg(self.proc.pid, sig)
 
     async def stop(self, grace_s: float) -> int | None:
-        """SIGTERM to the group, wait `grace_s`, then SIGKILL; returns the exit status."""
+        """SIGTERM to the group, wait `grace_s`, then SIGKILL; returns the exit status.
+
+        The group only: descendants in sessions of their own are not signalled (see the
+        module docstring)."""
         if self.proc is None:
             return None
         self.stopping = True
         if self.proc.returncode is None:
             self.signal_group(signal.SIGTERM)
             try:
-                await asyncio.wait_for(self.proc.wait(), grace_s)
+                await asyncio.wait_for(self.wait(), grace_s)
             except TimeoutError:
                 log.warning("%s did not stop within %.0fs: SIGKILL", self.name, grace_s)
-        # Leftover members of the group (ranks, helpers) go too, even after the leader exited.
+        # Leftover members of the group (helpers) go too, even after the leader exited.
         self.signal_group(signal.SIGKILL)
-        rc = await self.proc.wait()
+        rc = await self.wait()
         if self._drain is not None:
             with contextlib.suppress(asyncio.TimeoutError, Exception):
                 await asyncio.wait_for(self._drain, 2.0)
@@ -173,6 +213,9 @@ class Child:
 
 
 async def stop_all(groups: list[list[Child]], grace_s: float) -> None:
-    """Stops children group by group (each group concurrently), in the order given."""
+    """Stops children group by group (each group concurrently), in the order given; for good
+    (retired: no restart brings them back)."""
     for group in groups:
+        for c in group:
+            c.retired = True
         await asyncio.gather(*(c.stop(grace_s) for c in group), return_exceptions=True)

@@ -159,13 +159,15 @@ class Elastic:
         sup, recipe = self.sup, self.sup.started_recipe
         if name in {c.name for c in sup.children["raas"] if c.returncode is None}:
             raise ElasticError(f"name taken: RaaS {name!r} is running")
+        if any(sup.restarts.restarting(c) for c in sup.children["raas"] if c.name == name):
+            raise ElasticError(f"name taken: RaaS {name!r} is restarting (remove it first)")
         if reserved_name(name):
             raise ElasticError(f"name taken: {name!r} is another child's name")
         ids = [p.id for p in recipe.policies]
         if unknown := [p for p in spec.policies if p not in ids]:
             raise ElasticError(f"unknown policies {unknown} (the run's: {ids})")
         spec = spec.model_copy(update={"name": name})
-        dataflow = sup.children["core"][0].address
+        dataflow = sup.addresses["dataflow"]  # Dataflow's own is empty while it restarts
         # A RaaS of the same name that died or was removed before: its entry goes.
         sup.children["raas"] = [c for c in sup.children["raas"] if c.name != name]
         child = sup._child(
@@ -224,6 +226,7 @@ class Elastic:
                         f"without {name} no running RaaS serves streams.{s.name}: "
                         "add one that does first"
                     )
+        await sup.restarts.cancel(child)  # retired: no restart under way brings it back
         work = await raas_work(child)
         rc = await child.stop(sup.grace_s)
         sup.children["raas"].remove(child)

@@ -156,7 +156,10 @@ class RayChild(Child):
 
         if self.actor is None:
             raise ChildFailed(f"{self.name}: its Ray actor was released")
-        # Again after a death (astra.run.restarts): the same actor starts the new process.
+        # Again after a death (astra.run.restarts): the same actor starts the new process,
+        # after what is left of the group of the one before is SIGKILLed.
+        if self.proc is not None:
+            await self._signal(signal.SIGKILL)
         self._rc, self.proc, self._exit, self.info, self.stopping = None, None, None, {}, False
         try:
             self.placement = await asyncio.wait_for(_get(self._placed), self.placement_timeout_s)

@@ -5,9 +5,12 @@ again with the command its role needs, up to `supervision.max_restarts` times
 per child (backoff `supervision.restart_backoff_s`, doubling, at most 60 s):
 
 - Dataflow and the WeightService come back on the port they had, because every
-  other process holds that address. Dataflow reloads its durable state (buffer,
+  other process holds that address: the one of their first start, kept in
+  `Supervisor.addresses` (a child's own is empty while it restarts, and stays so
+  after a start that failed). Dataflow reloads its durable state (buffer,
   leases, dataset position); the RaaS register again by themselves; trainers
-  retry their fetches and publishes meanwhile.
+  retry their fetches and publishes meanwhile. A trainer restarted meanwhile is
+  given those kept addresses too.
 - A trainer comes back with `--resume`-style settings: from its newest
   checkpoint, for the steps it has left, on a new port (the observer is told).
   It continues at the newest published version, so versions stay monotonic.
@@ -16,9 +19,11 @@ per child (backoff `supervision.restart_backoff_s`, doubling, at most 60 s):
   its restarts are used up the run goes on without it (`continue`).
 
 A child whose restarts are used up ends the run as a death did before (RaaS
-aside). Every restart is logged, counted in run.json (`restarts` of the child)
-and listed in summary.json (`restarts`). No grpc here: the children speak for
-themselves once started.
+aside). A child has at most one restart under way (`pending`); a child retired
+(`Child.retired`: removed by astra.run.elastic, or stopped with the run) is not
+started again, and `cancel` stops its restart. Every restart is logged, counted
+in run.json (`restarts` of the child) and listed in summary.json (`restarts`).
+No grpc here: the children speak for themselves once started.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ class Restarts:
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
         self.events: list[dict[str, Any]] = []  # summary.json `restarts`
-        self.pending: set[asyncio.Task[None]] = set()
+        self.pending: dict[Child, asyncio.Task[None]] = {}  # one restart under way per child
 
     def count(self, child: Child) -> int:
         return int(child.extra.get("restarts", 0))
@@ -76,17 +81,39 @@ class Restarts:
             backoff,
         )
         task = asyncio.create_task(self._restart(child, rc, backoff, event))
-        self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
+        self.pending[child] = task  # a retry (start from _restart) replaces its own task
+        task.add_done_callback(lambda t: self._done(child, t))
+
+    def _done(self, child: Child, task: asyncio.Task[None]) -> None:
+        if self.pending.get(child) is task:
+            del self.pending[child]
+
+    def restarting(self, child: Child) -> bool:
+        """Whether a restart of `child` is under way (waiting out its backoff, or starting)."""
+        task = self.pending.get(child)
+        return task is not None and not task.done()
+
+    async def cancel(self, child: Child) -> None:
+        """Retires `child` and stops its restart, if one is under way (astra.run.elastic's
+        removal: the caller stops the child)."""
+        child.retired = True
+        task = self.pending.get(child)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _restart(self, child: Child, rc: int, backoff: float, event: dict[str, Any]) -> None:
         await asyncio.sleep(backoff)
-        if self.sup.stop.is_set() or child.stopping:
+        if self.sup.stop.is_set() or child.retired:
             return
         try:
             child.args = self.command(child)
             await self.sup.start_children([child])
         except ChildFailed as exc:
+            if child.retired:  # removed while it started (its stop is what failed the start)
+                if child.returncode is None:
+                    await child.stop(0)
+                return
             event["error"] = str(exc).splitlines()[0]
             log.error("%s could not be restarted: %s", child.name, exc)
             if child.returncode is None:
@@ -106,6 +133,9 @@ class Restarts:
                 log.exception("restarting %s", child.name)
                 self.sup.fail(f"failed: restarting {child.name}: {exc!r}")
             return
+        if child.retired:  # removed while it started: it does not stay
+            await child.stop(0)
+            return
         event["serving_after_s"] = round(time.monotonic() - self.sup.started_at, 3)
         if child.role == "trainer" and self.sup.observer is not None:
             self.sup.observer.set_trainer(child.name.removeprefix("trainer-"), child.address)
@@ -115,23 +145,27 @@ class Restarts:
         """The command that brings `child` back (see the module docstring)."""
         sup, r, rd = self.sup, self.sup.started_recipe, self.sup.rd
         if child.role == "dataflow":
-            return layout.dataflow_command(r, rd, sup.dataset, port=port_of(child))
+            return layout.dataflow_command(
+                r, rd, sup.dataset, port=port_of(sup.addresses[child.role])
+            )
         if child.role == "weights":
-            return layout.weights_command(r, rd, port_of(child))
+            return layout.weights_command(r, rd, port_of(sup.addresses[child.role]))
         if child.role == "trainer":
             policy = next(p for p in r.policies if f"trainer-{p.id}" == child.name)
-            core = {c.role: c.address for c in sup.children["core"]}
+            # the addresses they always come back on: they may be restarting right now
+            core = sup.addresses
             return layout.trainer_command(
                 r, policy, rd, dataflow=core["dataflow"], weights=core["weights"], resume=True
             )
         return child.args  # a RaaS: the same command (port 0, its own state directory)
 
     async def close(self) -> None:
-        for task in list(self.pending):
+        tasks = list(self.pending.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.pending, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def port_of(child: Child) -> int:
-    """The port of a child's last address (host:port)."""
-    return int(child.address.rsplit(":", 1)[1])
+def port_of(address: str) -> int:
+    """The port of an address (host:port)."""
+    return int(address.rsplit(":", 1)[1])

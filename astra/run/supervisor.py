@@ -15,7 +15,8 @@ stopping / ended), every child, the RaaS removed and every elastic change.
 The run ends when every trainer exits 0 after its num_steps. SIGINT/SIGTERM (a
 second one: no more grace) stop everything. Shutdown goes trainers, RaaS (their
 work counters asked first), then Dataflow and the WeightService, each group
-SIGTERM -> grace -> SIGKILL by process group, so no child outlives the run.
+SIGTERM -> grace -> SIGKILL by process group, so no child outlives the run
+(descendants in sessions of their own aside: see astra.run.children).
 Then summary.json is written (astra.run.summary; `raas`: each RaaS's capacity,
 labels, how it joined and left, and its work; `elastic`: every change).
 """
@@ -75,6 +76,9 @@ class Supervisor:
         self.elastic_events: list[dict[str, Any]] = []
         self.elastic: Elastic | None = None
         self.weights_port = 0
+        # dataflow, weights: the address of their first start, which a restart keeps (their
+        # own is empty while they restart); what every other process is given
+        self.addresses: dict[str, str] = {}
         self.restarts = Restarts(self)
         self.started_at = time.monotonic()
         self.dataset: Any = None  # the run's dataset file, once prepared
@@ -103,8 +107,13 @@ class Supervisor:
 
     async def _until_stop(self, coro: Any) -> Any:
         task, stopped = asyncio.ensure_future(coro), asyncio.ensure_future(self.stop.wait())
-        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # a restart cancelled (astra.run.elastic's removal)
+            task.cancel()
+            raise
+        finally:
+            stopped.cancel()
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -119,6 +128,9 @@ class Supervisor:
         reads = asyncio.gather(*(c.read_address(timeout) for c in group), return_exceptions=True)
         results = await self._until_stop(reads)
         self.write_run_json()
+        for child, result in zip(group, results, strict=True):
+            if child.role in ("dataflow", "weights") and not isinstance(result, BaseException):
+                self.addresses.setdefault(child.role, child.address)  # the first start's
         for child, result in zip(group, results, strict=True):
             if isinstance(result, BaseException):
                 raise ChildFailed(f"{result}\n{self._tail(child)}") from result
@@ -263,6 +275,7 @@ class Supervisor:
                         rc,
                         self._tail(child),
                     )
+                    child.signal_group(signal.SIGKILL)  # what is left of its group goes now
                     if child.restartable and self.restarts.allowed(child):
                         self.restarts.start(child, rc)
                         continue

@@ -7,6 +7,14 @@ its own process group with its output in a log file (never a pipe that could
 fill); `wait_ready` polls a health path with a deadline and fails fast, with
 the log's tail, when the child exits; `stop` sends SIGTERM to the group, then
 SIGKILL after a grace period. Nothing here knows a particular engine.
+
+Its own session puts the server outside the process group of the process that
+starts it (a RaaS under `astra run`), so a stop of that group does not reach it.
+On Linux it gets SIGTERM when the thread that started it goes (PR_SET_PDEATHSIG:
+the RaaS died, however it died; start it from a thread that lives as long as the
+server should, e.g. the event loop's): SIGTERM, not SIGKILL, so that the server
+stops its own worker processes. Not covered: a server that ignores SIGTERM, and
+platforms without prctl (the server then outlives a RaaS that could not stop it).
 """
 
 from __future__ import annotations
@@ -17,12 +25,37 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from astra.engine.http.client import JSONClient
 from astra.errors import AstraError, Unavailable
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(sig: int = signal.SIGTERM) -> Any:
+    """A preexec_fn: the child gets `sig` when the thread that started it goes; None where prctl
+    is not there (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != parent:  # the parent went before prctl: no signal would come
+            os.kill(os.getpid(), int(sig))
+
+    return preexec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -77,6 +110,7 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            preexec_fn=_die_with_parent(),  # it goes with the process that started it
         )
 
     def log_tail(self, chars: int = 3000) -> str:
