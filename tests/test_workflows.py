@@ -542,3 +542,27 @@ def test_verifier_warmup_records_judge_right_answers_and_near_misses() -> None:
         assert parse_verdict(v["answer"]) == (proposed == r["answer"])
         verdicts.append(verdict)
     assert 60 < verdicts.count("correct") < 140
+
+
+def test_multi_agent_verifier_turn_fits_the_context_whatever_the_answer():
+    # The verifier's prompt carries the solver's answer: a long answer pushed it past the
+    # engine's context, the engine refused, and the whole episode (the solver's turn too)
+    # became an error.
+    from astra.workflows.multi_agent import VERIFIER_TEMPLATE
+
+    answer = "14" + " and so on" * 6  # 62 bytes: within max_new_tokens
+    verifier_prompt = VERIFIER_TEMPLATE.format(problem="2*7?", answer=answer)
+
+    def script(p, prompt, s):
+        return "correct" if "Verdict" in prompt or prompt == verifier_prompt else answer
+
+    g = make_group("2*7?", workflow="multi_agent", data={"answer": "14"}, tokens=64)
+    tight = ScriptedTestEngine(script, max_seq_len=len(verifier_prompt.encode()) + 3)
+    t = episode(tight, g)
+    assert t.error is None and t.agent_rewards["solver"] == 1.0  # the solver's turn is kept
+    assert tight.calls[1][2].max_new_tokens == 3  # clamped to the room left
+    no_room = ScriptedTestEngine(script, max_seq_len=len(verifier_prompt.encode()))
+    t = episode(no_room, g)
+    assert t.error is None and len(no_room.calls) == 1  # no verifier call at all
+    assert t.metadata["verdict"] == "none" and "no room" in t.metadata["verifier"]
+    assert t.agent_rewards["verifier"] == 0.0 and len(t.sequences) == 2

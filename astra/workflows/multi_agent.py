@@ -96,11 +96,20 @@ class SolverVerifier:
         verifier_tok = ctx.tokenizer(verifier_policy)
         prompt = template.format(problem=ctx.prompt_text(solver_policy), answer=answer)
         verifier = SequenceBuilder(verifier_policy, verifier_tok.encode(prompt), VERIFIER)
-        gen = await ctx.engine.generate(
-            verifier_policy, list(verifier.token_ids), ctx.sampling(salt=(VERIFIER,))
-        )
-        verifier.add_generation(gen)
-        verdict = parse_verdict(generated_text(gen, verifier_tok))
+        # The verifier's prompt holds the solver's answer: a long answer must not push it past
+        # the context (the engine would refuse, and the whole episode, the solver's turn with
+        # it, would be lost). Fewer new tokens then; no room at all: no verdict.
+        limit = ctx.max_seq_len(verifier_policy)
+        room = ctx.group.max_new_tokens if limit is None else limit - len(verifier.token_ids)
+        verdict = None
+        if room >= 1:
+            gen = await ctx.engine.generate(
+                verifier_policy,
+                list(verifier.token_ids),
+                ctx.sampling(min(ctx.group.max_new_tokens, room), salt=(VERIFIER,)),
+            )
+            verifier.add_generation(gen)
+            verdict = parse_verdict(generated_text(gen, verifier_tok))
         verifier_reward = float(verdict is not None and verdict == correct)
 
         agent_rewards = {SOLVER: solver_reward, VERIFIER: verifier_reward}
@@ -112,6 +121,8 @@ class SolverVerifier:
             "solver_correct": correct,
             "verdict": "none" if verdict is None else ("correct" if verdict else "incorrect"),
         }
+        if room < 1:
+            metadata["verifier"] = "no room in the context for a verdict"
         if info:
             metadata["reward_info"] = info
         return TrajectorySpec(
