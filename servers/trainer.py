@@ -145,6 +145,7 @@ async def _train(trainer: Trainer, num_steps: int, metrics: Any = None) -> None:
     finally:
         await steps.aclose()
     await trainer.publisher.drain()
+    await trainer.checkpoint_at_end()  # `astra run` reads "finished" from the checkpoints
 
 
 async def serve_trainer(config: TrainerConfig) -> None:

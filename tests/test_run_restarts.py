@@ -264,6 +264,29 @@ def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(runs) -
     assert all(gone(c["pid"]) for c in run.children())
 
 
+@pytest.mark.timeout(300)
+def test_a_trainer_stopped_by_a_sigterm_from_outside_is_restarted_not_taken_as_finished(
+    runs,
+) -> None:
+    # A trainer exits 0 on SIGTERM (as every server); the supervisor read any exit 0 as
+    # "finished its steps" and the run went on without a trainer. Its checkpoints decide.
+    steps = 60
+    run = runs(
+        *("--set", f"trainer.num_steps={steps}", "--set", "trainer.checkpoint.every_steps=5"),
+        *("--set", "supervision.restart_backoff_s=0.2"),
+    )
+    run.wait_for_children({"dataflow", "weights", "raas", "trainer"}, 120)
+    pid = _pid(run, "trainer-policy")
+    assert pid is not None, run.output()
+    time.sleep(1.5)
+    os.kill(pid, signal.SIGTERM)  # the trainer only, as an operator or a node agent would
+    _restarted(run, "trainer-policy", pid, 90)
+    assert run.wait(240) == 0, run.output()
+    s = run.summary()
+    assert s["status"] == "completed" and s["steps"] == steps, s
+    assert [(e["child"], e["exit"]) for e in s["restarts"]] == [("trainer-policy", 0)]
+
+
 @pytest.mark.parametrize("max_restarts", [0])
 def test_without_restarts_a_dead_core_service_stops_the_run(runs, max_restarts) -> None:
     run = runs(

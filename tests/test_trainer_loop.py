@@ -396,3 +396,21 @@ def test_a_checkpoint_between_sync_steps_is_never_ahead_of_what_is_published(tmp
             ckpt = read_checkpoint(t.save_checkpoint())
             assert ckpt.trainer["version"] <= min(max(sink.versions), source.version)
     t.close()
+
+
+def test_a_served_trainer_leaves_a_checkpoint_of_its_last_step(tmp_path: Path) -> None:
+    # `astra run` reads "finished" from the checkpoints (an exit 0 short of the steps is a
+    # SIGTERM from outside, to restart); and a resume of a finished run trains nothing again.
+    from astra.servers.trainer import _train
+
+    cfg = config(num_steps=3, checkpoint={"dir": str(tmp_path), "every_steps": 2})
+    t, _, _ = trainer(cfg)
+
+    async def main():
+        await _train(t, cfg.num_steps)
+        await t.shutdown()
+
+    asyncio.run(main())
+    assert [p.name for p in list_checkpoints(tmp_path)][-1] == "step-000000003"
+    written = t.counters["checkpoints_written"]
+    assert written == 2  # step 2 (every_steps) and the last one, once

@@ -264,7 +264,10 @@ class Supervisor:
                     child, rc = waits.pop(task), task.result()
                     if child.stopping:
                         continue  # removed (astra.run.elastic logs it)
-                    if child.role == "trainer" and (rc == 0 or self._trained_out(child)):
+                    # Finished when its checkpoints say so (a trainer writes one at its last
+                    # step): an exit 0 short of its steps is a SIGTERM from outside (servers
+                    # exit 0 on one), a death to restart, not a finished trainer.
+                    if child.role == "trainer" and self._trained_out(child):
                         log.info("%s finished its steps", child.name)
                         left.discard(child.name)
                         continue

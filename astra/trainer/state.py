@@ -57,6 +57,7 @@ class StateMixin:
 
     def _init_checkpoints(self) -> None:
         self.last_checkpoint: Path | None = None
+        self._checkpointed_step: int | None = None  # the step of the last checkpoint written
         self.last_checkpoint_time: datetime.datetime | None = None
         self._requests: dict[str, asyncio.Future[tuple[Path, int]]] = {}
         self._checkpoint_lock = asyncio.Lock()  # one checkpoint written at a time
@@ -92,6 +93,7 @@ class StateMixin:
                 keep_last=self.config.checkpoint.keep_last,
             )
             self.last_checkpoint = path
+            self._checkpointed_step = self.step
             self.last_checkpoint_time = datetime.datetime.now(datetime.UTC)
             self.counters["checkpoints_written"] += 1
             log.info("checkpoint %s written", path)
@@ -129,7 +131,7 @@ class StateMixin:
         self.step, self.version = int(ckpt.trainer["step"]), int(ckpt.trainer["version"])
         self.attempt = int(ckpt.trainer.get("attempt", 0))
         self.counters.update(ckpt.trainer.get("counters", {}))
-        self.last_checkpoint = target
+        self.last_checkpoint, self._checkpointed_step = target, self.step
         log.info("resumed from %s at step %d, version %d", target, self.step, self.version)
 
     def _apply_optim_config(self) -> None:
@@ -153,6 +155,12 @@ class StateMixin:
             await self._compute(broadcast_object, {"kind": "checkpoint", "root": str(root)})
         path = await self._compute(self._write_checkpoint, root)
         return path, self.step
+
+    async def checkpoint_at_end(self) -> None:
+        """A checkpoint of the last step when it has none yet (the steps are done): so a
+        supervisor reads "finished" from the checkpoints, and a resume trains nothing again."""
+        if self.config.checkpoint.dir and self._checkpointed_step != self.step:
+            await self._checkpoint_now()
 
     @property
     def step_in_progress(self) -> bool:
