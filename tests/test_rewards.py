@@ -98,6 +98,9 @@ def test_countdown_checks_numbers_and_target():
     assert countdown(rec, "3**2").metadata["reason"].startswith("invalid expression")
     assert countdown(rec, "__import__('os')").metadata["reason"].startswith("invalid")
     assert countdown(rec, "") == 0.0
+    big = 2**53  # an int record is exact: 2**53 + 1 is not 2**53 (a float would say it is)
+    assert countdown({"numbers": [big, 1], "target": big + 1}, "9007199254740992+1") == 1.0
+    assert countdown({"numbers": [big, 1], "target": big}, "9007199254740992+1") == 0.0
 
 
 def test_safe_math_refuses_everything_but_arithmetic():

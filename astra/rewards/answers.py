@@ -114,6 +114,8 @@ def arithmetic(record: dict[str, Any], completion: str, **context: Any) -> float
 
 
 def _as_int(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value  # exact, however large
     number = float(value)  # records that crossed a protobuf Struct hold floats
     if not number.is_integer():
         raise ValueError(f"countdown numbers and target must be integers, got {value!r}")
