@@ -1216,3 +1216,29 @@ def test_the_counts_kept_for_dispatch_rounds_match_a_scan(tmp_path, monkeypatch)
             crash(df)
 
     run(body())
+
+
+def test_a_batch_leased_before_an_outage_longer_than_its_lease_can_still_be_acknowledged(
+    tmp_path,
+):
+    """The trainer trained the batch while Dataflow was down and could not extend the lease:
+    recovered with the old expiry, the batch expired at once, its groups went back to the
+    buffer and were trained again. The lease runs a full term from the recovery."""
+    cfg = make_config(tmp_path, leases={"batch_lease_s": 0.5})
+
+    async def body():
+        df = new_dataflow(cfg)
+        batch = (await fill_and_fetch(df, 1))[0]
+        crash(df)
+        await asyncio.sleep(0.7)  # the outage outlasts the lease
+        df2 = new_dataflow(cfg)
+        try:
+            df2.batches.expire(time.time())
+            assert df2.batches.batches[batch.batch_id].state == "leased"
+            assert df2.batches.ack(batch.batch_id) == len(batch.groups)
+            trained = {g.group_id for g in batch.groups}
+            assert not trained & set(df2.buffers["p"]._groups)  # none comes back
+        finally:
+            crash(df2)
+
+    run(body())

@@ -112,6 +112,10 @@ class BatchDesk:
                 continue
             stored = groups.pop(row.batch_id, [])
             rebuilt = _rebuild(row, stored, replays.get(row.batch_id, {}))
+            # Its trainer could neither extend nor acknowledge the lease while Dataflow was
+            # down: the lease runs a full term from now, or a batch trained during an outage
+            # longer than the lease would expire back to the buffer and be trained again.
+            lease_expire = max(row.lease_expire, time.time() + self.df.config.leases.batch_lease_s)
             batch = Batch(
                 row.batch_id,
                 row.policy_id,
@@ -119,7 +123,7 @@ class BatchDesk:
                 row.trainer_id,
                 stored if rebuilt is None else rebuilt,
                 row.policy_version,
-                row.lease_expire,
+                lease_expire,
             )
             if rebuilt is not None and any(a is None for _, _, a in row.group_keys):
                 # A schema-1 row: no advantages stored. They depend only on the batch's
