@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,8 +77,6 @@ class BatchDesk:
         # the leased batches per policy (in the order leased) and their groups counted (all,
         # and fresh), kept as batches are leased, acknowledged and expired.
         self._leased: defaultdict[str, dict[str, Batch]] = defaultdict(dict)
-        self._leased_groups: Counter[str] = Counter()
-        self._leased_fresh: Counter[str] = Counter()
         # Per policy, the newest version of an acknowledged batch (one that was trained).
         self._acked_top: dict[str, int] = {}
         # Acknowledged batches a resumed trainer never trained (it restarted at their
@@ -157,14 +155,10 @@ class BatchDesk:
     def _track(self, batch: Batch) -> None:
         """`batch` is leased now (its groups set)."""
         self._leased[batch.policy_id][batch.batch_id] = batch
-        self._leased_groups[batch.policy_id] += len(batch.groups)
-        self._leased_fresh[batch.policy_id] += sum(1 for g in batch.groups if not g.replay)
 
     def _untrack(self, batch: Batch) -> None:
-        """`batch` is no longer leased (called before its groups are let go)."""
+        """`batch` is no longer leased."""
         del self._leased[batch.policy_id][batch.batch_id]
-        self._leased_groups[batch.policy_id] -= len(batch.groups)
-        self._leased_fresh[batch.policy_id] -= sum(1 for g in batch.groups if not g.replay)
 
     def _recount_acked(self, policy_id: str) -> None:
         """`_acked_top` of the policy from the batches remembered (a scan: at start-up, at a
@@ -181,7 +175,9 @@ class BatchDesk:
         )
 
     def leased_groups(self, policy_id: str) -> int:
-        return self._leased_groups[policy_id]
+        # The leased batches of a policy are few (a trainer leases one at a time): counted
+        # from them, never kept beside them.
+        return sum(len(b.groups) for b in self._leased[policy_id].values())
 
     def taken_for(self, policy_id: str, version: int) -> bool:
         """Whether the batch that trains `version` (or a later one) was taken: leased, or
@@ -192,7 +188,7 @@ class BatchDesk:
 
     def leased_fresh(self, policy_id: str) -> int:
         """Fresh groups of the policy in leased batches: back in its buffer if a lease expires."""
-        return self._leased_fresh[policy_id]
+        return sum(not g.replay for b in self._leased[policy_id].values() for g in b.groups)
 
     def untrained_since(self, policy_id: str, version: int) -> list[str]:
         """Acknowledged batches of the policy at `version` or later not yet marked untrained:

@@ -211,9 +211,7 @@ class Tx:
                 self.staged_used.append(st)
                 meta, seg, off, length = st.meta, st.segment, st.offset, st.length
             else:
-                meta, parts = _pack(g.trajectories)
-                seg, off, length = self.blobs.append_parts(parts)
-                self.appended.append(seg)
+                meta, seg, off, length = self._append(g)
             # A group enters the store once (ingest de-duplicates by id): a second
             # insert is a bug and fails the transaction.
             self.c.execute(
@@ -221,6 +219,13 @@ class Tx:
                 " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (g.group_id, g.policy_id, g.seq, g.epoch, None, meta, seg, off, length),
             )
+
+    def _append(self, g: GroupRecord) -> tuple[str, int, int, int]:
+        """Writes the group's trajectory bytes to the blob log: (meta, segment, offset, length)."""
+        meta, parts = _pack(g.trajectories)
+        seg, off, length = self.blobs.append_parts(parts)
+        self.appended.append(seg)
+        return meta, seg, off, length
 
     def delete_groups(self, keys: Iterable[tuple[str, str]]) -> None:
         for group_id, policy_id in keys:
@@ -246,9 +251,7 @@ class Tx:
         their originals' rows may be gone (trained and deleted) by the time the batch has to
         be rebuilt after a restart."""
         for pos, g in groups:
-            meta, parts = _pack(g.trajectories)
-            seg, off, length = self.blobs.append_parts(parts)
-            self.appended.append(seg)
+            meta, seg, off, length = self._append(g)
             self.c.execute(
                 "INSERT INTO batch_replays(batch_id, pos, group_id, policy_id, seq, epoch, meta,"
                 " seg, off, len) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
