@@ -23,4 +23,4 @@ def test_trainer_check_cpu_dry_run():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "fsdp x2 (gloo)" in proc.stdout
-    assert proc.stdout.count(" ok") == 3 and "FAILED" not in proc.stdout
+    assert proc.stdout.count(" ok") == 4 and "FAILED" not in proc.stdout

@@ -197,7 +197,7 @@ def write_model(name: str, directory: Path) -> dict[str, Any]:
     return cfg
 
 
-def load_astra(directory: Path) -> Any:
+def load_astra(directory: Path, device: str = "cpu") -> Any:
     """`CausalLM` from the directory, as `astra.engine.tiny.load_model` loads it (fp32)."""
     import torch
 
@@ -208,20 +208,20 @@ def load_astra(directory: Path) -> Any:
     cfg = ModelConfig.from_dir(directory)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to_empty(device="cpu").to(torch.float32)
+    model = model.to_empty(device=device).to(torch.float32)
     model.tie()
     model.load_weights(load_state(directory))
     return model.eval()
 
 
-def load_hf(directory: Path) -> Any:
+def load_hf(directory: Path, device: str = "cpu") -> Any:
     import torch
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    return model.eval()
+    return model.to(device).eval()
 
 
 class BenchTokenizer:
@@ -312,7 +312,11 @@ def generate_batches(
         )
         torch.manual_seed(seed + b)
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, generation_config=config)
+            out = model.generate(
+                ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config
+            )
+        if out.is_cuda:
+            torch.cuda.synchronize()  # the timer stops when the tokens exist
         new = out.shape[1] - width
         if new != longest:
             raise RuntimeError(f"generate produced {new} tokens, asked {longest}")
@@ -339,6 +343,7 @@ async def bench_model(
     directory: Path,
     *,
     threads: int,
+    device: str = "cpu",
     deadline: float = math.inf,
     log: Callable[[str], None] = lambda msg: None,
 ) -> ModelResult:
@@ -353,16 +358,19 @@ async def bench_model(
     cfg = write_model(spec.name, directory)
     setup = {"write": time.perf_counter() - t0}
     t0 = time.perf_counter()
-    ours = load_astra(directory)
+    ours = load_astra(directory, device)
     setup["load astra"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    theirs = load_hf(directory)
+    theirs = load_hf(directory, device)
     setup["load generate"] = time.perf_counter() - t0
     params = sum(p.numel() for p in ours.parameters())
     vocab = int(cfg["vocab_size"])
     tokenizer = BenchTokenizer(vocab)
     engine = TorchEngine(
-        {"bench": (ours, tokenizer)}, max_batch=max(64, *spec.concurrency), num_threads=threads
+        {"bench": (ours, tokenizer)},
+        device,
+        max_batch=max(64, *spec.concurrency),
+        num_threads=threads,
     )
     cells = [Cell(n, make_requests(spec, n, vocab)) for n in spec.concurrency]
     result = ModelResult(spec, params, cfg, cells, setup_s=setup)
@@ -420,6 +428,8 @@ def med(xs: Sequence[float], fmt: str = "{:,.1f}") -> str:
 def machine(threads: int) -> str:
     import torch
 
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+
     cores = os.cpu_count()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     try:
@@ -429,7 +439,7 @@ def machine(threads: int) -> str:
     except ImportError:
         tf = "no transformers"
     return (
-        f"{cores} cores, {mem:.0f} GiB RAM, no GPU, Python {platform.python_version()}, "
+        f"{cores} cores, {mem:.0f} GiB RAM, {gpu}, Python {platform.python_version()}, "
         f"torch {torch.__version__.split('+')[0]} ({threads} intra-op thread"
         f"{'s' if threads != 1 else ''} for both "
         f"systems), {tf}, Linux {platform.release()}"
@@ -636,6 +646,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--write", dest="write", action="store_true", default=None)
     ap.add_argument("--no-write", dest="write", action="store_false", help="print only")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both systems")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: where both systems run")
+    ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the runs")
     a = ap.parse_args(argv)
     try:
         import transformers  # noqa: F401
@@ -654,9 +666,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = []
     try:
         for i, spec in enumerate(specs(a.quick)):
-            deadline = time.perf_counter() + BUDGET_S[a.quick] * SHARE[spec.name]
+            budget = a.budget_s if a.budget_s is not None else BUDGET_S[a.quick]
+            deadline = time.perf_counter() + budget * SHARE[spec.name]
             res = asyncio.run(
-                bench_model(spec, tmp / f"m{i}", threads=a.threads, deadline=deadline, log=log)
+                bench_model(
+                    spec,
+                    tmp / f"m{i}",
+                    threads=a.threads,
+                    device=a.device,
+                    deadline=deadline,
+                    log=log,
+                )
             )
             results.append(res)
             loads += [r.load for c in res.cells for runs in c.runs.values() for r in runs]
@@ -667,6 +687,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cmd = "python tools/bench/engine.py" + (" --quick" if a.quick else "")
     if a.threads != 1:
         cmd += f" --threads {a.threads}"
+    if a.device != "cpu":
+        cmd += f" --device {a.device}"
     text = render(
         results,
         started=started,
@@ -677,7 +699,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     print()
     print(text)
-    if a.write if a.write is not None else not a.quick:
+    if a.write if a.write is not None else not a.quick and a.device == "cpu":
         replace_section(ROOT / "BENCHMARKS.md", SECTION, text)
         log(f"wrote the {SECTION[3:]} section of BENCHMARKS.md")
 

@@ -19,9 +19,10 @@ fixed seeds, published into memory):
 Prints a table and exits non-zero when a check fails: losses of `fsdp` equal `plain` within
 --loss-tol relative to the larger of |plain| and --loss-floor (a GRPO loss sits near 0, where a
 relative difference means nothing), the published weights of both within --weight-tol, parity
-max abs diff within --logprob-tol. Keep it under --deadline-s. In bf16 the trainer keeps fp32
-master weights: FSDP2 computes with bf16 copies of every parameter, one process under autocast
-(matmuls in bf16, norms in fp32), so the two agree to bf16 precision, not bit for bit.
+max and mean abs diff within --logprob-tol and --logprob-mean-tol. Keep it under --deadline-s.
+In bf16 the trainer keeps fp32 master weights: FSDP2 computes with bf16 copies of every
+parameter, one process under autocast (matmuls in bf16, norms in fp32), so the two agree to
+bf16 precision, not bit for bit; the engine runs the published bf16 weights end to end.
 """
 
 from __future__ import annotations
@@ -161,8 +162,23 @@ def run_fsdp(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return torch.load(workdir / "fsdp.pt", weights_only=False)
 
 
-async def logprob_parity(trainer: Trainer) -> float:
-    """Max |trainer log-prob - engine log-prob| over sampled tokens, same weights, same device."""
+class IdsTokenizer:
+    """For a model directory without a tokenizer: ids in, ids out, no end-of-sequence id."""
+
+    eos_id = -1
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+async def logprob_parity(trainer: Trainer) -> tuple[float, float]:
+    """Max and mean |trainer log-prob - engine log-prob| over sampled tokens, same weights, same
+    device. In bf16 the two differ by design: the trainer computes under autocast from fp32
+    masters (fp32 residual stream and norms), the engine runs the published bf16 weights
+    end to end, as vLLM and SGLang do."""
     from astra.engine.api import Sampling
     from astra.engine.model import CausalLM
     from astra.engine.tiny import load_model
@@ -177,7 +193,7 @@ async def logprob_parity(trainer: Trainer) -> float:
     engine_model = engine_model.to_empty(device=trainer.config.device).to(dtype)
     engine_model.tie()
     engine_model.load_weights(state)
-    tokenizer = load_model("tiny")[1] if trainer.config.model == "tiny" else None
+    tokenizer = load_model("tiny")[1] if trainer.config.model == "tiny" else IdsTokenizer()
     engine = TorchEngine({"p": (engine_model.eval(), tokenizer)}, trainer.config.device)
     prompts = [[1, 5, 9, 13], [2, 4, 6, 8, 10, 12, 14]]
     sampling = Sampling(max_new_tokens=16, temperature=1.0, seed=3)
@@ -185,12 +201,13 @@ async def logprob_parity(trainer: Trainer) -> float:
         gens = await asyncio.gather(*(engine.generate("p", p, sampling) for p in prompts))
     finally:
         await engine.close()
-    worst = 0.0
+    diffs = []
     for prompt, gen in zip(prompts, gens, strict=True):
         ids = torch.tensor([prompt + gen.token_ids])
         mine = sequence_logprobs(trainer.model, ids, 1.0)[0, len(prompt) - 1 :].float().cpu()
-        worst = max(worst, float((mine - torch.tensor(gen.logprobs)).abs().max()))
-    return worst
+        diffs.append((mine - torch.tensor(gen.logprobs)).abs())
+    every = torch.cat(diffs)
+    return float(every.max()), float(every.mean())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss-tol", type=float, default=None, help="default: 1e-4 fp32, 5e-2 bf16")
     ap.add_argument("--loss-floor", type=float, default=0.1, help="see --loss-tol")
     ap.add_argument("--weight-tol", type=float, default=None, help="default: 1e-4 fp32, 2e-2 bf16")
-    ap.add_argument("--logprob-tol", type=float, default=None, help="default: 1e-3 fp32, 0.1 bf16")
+    ap.add_argument("--logprob-tol", type=float, default=None, help="default: 1e-3 fp32, 0.5 bf16")
+    ap.add_argument(
+        "--logprob-mean-tol", type=float, default=None, help="default: 1e-4 fp32, 0.05 bf16"
+    )
     ap.add_argument("--deadline-s", type=float, default=240.0)
     ap.add_argument("--out", default="", help="write the figures as JSON here")
     args = ap.parse_args(argv)
@@ -217,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = args.dtype == "bfloat16"
     loss_tol = args.loss_tol or (5e-2 if bf16 else 1e-4)
     weight_tol = args.weight_tol or (2e-2 if bf16 else 1e-4)
-    logprob_tol = args.logprob_tol or (0.1 if bf16 else 1e-3)
+    logprob_tol = args.logprob_tol or (0.5 if bf16 else 1e-3)
+    logprob_mean_tol = args.logprob_mean_tol or (0.05 if bf16 else 1e-4)
     if args.device == "cpu":
         torch.set_num_threads(1)
 
@@ -242,19 +263,20 @@ def main(argv: list[str] | None = None) -> int:
     checks = {
         "fsdp losses = plain (rel, floor)": (loss_diff, loss_tol),
         "fsdp weights = plain (abs)": (weight_diff, weight_tol),
-        "trainer vs engine log-prob (abs)": (plain["parity"], logprob_tol),
+        "trainer vs engine log-prob (max abs)": (plain["parity"][0], logprob_tol),
+        "trainer vs engine log-prob (mean abs)": (plain["parity"][1], logprob_mean_tol),
     }
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"device {device}, model {args.model}, dtype {args.dtype}, {args.steps} steps")
     print(f"{'run':<22} {'median step ms':>15} {'tokens/s':>10} {'last loss':>12}")
     for name, ms, tok_s, loss in rows:
         print(f"{name:<22} {ms:>15.1f} {tok_s:>10.0f} {loss:>12.6f}")
-    print(f"{'check':<34} {'value':>10} {'limit':>10}  result")
+    print(f"{'check':<38} {'value':>10} {'limit':>10}  result")
     failed = False
     for name, (value, limit) in checks.items():
         ok = value <= limit
         failed |= not ok
-        print(f"{name:<34} {value:>10.2e} {limit:>10.1e}  {'ok' if ok else 'FAILED'}")
+        print(f"{name:<38} {value:>10.2e} {limit:>10.1e}  {'ok' if ok else 'FAILED'}")
     if args.out:
         Path(args.out).write_text(
             json.dumps(
