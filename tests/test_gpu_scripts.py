@@ -24,3 +24,16 @@ def test_trainer_check_cpu_dry_run():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "fsdp x2 (gloo)" in proc.stdout
     assert proc.stdout.count(" ok") == 4 and "FAILED" not in proc.stdout
+
+
+def test_shaped_reward_is_the_digit_share() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "shaped_reward", Path(__file__).resolve().parents[1] / "tools/gpu/shaped_reward.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.digit_share({}, "") == 0.0
+    assert module.digit_share({}, "a1b2") == 0.5
+    assert module.digit_share({}, "٣7") == 0.5  # ASCII digits only
