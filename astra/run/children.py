@@ -12,11 +12,11 @@ process before it first, so helpers of a dead child do not pile up.
 
 What the group does not cover: descendants that start a session of their own.
 torchrun's ranks are such (a trainer with --nproc > 1: torchrun leads the group,
-each rank has a session of its own); torchrun stops them on SIGTERM, but when
+each rank has a session of its own); torchrun stops them on SIGTERM, and when
 torchrun itself is SIGKILLed (stop_grace_s ran out, a second Ctrl-C, a crash, the
-OOM killer) its ranks are orphaned. A RaaS's engine server
-(astra.engine.http.launch) also has a session of its own; it is given a
-parent-death signal (Linux), so it goes when the RaaS dies however it dies.
+OOM killer) each rank's parent-death signal (astra.parent_death, Linux) ends it. A
+RaaS's engine server (astra.engine.http.launch) also has a session of its own and
+the same signal, so it goes when the RaaS dies however it dies.
 A child's exit is seen from its pid, not from its pipes (such a descendant may
 hold its stdout open): see `Child.wait`.
 """

@@ -23,22 +23,7 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> Any:
-    """A preexec_fn: the child gets SIGKILL when the thread that started it goes (its actor
-    was killed); None where prctl is not there (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-
-    return preexec
+from astra import parent_death
 
 
 class _Process:
@@ -110,7 +95,7 @@ class _Process:
                     env=env,
                     cwd=cwd,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent(),
+                    preexec_fn=parent_death.preexec(signal.SIGKILL),
                 )
             except OSError as exc:
                 self.error = f"{args[0]}: {exc}"

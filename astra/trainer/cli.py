@@ -3,7 +3,8 @@
 Parses and validates the config before importing torch or gRPC, so --help
 and config errors are fast. `--nproc N` (N > 1) re-runs the same command
 under torchrun (`torch.distributed.run --standalone`), one rank per process:
-rank 0 trains and serves, the others follow; gloo on CPU, nccl on CUDA.
+rank 0 trains and serves, the others follow; gloo on CPU, nccl on CUDA. Each rank dies with
+torchrun (astra.parent_death), however torchrun goes.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ def trainer_command(
         argv = _argv(config_path, checkpoint_dir, resume, log_level, flags)
         run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         os.execv(sys.executable, [*run, f"--nproc-per-node={nproc}", "-m", "astra.trainer", *argv])
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank started by torchrun
+        from astra.parent_death import die_with_parent
+
+        # torchrun starts each rank in a session of its own and stops them on SIGTERM; when
+        # torchrun is SIGKILLed instead (the OOM killer, a stop whose grace ran out), the
+        # kernel now ends its ranks too, which would otherwise keep their GPUs and ports.
+        die_with_parent()
     from astra.logs import configure
 
     configure(log_level)

@@ -25,37 +25,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
+from astra import parent_death
 from astra.engine.http.client import JSONClient
 from astra.errors import AstraError, Unavailable
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(sig: int = signal.SIGTERM) -> Any:
-    """A preexec_fn: the child gets `sig` when the thread that started it goes; None where prctl
-    is not there (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(sig))
-        if os.getppid() != parent:  # the parent went before prctl: no signal would come
-            os.kill(os.getpid(), int(sig))
-
-    return preexec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -110,7 +86,9 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            preexec_fn=_die_with_parent(),  # it goes with the process that started it
+            preexec_fn=parent_death.preexec(
+                signal.SIGTERM
+            ),  # it goes with the process that started it
         )
 
     def log_tail(self, chars: int = 3000) -> str:

@@ -1,0 +1,151 @@
+"""A process tied to its parent (astra.parent_death) goes when the parent is SIGKILLed, even in a
+session of its own; torchrun's trainer ranks are tied so (a SIGKILLed torchrun left them
+running, holding their GPUs and ports)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from astra.engine.tiny import TINY_CONFIG, random_model, save_model
+from astra.raas.scripted import VOCAB_SIZE, ScriptedGenerator
+from astra.servers.raas import start_raas
+from astra.servers.weights import start_weights
+from astra.weights.store import StoreConfig
+from tests.conftest import make_config, running_dataflow
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl: Linux")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+PARENT = """
+import subprocess, sys, time
+tied = sys.argv[1] == "tied"
+code = ("import time\\n"
+        + ("from astra.parent_death import die_with_parent\\ndie_with_parent()\\n" if tied else "")
+        + "print('ready', flush=True)\\ntime.sleep(60)\\n")
+child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         start_new_session=True)
+assert child.stdout.readline() == b"ready\\n"
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_process_goes_with_its_sigkilled_parent(tied: bool) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, "tied" if tied else "free"],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        child = int(parent.stdout.readline())
+        assert alive(child)
+        parent.kill()
+        parent.wait(10)
+        assert gone_within([child], 10) is tied  # untied: orphaned, still running
+    finally:
+        parent.kill()
+        if "child" in locals() and alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_go_when_torchrun_is_sigkilled(tmp_path: Path, dataset: Path) -> None:
+    model_cfg = {**TINY_CONFIG, "vocab_size": VOCAB_SIZE}
+    save_model(tmp_path / "model", random_model(model_cfg, 1), model_cfg)
+
+    seen: dict[str, object] = {}
+
+    async def body() -> None:
+        weights = await start_weights(tmp_path / "store", config=StoreConfig(durable=False))
+        async with running_dataflow(make_config(dataset, tmp_path / "df", grace_s=0.1)) as (
+            df_server,
+            _,
+            _,
+        ):
+            server, _, registrar = await start_raas(
+                ScriptedGenerator(delay_s=0.01),
+                capacity=16,
+                dataflow_address=df_server.address,
+                instance_id="raas",
+                grace_s=0.1,
+            )
+            args = ["--nproc", "2", "--dataflow", df_server.address, "--weights"]
+            args += [weights.address, "--policy", "policy", "--model", str(tmp_path / "model")]
+            args += ["--port", "0", "--num-steps", "0"]  # until stopped
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "astra.trainer",
+                *args,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            ranks: list[int] = []
+            try:
+                while True:  # rank 0's address line: both ranks are up
+                    line = await asyncio.wait_for(proc.stdout.readline(), 60)
+                    assert line, "torchrun ended before rank 0 served"
+                    if line.startswith(b"{"):
+                        break
+                ranks = children_of(proc.pid)  # torchrun replaced the CLI process (exec)
+                assert len(ranks) == 2 and all(alive(p) for p in ranks), ranks
+                proc.kill()  # SIGKILL torchrun: it cannot stop its ranks
+                seen["ranks"] = ranks
+                # (not proc.wait(): it also waits for the stdout pipe, which live ranks hold)
+                seen["gone"] = await asyncio.to_thread(gone_within, ranks, 10)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                for p in ranks:  # hygiene, after the verdict above
+                    if alive(p):
+                        os.kill(p, signal.SIGKILL)
+                await proc.wait()
+                await registrar.stop()
+                await server.stop(0)
+                await weights.stop(0)
+
+    asyncio.run(asyncio.wait_for(body(), 100))
+    assert seen["gone"], f"ranks {seen['ranks']} outlived a SIGKILLed torchrun"
