@@ -170,3 +170,23 @@ def test_resume_continues_a_stopped_run(runs) -> None:
     assert f"resumed from {ckpts}/step-{done:09d}" in trainer_log
     assert (first.run_dir / "plot.png").is_file()
     assert list((first.run_dir / "tensorboard" / "policy").glob("events.out.tfevents.*"))
+
+
+def test_a_run_whose_groups_are_all_dropped_ends_as_stalled(runs, tmp_path, monkeypatch) -> None:
+    """Every reward equal, equal-reward groups dropped: no batch can ever form. The run ends as
+    stalled (exit 1) instead of waiting forever; Dataflow's status says why."""
+    (tmp_path / "flat_reward.py").write_text("def zero(record, completion, **_):\n    return 0.0\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run = runs(
+        "--set", "streams.0.reward=flat_reward:zero",
+        "--set", "policies.0.buffer.drop_equal_rewards=true",
+        "--set", "supervision.max_dropped_in_a_row=40",
+        "--set", "eval.every_steps=0",
+    )  # fmt: skip
+    assert run.wait(120) == 1, run.output()
+    s = run.summary()
+    assert s["status"].startswith("stalled: policy policy: the last "), s["status"]
+    assert "filtered_equal_reward" in s["status"] and s["steps"] == 0
+    assert s["groups_trained"] == 0 and s["groups_lost"] == 0
+    text = (run.run_dir / "logs" / "dataflow.log").read_text()
+    assert "groups were all dropped (the newest: filtered_equal_reward)" in text

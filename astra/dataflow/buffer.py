@@ -202,6 +202,11 @@ class PolicyBuffer:
         # groups that left are skipped when popped, as in the eviction heap.
         self._order: list[tuple[int, int, str]] = []
         self._counters: Counter[str] = Counter()
+        # Finished groups dropped one after another since the last one accepted, and why the
+        # newest was: a count that keeps growing means no batch can form (every group filtered
+        # as equal-reward once the policy has learned its data, say). Not durable: a diagnostic.
+        self.dropped_in_a_row = 0
+        self.last_drop = ""
         for key in _COUNTERS + tuple(
             f"{kind}_{name}" for name, _ in self._filters for kind in ("filtered", "filter_error")
         ):
@@ -237,6 +242,20 @@ class PolicyBuffer:
         Checks in order: duplicate id, failed trajectories (removed; none left -> "failed"),
         staleness, equal rewards, custom filters, capacity. Returns the outcome name.
         """
+        outcome = self._add(group, current_version)
+        self.note(outcome)
+        return outcome
+
+    def note(self, outcome: str) -> None:
+        """Keeps `dropped_in_a_row`: an accepted group ends a run of drops; a duplicate or a
+        group refused by a full buffer (batches can form) neither ends nor extends it."""
+        if outcome == ACCEPTED:
+            self.dropped_in_a_row = 0
+        elif outcome not in (DUPLICATE, REJECTED_FULL):
+            self.dropped_in_a_row += 1
+            self.last_drop = outcome
+
+    def _add(self, group: GroupRecord, current_version: int) -> str:
         self._counters["added"] += 1
         if group.group_id in self._groups:
             return self._count(DUPLICATE)

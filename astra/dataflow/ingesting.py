@@ -180,6 +180,8 @@ class Ingesting:
             return f"malformed: {r.invalid}"
         if r.error is not None:
             self.counters["failed_groups"] += 1
+            for policy_id in w.item.policy_ids:
+                self._note_dropped(policy_id, "failed")
             return f"failed: {r.error}"
         if not r.per_policy:
             # Neither trajectories nor an error: nothing to train, and not a success.
@@ -207,12 +209,33 @@ class Ingesting:
             group = GroupRecord(r.group_id, policy_id, w.item.epoch, trajectories)
             current = self.versions.current(policy_id)
             outcome = buf.add(group, current)
+            self._note_dropped(policy_id)
             outcomes.append(f"{policy_id}:{outcome}")
             if outcome == "accepted":
                 self.accepted[policy_id] += 1
                 self.staleness.update(group.staleness(current))
                 tx.add_groups([group], staged)
         return ",".join(outcomes) or "empty"
+
+    def _note_dropped(self: Dataflow, policy_id: str, outcome: str = "") -> None:
+        """Counts a failed group into the policy's run of drops (`outcome`), and warns when
+        that run reaches 8 batches' worth of groups, and again at each doubling."""
+        buf = self.buffers.get(policy_id)
+        if buf is None:
+            return
+        if outcome:
+            buf.note(outcome)
+        n, batch = buf.dropped_in_a_row, self.config.policy(policy_id).batch_groups
+        batches, rest = divmod(n, 8 * batch)
+        if rest == 0 and batches and batches & (batches - 1) == 0:
+            log.warning(
+                "policy %s: the last %d finished groups were all dropped (the newest: %s); "
+                "no batch of %d forms until one is kept",
+                policy_id,
+                n,
+                buf.last_drop,
+                batch,
+            )
 
     def _take_eval(self: Dataflow, w: Work, r: IncomingGroup) -> str:
         """An evaluation group's result: tallied, never buffered (a failure counts as failed

@@ -53,6 +53,8 @@ def dataflow_status(df: Dataflow) -> dict:
                 "leased_groups": df.batches.leased_groups(p.id),
                 "target_version": target.version if target else 0,
                 "weights_address": target.weights_address if target else "",
+                "groups_dropped_in_a_row": buf.dropped_in_a_row,
+                "last_drop_reason": buf.last_drop,
             }
         )
     streams = [

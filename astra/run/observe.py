@@ -31,7 +31,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -67,8 +67,11 @@ class Observer(StatusPoller):
         plot: Path | None = None,
         live: bool | None = None,
         evals: EvalLog | None = None,
+        max_dropped_in_a_row: int = 0,
+        on_stall: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(dataflow, trainers, name=name, num_steps=num_steps)
+        self.max_dropped_in_a_row, self.on_stall = max_dropped_in_a_row, on_stall
         self.metrics_path, self.out = metrics_path, out
         self.poll_interval_s, self.status_every_s = poll_interval_s, status_every_s
         self.rows: dict[str, list[dict[str, Any]]] = {p: [] for p in trainers}
@@ -161,6 +164,10 @@ class Observer(StatusPoller):
                 if tick % 4 == 0:
                     await self.poll_dataflow()
                     self.record_evals()
+                    if self.on_stall is not None and (why := self.stalled()) is not None:
+                        log.error("%s", why)
+                        self.on_stall(why)
+                        self.on_stall = None  # said once; the run is ending
                 await asyncio.gather(*(self.poll_trainer(p) for p in self.trainers))
                 self.flush()  # lines read last tick: this poll saw the step unless another did
                 self.read_logs()
@@ -171,6 +178,18 @@ class Observer(StatusPoller):
                     log.warning("observer tick failed (%d so far)", failures, exc_info=True)
             tick += 1
             await asyncio.sleep(self.poll_interval_s / 4)
+
+    def stalled(self) -> str | None:
+        """Why the run cannot go on, when a policy's run of dropped groups reached the bound."""
+        limit = self.max_dropped_in_a_row
+        for policy, (n, reason) in sorted(self.last_dataflow.get("dropped_in_a_row", {}).items()):
+            if limit and n >= limit:
+                return (
+                    f"stalled: policy {policy}: the last {n} finished groups were all dropped "
+                    f"(the newest: {reason or 'unknown'}), so no batch can form "
+                    f"(supervision.max_dropped_in_a_row: {limit})"
+                )
+        return None
 
     def status_line(self) -> str:
         elapsed = time.monotonic() - self.started

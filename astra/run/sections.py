@@ -210,6 +210,13 @@ class SupervisionSpec(_Strict):
     restart_backoff_s: float = Field(
         1.0, ge=0, le=60, description="Wait before a restart; doubles with each of a child's."
     )
+    max_dropped_in_a_row: int = Field(
+        2000,
+        ge=0,
+        description="End the run as stalled when this many finished groups of one policy in a "
+        "row were dropped (filtered, failed, stale): no batch can form (say, every group "
+        "equal-reward once the policy solves its data); 0: wait forever.",
+    )
 
 
 class ObserveSpec(_Strict):

@@ -336,6 +336,8 @@ class Supervisor:
                 name=self.recipe.name,
                 tensorboard=self.rd.root / "tensorboard",
                 plot=self.rd.root / "plot.png",
+                max_dropped_in_a_row=self.recipe.supervision.max_dropped_in_a_row,
+                on_stall=self.fail,
                 evals=EvalLog(self.rd.evals, every_steps=self.recipe.eval.every_steps)
                 if self.recipe.evaluating
                 else None,

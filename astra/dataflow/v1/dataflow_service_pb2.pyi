@@ -251,7 +251,7 @@ class InstanceStatus(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., capacity: _Optional[int] = ..., free_slots: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., consecutive_failures: _Optional[int] = ..., loaded_versions: _Optional[_Iterable[_Union[_version_pb2.PolicyVersion, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PolicyStatus(_message.Message):
-    __slots__ = ("policy_id", "current_version", "buffered_groups", "buffer_capacity", "replay_groups", "leased_groups", "target_version", "weights_address")
+    __slots__ = ("policy_id", "current_version", "buffered_groups", "buffer_capacity", "replay_groups", "leased_groups", "target_version", "weights_address", "groups_dropped_in_a_row", "last_drop_reason")
     POLICY_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,8 @@ class PolicyStatus(_message.Message):
     LEASED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DROPPED_IN_A_ROW_FIELD_NUMBER: _ClassVar[int]
+    LAST_DROP_REASON_FIELD_NUMBER: _ClassVar[int]
     policy_id: str
     current_version: int
     buffered_groups: int
@@ -268,7 +270,9 @@ class PolicyStatus(_message.Message):
     leased_groups: int
     target_version: int
     weights_address: str
-    def __init__(self, policy_id: _Optional[str] = ..., current_version: _Optional[int] = ..., buffered_groups: _Optional[int] = ..., buffer_capacity: _Optional[int] = ..., replay_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., target_version: _Optional[int] = ..., weights_address: _Optional[str] = ...) -> None: ...
+    groups_dropped_in_a_row: int
+    last_drop_reason: str
+    def __init__(self, policy_id: _Optional[str] = ..., current_version: _Optional[int] = ..., buffered_groups: _Optional[int] = ..., buffer_capacity: _Optional[int] = ..., replay_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., target_version: _Optional[int] = ..., weights_address: _Optional[str] = ..., groups_dropped_in_a_row: _Optional[int] = ..., last_drop_reason: _Optional[str] = ...) -> None: ...
 
 class GateStatus(_message.Message):
     __slots__ = ("mode", "reason", "staleness", "capacity", "in_flight_groups", "buffer_fill_ratio")
