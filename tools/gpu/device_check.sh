@@ -5,7 +5,8 @@
 #   bash tools/gpu/device_check.sh                  # every check; JSON and logs into $OUT
 #   bash tools/gpu/device_check.sh run-hf-bf16      # only the named checks
 #
-# Checks: trainer-fp32 run-cuda trainer-bf16 engine-bench engines run-hf-bf16 (see README.md).
+# Checks: trainer-fp32 run-cuda trainer-bf16 engine-bench engines run-hf-bf16 (see README.md),
+# and profile-trainer, run only when named.
 # Installs nothing from a network. Astra's own pure-Python needs that the image lacks (grpcio at
 # the stubs' version, protobuf, pydantic, zstandard, zlib-ng, ...) travel as wheels in
 # .wheels-gpu/ (fetched on a machine with pip: tools/gpu/README.md); they go into /tmp/site,
@@ -42,7 +43,7 @@ run() {  # name, seconds, command...
     local t0=$SECONDS
     timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     RC[$name]=$?
-    tail -n 25 "$OUT/$name.log"
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
     echo "=== $name: rc ${RC[$name]} in $((SECONDS - t0)) s"
 }
 
@@ -85,6 +86,10 @@ for check in $CHECKS; do
             --dtype bfloat16 --steps 4 --groups 8 --max-new 64 --out "$OUT/trainer-bf16.json" ;;
     engine-bench)
         run engine-bench 150 $PY tools/bench/engine.py --device cuda --no-write --budget-s 90 ;;
+    profile-trainer)  # where a bf16 step of the ~100M model goes (not in the default list)
+        [ -d /tmp/astra-m100 ] || write_m100
+        run profile-trainer 150 $PY tools/gpu/profile_trainer.py --model /tmp/astra-m100 \
+            --dtype bfloat16 --groups 8 --max-new 64 ;;
     engines)
         run engines 60 $PY tools/gpu/run_engines.py --out "$OUT/engines.json" ;;
     run-hf-bf16)  # gpu_hf.yaml with the built-in engine: a HF directory with a tokenizer
