@@ -251,7 +251,8 @@ class Trainer(StateMixin):
         timing = {
             "fetch_s": t_fetch - t0,
             "compute_s": t_step - t_fetch - copy_s,
-            "publish_blocked_s": blocked,
+            "publish_blocked_s": blocked,  # the host copy, then waiting for queue room
+            "host_copy_s": copy_s,
             "total_s": end - t0,
         }
         self.timings.update(timing)

@@ -29,14 +29,15 @@ class TrainerMetrics(Metrics):
         )
         self.phase_seconds = self.histogram(
             "astra_trainer_phase_seconds",
-            "Seconds per iteration by phase (fetch, compute, publish_blocked)",
+            "Seconds per iteration by phase (fetch, compute, publish_blocked; host_copy is "
+            "the part of publish_blocked spent copying the new weights to host memory)",
             LATENCY_BUCKETS,
             labels=["phase"],
         )
 
     def observe_step(self, result: StepResult) -> None:
         self.step_seconds.observe(result.elapsed_ms / 1e3)
-        for phase in ("fetch", "compute", "publish_blocked"):
+        for phase in ("fetch", "compute", "publish_blocked", "host_copy"):
             ms = result.metrics.get(f"{phase}_ms")
             if ms is not None:
                 self.phase_seconds.labels(phase).observe(float(ms) / 1e3)

@@ -30,13 +30,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from astra.engine.model import CausalLM
 from astra.engine.model_config import ModelConfig
@@ -130,15 +130,30 @@ def load_full_state(model: CausalLM, state: dict[str, Tensor]) -> None:
 def full_state(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
     """HF-named full CPU tensors with their own memory (rank 0; other ranks get {}).
 
-    Collective under FSDP: every rank calls it. A tied lm_head is left out.
+    Collective under FSDP: every rank calls it; each parameter is gathered in turn
+    (`full_tensor`), cast to `dtype` on its device (half the bytes to move for a bf16
+    copy of fp32 masters) and copied to host memory, pinned and asynchronously for a
+    CUDA model, so a step's host copy moves at the link's speed instead of through
+    pageable staging with a cast on the CPU (the gathered fp32 state to host first:
+    ~0.3 s a step for a 100M model on an H200). A tied lm_head is left out.
     """
-    state = get_model_state_dict(model, options=FULL)
-    if model.cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    return {
-        k: v.detach().to(device="cpu", dtype=dtype or v.dtype, copy=True).contiguous()
-        for k, v in state.items()
-    }
+    rank = world()[0]
+    out: dict[str, Tensor] = {}
+    cuda = False
+    for name, value in model.state_dict().items():
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if rank != 0:
+            continue
+        t = full.detach().to(dtype or full.dtype)
+        cuda = cuda or t.is_cuda
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=t.is_cuda)
+        out[name] = host
+    if cuda:
+        torch.cuda.current_stream().synchronize()  # every copy landed before anyone reads
+    return out
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from astra.trainer.loop import Trainer  # noqa: E402
 from astra.trainer.synthetic import MemorySink, SyntheticSource  # noqa: E402
 
-PHASES = ("fetch_ms", "compute_ms", "publish_blocked_ms", "total_ms")
+PHASES = ("fetch_ms", "compute_ms", "publish_blocked_ms", "host_copy_ms", "total_ms")
 
 
 def make(args: argparse.Namespace, sink: Any) -> Trainer:
