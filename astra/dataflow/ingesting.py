@@ -16,6 +16,7 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from astra.dataflow.buffer import ACCEPTED, DUPLICATE, FAILED, REJECTED_FULL
 from astra.dataflow.pool import Instance, InstanceState
 from astra.dataflow.ports import IncomingGroup, PortError
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
@@ -181,7 +182,9 @@ class Ingesting:
         if r.error is not None:
             self.counters["failed_groups"] += 1
             for policy_id in w.item.policy_ids:
-                self._note_dropped(policy_id, "failed")
+                if (buf := self.buffers.get(policy_id)) is not None:
+                    buf.note(FAILED)
+                    self._warn_if_dropping(policy_id, FAILED)
             return f"failed: {r.error}"
         if not r.per_policy:
             # Neither trajectories nor an error: nothing to train, and not a success.
@@ -209,7 +212,7 @@ class Ingesting:
             group = GroupRecord(r.group_id, policy_id, w.item.epoch, trajectories)
             current = self.versions.current(policy_id)
             outcome = buf.add(group, current)
-            self._note_dropped(policy_id)
+            self._warn_if_dropping(policy_id, outcome)
             outcomes.append(f"{policy_id}:{outcome}")
             if outcome == "accepted":
                 self.accepted[policy_id] += 1
@@ -217,14 +220,12 @@ class Ingesting:
                 tx.add_groups([group], staged)
         return ",".join(outcomes) or "empty"
 
-    def _note_dropped(self: Dataflow, policy_id: str, outcome: str = "") -> None:
-        """Counts a failed group into the policy's run of drops (`outcome`), and warns when
-        that run reaches 8 batches' worth of groups, and again at each doubling."""
-        buf = self.buffers.get(policy_id)
-        if buf is None:
-            return
-        if outcome:
-            buf.note(outcome)
+    def _warn_if_dropping(self: Dataflow, policy_id: str, outcome: str) -> None:
+        """Warns when a dropped group (`outcome`) makes the policy's run of drops 8 batches'
+        worth of groups long, and again at each doubling: no batch forms meanwhile."""
+        if outcome in (ACCEPTED, DUPLICATE, REJECTED_FULL):
+            return  # (what ends or leaves alone a run of drops: Buffer.note)
+        buf = self.buffers[policy_id]
         n, batch = buf.dropped_in_a_row, self.config.policy(policy_id).batch_groups
         batches, rest = divmod(n, 8 * batch)
         if rest == 0 and batches and batches & (batches - 1) == 0:
