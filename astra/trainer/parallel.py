@@ -127,15 +127,19 @@ def load_full_state(model: CausalLM, state: dict[str, Tensor]) -> None:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 
-def full_state(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+def full_state(
+    model: CausalLM, dtype: torch.dtype | None = None, *, pin: bool = False
+) -> dict[str, Tensor]:
     """HF-named full CPU tensors with their own memory (rank 0; other ranks get {}).
 
     Collective under FSDP: every rank calls it; each parameter is gathered in turn
     (`full_tensor`), cast to `dtype` on its device (half the bytes to move for a bf16
-    copy of fp32 masters) and copied to host memory, pinned and asynchronously for a
-    CUDA model, so a step's host copy moves at the link's speed instead of through
-    pageable staging with a cast on the CPU (the gathered fp32 state to host first:
-    ~0.3 s a step for a 100M model on an H200). A tied lm_head is left out.
+    copy of fp32 masters) and copied to host memory. With `pin` (the copy every step
+    publishes) a CUDA model's tensors go to pinned memory asynchronously, at the link's
+    speed instead of through pageable staging (the gathered fp32 state to host, then a
+    cast on the CPU, took ~0.3 s a step for a 100M model on an H200); torch keeps freed
+    pinned blocks for the next step's copy. Checkpoints, rare and fp32, stay pageable.
+    A tied lm_head is left out.
     """
     rank = world()[0]
     out: dict[str, Tensor] = {}
@@ -147,9 +151,10 @@ def full_state(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str, T
         if rank != 0:
             continue
         t = full.detach().to(dtype or full.dtype)
-        cuda = cuda or t.is_cuda
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-        host.copy_(t, non_blocking=t.is_cuda)
+        pinned = pin and t.is_cuda
+        cuda = cuda or pinned
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+        host.copy_(t, non_blocking=pinned)
         out[name] = host
     if cuda:
         torch.cuda.current_stream().synchronize()  # every copy landed before anyone reads
