@@ -78,6 +78,38 @@ async def running_dataflow(config: DataflowConfig):
             metrics.shutdown()
 
 
+@asynccontextmanager
+async def scripted_system(tmp_path: Path, dataset: Path):
+    """What a trainer process needs, in process: a WeightService (not durable), a Dataflow and
+    a scripted RaaS registered with it. Yields (Dataflow server, Dataflow client, weights)."""
+    from astra.raas.scripted import ScriptedGenerator
+    from astra.servers.raas import start_raas
+    from astra.servers.weights import start_weights
+    from astra.weights.store import StoreConfig
+
+    weights = await start_weights(tmp_path / "store", config=StoreConfig(durable=False))
+    try:
+        async with running_dataflow(make_config(dataset, tmp_path / "df", grace_s=0.1)) as (
+            df_server,
+            _,
+            client,
+        ):
+            server, _, registrar = await start_raas(
+                ScriptedGenerator(delay_s=0.01),
+                capacity=16,
+                dataflow_address=df_server.address,
+                instance_id="raas",
+                grace_s=0.1,
+            )
+            try:
+                yield df_server, client, weights
+            finally:
+                await registrar.stop()
+                await server.stop(0)
+    finally:
+        await weights.stop(0)
+
+
 def error_info(exc: grpc.aio.AioRpcError) -> tuple[error_details_pb2.ErrorInfo | None, list]:
     """The ErrorInfo and the other details of a failed call."""
     raw = dict(exc.trailing_metadata() or ()).get("grpc-status-details-bin")

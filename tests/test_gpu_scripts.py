@@ -26,6 +26,17 @@ def test_trainer_check_cpu_dry_run():
     assert proc.stdout.count(" ok") == 4 and "FAILED" not in proc.stdout
 
 
+def test_trainer_profile_cpu_dry_run():
+    cmd = [sys.executable, str(ROOT / "tools/gpu/profile_trainer.py"), "--device", "cpu"]
+    proc = subprocess.run(
+        [*cmd, "--steps", "2", "--warm", "1"], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("memory sink")]
+    assert rows and float(rows[0][-2]) > 0  # total ms of a step that published
+    assert "no sink, profiled" in proc.stdout and "aten::mm" in proc.stdout
+
+
 def test_shaped_reward_is_the_digit_share() -> None:
     import importlib.util
 

@@ -62,7 +62,7 @@ def test_trainer_metrics_follow_the_steps():
             assert samples["astra_trainer_step"][0].labels == {"policy": "p"}
             assert samples["astra_trainer_step_seconds_count"][0].value == 3
             phases = {s.labels["phase"] for s in samples["astra_trainer_phase_seconds_count"]}
-            assert phases == {"fetch", "compute", "publish_blocked"}
+            assert phases == {"fetch", "compute", "publish_blocked", "host_copy"}
             last = {s.labels["metric"]: s.value for s in samples["astra_trainer_last_step"]}
             assert "loss" in last and "grad_norm" in last
             assert samples["astra_trainer_published_bytes_total"][0].value > 0

@@ -16,11 +16,8 @@ from pathlib import Path
 import pytest
 
 from astra.engine.tiny import TINY_CONFIG, random_model, save_model
-from astra.raas.scripted import VOCAB_SIZE, ScriptedGenerator
-from astra.servers.raas import start_raas
-from astra.servers.weights import start_weights
-from astra.weights.store import StoreConfig
-from tests.conftest import make_config, running_dataflow
+from astra.raas.scripted import VOCAB_SIZE
+from tests.conftest import scripted_system
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl: Linux")
 
@@ -99,19 +96,7 @@ def test_torchrun_ranks_go_when_torchrun_is_sigkilled(tmp_path: Path, dataset: P
     seen: dict[str, object] = {}
 
     async def body() -> None:
-        weights = await start_weights(tmp_path / "store", config=StoreConfig(durable=False))
-        async with running_dataflow(make_config(dataset, tmp_path / "df", grace_s=0.1)) as (
-            df_server,
-            _,
-            _,
-        ):
-            server, _, registrar = await start_raas(
-                ScriptedGenerator(delay_s=0.01),
-                capacity=16,
-                dataflow_address=df_server.address,
-                instance_id="raas",
-                grace_s=0.1,
-            )
+        async with scripted_system(tmp_path, dataset) as (df_server, _, weights):
             args = ["--nproc", "2", "--dataflow", df_server.address, "--weights"]
             args += [weights.address, "--policy", "policy", "--model", str(tmp_path / "model")]
             args += ["--port", "0", "--num-steps", "0"]  # until stopped
@@ -143,9 +128,6 @@ def test_torchrun_ranks_go_when_torchrun_is_sigkilled(tmp_path: Path, dataset: P
                     if alive(p):
                         os.kill(p, signal.SIGKILL)
                 await proc.wait()
-                await registrar.stop()
-                await server.stop(0)
-                await weights.stop(0)
 
     asyncio.run(asyncio.wait_for(body(), 100))
     assert seen["gone"], f"ranks {seen['ranks']} outlived a SIGKILLed torchrun"

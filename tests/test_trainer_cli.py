@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 
 from astra.engine.tiny import TINY_CONFIG, random_model, save_model
-from astra.raas.scripted import VOCAB_SIZE, ScriptedGenerator
-from astra.servers.raas import start_raas
-from astra.servers.weights import start_weights
+from astra.raas.scripted import VOCAB_SIZE
 from astra.trainer.checkpoint import list_checkpoints
-from astra.weights.store import StoreConfig
-from tests.conftest import make_config, running_dataflow
+from tests.conftest import scripted_system
 
 STEPS = 2
 
@@ -35,16 +32,7 @@ def test_two_rank_trainer_process_trains_announces_and_checkpoints(
     }
 
     async def body() -> None:
-        weights = await start_weights(tmp_path / "store", config=StoreConfig(durable=False))
-        config = make_config(dataset, tmp_path / "df", grace_s=0.1)
-        async with running_dataflow(config) as (df_server, _, client):
-            server, _, registrar = await start_raas(
-                ScriptedGenerator(delay_s=0.01),
-                capacity=16,
-                dataflow_address=df_server.address,
-                instance_id="raas",
-                grace_s=0.1,
-            )
+        async with scripted_system(tmp_path, dataset) as (df_server, client, weights):
             args = ["--nproc", "2", "--dataflow", df_server.address, "--weights"]
             args += [weights.address, "--policy", "policy", "--model", str(tmp_path / "model")]
             args += ["--port", "0", "--num-steps", str(STEPS), "--checkpoint-dir"]
@@ -63,14 +51,11 @@ def test_two_rank_trainer_process_trains_announces_and_checkpoints(
             finally:
                 if proc.returncode is None:
                     proc.kill()
-                await registrar.stop()
-                await server.stop(0)
             assert proc.returncode == 0, err.decode()[-3000:]
             line = next(json.loads(x) for x in out.decode().splitlines() if x.startswith("{"))
             assert line["service"] == "trainer" and line["address"]
             (policy,) = (await client.get_status()).policies
             assert policy.current_version == STEPS and policy.leased_groups == 0
-        await weights.stop(0)
 
     asyncio.run(asyncio.wait_for(body(), 100))
     (ckpt,) = list_checkpoints(tmp_path / "ckpt")

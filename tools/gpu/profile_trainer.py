@@ -29,29 +29,17 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from astra.trainer.loop import Trainer  # noqa: E402
-from astra.trainer.synthetic import MemorySink, SyntheticSource  # noqa: E402
+from astra.trainer.synthetic import MemorySink  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_trainer import source, trainer_config, vocab_size  # noqa: E402
 
 PHASES = ("fetch_ms", "compute_ms", "publish_blocked_ms", "host_copy_ms", "total_ms")
 
 
 def make(args: argparse.Namespace, sink: Any) -> Trainer:
-    from astra.trainer.config import TrainerConfig
-    from astra.trainer.setup import load_weights
-
-    cfg = TrainerConfig.model_validate(
-        {
-            "policy_id": "p",
-            "model": args.model,
-            "port": None,
-            "device": args.device,
-            "dtype": args.dtype,
-            "optim": {"lr": 1e-4},
-            "batch": {"num_groups": args.groups, "max_tokens_per_microbatch": 4096},
-        }
-    )
-    vocab = load_weights(args.model)[0].vocab_size
-    src = SyntheticSource("p", vocab_size=vocab, seed=11, max_new=args.max_new, max_lag=1)
-    return Trainer(cfg, source=src, sink=sink)
+    """The plain trainer of run_trainer.py (same config, same synthetic batches)."""
+    return Trainer(trainer_config(args), source=source(args, vocab_size(args.model)), sink=sink)
 
 
 async def steps(trainer: Trainer, n: int) -> list[dict[str, float]]:
