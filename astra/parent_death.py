@@ -50,18 +50,21 @@ def preexec(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     return set_in_child
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> bool:
     """This process gets `sig` when its parent goes; False where prctl is not there.
 
-    When the parent is already gone (this process was reparented to init or a
-    subreaper), the signal is sent at once.
+    `parent`: the pid the parent must have (say, passed down in the environment): when
+    the process has another one, the parent already went and the signal is sent at once.
+    Without it, a parent that goes between reading its pid and prctl is caught; one that
+    went before cannot be told from a parent that is a subreaper or pid 1.
     """
     prctl = _prctl()
     if prctl is None:
         return False
-    parent = os.getppid()
+    before = os.getppid()
     if prctl(PR_SET_PDEATHSIG, int(sig)) != 0:
         return False
-    if parent == 1 or os.getppid() != parent:
+    now = os.getppid()
+    if now != before or (parent is not None and now != parent):
         os.kill(os.getpid(), int(sig))
     return True

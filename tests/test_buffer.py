@@ -51,6 +51,23 @@ def test_equal_reward_groups_are_dropped_and_counted() -> None:
     accounted(buf)
 
 
+def test_drops_in_a_row_grow_on_drops_and_end_on_an_accepted_group() -> None:
+    """A duplicate and a group refused by a full buffer neither extend nor end the run."""
+    buf = PolicyBuffer(BufferConfig(capacity_groups=1, eviction="reject_new"))
+    assert (buf.dropped_in_a_row, buf.last_drop) == (0, "")
+    buf.add(group("a", [1.0, 1.0]), 0)
+    buf.add(group("b", [0.0, 0.0]), 0)
+    assert (buf.dropped_in_a_row, buf.last_drop) == (2, "filtered_equal_reward")
+    assert buf.add(group("c", [0.0, 1.0]), 0) == "accepted"
+    assert buf.dropped_in_a_row == 0
+    buf.add(group("d", [1.0, 1.0]), 0)
+    assert buf.add(group("c", [0.0, 1.0]), 0) == "duplicate"
+    assert buf.add(group("e", [0.0, 1.0]), 0) == "rejected_full"
+    assert (buf.dropped_in_a_row, buf.last_drop) == (1, "filtered_equal_reward")
+    buf.note("failed")  # a failed result the buffer never saw (Dataflow notes it)
+    assert (buf.dropped_in_a_row, buf.last_drop) == (2, "failed")
+
+
 def test_equal_rewards_kept_when_dynamic_sampling_off() -> None:
     buf = PolicyBuffer(BufferConfig(drop_equal_rewards=False))
     assert buf.add(group("a", [1.0, 1.0]), 0) == "accepted"

@@ -47,9 +47,12 @@ def test_dropped_groups_in_a_row_are_counted_and_a_kept_one_ends_the_run(tmp_pat
             failed.error = "workflow raised"
             await df.ingest("r1", [failed])
             assert policy_view(df) == (17, "failed")
+            # a malformed result (no trajectories, no error) extends it too
+            await df.ingest("r1", [IncomingGroup(gids[19], "r1")])
+            assert policy_view(df) == (18, "malformed")
             # one group kept ends it
             await df.ingest("r1", [result(gids[17], "r1", 0, rewards=(0.0, 1.0))])
-            assert policy_view(df) == (0, "failed")
+            assert policy_view(df) == (0, "malformed")  # the newest drop, kept
             await df.ingest("r1", [result(gids[18], "r1", 0, rewards=(0.0, 0.0))])
             assert policy_view(df) == (1, "filtered_equal_reward")
         finally:

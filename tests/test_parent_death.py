@@ -88,6 +88,35 @@ def test_a_tied_process_goes_with_its_sigkilled_parent(tied: bool) -> None:
             os.kill(child, signal.SIGKILL)
 
 
+CHILD_OF_PID1 = """
+import os, subprocess, sys
+code = ("import os\\nfrom astra.parent_death import die_with_parent\\n"
+        "die_with_parent(parent=int(os.environ.get('EXPECT') or 0) or None)\\nprint('alive')\\n")
+for expect in ("", "1"):
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "EXPECT": expect})
+    print(os.getpid(), repr(expect), out.returncode, out.stdout.strip())
+"""
+
+
+def test_a_child_of_pid_1_is_not_taken_for_an_orphan() -> None:
+    """torchrun as a container's first process (pid 1): its ranks must not kill themselves."""
+    try:
+        proc = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", CHILD_OF_PID1],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    except FileNotFoundError:
+        pytest.skip("no unshare")
+    if proc.returncode != 0 and "Operation not permitted" in proc.stderr:
+        pytest.skip("unshare --pid needs privileges here")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["1 '' 0 alive", "1 '1' 0 alive"], proc.stdout
+
+
 @pytest.mark.slow
 def test_torchrun_ranks_go_when_torchrun_is_sigkilled(tmp_path: Path, dataset: Path) -> None:
     model_cfg = {**TINY_CONFIG, "vocab_size": VOCAB_SIZE}

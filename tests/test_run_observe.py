@@ -407,3 +407,24 @@ def test_top_once_without_a_dataflow(tmp_path: Path) -> None:
     assert "dataflow unreachable" in result.output
     assert top("--once").exit_code == 2  # neither --dataflow nor --run-dir
     assert top("--run-dir", str(tmp_path), "--once").exit_code == 2  # no run.json
+
+
+def test_a_run_is_stalled_only_while_its_buffer_cannot_make_a_batch() -> None:
+    from types import SimpleNamespace
+
+    from astra.run.observe import Observer
+
+    def view(n: int, buffered: int, limit: int = 100) -> str | None:
+        obs = SimpleNamespace(
+            max_dropped_in_a_row=limit,
+            batch_groups={"p": 4},
+            last_dataflow={"dropped_in_a_row": {"p": [n, "failed"]}, "buffered": {"p": buffered}},
+        )
+        return Observer.stalled(obs)
+
+    assert view(99, 0) is None
+    why = view(100, 3)
+    assert why is not None and why.startswith("stalled: policy p: the last 100 finished groups")
+    assert "(the newest: failed)" in why and "supervision.max_dropped_in_a_row: 100" in why
+    assert view(100, 4) is None  # a full batch is waiting: batches still form
+    assert view(10**6, 0, limit=0) is None  # 0: never

@@ -24,6 +24,7 @@ from astra.dataflow.records import GroupRecord, TrajectoryRecord
 if TYPE_CHECKING:
     from astra.dataflow.coordinator import Dataflow, Work
 
+MALFORMED, MISSING = "malformed", "missing"  # outcomes of results no buffer saw (drop runs)
 log = logging.getLogger("astra.dataflow.coordinator")
 INGEST_SLICE = 4
 
@@ -178,18 +179,17 @@ class Ingesting:
         if r.invalid is not None:
             self.counters["malformed_results"] += 1
             log.warning("malformed result for %s: %s", r.group_id, r.invalid)
+            self._dropped(w.item.policy_ids, MALFORMED)
             return f"malformed: {r.invalid}"
         if r.error is not None:
             self.counters["failed_groups"] += 1
-            for policy_id in w.item.policy_ids:
-                if (buf := self.buffers.get(policy_id)) is not None:
-                    buf.note(FAILED)
-                    self._warn_if_dropping(policy_id, FAILED)
+            self._dropped(w.item.policy_ids, FAILED)
             return f"failed: {r.error}"
         if not r.per_policy:
             # Neither trajectories nor an error: nothing to train, and not a success.
             self.counters["malformed_results"] += 1
             log.warning("malformed result for %s: no trajectories and no error", r.group_id)
+            self._dropped(w.item.policy_ids, MALFORMED)
             return "malformed: no trajectories"
         self.counters["completed_groups"] += 1
         outcomes = []
@@ -203,6 +203,7 @@ class Ingesting:
                 # The other policies' parts are trained; this one's is counted, not silent.
                 self.counters[f"malformed_missing_policy.{policy_id}"] += 1
                 log.warning("result for %s has no trajectories of %s", r.group_id, policy_id)
+                self._dropped([policy_id], MISSING)
                 outcomes.append(f"{policy_id}:missing")
         for policy_id, trajectories in per_policy.items():
             buf = self.buffers.get(policy_id)
@@ -219,6 +220,13 @@ class Ingesting:
                 self.staleness.update(group.staleness(current))
                 tx.add_groups([group], staged)
         return ",".join(outcomes) or "empty"
+
+    def _dropped(self: Dataflow, policy_ids: list[str], outcome: str) -> None:
+        """A result that gives these policies nothing to train extends their runs of drops."""
+        for policy_id in policy_ids:
+            if (buf := self.buffers.get(policy_id)) is not None:
+                buf.note(outcome)
+                self._warn_if_dropping(policy_id, outcome)
 
     def _warn_if_dropping(self: Dataflow, policy_id: str, outcome: str) -> None:
         """Warns when a dropped group (`outcome`) makes the policy's run of drops 8 batches'

@@ -68,10 +68,12 @@ class Observer(StatusPoller):
         live: bool | None = None,
         evals: EvalLog | None = None,
         max_dropped_in_a_row: int = 0,
+        batch_groups: dict[str, int] | None = None,
         on_stall: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(dataflow, trainers, name=name, num_steps=num_steps)
         self.max_dropped_in_a_row, self.on_stall = max_dropped_in_a_row, on_stall
+        self.batch_groups = batch_groups or {}
         self.metrics_path, self.out = metrics_path, out
         self.poll_interval_s, self.status_every_s = poll_interval_s, status_every_s
         self.rows: dict[str, list[dict[str, Any]]] = {p: [] for p in trainers}
@@ -180,10 +182,12 @@ class Observer(StatusPoller):
             await asyncio.sleep(self.poll_interval_s / 4)
 
     def stalled(self) -> str | None:
-        """Why the run cannot go on, when a policy's run of dropped groups reached the bound."""
+        """Why the run cannot go on: a policy's run of dropped groups reached the bound and
+        its buffer holds less than a batch (a full buffer can still serve batches)."""
         limit = self.max_dropped_in_a_row
+        buffered = self.last_dataflow.get("buffered", {})
         for policy, (n, reason) in sorted(self.last_dataflow.get("dropped_in_a_row", {}).items()):
-            if limit and n >= limit:
+            if limit and n >= limit and buffered.get(policy, 0) < self.batch_groups.get(policy, 1):
                 return (
                     f"stalled: policy {policy}: the last {n} finished groups were all dropped "
                     f"(the newest: {reason or 'unknown'}), so no batch can form "

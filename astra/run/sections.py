@@ -214,8 +214,9 @@ class SupervisionSpec(_Strict):
         2000,
         ge=0,
         description="End the run as stalled when this many finished groups of one policy in a "
-        "row were dropped (filtered, failed, stale): no batch can form (say, every group "
-        "equal-reward once the policy solves its data); 0: wait forever.",
+        "row were dropped (filtered, failed, stale, malformed) and its buffer holds less than a "
+        "batch: no batch can form (say, every group equal-reward once the policy solves its "
+        "data); 0: wait forever. Keep it above the groups one version can have in flight.",
     )
 
 

@@ -15,6 +15,8 @@ import sys
 
 import click
 
+TORCHRUN_PID = "ASTRA_TORCHRUN_PID"  # set for the ranks of a torchrun this command became
+
 
 def _argv(
     config_path: str | None,
@@ -70,6 +72,7 @@ def trainer_command(
     if nproc > 1 and "RANK" not in os.environ:
         argv = _argv(config_path, checkpoint_dir, resume, log_level, flags)
         run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        os.environ[TORCHRUN_PID] = str(os.getpid())  # exec keeps the pid: the ranks' parent
         os.execv(sys.executable, [*run, f"--nproc-per-node={nproc}", "-m", "astra.trainer", *argv])
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank started by torchrun
         from astra.parent_death import die_with_parent
@@ -77,7 +80,8 @@ def trainer_command(
         # torchrun starts each rank in a session of its own and stops them on SIGTERM; when
         # torchrun is SIGKILLed instead (the OOM killer, a stop whose grace ran out), the
         # kernel now ends its ranks too, which would otherwise keep their GPUs and ports.
-        die_with_parent()
+        parent = os.environ.get(TORCHRUN_PID, "")
+        die_with_parent(parent=int(parent) if parent.isdigit() else None)
     from astra.logs import configure
 
     configure(log_level)

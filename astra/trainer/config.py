@@ -102,6 +102,13 @@ class PublishConfig(_Strict):
     publish_initial: bool = Field(
         True, description="Publish the starting weights as version 0 when the service has none."
     )
+    pin_host_copy: bool = Field(
+        True,
+        description="On CUDA, copy each version to pinned host memory (fast, asynchronous). Up "
+        "to max_pending + 3 copies are page-locked at once (queued, publishing, being made, "
+        "the sink's delta base), and torch keeps freed pinned blocks for the next copy; false: "
+        "pageable memory, a slower copy that blocks the step longer.",
+    )
 
 
 class CheckpointConfig(_Strict):

@@ -150,7 +150,7 @@ class Trainer(StateMixin):
     def _host_copy(self) -> dict[str, torch.Tensor]:
         dtype = self.config.publish.dtype  # "model": the compute dtype, not the fp32 masters
         target = torch_dtype(self.config.dtype if dtype == "model" else dtype)
-        return full_state(self.model, target, pin=True)
+        return full_state(self.model, target, pin=self.config.publish.pin_host_copy)
 
     def _train(self, batch: TrainBatch, version: int, publish: bool) -> tuple[Any, ...]:
         """Every rank: one step on its share, then (if applied and published) the host copy."""

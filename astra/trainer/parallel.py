@@ -138,12 +138,13 @@ def full_state(
     publishes) a CUDA model's tensors go to pinned memory asynchronously, at the link's
     speed instead of through pageable staging (the gathered fp32 state to host, then a
     cast on the CPU, took ~0.3 s a step for a 100M model on an H200); torch keeps freed
-    pinned blocks for the next step's copy. Checkpoints, rare and fp32, stay pageable.
+    pinned blocks for the next step's copy (`publish.pin_host_copy` says how many are held).
+    Checkpoints, rare and fp32, stay pageable.
     A tied lm_head is left out.
     """
     rank = world()[0]
     out: dict[str, Tensor] = {}
-    cuda = False
+    devices: set[torch.device] = set()
     for name, value in model.state_dict().items():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
@@ -152,12 +153,13 @@ def full_state(
             continue
         t = full.detach().to(dtype or full.dtype)
         pinned = pin and t.is_cuda
-        cuda = cuda or pinned
+        if pinned:
+            devices.add(t.device)
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
         host.copy_(t, non_blocking=pinned)
         out[name] = host
-    if cuda:
-        torch.cuda.current_stream().synchronize()  # every copy landed before anyone reads
+    for device in devices:  # every copy landed before anyone reads (each on its device's stream)
+        torch.cuda.current_stream(device).synchronize()
     return out
 
 

@@ -649,6 +649,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda: where both systems run")
     ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the runs")
     a = ap.parse_args(argv)
+    if a.write and a.device != "cpu":
+        ap.error("--write: BENCHMARKS.md's engine section is the CPU run; GPU figures go by hand")
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -689,6 +691,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         cmd += f" --threads {a.threads}"
     if a.device != "cpu":
         cmd += f" --device {a.device}"
+    if a.budget_s is not None:
+        cmd += f" --budget-s {a.budget_s:g}"
     text = render(
         results,
         started=started,

@@ -113,6 +113,9 @@ done
 echo
 echo "| check | rc |"
 echo "|---|---:|"
+failed=0
 for name in $CHECKS; do
     echo "| $name | ${RC[$name]:-not run} |"
+    [ "${RC[$name]:-0}" = 0 ] || failed=1
 done
+exit $failed  # (engines exits 1 where neither vLLM nor SGLang can be imported)

@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss-tol", type=float, default=None, help="default: 1e-4 fp32, 5e-2 bf16")
     ap.add_argument("--loss-floor", type=float, default=0.1, help="see --loss-tol")
     ap.add_argument("--weight-tol", type=float, default=None, help="default: 1e-4 fp32, 2e-2 bf16")
-    ap.add_argument("--logprob-tol", type=float, default=None, help="default: 1e-3 fp32, 0.5 bf16")
+    ap.add_argument("--logprob-tol", type=float, default=None, help="default: 1e-3 fp32, 0.25 bf16")
     ap.add_argument(
-        "--logprob-mean-tol", type=float, default=None, help="default: 1e-4 fp32, 0.05 bf16"
+        "--logprob-mean-tol", type=float, default=None, help="default: 1e-4 fp32, 0.03 bf16"
     )
     ap.add_argument("--deadline-s", type=float, default=240.0)
     ap.add_argument("--out", default="", help="write the figures as JSON here")
@@ -237,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = args.dtype == "bfloat16"
     loss_tol = args.loss_tol or (5e-2 if bf16 else 1e-4)
     weight_tol = args.weight_tol or (2e-2 if bf16 else 1e-4)
-    logprob_tol = args.logprob_tol or (0.5 if bf16 else 1e-3)
-    logprob_mean_tol = args.logprob_mean_tol or (0.05 if bf16 else 1e-4)
+    # bf16: measured 0.120 / 0.011 on an H200 (~100M model); about twice that is allowed.
+    logprob_tol = args.logprob_tol or (0.25 if bf16 else 1e-3)
+    logprob_mean_tol = args.logprob_mean_tol or (0.03 if bf16 else 1e-4)
     if args.device == "cpu":
         torch.set_num_threads(1)
 
