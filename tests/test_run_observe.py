@@ -53,6 +53,8 @@ def snapshot(instances: int = 3) -> dict:
                     "replay": 0,
                     "leased": 4,
                     "target_version": 6,
+                    "dropped_in_a_row": 40,
+                    "last_drop": "filtered_equal_reward",
                 }
             },
             "instances": [
@@ -121,7 +123,7 @@ def test_frame_shows_every_field() -> None:
         "0.0123",  # loss
         "0.62",  # accuracy
         "0.710",  # reward mean
-        "6/64 +4 leased",  # buffer
+        "6/64 +4 leased, 40 dropped",  # buffer; the policy's run of dropped groups
         "arith: epoch 1/2 record 96/256",
         "RaaS pool: 1 ACTIVE, 1 DEAD, 1 SUSPECT",
         "policy:v6",

@@ -81,6 +81,8 @@ def dataflow_detail(resp: dpb.GetStatusResponse) -> dict[str, Any]:
                 "replay": p.replay_groups,
                 "leased": p.leased_groups,
                 "target_version": p.target_version,
+                "dropped_in_a_row": p.groups_dropped_in_a_row,
+                "last_drop": p.last_drop_reason,
             }
             for p in resp.policies
         },

@@ -33,6 +33,11 @@ GATE_STYLE = {"ASYNC_RUNNING": "bold green", "SYNC_BARRIER": "bold yellow", "THR
 STATE_STYLE = {"ACTIVE": "green", "SUSPECT": "yellow", "DEAD": "red", "LEFT": "dim"}
 
 
+# A policy's run of dropped groups is shown from this length on (shorter ones are routine:
+# equal-reward groups filtered now and then).
+DROPS_SHOWN = 32
+
+
 def _num(value: Any, fmt: str = ".3g") -> str:
     if value is None or isinstance(value, bool):
         return "-"
@@ -135,6 +140,8 @@ def _policies(snap: dict[str, Any], plain: bool) -> Table | None:
             buffer += f"/{pd['capacity']}"
         if pd.get("leased"):
             buffer += f" +{pd['leased']} leased"
+        if (pd.get("dropped_in_a_row") or 0) >= DROPS_SHOWN:
+            buffer += f", {pd['dropped_in_a_row']} dropped"  # in a row (why: Dataflow's log)
         acc = m.get("accuracy")
         table.add_row(
             _t(p, "bold"),
