@@ -123,7 +123,8 @@ def test_frame_shows_every_field() -> None:
         "0.0123",  # loss
         "0.62",  # accuracy
         "0.710",  # reward mean
-        "6/64 +4 leased, 40 dropped",  # buffer; the policy's run of dropped groups
+        "6/64 +4 leased",  # buffer
+        "policy: the last 40 finished groups were dropped (filtered_equal_reward); no batch",
         "arith: epoch 1/2 record 96/256",
         "RaaS pool: 1 ACTIVE, 1 DEAD, 1 SUSPECT",
         "policy:v6",

@@ -140,8 +140,6 @@ def _policies(snap: dict[str, Any], plain: bool) -> Table | None:
             buffer += f"/{pd['capacity']}"
         if pd.get("leased"):
             buffer += f" +{pd['leased']} leased"
-        if (pd.get("dropped_in_a_row") or 0) >= DROPS_SHOWN:
-            buffer += f", {pd['dropped_in_a_row']} dropped"  # in a row (why: Dataflow's log)
         acc = m.get("accuracy")
         table.add_row(
             _t(p, "bold"),
@@ -205,6 +203,26 @@ def _evals(snap: dict[str, Any]) -> Text | None:
     return text
 
 
+def _drops(snap: dict[str, Any]) -> Text | None:
+    """Policies whose finished groups have all been dropped for a while: no batch forms."""
+    policies = (snap.get("detail") or {}).get("policies") or {}
+    long = {
+        p: d for p, d in sorted(policies.items()) if d.get("dropped_in_a_row", 0) >= DROPS_SHOWN
+    }
+    if not long:
+        return None
+    text = Text()
+    for p, d in long.items():
+        if text:
+            text.append("\n")
+        text.append(
+            f"{p}: the last {d['dropped_in_a_row']} finished groups were dropped "
+            f"({d.get('last_drop') or '?'}); no batch forms until one is kept",
+            style="bold yellow",
+        )
+    return text
+
+
 def _streams(snap: dict[str, Any]) -> Text | None:
     evaluating = {e.get("stream") for e in snap.get("evals") or []}
     streams = [
@@ -232,7 +250,13 @@ def _streams(snap: dict[str, Any]) -> Text | None:
 def render(snap: dict[str, Any], *, plain: bool = False) -> RenderableType:
     """One frame. `plain`: ASCII boxes (styles are dropped by a console without colour)."""
     parts: list[RenderableType] = [_header(snap), _gate(snap)]
-    for part in (_streams(snap), _evals(snap), _policies(snap, plain), _pool(snap, plain)):
+    for part in (
+        _streams(snap),
+        _evals(snap),
+        _drops(snap),
+        _policies(snap, plain),
+        _pool(snap, plain),
+    ):
         if part is not None:
             parts.append(part)
     return Group(*parts)
