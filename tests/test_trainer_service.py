@@ -133,9 +133,8 @@ def test_trainer_log_probs_equal_the_engines_for_the_same_weights_and_tokens(
 
 
 def test_a_run_against_dataflow_and_a_scripted_rollout_service(tmp_path: Path, dataset) -> None:
-    from astra.raas.scripted import VOCAB_SIZE, ScriptedGenerator
-    from astra.servers.raas import start_raas
-    from tests.conftest import make_config, running_dataflow
+    from astra.raas.scripted import VOCAB_SIZE
+    from tests.conftest import scripted_system
 
     model_dir = tmp_path / "model"  # the scripted RaaS samples ids from a 32000-token vocabulary
     save_model(model_dir, random_model({**TINY_CONFIG, "vocab_size": VOCAB_SIZE}, 1), {
@@ -143,16 +142,7 @@ def test_a_run_against_dataflow_and_a_scripted_rollout_service(tmp_path: Path, d
     })  # fmt: skip
 
     async def body() -> None:
-        df_config = make_config(dataset, tmp_path / "df", grace_s=0.1)
-        service = await start_weights(tmp_path / "store", config=StoreConfig(durable=False))
-        async with running_dataflow(df_config) as (df_server, _df, _):
-            server, _, registrar = await start_raas(
-                ScriptedGenerator(delay_s=0.01),
-                capacity=16,
-                dataflow_address=df_server.address,
-                instance_id="raas",
-                grace_s=0.1,
-            )
+        async with scripted_system(tmp_path, dataset) as (df_server, _, service):
             cfg = config(
                 policy_id="policy",
                 model=str(model_dir),
@@ -173,9 +163,6 @@ def test_a_run_against_dataflow_and_a_scripted_rollout_service(tmp_path: Path, d
                 assert trainer.publisher.stats.last_announced == 2
             finally:
                 await trainer.shutdown()
-                await registrar.stop()
-                await server.stop(0)
-        await service.stop(0)
 
     run(body())
 
