@@ -108,3 +108,40 @@ def test_evaluations_run_at_every_second_version_and_are_never_trained(
 
     after = run(reopen())
     assert after[: len(before)] == before  # durable: nothing lost or counted again
+
+
+def test_an_evaluation_takes_half_the_free_slots_before_training(tmp_path: Path) -> None:
+    """Evaluation groups take half the free slots first: behind an open gate training groups
+    otherwise filled every slot (an evaluation crawled along on leftovers, and the end of a
+    run waited for it); with all of them, training stalled at every evaluation."""
+    import asyncio
+
+    from tests.test_dataflow_recovery import crash, make_config, new_dataflow, write_prompts
+
+    held_out = write_prompts(tmp_path / "held_out.jsonl", 6)
+    train = {
+        "name": "s",
+        "dataset": {"path": str(write_prompts(tmp_path / "train.jsonl", 64)), "num_epochs": 0},
+        "policy_ids": ["p"],
+        "group_size": 2,
+    }
+    evaluation = {
+        "name": "e",
+        "dataset": {"path": str(held_out)},
+        "policy_ids": ["p"],
+        "group_size": 2,
+        "eval_every_versions": 1,
+    }
+    cfg = make_config(tmp_path, streams=[train, evaluation])
+
+    async def body() -> None:
+        df = new_dataflow(cfg)
+        try:
+            await df.register("r1", "addr-r1", 8, ["p"], ["single_turn"], {}, {"p": 0})
+            await df._dispatch_round()  # 8 sample slots: the first submission takes 4 groups
+            sent = df.pool.instances["r1"].port.submitted
+            assert [df.work[g].stream for g in sent[:4]] == ["e", "e", "s", "s"], sent[:4]
+        finally:
+            crash(df)
+
+    asyncio.run(body())

@@ -676,14 +676,28 @@ class Dataflow(Ingesting, WeightSync):
             self.evaluate_gate()
             return
         state = self.evaluate_gate()
-        for stream in self.streams.values():
+        # Evaluation streams first, with at most half the free slots: after the training
+        # streams an evaluation got only the slots they left, next to none behind an open gate,
+        # and crawled while the end of a run waited for it; with all of them, training
+        # stalled at every evaluation.
+        for stream in sorted(self.streams.values(), key=lambda s: not self.evals.is_eval(s.name)):
             if self.evals.is_eval(stream.name):
                 # Not gated (it fills no buffer); only instances holding the version evaluated.
                 version = self.evals.floor(stream.name)
                 if version is None:
                     continue
-                budget = self.stream_capacity(stream)
                 floor = {stream.policy_ids[0]: version}
+                free = sum(
+                    inst.free_slots // stream.group_size
+                    for inst in self.pool.eligible(
+                        stream.workflow,
+                        stream.policy_ids,
+                        stream.group_size,
+                        floor,
+                        stream.raas_labels,
+                    )
+                )
+                budget = min(self.stream_capacity(stream), (free + 1) // 2)
             elif not state.can_admit:
                 continue
             else:
