@@ -165,6 +165,30 @@ def replay_config(tmp_path: Path, **buffer) -> DataflowConfig:
     )
 
 
+async def lagging_versions(df: Dataflow, batch_groups: int, versions: int = 8):
+    """Trains `versions` versions of policy p on instance r1 whose weight loads land one
+    version late: each round dispatches, ingests what r1 generated (at the version it holds)
+    and yields (v, the batch fetched for version v), then acknowledges it and announces
+    v + 1."""
+    df.announce("p", 0, "0", "w0")
+    await register(df, versions={"p": 0})
+    inst = df.pool.instances["r1"]
+
+    async def slow_load(versions, request_id):  # loads land one version late
+        return dict(inst.loaded_versions)
+
+    inst.port.load_weights = slow_load
+    for v in range(versions):
+        inst.loaded_versions["p"] = max(0, v - 1)
+        await df._dispatch_round()
+        gen = inst.loaded_versions["p"]
+        await df.ingest("r1", [result(g, "r1", gen) for g in sorted(leased(df))])
+        batch = await df.batches.fetch("p", batch_groups, f"req-{v}", "t", 0.05, trainer_version=v)
+        yield v, batch
+        df.batches.ack(batch.batch_id)
+        df.announce("p", v + 1, str(v + 1), "w0")
+
+
 async def fill_and_fetch(df: Dataflow, n_batches: int):
     await register(df, versions={"p": 0})
     await df._dispatch_round()
@@ -709,24 +733,11 @@ def test_an_instance_behind_the_trainer_does_not_add_its_lag_to_eta(tmp_path):
     async def body():
         df = new_dataflow(cfg)
         try:
-            df.announce("p", 0, "0", "w0")
-            await register(df, versions={"p": 0})
-            inst = df.pool.instances["r1"]
-
-            async def slow_load(versions, request_id):  # loads land one version late
-                return dict(inst.loaded_versions)
-
-            inst.port.load_weights = slow_load
-            trained = []
-            for v in range(8):
-                inst.loaded_versions["p"] = max(0, v - 1)
-                await df._dispatch_round()
-                gen = inst.loaded_versions["p"]
-                await df.ingest("r1", [result(g, "r1", gen) for g in sorted(leased(df))])
-                batch = await df.batches.fetch("p", 1, f"req-{v}", "t", 0.05, trainer_version=v)
-                trained += [g.staleness(batch.policy_version) for g in batch.groups]
-                df.batches.ack(batch.batch_id)
-                df.announce("p", v + 1, str(v + 1), "w0")
+            trained = [
+                g.staleness(batch.policy_version)
+                async for _, batch in lagging_versions(df, 1)
+                for g in batch.groups
+            ]
             assert len(trained) == 8 and max(trained) <= 1, trained
         finally:
             crash(df)
@@ -1103,23 +1114,8 @@ def test_a_lagging_instance_with_replay_fills_the_current_batch_within_eta(tmp_p
         df = new_dataflow(cfg)
         trained = []
         try:
-            df.announce("p", 0, "0", "w0")
-            await register(df, versions={"p": 0})
-            inst = df.pool.instances["r1"]
-
-            async def slow_load(versions, request_id):  # loads land one version late
-                return dict(inst.loaded_versions)
-
-            inst.port.load_weights = slow_load
-            for v in range(8):
-                inst.loaded_versions["p"] = max(0, v - 1)
-                await df._dispatch_round()
-                gen = inst.loaded_versions["p"]
-                await df.ingest("r1", [result(g, "r1", gen) for g in sorted(leased(df))])
-                batch = await df.batches.fetch("p", 4, f"req-{v}", "t", 0.05, trainer_version=v)
+            async for v, batch in lagging_versions(df, 4):
                 trained += [g.staleness(v) for g in batch.groups if not g.replay]
-                df.batches.ack(batch.batch_id)
-                df.announce("p", v + 1, str(v + 1), "w0")
         finally:
             crash(df)
         assert max(trained) <= 1, trained

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,28 +15,11 @@ import pytest
 from astra.engine.tiny import TINY_CONFIG, random_model, save_model
 from astra.raas.scripted import VOCAB_SIZE
 from tests.conftest import scripted_system
+from tests.test_run_children import alive, gone_within, kill
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl: Linux")
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie nobody reaped counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-def gone_within(pids: list[int], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any(alive(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def children_of(pid: int) -> list[int]:
@@ -81,11 +61,11 @@ def test_a_tied_process_goes_with_its_sigkilled_parent(tied: bool) -> None:
         assert alive(child)
         parent.kill()
         parent.wait(10)
-        assert gone_within([child], 10) is tied  # untied: orphaned, still running
+        assert gone_within(child, 10) is tied  # untied: orphaned, still running
     finally:
         parent.kill()
-        if "child" in locals() and alive(child):
-            os.kill(child, signal.SIGKILL)
+        if "child" in locals():
+            kill(child)
 
 
 CHILD_OF_PID1 = """
@@ -149,13 +129,14 @@ def test_torchrun_ranks_go_when_torchrun_is_sigkilled(tmp_path: Path, dataset: P
                 proc.kill()  # SIGKILL torchrun: it cannot stop its ranks
                 seen["ranks"] = ranks
                 # (not proc.wait(): it also waits for the stdout pipe, which live ranks hold)
-                seen["gone"] = await asyncio.to_thread(gone_within, ranks, 10)
+                seen["gone"] = await asyncio.to_thread(
+                    lambda: all(gone_within(p, 10) for p in ranks)
+                )
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 for p in ranks:  # hygiene, after the verdict above
-                    if alive(p):
-                        os.kill(p, signal.SIGKILL)
+                    kill(p)
                 await proc.wait()
 
     asyncio.run(asyncio.wait_for(body(), 100))

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from astra.run.children import Child
@@ -100,7 +101,7 @@ def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone while read
         return False
 
 
@@ -118,29 +119,33 @@ def kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _child(tmp_path: Path, plan: str, helper: Path) -> Child:
+@contextlib.asynccontextmanager
+async def serving_child(tmp_path: Path, plan: str) -> AsyncIterator[tuple[Child, int]]:
+    """A fake RaaS child following `plan`, serving, and the pid of the helper process it
+    started (SIGKILLed at the end, whatever the test did)."""
+    helper = tmp_path / "helper.pid"
     env = fake_env(tmp_path, "raas-0", plan, FAKE_HELPER=str(helper))
-    return Child(
+    child = Child(
         "raas-0", "raas", [sys.executable, env["FAKE_SCRIPT"]], tmp_path / "raas-0.log", env
     )
+    await child.spawn()
+    await child.read_address(30)
+    pid = int(helper.read_text())
+    try:
+        yield child, pid
+    finally:
+        kill(pid)
 
 
 def test_an_engine_server_goes_with_the_raas_that_started_it(tmp_path: Path) -> None:
     """The engine server has a session of its own (the RaaS's group does not reach it); its
     parent-death signal takes it down when the RaaS is SIGKILLed."""
-    helper = tmp_path / "engine.pid"
-    child = _child(tmp_path, "engine", helper)
 
     async def main() -> None:
-        await child.spawn()
-        await child.read_address(30)
-        engine = int(helper.read_text())
-        try:
+        async with serving_child(tmp_path, "engine") as (child, engine):
             assert alive(engine) and os.getpgid(engine) == engine  # its own group
             await child.stop(0)  # SIGKILL at once: a second Ctrl-C, stop_grace_s ran out
             assert gone_within(engine, 5), f"engine server {engine} outlived its RaaS"
-        finally:
-            kill(engine)
 
     asyncio.run(main())
 
@@ -148,14 +153,8 @@ def test_an_engine_server_goes_with_the_raas_that_started_it(tmp_path: Path) -> 
 def test_a_restart_kills_what_is_left_of_the_group_of_the_process_before(
     tmp_path: Path,
 ) -> None:
-    helper = tmp_path / "helper.pid"
-    child = _child(tmp_path, "samegroup,serve", helper)
-
     async def main() -> None:
-        await child.spawn()
-        await child.read_address(30)
-        pid = int(helper.read_text())
-        try:
+        async with serving_child(tmp_path, "samegroup,serve") as (child, pid):
             assert os.getpgid(pid) == child.pid
             os.kill(child.pid, signal.SIGKILL)  # the leader crashes; its helper lives on
             await asyncio.wait_for(child.wait(), 10)
@@ -164,8 +163,6 @@ def test_a_restart_kills_what_is_left_of_the_group_of_the_process_before(
             assert gone_within(pid, 5), f"helper {pid} of the dead process outlived its restart"
             await child.read_address(30)
             await child.stop(1.0)
-        finally:
-            kill(pid)
 
     asyncio.run(main())
 
@@ -176,41 +173,26 @@ def test_a_dead_child_is_seen_while_a_descendant_of_its_own_session_holds_its_st
     """torchrun's ranks (sessions of their own) inherit the trainer's stdout: when torchrun is
     SIGKILLed, a wait begun before (the supervisor's watch) still returns, and stop does not
     hang."""
-    helper = tmp_path / "worker.pid"
-    child = _child(tmp_path, "newsession_pipe", helper)
 
     async def main() -> None:
-        await child.spawn()
-        await child.read_address(30)
-        worker = int(helper.read_text())
-        try:
+        async with serving_child(tmp_path, "newsession_pipe") as (child, worker):
             watch = asyncio.ensure_future(child.wait())  # what Supervisor._watch waits on
             await asyncio.sleep(0.2)
             os.kill(child.pid, signal.SIGKILL)
             assert await asyncio.wait_for(watch, 5) == -signal.SIGKILL
             assert alive(worker)  # not in the child's group: not the supervisor's to see
             assert await asyncio.wait_for(child.stop(5.0), 10) == -signal.SIGKILL
-        finally:
-            kill(worker)
-            await asyncio.sleep(0.3)  # its pipe closes: the process's transport finishes
+        await asyncio.sleep(0.3)  # the worker's pipe closes: the process's transport finishes
 
     asyncio.run(main())
 
 
 def test_a_stop_does_not_wait_out_its_grace_for_a_pipe_held_open(tmp_path: Path) -> None:
-    helper = tmp_path / "worker.pid"
-    child = _child(tmp_path, "newsession_pipe", helper)
-
     async def main() -> None:
-        await child.spawn()
-        await child.read_address(30)
-        worker = int(helper.read_text())
-        try:
+        async with serving_child(tmp_path, "newsession_pipe") as (child, _):
             started = time.monotonic()
             assert await asyncio.wait_for(child.stop(30.0), 20) == -signal.SIGTERM
             assert time.monotonic() - started < 10  # the drain of stdout waits 2 s at most
-        finally:
-            kill(worker)
-            await asyncio.sleep(0.3)  # its pipe closes: the process's transport finishes
+        await asyncio.sleep(0.3)  # the worker's pipe closes: the process's transport finishes
 
     asyncio.run(main())

@@ -421,7 +421,11 @@ def test_a_run_is_stalled_only_while_its_buffer_cannot_make_a_batch() -> None:
         obs = SimpleNamespace(
             max_dropped_in_a_row=limit,
             batch_groups={"p": 4},
-            last_dataflow={"dropped_in_a_row": {"p": [n, "failed"]}, "buffered": {"p": buffered}},
+            last_detail={
+                "policies": {
+                    "p": {"dropped_in_a_row": n, "last_drop": "failed", "buffered": buffered}
+                }
+            },
         )
         return Observer.stalled(obs)
 

@@ -185,12 +185,12 @@ class Observer(StatusPoller):
         """Why the run cannot go on: a policy's run of dropped groups reached the bound and
         its buffer holds less than a batch (a full buffer can still serve batches)."""
         limit = self.max_dropped_in_a_row
-        buffered = self.last_dataflow.get("buffered", {})
-        for policy, (n, reason) in sorted(self.last_dataflow.get("dropped_in_a_row", {}).items()):
-            if limit and n >= limit and buffered.get(policy, 0) < self.batch_groups.get(policy, 1):
+        for policy, d in sorted((self.last_detail.get("policies") or {}).items()):
+            n = d.get("dropped_in_a_row", 0)
+            if limit and n >= limit and d.get("buffered", 0) < self.batch_groups.get(policy, 1):
                 return (
                     f"stalled: policy {policy}: the last {n} finished groups were all dropped "
-                    f"(the newest: {reason or 'unknown'}), so no batch can form "
+                    f"(the newest: {d.get('last_drop') or 'unknown'}), so no batch can form "
                     f"(supervision.max_dropped_in_a_row: {limit})"
                 )
         return None

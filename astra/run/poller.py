@@ -35,9 +35,6 @@ def dataflow_snapshot(resp: dpb.GetStatusResponse) -> dict[str, Any]:
         "buffer_fill": round(resp.gate.buffer_fill_ratio, 4),
         "buffered": {p.policy_id: p.buffered_groups for p in resp.policies},
         "versions": {p.policy_id: p.current_version for p in resp.policies},
-        "dropped_in_a_row": {
-            p.policy_id: [p.groups_dropped_in_a_row, p.last_drop_reason] for p in resp.policies
-        },
         "raas_active": states.count("ACTIVE"),
         "raas_states": dict(zip((i.instance_id for i in resp.instances), states, strict=True)),
         "pool_empty": resp.pool_empty,

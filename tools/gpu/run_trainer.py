@@ -162,18 +162,6 @@ def run_fsdp(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return torch.load(workdir / "fsdp.pt", weights_only=False)
 
 
-class IdsTokenizer:
-    """For a model directory without a tokenizer: ids in, ids out, no end-of-sequence id."""
-
-    eos_id = -1
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids: list[int]) -> str:
-        return " ".join(map(str, ids))
-
-
 async def logprob_parity(trainer: Trainer) -> tuple[float, float]:
     """Max and mean |trainer log-prob - engine log-prob| over sampled tokens, same weights, same
     device. In bf16 the two differ by design: the trainer computes under autocast from fp32
@@ -193,7 +181,13 @@ async def logprob_parity(trainer: Trainer) -> tuple[float, float]:
     engine_model = engine_model.to_empty(device=trainer.config.device).to(dtype)
     engine_model.tie()
     engine_model.load_weights(state)
-    tokenizer = load_model("tiny")[1] if trainer.config.model == "tiny" else IdsTokenizer()
+    if trainer.config.model == "tiny":
+        tokenizer = load_model("tiny")[1]
+    else:  # a directory without a tokenizer: ids in, ids out, no end-of-sequence id
+        sys.path.insert(0, str(REPO / "tools" / "bench"))
+        from engine import BenchTokenizer
+
+        tokenizer = BenchTokenizer(trainer.model_cfg.vocab_size)
     engine = TorchEngine({"p": (engine_model.eval(), tokenizer)}, trainer.config.device)
     prompts = [[1, 5, 9, 13], [2, 4, 6, 8, 10, 12, 14]]
     sampling = Sampling(max_new_tokens=16, temperature=1.0, seed=3)
