@@ -749,22 +749,7 @@ def test_replay_with_eta_zero_keeps_every_fresh_group_on_policy(tmp_path):
     """A batch of 4 with replay_ratio 0.5 takes 2 fresh groups once replay holds 2: AReaL's
     budget of batch_groups fresh groups per version generated 2 too many each version,
     trained by the next (staleness 1 with eta = 0). A crash midway changes nothing."""
-    cfg = make_config(
-        tmp_path,
-        n_prompts=64,
-        policies=[
-            {
-                "id": "p",
-                "batch_groups": 4,
-                "buffer": {
-                    "drop_equal_rewards": False,
-                    "replay_ratio": 0.5,
-                    "replay_capacity_groups": 8,
-                },
-            }
-        ],
-        gate={"max_offpolicyness": 0},
-    )
+    cfg = replay_eta_config(tmp_path, eta=0)
 
     async def body():
         df = new_dataflow(cfg)
