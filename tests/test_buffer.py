@@ -326,6 +326,8 @@ def test_replay_ratio_honoured_and_copies_marked() -> None:
         buf.add(group(f"g{i}", [0.0, float(i + 1)]), 0)
     first = buf.take(4, 0)
     assert first is not None and not any(g.replay for g in first)  # replay empty yet
+    assert buf.replay_len == 0  # not trained yet
+    assert buf.remember(first) == [g.group_id for g in first]
     assert buf.replay_len == 4
     originals = {g.group_id: g for g in first}
     snapshot = {k: (list(g.advantages), g.replay) for k, g in originals.items()}
@@ -346,7 +348,9 @@ def test_replay_short_means_more_fresh() -> None:
     buf = PolicyBuffer(BufferConfig(replay_ratio=0.5, replay_capacity_groups=8))
     for i in range(6):
         buf.add(group(f"g{i}", [0.0, 1.0]), 0)
-    assert buf.take(1, 0) is not None  # replay_ratio 0.5 of 1 = 0 replay
+    one = buf.take(1, 0)  # replay_ratio 0.5 of 1 = 0 replay
+    assert one is not None
+    buf.remember(one)
     batch = buf.take(4, 0)
     assert batch is not None and sum(g.replay for g in batch) == 1
     assert len(batch) == 4
@@ -356,8 +360,11 @@ def test_replay_capacity_bounded_and_counted() -> None:
     buf = PolicyBuffer(BufferConfig(replay_ratio=0.25, replay_capacity_groups=2))
     for i in range(5):
         buf.add(group(f"g{i}", [0.0, 1.0]), 0)
-    buf.take(3, 0)
+    taken = buf.take(3, 0)
+    buf.remember(taken)
     assert buf.replay_len == 2 and buf.counters["replay_evicted"] == 1
+    assert buf.pop_replay_gone() == [taken[0].group_id]  # the oldest to enter left first
+    assert buf.pop_replay_gone() == []
 
 
 def test_replay_respects_its_own_staleness_bound() -> None:
@@ -367,12 +374,13 @@ def test_replay_respects_its_own_staleness_bound() -> None:
     buf = PolicyBuffer(cfg)
     for i in range(2):
         buf.add(group(f"old{i}", [0.0, 1.0], version=0), 0)
-    buf.take(2, 0)
+    buf.remember(buf.take(2, 0))
     for i in range(2):
         buf.add(group(f"new{i}", [0.0, 1.0], version=2), 2)
     batch = buf.take(2, 2)
     assert batch is not None and not any(g.replay for g in batch)
     assert buf.counters["replay_filtered_stale"] == 2
+    assert sorted(buf.pop_replay_gone()) == ["old0", "old1"]
 
 
 def test_replay_inherits_max_staleness() -> None:
@@ -380,25 +388,50 @@ def test_replay_inherits_max_staleness() -> None:
     assert cfg.replay_bound == 1
     buf = PolicyBuffer(cfg)
     buf.add(group("a", [0.0, 1.0], version=0), 0)
-    buf.take(1, 0)
+    buf.remember(buf.take(1, 0))
     for i in range(2):
         buf.add(group(f"b{i}", [0.0, 1.0], version=2), 2)
     batch = buf.take(2, 2)
     assert batch is not None and not any(g.replay for g in batch)
 
 
-def test_put_back_ignores_replay_and_withdraws_replay_copy() -> None:
+def test_put_back_ignores_replay_and_an_untrained_group_never_enters_it() -> None:
     buf = PolicyBuffer(BufferConfig(replay_ratio=0.5, replay_capacity_groups=8))
     for i in range(4):
         buf.add(group(f"g{i}", [0.0, 1.0]), 0)
-    buf.take(2, 0)
+    buf.remember(buf.take(2, 0))
     batch = buf.take(2, 0)
     assert batch is not None and sum(g.replay for g in batch) == 1
     buf.put_back(batch)
-    assert len(buf) == 2  # g3 back, plus the untouched one; the replay copy is not inserted
+    assert len(buf) == 2  # g2 back, plus the untouched one; the replay copy is not inserted
     assert buf.counters["put_back"] == 1
-    assert buf.replay_len == 2  # g0, g1 remain; the put-back fresh group's copy was withdrawn
+    assert buf.replay_len == 2  # g0, g1 only: the put-back group was never trained
     accounted(buf)
+
+
+def test_remember_keeps_fresh_groups_only_and_nothing_without_replay() -> None:
+    buf = PolicyBuffer(BufferConfig(replay_ratio=0.5, replay_capacity_groups=8))
+    for i in range(4):
+        buf.add(group(f"g{i}", [0.0, 1.0]), 0)
+    buf.remember(buf.take(2, 0))
+    batch = buf.take(2, 0)
+    fresh = [g.group_id for g in batch if not g.replay]
+    assert buf.remember(batch) == fresh  # the replayed copy does not enter again
+    assert buf.replay_len == 3 and buf.counters["replay_added"] == 3
+    off = PolicyBuffer(BufferConfig())
+    off.add(group("a", [0.0, 1.0]), 0)
+    assert off.remember(off.take(1, 0)) == [] and off.replay_len == 0
+
+
+def test_restore_replay_keeps_order_and_trims_to_this_capacity() -> None:
+    buf = PolicyBuffer(BufferConfig(replay_ratio=0.5, replay_capacity_groups=2))
+    for i in range(3):
+        buf.restore_replay(group(f"r{i}", [0.0, 1.0]))
+    assert buf.replay_len == 2 and buf.pop_replay_gone() == ["r0"]
+    assert buf.counters["replay_evicted"] == 1 and buf.counters["replay_added"] == 0
+    off = PolicyBuffer(BufferConfig())
+    off.restore_replay(group("x", [0.0, 1.0]))
+    assert off.replay_len == 0 and off.pop_replay_gone() == ["x"]
 
 
 def _group_adv(rewards: list[float], eps: float) -> list[float]:

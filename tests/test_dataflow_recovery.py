@@ -383,6 +383,86 @@ def test_replayed_copies_are_not_counted_as_consumed(tmp_path):
     run(body())
 
 
+def remembered(df: Dataflow) -> list[tuple[str, list[bytes]]]:
+    """What the policy's replay memory holds, oldest to enter first."""
+    return [
+        (g.group_id, [t.payload for t in g.trajectories]) for g in df.buffers["p"]._replay.values()
+    ]
+
+
+def test_replay_memory_survives_a_crash_in_the_order_it_was_trained(tmp_path):
+    """Replay started empty after a restart: the batches after it went without replayed
+    copies until the memory filled again."""
+    cfg = replay_config(tmp_path, replay_ratio=0.5, replay_capacity_groups=3)
+
+    async def body():
+        df = new_dataflow(cfg)
+        _, b2 = await fill_and_fetch(df, 2)  # b1 acknowledged: its 2 groups remembered
+        df.batches.ack(b2.batch_id)  # b2's fresh group enters too
+        want = remembered(df)
+        assert len(want) == 3
+        crash(df)
+        df2 = new_dataflow(cfg)
+        try:
+            assert remembered(df2) == want
+            b3 = await df2.batches.fetch("p", 2, "req-after", "t", 0.1)
+            assert [g.replay for g in b3.groups] == [False, True]
+            df2.batches.ack(b3.batch_id)  # one more enters, the oldest leaves: in the store too
+            stored = [g.group_id for g in df2.store.replay_memory()["p"]]
+            assert stored == [gid for gid, _ in remembered(df2)] and stored[0] == want[1][0]
+        finally:
+            crash(df2)
+
+    run(body())
+
+
+def test_a_group_enters_replay_only_once_its_batch_is_acknowledged(tmp_path):
+    """A leased batch that is never acknowledged (its trainer died, the lease expired) was
+    replayed all the same, as if trained."""
+    cfg = replay_config(tmp_path, replay_ratio=0.5, replay_capacity_groups=8)
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            _, b2 = await fill_and_fetch(df, 2)  # b1 acknowledged, b2 leased
+            leased_fresh = {g.group_id for g in b2.groups if not g.replay}
+            memory = {gid for gid, _ in remembered(df)}
+            assert len(memory) == 2 and not memory & leased_fresh  # b1's groups only
+            b3 = await df.batches.fetch("p", 2, "req-3", "t", 0.1)
+            replayed = {g.group_id for g in b3.groups if g.replay}
+            assert replayed and replayed <= memory
+            assert {g.group_id for g in df.store.replay_memory()["p"]} == memory
+        finally:
+            crash(df)
+
+    run(body())
+
+
+def test_a_smaller_replay_capacity_after_a_restart_lets_the_oldest_go_durably(tmp_path):
+    cfg = replay_config(tmp_path, replay_ratio=0.5, replay_capacity_groups=3)
+
+    async def body():
+        df = new_dataflow(cfg)
+        _, b2 = await fill_and_fetch(df, 2)
+        df.batches.ack(b2.batch_id)
+        want = remembered(df)
+        crash(df)
+        for capacity, kept in ((1, want[-1:]), (0, [])):
+            smaller = replay_config(
+                tmp_path, replay_ratio=0.5 if capacity else 0.0, replay_capacity_groups=capacity
+            )
+            df2 = new_dataflow(smaller)
+            try:
+                assert remembered(df2) == kept
+                assert [g.group_id for g in df2.store.replay_memory().get("p", [])] == [
+                    gid for gid, _ in kept
+                ]
+            finally:
+                crash(df2)
+
+    run(body())
+
+
 # ----- an exception inside the ingest transaction never leaves memory ahead of the store -------
 
 
@@ -758,7 +838,7 @@ def test_replay_with_eta_zero_keeps_every_fresh_group_on_policy(tmp_path):
         fresh, replayed = [], []
         try:
             for v in range(6):
-                if v == 3:  # kill -9 and start again: the replay memory is gone, not the count
+                if v == 3:  # kill -9 and start again: replay memory and count survive
                     crash(df)
                     df = new_dataflow(cfg)
                     await register(df, versions={"p": v})
@@ -773,7 +853,7 @@ def test_replay_with_eta_zero_keeps_every_fresh_group_on_policy(tmp_path):
                 assert not leased(df)
         finally:
             crash(df)
-        assert replayed == [0, 2, 2, 0, 2, 2]
+        assert replayed == [0, 2, 2, 2, 2, 2]
         assert all(s == 0 for step in fresh for s in step), fresh
 
     run(body())
@@ -1046,6 +1126,7 @@ def to_schema_1(state_dir: str) -> None:
         db.execute("UPDATE batches SET groups=? WHERE batch_id=?", (json.dumps(old), batch_id))
     db.execute("DELETE FROM kv WHERE key='replay_slots'")
     db.execute("DROP TABLE batch_replays")
+    db.execute("DROP TABLE replay_memory")
     db.execute("PRAGMA user_version=1")
     db.commit()
     db.close()

@@ -354,12 +354,20 @@ class BatchDesk:
         df.counters["consumed_groups"] += consumed
         df.counters["consumed_trajectories"] += sum(len(g.trajectories) for g in fresh)
         df.counters["consumed_replay_groups"] += len(batch.groups) - consumed
+        # Trained now: the fresh groups enter replay (their rows become replay memory).
+        buf = df.buffers[batch.policy_id]
+        entered = buf.remember(fresh)
+        kept = set(entered)
         with df.store.tx() as tx:
-            tx.delete_groups(batch.stored_keys())
+            tx.move_to_replay(batch.policy_id, entered)
+            tx.delete_groups(k for k in batch.stored_keys() if k[0] not in kept)
             tx.delete_replays([batch.batch_id])
+            df.let_go(tx, batch.policy_id)
             tx.put_batch(batch.row())
             df.persist_counters(tx)
         batch.groups = []
+        if entered:  # a fetch waiting for fresh groups may now take replayed copies instead
+            df.notify_data_ready()
         return consumed
 
     def _prune(self) -> None:

@@ -10,7 +10,7 @@ accounted for by exactly one counter (see INVARIANTS.md, "Nothing disappears wit
 moving").
 
 This module never touches gRPC, protobuf, the network, disk, clocks or locks: the caller
-serialises access, persists admissions and removals (`drop_stale`, `pop_dropped`), and says
+serialises access, persists admissions and removals (`drop_stale`, `pop_dropped`, `pop_replay_gone`), and says
 which trainer version is current.
 """
 
@@ -121,7 +121,8 @@ class BufferConfig:
     """Share of each batch drawn from replay, in [0, 1): floor(n * ratio) groups when replay
     holds that many, otherwise all replay holds, the rest fresh."""
     replay_capacity_groups: int = 0
-    """Most groups kept for replay (>= 0); oldest-taken evicted first (`replay_evicted`)."""
+    """Most groups kept for replay (>= 0): a group enters when its batch is acknowledged
+    (trained); the oldest to enter leaves first (`replay_evicted`)."""
     replay_max_staleness: int | None = None
     """Staleness bound of replayed groups; None inherits `max_staleness`. Must not exceed
     `max_staleness`, so nothing older than the configured bound reaches the trainer."""
@@ -196,6 +197,7 @@ class PolicyBuffer:
         self._groups: dict[str, GroupRecord] = {}
         self._replay: OrderedDict[str, GroupRecord] = OrderedDict()
         self._dropped: list[GroupRecord] = []
+        self._replay_gone: list[str] = []
         self._next_seq = 0
         self._eviction: list[tuple[int, int, str]] = []
         # Take order as a heap of (min_version or 0 for fifo, seq, group id); entries of
@@ -313,8 +315,9 @@ class PolicyBuffer:
         """A batch of exactly `n_groups` groups with advantages, fresh first, or None.
 
         Groups above the staleness bound are dropped first (see `pop_dropped`). If fewer fresh
-        groups remain than the batch needs, returns None and takes nothing. Fresh groups taken
-        are remembered for replay as copies; replayed groups are new copies with replay=True.
+        groups remain than the batch needs, returns None and takes nothing. Replayed groups are
+        new copies with replay=True; the fresh groups taken enter replay only once their batch
+        is trained (`remember`).
         """
         if n_groups < 1:
             raise ValueError("n_groups must be >= 1")
@@ -331,7 +334,6 @@ class PolicyBuffer:
         for group in fresh:
             del self._groups[group.group_id]
             group.replay = False
-            self._remember(group)
         self._compact_eviction()
         self._counters["taken"] += n_fresh
         self._counters["taken_replay"] += n_replay
@@ -348,14 +350,13 @@ class PolicyBuffer:
     def put_back(self, groups: Iterable[GroupRecord]) -> None:
         """Re-insert taken groups (a trainer's lease expired) at their original priority.
 
-        Replayed copies are ignored; a fresh group's replay copy is withdrawn, since it was never
-        trained. Capacity is not enforced here: these groups were already admitted.
+        Replayed copies are ignored (a fresh group enters replay only once trained). Capacity is
+        not enforced here: these groups were already admitted.
         """
         for group in groups:
             if group.replay:
                 continue
             self._counters["put_back"] += 1
-            self._replay.pop(group.group_id, None)
             if group.group_id in self._groups:
                 self._counters[DUPLICATE] += 1
                 continue
@@ -442,7 +443,9 @@ class PolicyBuffer:
 
     @property
     def has_dropped(self) -> bool:
-        return bool(self._dropped)
+        """Whether groups left the buffer or replay on their own since `pop_dropped` and
+        `pop_replay_gone` were last called."""
+        return bool(self._dropped or self._replay_gone)
 
     def pop_dropped(self) -> list[GroupRecord]:
         """Groups the buffer removed on its own (eviction in add, expiry in take) since last call.
@@ -461,22 +464,53 @@ class PolicyBuffer:
             return (group.seq,)
         return (group.min_version, group.seq)
 
-    def _remember(self, group: GroupRecord) -> None:
-        capacity = self.config.replay_capacity_groups
-        if capacity == 0 or self.config.replay_ratio == 0:
-            return
+    @property
+    def keeps_replay(self) -> bool:
+        return self.config.replay_capacity_groups > 0 and self.config.replay_ratio > 0
+
+    def remember(self, groups: Iterable[GroupRecord]) -> list[str]:
+        """The fresh groups of a trained (acknowledged) batch enter replay as copies, the oldest
+        remembered leaving first beyond capacity. Returns the ids that entered; what left
+        is reported by `pop_replay_gone`."""
+        if not self.keeps_replay:
+            return []
+        entered = []
+        for group in groups:
+            if group.replay:
+                continue
+            self._replay[group.group_id] = _copy(group, replay=True)
+            self._replay.move_to_end(group.group_id)
+            self._counters["replay_added"] += 1
+            entered.append(group.group_id)
+        self._trim_replay("replay_evicted")
+        return entered
+
+    def restore_replay(self, group: GroupRecord) -> None:
+        """Re-enters a group remembered before a restart (oldest first), uncounted; beyond
+        this configuration's capacity (or with replay off) the oldest leave, counted
+        `replay_evicted`."""
         self._replay[group.group_id] = _copy(group, replay=True)
         self._replay.move_to_end(group.group_id)
-        self._counters["replay_added"] += 1
+        self._trim_replay("replay_evicted")
+
+    def _trim_replay(self, counter: str) -> None:
+        capacity = self.config.replay_capacity_groups if self.keeps_replay else 0
         while len(self._replay) > capacity:
-            self._replay.popitem(last=False)
-            self._counters["replay_evicted"] += 1
+            group_id, _ = self._replay.popitem(last=False)
+            self._replay_gone.append(group_id)
+            self._counters[counter] += 1
+
+    def pop_replay_gone(self) -> list[str]:
+        """Ids that left replay (evicted, expired) since the last call: the caller persists it."""
+        gone, self._replay_gone = self._replay_gone, []
+        return gone
 
     def _expire_replay(self, current_version: int) -> None:
         bound = self.config.replay_bound
         stale = [k for k, g in self._replay.items() if _is_stale(g, bound, current_version)]
         for group_id in stale:
             del self._replay[group_id]
+        self._replay_gone.extend(stale)
         self._counters["replay_filtered_stale"] += len(stale)
 
     def stamp_advantages(self, batch: list[GroupRecord]) -> None:

@@ -208,6 +208,16 @@ class Dataflow(Ingesting, WeightSync):
                 self.buffers[group.policy_id].restore(group)
             else:
                 leased.setdefault(batch_id, []).append(group)
+        for policy_id, remembered in st.replay_memory().items():
+            if policy_id in self.buffers:  # (a policy no longer configured keeps its rows)
+                for group in remembered:
+                    self.buffers[policy_id].restore_replay(group)
+        gone = {p: b.pop_replay_gone() for p, b in self.buffers.items()}
+        if any(gone.values()):  # this configuration keeps fewer (or none)
+            with st.tx() as tx:
+                for policy_id, group_ids in gone.items():
+                    tx.forget_replays(policy_id, group_ids)
+                self.persist_counters(tx)
         rows = st.batches()
         self.batches.recover(rows, leased, st.replays())
         if uncounted:
@@ -341,6 +351,20 @@ class Dataflow(Ingesting, WeightSync):
 
     def wake(self) -> None:
         self._wake.set()
+
+    def notify_data_ready(self) -> None:
+        """Wakes the fetches waiting for data (from code that cannot await), and dispatch."""
+
+        async def notify() -> None:
+            async with self.data_ready:
+                self.data_ready.notify_all()
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop: nobody can be waiting
+            return
+        self._spawn(notify())
+        self.wake()
 
     # ----- pool membership (called by the servicer) ----------------------------------------
 
@@ -517,10 +541,12 @@ class Dataflow(Ingesting, WeightSync):
         were counted in `accepted` and no batch will train them, so each would otherwise
         shrink the off-policy budget for good (after (eta + 1) * batch_groups of them nothing
         would be dispatched again, and no batch could fill)."""
-        dropped = self.buffers[policy_id].pop_dropped()
+        buf = self.buffers[policy_id]
+        dropped = buf.pop_dropped()
         if dropped:
             tx.delete_groups((g.group_id, g.policy_id) for g in dropped)
             self.accepted[policy_id] = max(0, self.accepted[policy_id] - len(dropped))
+        tx.forget_replays(policy_id, buf.pop_replay_gone())  # trained already: no slot back
 
     def _held(self, policy_id: str) -> int:
         """Groups the policy's buffer holds or may get back: buffered, and fresh groups leased

@@ -3,7 +3,8 @@
 Holds the work table (every dispatched group: pending, leased, done), the
 buffered groups (their trajectory bytes in a `BlobLog` beside the database),
 trainer batch leases (with their advantages and the bytes of their replayed copies, so a
-leased batch is rebuilt exactly), and small key/value state (dataset positions,
+leased batch is rebuilt exactly), each policy's replay memory (trained groups kept
+for replay, in the order they entered), and small key/value state (dataset positions,
 versions, counters). Every change that
 Dataflow acknowledges to anyone is committed here first. WAL with
 synchronous=NORMAL is durable against a process crash; only a power loss can
@@ -29,7 +30,8 @@ from astra.dataflow.records import GroupRecord, TrajectoryRecord
 
 # 2: batch_replays; a batch row's groups carry their advantages. A schema-1 directory is
 # migrated on open (the new table is created; its batch rows are read without advantages).
-SCHEMA_VERSION = 2
+# 3: replay_memory (a schema-1 or -2 directory opens with it empty).
+SCHEMA_VERSION = 3
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS work (
@@ -77,6 +79,18 @@ CREATE TABLE IF NOT EXISTS batch_replays (
     off INTEGER NOT NULL,
     len INTEGER NOT NULL,
     PRIMARY KEY (batch_id, pos)
+);
+CREATE TABLE IF NOT EXISTS replay_memory (
+    entered INTEGER PRIMARY KEY,
+    policy_id TEXT NOT NULL,
+    group_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    meta TEXT NOT NULL,
+    seg INTEGER NOT NULL,
+    off INTEGER NOT NULL,
+    len INTEGER NOT NULL,
+    UNIQUE (policy_id, group_id)
 );
 """
 
@@ -265,6 +279,35 @@ class Tx:
             ).fetchall()
             self.released.extend(r[0] for r in rows)
 
+    def move_to_replay(self, policy_id: str, group_ids: Iterable[str]) -> None:
+        """Trained groups' rows become replay memory, newest last; their bytes stay where they
+        are in the blob log (one row per blob reference, moved)."""
+        for group_id in group_ids:
+            self._forget_replay(policy_id, group_id)  # entered again: only the newest row
+            moved = self.c.execute(
+                "INSERT INTO replay_memory(policy_id, group_id, seq, epoch, meta, seg, off, len)"
+                " SELECT policy_id, group_id, seq, epoch, meta, seg, off, len FROM groups"
+                " WHERE group_id=? AND policy_id=?",
+                (group_id, policy_id),
+            ).rowcount
+            if moved != 1:  # a trained group's row is in the store until now: a bug
+                raise RuntimeError(f"group {group_id!r} of {policy_id!r} is not stored")
+            self.c.execute(
+                "DELETE FROM groups WHERE group_id=? AND policy_id=?", (group_id, policy_id)
+            )
+
+    def forget_replays(self, policy_id: str, group_ids: Iterable[str]) -> None:
+        """Groups that left replay memory (evicted, expired)."""
+        for group_id in group_ids:
+            self._forget_replay(policy_id, group_id)
+
+    def _forget_replay(self, policy_id: str, group_id: str) -> None:
+        rows = self.c.execute(
+            "DELETE FROM replay_memory WHERE policy_id=? AND group_id=? RETURNING seg",
+            (policy_id, group_id),
+        ).fetchall()
+        self.released.extend(r[0] for r in rows)
+
     def put_batch(self, b: BatchRow) -> None:
         self.c.execute(
             "INSERT OR REPLACE INTO batches(batch_id, policy_id, request_id, trainer_id, state,"
@@ -291,13 +334,14 @@ class StateStore:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, SCHEMA_VERSION):
+        if version not in (0, 1, 2, SCHEMA_VERSION):
             raise RuntimeError(f"{self.path}: schema {version}, this build reads {SCHEMA_VERSION}")
         self.conn.executescript(SCHEMA)
         self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self.blobs = BlobLog(path / "blobs")
         for (seg,) in self.conn.execute(
             "SELECT seg FROM groups UNION ALL SELECT seg FROM batch_replays"
+            " UNION ALL SELECT seg FROM replay_memory"
         ):
             self.blobs.adopt(seg)
         self.blobs.collect_garbage()
@@ -411,6 +455,18 @@ class StateStore:
             blob = self.blobs.read(seg, off, length)
             group = GroupRecord(gid, pid, epoch, _unpack(meta, blob), seq=seq, replay=True)
             out.setdefault(batch_id, {})[pos] = group
+        return out
+
+    def replay_memory(self) -> dict[str, list[GroupRecord]]:
+        """Each policy's replay memory, oldest to enter first."""
+        out: dict[str, list[GroupRecord]] = {}
+        for gid, pid, seq, epoch, meta, seg, off, length in self.conn.execute(
+            "SELECT group_id, policy_id, seq, epoch, meta, seg, off, len FROM replay_memory"
+            " ORDER BY entered"
+        ):
+            blob = self.blobs.read(seg, off, length)
+            group = GroupRecord(gid, pid, epoch, _unpack(meta, blob), seq=seq, replay=True)
+            out.setdefault(pid, []).append(group)
         return out
 
     def close(self) -> None:
