@@ -185,15 +185,86 @@ def test_code_tests_refuses_a_result_file_the_program_wrote():
     assert r == 0.0 and r.metadata["reason"] == "exit 1", r.metadata
 
 
+def test_code_tests_judges_simple_asserts_outside_the_sandbox():
+    rec = {
+        "tests": [
+            "assert add(1, 2) == 3",
+            "assert [4] == add([1], [4])[1:]",  # the literal on the left
+            "assert add(1, 1)",  # truth
+            "assert not add(1, -1)",
+            "x = add(2, 2)\nassert x == 4",  # two statements: run inside
+        ]
+    }
+    r = code_tests(rec, ADD)
+    assert r == 1.0 and r.metadata["judged_outside"] == 4, r.metadata
+    assert code_tests({"tests": ["assert add(1, 1) == 3", "assert add(0, 0)"]}, ADD) == 0.0
+    plain = (
+        "import numpy as np, collections\n"
+        "P = collections.namedtuple('P', 'x y')\n"
+        "def f():\n    return np.int64(5)\n"
+        "def g():\n    return P(1, 2)\n"
+        "def h():\n    return {'a': [1.5, (2, None)], 'b': {3}}\n"
+        "def bad():\n    return object()\n"
+    )
+    tests = [
+        "assert f() == 5",
+        "assert g() == (1, 2)",
+        "assert h() == {'a': [1.5, (2, None)], 'b': {3}}",
+        "assert bad() == 1",
+    ]
+    r = code_tests({"tests": tests}, plain)
+    assert r == 0.75 and r.metadata["failures"] == ["3: TypeError"], r.metadata
+
+
+def test_an_always_equal_answer_forges_no_test_judged_outside():
+    """An object whose __eq__ always holds passed every `assert f(x) == y` in-process."""
+    program = (
+        "class Yes(int):\n"
+        "    def __eq__(self, other):\n        return True\n"
+        "    __hash__ = int.__hash__\n"
+        "    def __bool__(self):\n        return True\n"
+        "def add(a, b):\n    return Yes(0)\n"
+    )
+    rec = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert not add(0, 0)"]}
+    r = code_tests(rec, program)
+    assert r == 0.0 and r.metadata["judged_outside"] == 3, r.metadata
+    inside = {"tests": ["x = add(1, 2)\nassert x == 3"]}  # the same object, run inside
+    assert code_tests(inside, program) == 1.0
+
+
+def test_a_program_that_reads_the_harness_cannot_learn_what_a_test_judged_outside_wants():
+    """The program walks the harness's frame for the tests' text and answers with their
+    expected values: that forges the test run inside, never the one judged outside, whose
+    expected value never enters the sandbox."""
+    program = (
+        "import ast, re, sys\n"
+        "WANT = {}\n"
+        "for v in sys._getframe(1).f_locals.values():\n"
+        "    for item in v if isinstance(v, list) else ():\n"
+        "        for text in item if isinstance(item, tuple) else (item,):\n"
+        "            if isinstance(text, str) and '==' in text:\n"
+        "                call, want = text.rsplit('==', 1)\n"
+        "                for name in re.findall(r'secret\\(\\d+\\)', call):\n"
+        "                    WANT[name] = ast.literal_eval(want.strip())\n"
+        "def secret(n):\n"
+        "    return WANT.get('secret(%d)' % n)\n"
+    )
+    rec = {"tests": ["assert secret(1) == 'zebra'", "r = secret(2)\nassert r == 'lion'"]}
+    r = code_tests(rec, program)
+    assert r == 0.5 and r.metadata["judged_outside"] == 1, r.metadata
+    assert r.metadata["failures"] == ["0: mismatch"], r.metadata
+
+
 @pytest.mark.parametrize(
     ("verdict", "want", "reason"),
     [
-        ({"loaded": True, "passed": 2, "failed": 0, "failures": []}, 1.0, "ok"),
-        ({"loaded": True, "passed": -1, "failed": 3, "failures": []}, 0.0, "ok"),  # clamped
-        ({"loaded": True, "passed": 100, "failures": []}, 0.0, "inconsistent result"),
-        ({"loaded": True, "passed": 100, "failed": -98}, 0.0, "inconsistent result"),
-        ({"loaded": True, "passed": 3, "failed": 0}, 0.0, "inconsistent result"),
-        ({"loaded": True, "passed": 1.5, "failed": 0.5}, 0.0, "inconsistent result"),
+        ({"loaded": True, "passed": 2, "failed": 0, "values": {}}, 1.0, "ok"),
+        ({"loaded": True, "passed": -1, "failed": 3, "values": {}}, 0.0, "ok"),  # clamped
+        ({"loaded": True, "passed": 100, "values": {}}, 0.0, "inconsistent result"),
+        ({"loaded": True, "passed": 100, "failed": -98, "values": {}}, 0.0, "inconsistent result"),
+        ({"loaded": True, "passed": 3, "failed": 0, "values": {}}, 0.0, "inconsistent result"),
+        ({"loaded": True, "passed": 1.5, "failed": 0.5, "values": {}}, 0.0, "inconsistent result"),
+        ({"loaded": True, "passed": 2, "failed": 0}, 0.0, "inconsistent result"),  # no values
         ([1, 2], 0.0, "unreadable result"),
         ("[" * 5000, 0.0, "unreadable result"),
     ],
@@ -204,7 +275,8 @@ def test_code_tests_reward_is_a_fraction_of_consistent_counts(monkeypatch, verdi
         return SandboxResult("", "", 0, "ok", 0.0, files={keep[0]: raw})
 
     monkeypatch.setattr(code_tests_module, "run_python", fake_run)
-    r = code_tests({"tests": ["assert f()", "assert g()"]}, "")
+    # Two statements each: run inside, counted by the harness.
+    r = code_tests({"tests": ["x = f()\nassert x", "y = g()\nassert y"]}, "")
     assert 0.0 <= r <= 1.0
     assert r == want and r.metadata["reason"] == reason
 
