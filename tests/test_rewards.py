@@ -198,6 +198,8 @@ def test_code_tests_judges_simple_asserts_outside_the_sandbox():
     r = code_tests(rec, ADD)
     assert r == 1.0 and r.metadata["judged_outside"] == 4, r.metadata
     assert code_tests({"tests": ["assert add(1, 1) == 3", "assert add(0, 0)"]}, ADD) == 0.0
+    in_order = ["seen.append(1)\nassert seen", "assert seen == [1]", "seen.append(2)\nassert 1"]
+    assert code_tests({"tests": in_order}, "seen = []") == 1.0
     plain = (
         "import numpy as np, collections\n"
         "P = collections.namedtuple('P', 'x y')\n"

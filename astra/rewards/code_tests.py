@@ -58,12 +58,13 @@ _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNOREC
 # program's own output cannot pass for it by accident, and which exists only once the
 # tests have run: the harness refuses a file the program made. `failed` counts every
 # failure of a test run inside (`failures` lists at most 8), so the caller can check the
-# counts add up. `values` maps each probe (an expression of a test judged outside) to
-# [repr of its plain value, or None, and the error].
+# counts add up. `steps` are the tests in order: ("run") a test run inside, or ("value",
+# "truth") the expression of a test judged outside; `values` maps each of those to [repr of
+# its plain value or truth, or None, and the error].
 _HARNESS = """\
 def _harness():
     import json, os
-    program, tests, probes, result = {program!r}, {tests!r}, {probes!r}, {result!r}
+    program, steps, result = {program!r}, {steps!r}, {result!r}
     run, build, opener, count, dumps = exec, compile, open, len, json.dumps
     evaluate, show, truth = eval, repr, bool
     kinds = (int, float, complex, str, bytes, bool, type(None), list, tuple, set, frozenset, dict)
@@ -94,18 +95,18 @@ def _harness():
     except BaseException as exc:
         out = {{"loaded": False, "error": type(exc).__name__ + ": " + str(exc)[:200]}}
     else:
-        passed, failures = 0, []
-        for i, test in tests:
+        passed, failures, values = 0, [], {{}}
+        for i, source, mode in steps:  # in the record's order: a test may build on another
+            if mode == "run":
+                try:
+                    run(build(source, "<test %d>" % i, "exec"), ns)
+                    passed += 1
+                except BaseException as exc:
+                    failures.append("%d: %s" % (i, type(exc).__name__))
+                continue
             try:
-                run(build(test, "<test %d>" % i, "exec"), ns)
-                passed += 1
-            except BaseException as exc:
-                failures.append("%d: %s" % (i, type(exc).__name__))
-        values = {{}}
-        for i, expr, want_truth in probes:
-            try:
-                v = evaluate(build(expr, "<test %d>" % i, "eval"), ns)
-                text = show(truth(v) if want_truth else plain(v))
+                v = evaluate(build(source, "<test %d>" % i, "eval"), ns)
+                text = show(truth(v) if mode == "truth" else plain(v))
                 if count(text) > {max_chars}:
                     raise ValueError("value over {max_chars} characters")
                 values[str(i)] = [text, ""]
@@ -178,6 +179,10 @@ def probe_of(index: int, test: str) -> Probe | None:
     return Probe(index, ast.unparse(node), True, True)
 
 
+def _mode(probe: Probe) -> str:
+    return "truth" if probe.truth else "value"
+
+
 def _is_literal(node: ast.AST) -> bool:
     try:
         ast.literal_eval(node)
@@ -217,8 +222,10 @@ def code_tests(record: dict[str, Any], completion: str, **context: Any) -> float
     result_name = f"result-{secrets.token_hex(8)}.json"
     harness = _HARNESS.format(
         program=extract_program(completion),
-        tests=inside,
-        probes=[(p.index, p.expr, p.truth) for p in probes.values()],
+        steps=[
+            (i, t, "run") if i not in probes else (i, probes[i].expr, _mode(probes[i]))
+            for i, t in enumerate(tests)
+        ],
         result=result_name,
         max_chars=MAX_VALUE_CHARS,
     )
