@@ -319,6 +319,24 @@ def test_bad_config_rejected(kwargs: dict) -> None:
         BufferConfig(**kwargs)
 
 
+def test_staleness_counts_from_the_oldest_token_of_any_trajectory_in_the_group() -> None:
+    """Every other fixture stamps one version a group: here one sample finished on a newer
+    version (a swap mid-group) and one did not; the group is as old as its oldest token."""
+
+    def mixed(gid: str) -> GroupRecord:
+        old = TrajectoryRecord(f"{gid}/0", 0.0, 3, 3, 8, b"x")
+        swapped = TrajectoryRecord(f"{gid}/1", 1.0, 4, 5, 8, b"x")  # tokens of 4 and of 5
+        return GroupRecord(gid, "policy", 0, [swapped, old])
+
+    buf = PolicyBuffer(BufferConfig(max_staleness=1))
+    assert mixed("a").min_version == 3 and mixed("a").staleness(5) == 2
+    assert buf.add(mixed("a"), 5) == "filtered_stale"  # newest token 5: staleness 0 if wrong
+    assert buf.add(mixed("b"), 4) == "accepted"  # 4 - 3 = 1, within the bound
+    assert buf.take(1, 5) is None  # 5 - 3 = 2 by the time a batch is cut: dropped
+    assert buf.counters["filtered_stale"] == 2 and len(buf) == 0
+    accounted(buf)
+
+
 def test_replay_ratio_honoured_and_copies_marked() -> None:
     cfg = BufferConfig(replay_ratio=0.5, replay_capacity_groups=8)
     buf = PolicyBuffer(cfg, rng=random.Random(0))

@@ -613,6 +613,54 @@ def test_expired_batch_lease_puts_groups_back_and_refuses_the_late_ack(tmp_path)
     assert status["counters"]["consumed_groups"] == n
 
 
+def test_an_expired_group_lease_dispatches_the_group_again_and_drops_the_late_result(tmp_path):
+    """A RaaS that is alive but too slow: its leases run out, the groups go to another RaaS
+    and are trained from there; the slow one is told to cancel, and the result it sends
+    anyway (it does not stop) is dropped as a duplicate."""
+    n = 4
+    config = dataflow_config(
+        tmp_path,
+        n,
+        leases={"group_lease_s": 0.5, "max_dispatch_attempts": 3},
+        gate={"max_offpolicyness": None},
+    )
+
+    async def body():
+        slow_gen = ScriptedGenerator(delay_s=2.0)
+        async with (
+            running_dataflow(config) as (server, df, client),
+            raas(server.address, slow_gen, capacity=n * GROUP_SIZE, name="slow") as slow,
+        ):
+            first = await in_flight_on(df, "slow", n)
+            slow_ids = set(first.in_flight)
+            told_to_cancel: list[str] = []
+
+            def ignore_cancel(group_ids):  # keeps working, as an engine stuck in a step would
+                told_to_cancel.extend(group_ids)
+                return []
+
+            slow.servicer.store.cancel = ignore_cancel
+            async with raas(server.address, ScriptedGenerator(), capacity=32, name="fast"):
+                trainer = Trainer(client)
+                await trainer.drain(df)
+                await until(
+                    lambda: df.counters["duplicates_dropped"] >= n, 10.0, "the late results"
+                )
+            rows = {r.group_id: r for r in df.store.work_rows()}
+            return trainer, df.status(), slow_ids, told_to_cancel, rows
+
+    trainer, status, slow_ids, told_to_cancel, rows = run(body())
+    assert slow_ids == all_ids(n)
+    assert_epoch_trained_once(trainer.consumed, n)
+    c = status["counters"]
+    assert c["leases_expired"] == c["requeued_lease_expired"] == n
+    assert c["failed_groups"] == 0 and c["gave_up_after_max_attempts"] == 0
+    assert c["consumed_groups"] == c["completed_groups"] == n
+    assert c["duplicates_dropped"] >= n
+    assert sorted(told_to_cancel) == sorted(slow_ids)
+    assert all(rows[g].attempts == 2 and rows[g].state == "done" for g in slow_ids)
+
+
 # ----- 5. duplicate deliveries ---------------------------------------------------------------------
 
 

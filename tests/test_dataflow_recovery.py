@@ -1117,6 +1117,38 @@ def test_a_trainer_resumed_with_replay_and_eta_zero_stays_synchronous(tmp_path, 
     run(body())
 
 
+@pytest.mark.parametrize("eta", [0, 1])
+def test_replay_with_eta_holds_while_rollouts_go_on_during_a_training_step(tmp_path, eta):
+    """Groups enter replay when their batch is acknowledged: while it is leased, the
+    projection of the replayed copies to come must count them already, or it leaves too
+    much room and fresh groups generated now are trained eta + 1 versions later."""
+    cfg = replay_eta_config(tmp_path, eta)
+
+    async def body():
+        df = new_dataflow(cfg)
+        df.announce("p", 0, "0", "w0")
+        await register(df, versions={"p": 0})
+        fresh = []
+        try:
+            for v in range(8):
+                df.pool.instances["r1"].loaded_versions["p"] = v
+                for _ in range(2):
+                    await df._dispatch_round()
+                    await df.ingest("r1", [result(g, "r1", v) for g in sorted(leased(df))])
+                batch = await df.batches.fetch("p", 4, f"req-{v}", "t", 0.2, trainer_version=v)
+                await df._dispatch_round()  # the trainer trains; rollouts go on meanwhile
+                await df.ingest("r1", [result(g, "r1", v) for g in sorted(leased(df))])
+                fresh.append([g.staleness(v) for g in batch.groups if not g.replay])
+                df.batches.ack(batch.batch_id)
+                df.announce("p", v + 1, str(v + 1), "w0")
+        finally:
+            crash(df)
+        assert all(s <= eta for step in fresh for s in step), fresh
+        assert sum(len(step) for step in fresh) == 4 + 2 * 7  # every batch was cut
+
+    run(body())
+
+
 def to_schema_1(state_dir: str) -> None:
     """Rewrites a state directory as the build before `replay_slots` (schema 1) left it: no
     replay_slots counter, no stored replayed copies, batch rows without advantages."""

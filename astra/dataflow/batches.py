@@ -358,7 +358,8 @@ class BatchDesk:
         buf = df.buffers[batch.policy_id]
         entered = buf.remember(fresh)
         kept = set(entered)
-        with df.store.tx() as tx:
+        # any_failure: memory (the batch acknowledged, replay) is already ahead of the store.
+        with df.store.tx(any_failure=True) as tx:
             tx.move_to_replay(batch.policy_id, entered)
             tx.delete_groups(k for k in batch.stored_keys() if k[0] not in kept)
             tx.delete_replays([batch.batch_id])

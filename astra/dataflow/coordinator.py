@@ -524,8 +524,13 @@ class Dataflow(Ingesting, WeightSync):
         version = self.versions.current(policy_id)
         # The batches of versions version .. version + eta not taken yet, each with the
         # replayed copies `take` would give it from what replay holds by then (expiry only
-        # lowers that, and the next round counts again from what is left).
-        held = buf.replay_len
+        # lowers that, and the next round counts again from what is left). A leased batch's
+        # fresh groups enter replay when it is acknowledged: counted as held already (more
+        # copies projected means less room, the safe side should its lease expire).
+        held = min(
+            buf.config.replay_capacity_groups,
+            buf.replay_len + self.batches.leased_fresh(policy_id),
+        )
         out = []
         for k in range(eta + 1):
             if k > 0 or not self.batches.taken_for(policy_id, version):
