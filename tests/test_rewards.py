@@ -190,32 +190,50 @@ def test_code_tests_judges_simple_asserts_outside_the_sandbox():
         "tests": [
             "assert add(1, 2) == 3",
             "assert [4] == add([1], [4])[1:]",  # the literal on the left
-            "assert add(1, 1)",  # truth
-            "assert not add(1, -1)",
+            "assert math.isclose(add(0.1, 0.2), 0.3, rel_tol=1e-9)",
+            "assert abs(add(1.0, 1e-12) - 1.0) < 1e-9",
+            "assert add(1, 1) == 2 and add(2, 3) == 5",
+            "assert add(1, 1)",  # truth: run inside (its expectation is inside EXPR)
             "x = add(2, 2)\nassert x == 4",  # two statements: run inside
         ]
     }
-    r = code_tests(rec, ADD)
-    assert r == 1.0 and r.metadata["judged_outside"] == 4, r.metadata
-    assert code_tests({"tests": ["assert add(1, 1) == 3", "assert add(0, 0)"]}, ADD) == 0.0
+    r = code_tests(rec, ADD + "import math\n")
+    assert r == 1.0 and r.metadata["judged_outside"] == 5, r.metadata
+    wrong = {"tests": ["assert add(1, 1) == 3", "assert add(1, 1) == 2 and add(2, 2) == 5"]}
+    assert code_tests(wrong, ADD) == 0.0
     in_order = ["seen.append(1)\nassert seen", "assert seen == [1]", "seen.append(2)\nassert 1"]
     assert code_tests({"tests": in_order}, "seen = []") == 1.0
-    plain = (
+
+
+def test_values_handed_back_compare_as_they_would_in_process():
+    program = (
         "import numpy as np, collections\n"
         "P = collections.namedtuple('P', 'x y')\n"
         "def f():\n    return np.int64(5)\n"
         "def g():\n    return P(1, 2)\n"
-        "def h():\n    return {'a': [1.5, (2, None)], 'b': {3}}\n"
+        "def h():\n    return {'a': [1.5, (2, None)], 'b': {3}, 'c': b'z', 'd': 1 + 2j}\n"
+        "def k():\n    return frozenset({1, 2})\n"
+        "def b():\n    return bytearray(b'ab')\n"
+        "def keys():\n    return {1: 2, 3: 4}.keys()\n"
+        "def big():\n    return float('inf')\n"
+        "def huge():\n    return 10 ** 40\n"
         "def bad():\n    return object()\n"
     )
     tests = [
         "assert f() == 5",
         "assert g() == (1, 2)",
-        "assert h() == {'a': [1.5, (2, None)], 'b': {3}}",
+        "assert h() == {'a': [1.5, (2, None)], 'b': {3}, 'c': b'z', 'd': 1 + 2j}",
+        "assert k() == {1, 2}",
+        "assert b() == b'ab'",
+        "assert keys() == {1, 3}",
+        "assert big() == 1e309",
+        "assert huge() == 10000000000000000000000000000000000000000",
         "assert bad() == 1",
     ]
-    r = code_tests({"tests": tests}, plain)
-    assert r == 0.75 and r.metadata["failures"] == ["3: TypeError"], r.metadata
+    r = code_tests({"tests": tests}, program)
+    assert r.metadata["judged_outside"] == len(tests)
+    assert r.metadata["failures"] == ["8: TypeError"], r.metadata
+    assert r == pytest.approx(8 / 9)
 
 
 def test_an_always_equal_answer_forges_no_test_judged_outside():
@@ -227,11 +245,46 @@ def test_an_always_equal_answer_forges_no_test_judged_outside():
         "    def __bool__(self):\n        return True\n"
         "def add(a, b):\n    return Yes(0)\n"
     )
-    rec = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert not add(0, 0)"]}
-    r = code_tests(rec, program)
+    rec = {
+        "tests": [
+            "assert add(1, 2) == 3",
+            "assert add(2, 2) == 4 and add(0, 0) == 0",
+            "assert math.isclose(add(1, 1), 2.5)",
+        ]
+    }
+    r = code_tests(rec, program + "import math\n")
     assert r == 0.0 and r.metadata["judged_outside"] == 3, r.metadata
     inside = {"tests": ["x = add(1, 2)\nassert x == 3"]}  # the same object, run inside
     assert code_tests(inside, program) == 1.0
+
+
+def test_a_patched_isclose_forges_no_test_judged_outside():
+    """`assert math.isclose(EXPR, LITERAL)` is compared here: patching math.isclose in the
+    sandbox made every such test pass when the whole assert ran there."""
+    program = "import math\nmath.isclose = lambda *a, **k: True\ndef area(r):\n    return 0\n"
+    tests = [
+        "assert math.isclose(area(2), 12.566, rel_tol=1e-3)",
+        "assert abs(area(1) - 3.14) < 0.01",
+    ]
+    r = code_tests({"tests": tests}, program)
+    assert r == 0.0 and r.metadata["judged_outside"] == 2, r.metadata
+
+
+def test_what_the_sandbox_writes_into_the_metadata_is_bounded():
+    """A program that reaches the harness could write megabytes into the failures it
+    reports, and from there into every trajectory's metadata."""
+    program = (
+        "import sys\n"
+        "def grow():\n"
+        "    frame = sys._getframe(1)\n"
+        "    while frame is not None and 'failures' not in frame.f_locals:\n"
+        "        frame = frame.f_back\n"
+        "    frame.f_locals['failures'][0] = 'x' * 2_000_000  # counts unchanged\n"
+        "    return 0\n"
+    )
+    tests = ["x = 1\nassert x == 2", "assert grow() == 1"]
+    r = code_tests({"tests": tests}, program)
+    assert r == 0.0 and len(json.dumps(r.metadata)) < 2000, len(json.dumps(r.metadata))
 
 
 def test_a_program_that_reads_the_harness_cannot_learn_what_a_test_judged_outside_wants():
