@@ -441,3 +441,50 @@ def test_task_generator_rejects_bad_arguments():
         generate_records("sudoku", 1)
     with pytest.raises(ValueError, match="n must be"):
         generate_records("arithmetic", 0)
+
+
+def test_which_tests_are_judged_outside_and_how_values_are_read_back():
+    from astra.rewards.judged import checks_of, decode
+
+    assert [c.expr for c in checks_of("assert f(1) == 2 and 3 == g()")] == ["f(1)", "g()"]
+    (close,) = checks_of("assert math.isclose(area(2), 12.566, rel_tol=0.001)")
+    assert (close.kind, close.expected, close.rel_tol) == ("isclose", 12.566, 0.001)
+    assert close.holds(12.57) and not close.holds(13) and not close.holds("12.566")
+    (bound,) = checks_of("assert abs(3.14 - pi_of(1)) <= 0.01")
+    assert bound.kind == "abs<=" and bound.holds(3.145) and not bound.holds(3.2)
+    for inside in (
+        "assert f(1)",
+        "assert not f(1)",
+        "assert f(1) != 2",
+        "assert f(1) == g(2)",
+        "assert 1 == 1",
+        "assert f(1) == 2 or f(2) == 3",
+        "x = f(1)\nassert x == 2",
+        "assert math.isclose(f(1), g(2))",
+        "assert abs(f(1) - 2) < eps",
+        "assert (",
+    ):
+        assert checks_of(inside) is None, inside
+    good = ["d", [[["s", "k"], ["t", [["i", "-12"], ["f", "-inf"], ["y", "00ff"], ["n"]]]]]]
+    assert decode(good) == {"k": (-12, float("-inf"), b"\x00\xff", None)}
+    assert decode(["F", [["b", True]]]) == frozenset({True})
+    deep = ["l", []]
+    for _ in range(200):
+        deep = ["l", [deep]]
+    for bad in (
+        ["x", 1],
+        ["i", 5],
+        ["i", "1.5"],
+        ["f", "1e5;"],
+        ["s", 1],
+        ["y", "zz"],
+        ["l", "ab"],
+        ["d", [[["s", "a"]]]],
+        [],
+        "s",
+        deep,
+    ):
+        with pytest.raises(ValueError):
+            decode(bad)
+    with pytest.raises(TypeError):
+        decode(["S", [["l", []]]])  # an unhashable member
