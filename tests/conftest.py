@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +22,13 @@ def dataset(tmp_path: Path) -> Path:
         for i in range(16):
             f.write(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n")
     return path
+
+
+def free_port() -> int:
+    """A loopback port free a moment ago (for a server that must come back on the same one)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def make_config(dataset: Path, state_dir: Path, **over) -> DataflowConfig:

@@ -35,7 +35,7 @@ from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.raas.scripted import ScriptedGenerator
 from astra.servers.convert import incoming_group
 from astra.servers.raas import start_raas
-from tests.conftest import error_info, make_config, running_dataflow
+from tests.conftest import error_info, free_port, make_config, running_dataflow
 
 POLICY = "policy"
 WEIGHTS = "weights://invariants"
@@ -755,6 +755,50 @@ def test_lost_ack_results_repeat_the_delivery_and_the_repeat_is_dropped(tmp_path
     assert c["duplicates_dropped"] >= len({g for ids in lost for g in ids})
     assert c["consumed_groups"] == c["completed_groups"] == n
     assert c[f"buffer.{POLICY}.accepted"] == n
+
+
+def test_a_crash_between_the_durable_ingest_and_the_ack_redelivers_and_drops_the_repeat(tmp_path):
+    """Dataflow commits results, then dies before its AckResults leaves: after the restart
+    the RaaS (which still holds them) registers again and delivers them once more; they are
+    recognised as done and dropped, never buffered or trained twice."""
+    from astra.servers.dataflow import start_dataflow
+
+    n = 6
+    config = dataflow_config(tmp_path, n).model_copy(update={"port": free_port()})
+
+    async def body():
+        server, df, _ = await start_dataflow(config)
+        async with raas(server.address, ScriptedGenerator(), capacity=64, name="a") as a:
+            inst = await until(lambda: df.pool.instances.get("a"))
+            unsent: list[str] = []
+            never = asyncio.Event()
+
+            async def ack_never_leaves(group_ids):  # the process dies on this line
+                unsent.extend(group_ids)
+                await never.wait()
+
+            inst.port.ack = ack_never_leaves
+            await until(lambda: unsent, 10.0, "results committed, their ack on its way")
+            committed = set(unsent)
+            assert committed <= df.done
+            before = df.status()["counters"]
+            await server.stop(0)  # kill -9: no drain, no clean stop of the coordinator
+            for task in [*df._collectors.values(), *df._tasks, *df._background]:
+                task.cancel()
+            df.store._checkpointer.stop()
+            assert a.servicer.store.pending >= len(committed)  # the RaaS still holds them
+            async with running_dataflow(config) as (_, df2, client):
+                trainer = Trainer(client)
+                await trainer.drain(df2)
+                await until(lambda: a.servicer.store.pending == 0, 10.0, "every delivery acked")
+                return trainer, committed, before, df2.status()["counters"]
+
+    trainer, committed, before, after = run(body(), timeout_s=60)
+    assert before.get("duplicates_dropped", 0) == 0
+    assert after.get("duplicates_dropped", 0) >= len(committed) >= 1
+    assert after.get("unknown_results_dropped", 0) == 0
+    assert_epoch_trained_once(trainer.consumed, n)
+    assert after["consumed_groups"] == after[f"buffer.{POLICY}.accepted"] == n
 
 
 # ----- 6. suspect and confirm ----------------------------------------------------------------------

@@ -3,12 +3,10 @@ supervisor's restart does) must not keep its predecessor's groups leased: they d
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from astra.raas.scripted import ScriptedGenerator
-from tests.conftest import running_dataflow
+from tests.conftest import free_port, running_dataflow
 from tests.test_dataflow_invariants import (
     WEIGHTS,
     Trainer,
@@ -47,12 +45,6 @@ def test_a_restarted_raas_gets_its_predecessors_groups_dispatched_again(tmp_path
             assert lost <= set(trainer.consumed)
 
     run(body(), timeout_s=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("second_name", ["r", "r-restarted"], ids=["same-id", "new-id"])

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import time
 
 import grpc
 import pytest
 
 from astra.clients.dataflow import DataflowClient
-from tests.conftest import make_config
+from tests.conftest import free_port, make_config
 from tests.procs import start_dataflow, start_scripted_raas
 
 pytestmark = pytest.mark.slow
@@ -52,12 +51,6 @@ def fault_config(dataset, tmp_path, port=0):
         },
         leases={"group_lease_s": 20.0, "batch_lease_s": 20.0},
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Trainer:

@@ -7,7 +7,6 @@ import asyncio
 import io
 import json
 import logging
-import socket
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from click.testing import CliRunner
 from astra.run import observe, plot, tboard, view
 from astra.run.observe import Observer
 from astra.run.poller import Throughput
-from tests.conftest import make_config
+from tests.conftest import free_port, make_config
 from tests.procs import start_dataflow, start_scripted_raas
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -349,12 +348,6 @@ def test_observer_outputs_that_fail_do_not_stop_it(tmp_path: Path, monkeypatch, 
     assert any("live view failed" in m for m in failed)
     assert any("TensorBoard event files failed" in m for m in failed)
     assert any("plot.png failed" in m for m in failed)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
