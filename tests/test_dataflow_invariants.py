@@ -768,7 +768,9 @@ def test_a_crash_between_the_durable_ingest_and_the_ack_redelivers_and_drops_the
 
     async def body():
         server, df, _ = await start_dataflow(config)
-        async with raas(server.address, ScriptedGenerator(), capacity=64, name="a") as a:
+        # Results take 0.5 s: the ack is replaced long before the first one is collected.
+        gen = ScriptedGenerator(delay_s=0.5)
+        async with raas(server.address, gen, capacity=64, name="a") as a:
             inst = await until(lambda: df.pool.instances.get("a"))
             unsent: list[str] = []
             never = asyncio.Event()
