@@ -209,9 +209,16 @@ class Dataflow(Ingesting, WeightSync):
             else:
                 leased.setdefault(batch_id, []).append(group)
         for policy_id, remembered in st.replay_memory().items():
-            if policy_id in self.buffers:  # (a policy no longer configured keeps its rows)
-                for group in remembered:
-                    self.buffers[policy_id].restore_replay(group)
+            if policy_id not in self.buffers:  # kept for when it is configured again
+                log.warning(
+                    "replay memory of policy %r (%d groups) kept on disk: the policy is not "
+                    "configured",
+                    policy_id,
+                    len(remembered),
+                )
+                continue
+            for group in remembered:
+                self.buffers[policy_id].restore_replay(group)
         gone = {p: b.pop_replay_gone() for p, b in self.buffers.items()}
         if any(gone.values()):  # this configuration keeps fewer (or none)
             with st.tx() as tx:
