@@ -156,3 +156,44 @@ def test_tool_use_recipe_starts_and_trains_a_few_steps(tmp_path: Path) -> None:
             if c["role"] == "raas"
         )["command"]
     )
+
+
+def test_eval_streams_evaluate_each_named_stream_with_its_own_workflow(tmp_path: Path) -> None:
+    r = load_recipe(RECIPES / "heterogeneous.yaml", ["eval.streams=[large, main]"])
+    assert [name for name, _ in r.eval_streams()] == ["eval-large", "eval-main"]
+    rd, dataset = built(r, tmp_path)
+    df = layout.dataflow_config(r, rd, dataset)
+    evals = {s.name: s for s in df.streams if s.eval_every_versions}
+    trained = {s.name: s for s in df.streams if not s.eval_every_versions}
+    assert sorted(evals) == ["eval-large", "eval-main"]
+    for name in ("large", "main"):
+        e, s = evals[f"eval-{name}"], trained[name]
+        assert (e.workflow, e.policy_ids, e.reward, e.raas_labels) == (
+            s.workflow,
+            s.policy_ids,
+            s.reward,
+            s.raas_labels,
+        )
+        assert e.dataset.path != s.dataset.path and e.eval_every_versions == r.eval.every_steps
+    assert evals["eval-large"].dataset.path == evals["eval-main"].dataset.path  # one held-out set
+    one = load_recipe(RECIPES / "heterogeneous.yaml", ["eval.streams=[large]"])
+    assert [(n, s.name) for n, s in one.eval_streams()] == [("eval", "large")]
+    default = load_recipe(RECIPES / "heterogeneous.yaml")
+    assert [(n, s.name) for n, s in default.eval_streams()] == [("eval", "main")]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["eval.streams=[nope]"], r"eval\.streams: unknown streams \['nope'\]"),
+        (["eval.streams=[main, main]"], r"eval\.streams: a stream is named twice"),
+        (["streams=[{name: eval}]"], r"streams: the names \['eval'\] are the evaluations'"),
+        (
+            ["streams=[{name: a}, {name: eval-a}]", "eval.streams=[a, eval-a]"],
+            r"the names \['eval-a'\] are the evaluations'",
+        ),
+    ],
+)
+def test_eval_streams_that_cannot_be_run_are_refused(overrides, message) -> None:
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(None, overrides)

@@ -293,7 +293,14 @@ def test_raas_join_and_leave_by_schedule_and_by_hand(runs) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_heterogeneous_recipe_routes_by_capacity_and_shows_labels(runs) -> None:
-    run = runs(str(RECIPES / "heterogeneous.yaml"), *FAST, "--set", "trainer.num_steps=4")
+    evals = ["eval.every_steps=2", "eval.size=8", "eval.streams=[main, large]"]
+    run = runs(
+        str(RECIPES / "heterogeneous.yaml"),
+        *FAST,
+        "--set",
+        "trainer.num_steps=4",
+        *(arg for e in evals for arg in ("--set", e)),
+    )
     children = run.wait_for_children({"dataflow", "raas"}, 120)
     dataflow = next(c["address"] for c in children if c["role"] == "dataflow")
     cmd = [sys.executable, "-m", "astra.cli", "status", "--dataflow", dataflow]
@@ -314,6 +321,13 @@ def test_heterogeneous_recipe_routes_by_capacity_and_shows_labels(runs) -> None:
     work = {name: r["work"]["groups_finished"] for name, r in s["raas"].items()}
     assert work["large-b"] > 0 and work["large-b"] >= work["small-a"], work
     assert s["raas"]["small-a"]["labels"] == {"hardware": "small", "region": "a"}
+    # Each stream evaluated, as eval-<stream> (its workflow, policies and routing).
+    rows = [json.loads(x) for x in (run.run_dir / "evals.jsonl").read_text().splitlines()]
+    done = sorted((r["stream"], r["version"]) for r in rows)
+    assert done == [(f"eval-{n}", v) for n in ("large", "main") for v in (0, 2, 4)], done
+    assert all(r["samples"] + r["failed_samples"] == 8 for r in rows)  # 8 problems, 1 each
+    assert sorted(s["eval"]["streams"]) == ["eval-large", "eval-main"]
+    assert s["eval"]["stream"] == "eval-main"
 
 
 def test_hand_added_raas_are_those_added_by_hand_and_not_removed_since() -> None:

@@ -80,3 +80,25 @@ def test_held_out_warm_up_and_rl_prompts_are_disjoint(tmp_path: Path) -> None:
     stream = layout.dataflow_config(recipe, rd, dataset).streams[-1]
     assert stream.name == "eval" and stream.eval_every_versions == recipe.eval.every_steps
     assert stream.sampling.temperature == 0.0 and stream.dataset.path == str(held_out)
+
+
+def test_several_evaluation_streams_are_summarised_and_tagged_each(tmp_path: Path) -> None:
+    path = tmp_path / "evals.jsonl"
+    log, sink = EvalLog(path, every_steps=5, streams=["eval-b", "eval-a"]), Sink()
+    rows = [
+        {**result(0, 0.5), "stream": "eval-a"},
+        {**result(0, 0.25), "stream": "eval-b"},
+        {**result(5, 1.0), "stream": "eval-a"},
+    ]
+    assert len(log.update(rows, sink)) == 3
+    assert log.newest("eval-a") == 5 and log.newest("eval-b") == 0 and log.newest() == 5
+    assert log.newest("eval-c") is None
+    s = log.summary()
+    assert s["stream"] == "eval-b" and (s["first"], s["last"]) == (0.25, 0.25)  # the first
+    assert s["streams"]["eval-a"]["results"] == [
+        {"version": 0, "mean_reward": 0.5, "solved_share": 0.5, "samples": 4},
+        {"version": 5, "mean_reward": 1.0, "solved_share": 1.0, "samples": 4},
+    ]
+    assert sink.calls[0] == ("policy", 0, {"eval-a/mean_reward": 0.5, "eval-a/solved_share": 0.5})
+    assert read_evals(path) == {"policy eval-a": [(0, 0.5), (5, 1.0)], "policy eval-b": [(0, 0.25)]}
+    assert "streams" not in EvalLog(tmp_path / "one.jsonl", every_steps=5).summary()

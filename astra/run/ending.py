@@ -30,22 +30,33 @@ log = logging.getLogger("astra.run")
 
 
 async def final_eval(sup: Supervisor, obs: Observer, evals: EvalLog) -> None:
-    """Waits (eval.final_wait_s at most) for the evaluation of the last multiple of
-    eval.every_steps that the trainers reached, while the RaaS still run."""
-    e = sup.recipe.eval
-    stream = sup.recipe.streams[0]
-    policy = sup.recipe.stream_policies(stream)[0]
+    """Waits (eval.final_wait_s at most) for each evaluation of the last multiple of
+    eval.every_steps that its stream's first policy reached, while the RaaS still run."""
+    recipe = sup.recipe
+    e = recipe.eval
+    follows = {name: recipe.stream_policies(spec)[0] for name, spec in recipe.eval_streams()}
     deadline = time.monotonic() + e.final_wait_s
-    target = None
+    missing: dict[str, int | None] = dict.fromkeys(follows)
     while time.monotonic() < deadline:
         if await obs.poll_dataflow() is not None:
             obs.record_evals()
-            target = final_target(obs.last_dataflow["versions"], policy, e.every_steps)
-            newest = evals.newest()
-            if target is not None and newest is not None and newest >= target:
+            versions = obs.last_dataflow["versions"]
+            missing = {}
+            for name, policy in follows.items():
+                target = final_target(versions, policy, e.every_steps)
+                newest = evals.newest(name)
+                if target is None or newest is None or newest < target:
+                    missing[name] = target
+            if not missing:
                 return
         await asyncio.sleep(0.5)
-    log.warning("the evaluation of version %s did not finish within %.0fs", target, e.final_wait_s)
+    for name, target in missing.items():
+        log.warning(
+            "the evaluation %s of version %s did not finish within %.0fs",
+            name,
+            target,
+            e.final_wait_s,
+        )
 
 
 async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> None:

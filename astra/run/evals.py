@@ -4,8 +4,9 @@ Dataflow runs the evaluations (astra.dataflow.evals) and reports them in
 GetStatus `evals`; the observer hands each poll's list to `EvalLog.update`,
 which appends every newly finished one to <run>/evals.jsonl (one JSON row:
 time, elapsed_s, stream, policy, version, mean_reward, solved_share, samples,
-failed_samples, groups, token_versions) and to TensorBoard (`eval/mean_reward`,
-`eval/solved_share` at step = version, in the policy's event file). Rows
+failed_samples, groups, token_versions) and to TensorBoard (`<stream>/mean_reward`,
+`<stream>/solved_share` at step = version, in the policy's event file: `eval/...` for a
+run that evaluates one stream). Rows
 already in evals.jsonl (a --resume) are not written again. `summary()` is
 summary.json's `eval` block. No grpc here: the poller converts the messages.
 """
@@ -22,8 +23,10 @@ log = logging.getLogger("astra.run")
 
 
 class EvalLog:
-    def __init__(self, path: Path, *, every_steps: int) -> None:
+    def __init__(self, path: Path, *, every_steps: int, streams: list[str] | None = None) -> None:
+        """streams: the run's evaluation streams, the first the one summary.json leads with."""
         self.path, self.every_steps = path, every_steps
+        self.streams = list(streams or ["eval"])
         self.started = time.monotonic()
         self.rows: list[dict[str, Any]] = []
         if path.is_file():
@@ -62,7 +65,8 @@ class EvalLog:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             log.info(
-                "eval %s at version %d: mean reward %s over %d samples",
+                "%s of %s at version %d: mean reward %s over %d samples",
+                row["stream"],
                 row["policy"],
                 row["version"],
                 row["mean_reward"],
@@ -70,20 +74,35 @@ class EvalLog:
             )
             if tensorboard is not None:
                 values = {
-                    f"eval/{k}": float(row[k])
+                    f"{row['stream']}/{k}": float(row[k])
                     for k in ("mean_reward", "solved_share")
                     if row[k] is not None
                 }
                 tensorboard.write_scalars(row["policy"], int(row["version"]), values)
         return new
 
-    def newest(self) -> int | None:
-        return max((int(r["version"]) for r in self.rows), default=None)
+    def newest(self, stream: str | None = None) -> int | None:
+        """The newest version evaluated (by `stream`, or by any)."""
+        return max(
+            (int(r["version"]) for r in self.rows if stream is None or r.get("stream") == stream),
+            default=None,
+        )
 
     def summary(self) -> dict[str, Any]:
-        rows = sorted(self.rows, key=lambda r: r["version"])
+        """summary.json's `eval`: the first evaluation stream's figures, and with several
+        streams each one's under `streams`."""
+        out = self._summary(self.streams[0])
+        if len(self.streams) > 1:
+            out["streams"] = {name: self._summary(name) for name in self.streams}
+        return out
+
+    def _summary(self, stream: str) -> dict[str, Any]:
+        rows = sorted(
+            (r for r in self.rows if r.get("stream", stream) == stream), key=lambda r: r["version"]
+        )
         scored = [r for r in rows if r["mean_reward"] is not None]
         return {
+            "stream": stream,
             "every_steps": self.every_steps,
             "first": scored[0]["mean_reward"] if scored else None,
             "last": scored[-1]["mean_reward"] if scored else None,

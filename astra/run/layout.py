@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from astra.dataflow.config import DataflowConfig
-from astra.run.recipe import EVAL_STREAM, PolicySpec, RaasSpec, Recipe, dump_recipe
+from astra.run.recipe import PolicySpec, RaasSpec, Recipe, dump_recipe
 from astra.trainer.config import TrainerConfig
 
 
@@ -224,22 +224,24 @@ def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path, port: int = 0) ->
         for s in recipe.streams
     ]
     if recipe.evaluating:
-        streams.append(eval_stream(recipe, rd, dataset, streams[0]))
+        by_name = {s["name"]: s for s in streams}
+        for name, spec in recipe.eval_streams():
+            streams.append(eval_stream(recipe, rd, dataset, by_name[spec.name], name))
     raw = {**section, "host": "127.0.0.1", "port": port, "state_dir": str(rd.dataflow_state)}
     if recipe.observe.prometheus and raw.get("metrics_port") is None:
         raw["metrics_port"] = 0
     return DataflowConfig.model_validate({**raw, "policies": policies, "streams": streams})
 
 
-def eval_stream(recipe: Recipe, rd: RunDir, dataset: Path, first: dict) -> dict:
-    """The evaluation stream: the first stream's workflow, policies and reward on held-out data."""
+def eval_stream(recipe: Recipe, rd: RunDir, dataset: Path, stream: dict, name: str) -> dict:
+    """An evaluation stream `name`: `stream`'s workflow, policies and reward on held-out data."""
     e = recipe.eval
     return {
-        **first,
-        "name": EVAL_STREAM,
+        **stream,
+        "name": name,
         "dataset": {"path": str(eval_data(recipe, rd, dataset)), "shuffle": False},
         "group_size": e.group_size,
-        "sampling": {**first["sampling"], "temperature": e.temperature},
+        "sampling": {**stream["sampling"], "temperature": e.temperature},
         "eval_every_versions": e.every_steps,
     }
 

@@ -63,7 +63,8 @@ def read_series(metrics: Path) -> tuple[Series, int]:
 
 
 def read_evals(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """policy -> [(version, mean reward)] of the finished evaluations in evals.jsonl."""
+    """policy (with its evaluation stream, unless that is `eval`) -> [(version, mean reward)]
+    of the finished evaluations in evals.jsonl."""
     out: dict[str, list[tuple[int, float]]] = defaultdict(list)
     if not path.is_file():
         return out
@@ -73,7 +74,9 @@ def read_evals(path: Path) -> dict[str, list[tuple[int, float]]]:
             point = (int(row["version"]), float(row["mean_reward"]))
         except (ValueError, KeyError, TypeError):
             continue  # cut short by a kill, or nothing scored
-        out[str(row.get("policy", "policy"))].append(point)
+        stream = str(row.get("stream", "eval"))
+        label = str(row.get("policy", "policy")) + ("" if stream == "eval" else f" {stream}")
+        out[label].append(point)
     return out
 
 
@@ -101,8 +104,9 @@ def write_plot(metrics: Path, out: Path, *, title: str = "") -> Path:
             steps, values = zip(*points, strict=True)
             marker = "." if len(points) <= 200 else None
             axis.plot(steps, values, marker=marker, label=prefix + label, linewidth=1.2, **kw)
-    for policy, points in sorted(read_evals(metrics.with_name("evals.jsonl")).items()):
-        prefix = f"{policy}: " if multi else ""
+    evals = read_evals(metrics.with_name("evals.jsonl"))
+    for policy, points in sorted(evals.items()):
+        prefix = f"{policy}: " if multi or len(evals) > 1 else ""
         versions, values = zip(*sorted(points), strict=True)
         label = prefix + "held-out mean reward (eval, x = version)"
         top.plot(versions, values, marker="o", linestyle="--", label=label, linewidth=1.2)

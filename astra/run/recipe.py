@@ -50,7 +50,8 @@ class RecipeError(ConfigError):
 # Names of the run's other children (and their logs): a RaaS may not take them.
 RESERVED_NAMES = frozenset({"dataflow", "weights", "supervisor"})
 RESERVED_PREFIXES = ("trainer-", "warmup-")
-EVAL_STREAM = "eval"  # the Dataflow stream of the recipe's `eval:` section
+EVAL_STREAM = "eval"  # the Dataflow stream of the recipe's `eval:` section (one stream evaluated)
+EVAL_PREFIX = "eval-"  # with several, `eval-<stream>` each
 
 
 def reserved_name(name: str) -> bool:
@@ -136,8 +137,13 @@ class Recipe(_Strict):
                 "warmup: with dataset kind 'file' the warm-up needs warmup.path "
                 "(prompt/answer JSONL), or warmup.steps=0"
             )
-        if self.evaluating and EVAL_STREAM in {s.name for s in self.streams}:
-            raise ValueError(f"streams: the name {EVAL_STREAM!r} is the evaluation's")
+        names = [s.name for s in self.streams]
+        if unknown := [n for n in self.eval.streams if n not in names]:
+            raise ValueError(f"eval.streams: unknown streams {unknown} (streams: {names})")
+        if len(set(self.eval.streams)) != len(self.eval.streams):
+            raise ValueError("eval.streams: a stream is named twice")
+        if self.evaluating and (taken := {n for n, _ in self.eval_streams()} & set(names)):
+            raise ValueError(f"streams: the names {sorted(taken)} are the evaluations'")
         ids = [p.id for p in self.policies]
         if len(set(ids)) != len(ids):
             raise ValueError("policies: duplicate policy id")
@@ -206,6 +212,15 @@ class Recipe(_Strict):
             for s in self.streams:
                 if not any(self.serves(r, s) for r in live.values()):
                     raise ValueError(f"{key}: after it no RaaS serves streams.{s.name}")
+
+    def eval_streams(self) -> list[tuple[str, StreamSpec]]:
+        """(Dataflow stream name, recipe stream) of each evaluation, in `eval.streams` order:
+        `eval` when one stream is evaluated, `eval-<stream>` each when several are."""
+        by_name = {s.name: s for s in self.streams}
+        chosen = [by_name[n] for n in self.eval.streams if n in by_name] or self.streams[:1]
+        if len(chosen) == 1:
+            return [(EVAL_STREAM, chosen[0])]
+        return [(f"{EVAL_PREFIX}{s.name}"[:128], s) for s in chosen]
 
     @property
     def raas_names(self) -> list[str]:

@@ -89,15 +89,19 @@ class WarmupSpec(_Strict):
 
 
 class EvalSpec(_Strict):
-    """Evaluation on held-out problems while the run trains (a Dataflow evaluation stream).
+    """Evaluation on held-out problems while the run trains (Dataflow evaluation streams).
 
-    At every `every_steps`-th version of the first stream's first policy (version 0
-    included), the RaaS run `size` problems that neither RL nor the warm-up ever
-    sees, `group_size` samples each at `temperature` (0: greedy), scored by the
-    stream's reward; never trained on. Results: evals.jsonl, TensorBoard
-    `eval/...`, plot.png and summary.json `eval`. The run waits (up to
-    `final_wait_s`) for the evaluation of the last multiple before it stops. With a
-    `file` dataset the held-out records come from `path` (without it: no evaluation).
+    For each stream of `streams` (default: the first), at every `every_steps`-th
+    version of that stream's first policy (version 0 included), the RaaS run `size`
+    problems that neither RL nor the warm-up ever sees, `group_size` samples each at
+    `temperature` (0: greedy), with the stream's workflow and scored by its reward
+    (the first policy's samples); never trained on. One evaluated stream runs as the
+    Dataflow stream `eval`, several as `eval-<stream>`. Results: evals.jsonl,
+    TensorBoard `eval/...` (`eval-<stream>/...`), plot.png and summary.json `eval`
+    (the first evaluated stream; with several, each under `eval.streams`). The run
+    waits (up to `final_wait_s`) for the evaluations of the last multiple before it
+    stops. With a `file` dataset the held-out records come from `path` (without it:
+    no evaluation).
     """
 
     every_steps: int = Field(50, ge=0, le=1_000_000, description="0: no evaluation.")
@@ -107,6 +111,11 @@ class EvalSpec(_Strict):
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 is greedy.")
     path: str | None = Field(None, description="prompt/answer JSONL; None: synthetic.")
     final_wait_s: float = Field(120.0, ge=0, description="Wait for the last evaluation.")
+    streams: list[str] = Field(
+        default_factory=list,
+        description="Recipe streams evaluated, each with its workflow, policies and reward; "
+        "empty: the first stream.",
+    )
 
 
 class PolicySpec(_Strict):

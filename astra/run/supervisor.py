@@ -339,7 +339,11 @@ class Supervisor:
                 max_dropped_in_a_row=self.recipe.supervision.max_dropped_in_a_row,
                 batch_groups={p.id: self.recipe.batch_groups(p) for p in self.recipe.policies},
                 on_stall=self.fail,
-                evals=EvalLog(self.rd.evals, every_steps=self.recipe.eval.every_steps)
+                evals=EvalLog(
+                    self.rd.evals,
+                    every_steps=self.recipe.eval.every_steps,
+                    streams=[name for name, _ in self.recipe.eval_streams()],
+                )
                 if self.recipe.evaluating
                 else None,
             )
