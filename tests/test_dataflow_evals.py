@@ -23,13 +23,13 @@ def traj(reward: float, lo: int, hi: int, failed: bool = False) -> TrajectoryRec
 
 
 def test_desk_schedules_one_evaluation_at_a_time_and_skips_what_it_passed() -> None:
-    desk = EvalDesk({"e": 2, "train": 0}, {"e": "p", "train": "p"})
+    desk = EvalDesk({"e": 2, "train": 0}, {"e": ["p"], "train": ["p"]})
     assert desk.is_eval("e") and not desk.is_eval("train")
     assert desk.due("e", 1) == 0
     desk.schedule("e", 0, 2)
     assert desk.floor("e") == 0 and desk.due("e", 9) is None  # v0 still running
-    assert desk.take("e", 0, [traj(1.0, 0, 1), traj(0.0, 1, 1)]) == "eval:0"
-    assert desk.take("e", 0, [traj(0.0, 0, 0, failed=True), traj(0.0, 2, 2)]) == "eval:0"
+    assert desk.take("e", 0, {"p": [traj(1.0, 0, 1), traj(0.0, 1, 1)]}) == "eval:0"
+    assert desk.take("e", 0, {"p": [traj(0.0, 0, 0, failed=True), traj(0.0, 2, 2)]}) == "eval:0"
     assert desk.floor("e") is None
     (v0,) = desk.results()
     assert v0["complete"] and v0["groups_done"] == 2 and v0["samples"] == 3
@@ -38,9 +38,35 @@ def test_desk_schedules_one_evaluation_at_a_time_and_skips_what_it_passed() -> N
     assert desk.due("e", 7) == 6  # 2 and 4 were passed over while 0 ran
     desk.schedule("e", 6, 1)
     assert desk.skipped == 2
-    copy = EvalDesk({"e": 2}, {"e": "p"})
+    copy = EvalDesk({"e": 2}, {"e": ["p"]})
     copy.restore(json.loads(json.dumps(desk.state())))
     assert copy.results() == desk.results() and copy.skipped == 2 and copy.floor("e") == 6
+
+
+def test_each_policy_of_a_multi_agent_evaluation_is_scored_on_its_own_samples() -> None:
+    desk = EvalDesk({"e": 1}, {"e": ["solver", "verifier"]})
+    desk.schedule("e", 0, 2)
+    desk.take("e", 0, {"solver": [traj(1.0, 0, 0)], "verifier": [traj(0.0, 0, 0)]})
+    assert {r["policy_id"]: r["complete"] for r in desk.results()} == {
+        "solver": False,
+        "verifier": False,
+    }
+    desk.take("e", 0, {"solver": [traj(1.0, 0, 0)]})  # the verifier produced nothing
+    done = {r["policy_id"]: r for r in desk.results()}
+    assert done["solver"]["mean_reward"] == 1.0 and done["solver"]["solved_groups"] == 2
+    assert done["verifier"]["mean_reward"] == 0.0 and done["verifier"]["samples"] == 1
+    assert all(r["complete"] and r["groups_done"] == 2 for r in done.values())
+    assert desk.floor("e") is None and desk.due("e", 1) == 1
+    # A state from before per-policy tallies (the first policy's only) restores both.
+    old = EvalDesk({"e": 1}, {"e": ["solver"]})
+    old.schedule("e", 0, 2)
+    old.take("e", 0, {"solver": [traj(1.0, 0, 0)]})
+    upgraded = EvalDesk({"e": 1}, {"e": ["solver", "verifier"]})
+    upgraded.restore(json.loads(json.dumps(old.state())))
+    running = {r["policy_id"]: r["groups_done"] for r in upgraded.results()}
+    assert running == {"solver": 1, "verifier": 1}
+    upgraded.take("e", 0, {"solver": [traj(0.0, 0, 0)], "verifier": [traj(1.0, 0, 0)]})
+    assert all(r["complete"] for r in upgraded.results())
 
 
 def eval_config(tmp_path: Path, dataset: Path) -> DataflowConfig:

@@ -84,7 +84,7 @@ def test_held_out_warm_up_and_rl_prompts_are_disjoint(tmp_path: Path) -> None:
 
 def test_several_evaluation_streams_are_summarised_and_tagged_each(tmp_path: Path) -> None:
     path = tmp_path / "evals.jsonl"
-    log, sink = EvalLog(path, every_steps=5, streams=["eval-b", "eval-a"]), Sink()
+    log, sink = EvalLog(path, every_steps=5, streams={"eval-b": [], "eval-a": []}), Sink()
     rows = [
         {**result(0, 0.5), "stream": "eval-a"},
         {**result(0, 0.25), "stream": "eval-b"},
@@ -102,3 +102,17 @@ def test_several_evaluation_streams_are_summarised_and_tagged_each(tmp_path: Pat
     assert sink.calls[0] == ("policy", 0, {"eval-a/mean_reward": 0.5, "eval-a/solved_share": 0.5})
     assert read_evals(path) == {"policy eval-a": [(0, 0.5), (5, 1.0)], "policy eval-b": [(0, 0.25)]}
     assert "streams" not in EvalLog(tmp_path / "one.jsonl", every_steps=5).summary()
+
+
+def test_each_policy_of_an_evaluated_stream_is_summarised(tmp_path: Path) -> None:
+    log = EvalLog(tmp_path / "evals.jsonl", every_steps=1, streams={"eval": ["solver", "verifier"]})
+    both = [
+        {**result(0, 0.5), "policy_id": "verifier"},
+        {**result(0, 0.25), "policy_id": "solver"},
+        {**result(1, 0.75), "policy_id": "solver"},
+    ]
+    assert len(log.update(both)) == 3 and log.update(both) == []  # once each (stream, v, policy)
+    s = log.summary()
+    assert (s["first"], s["last"], s["last_version"]) == (0.25, 0.75, 1)  # the first policy's
+    assert s["policies"]["verifier"]["results"][0]["mean_reward"] == 0.5
+    assert [r["version"] for r in s["policies"]["solver"]["results"]] == [0, 1]

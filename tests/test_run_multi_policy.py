@@ -123,6 +123,12 @@ def test_solver_and_verifier_train_together_under_the_lockstep_barrier(tmp_path:
     assert {r["answer"].split()[-1] for r in verifier} == {"correct", "incorrect"}
     assert not (run_dir / "warmup" / "solver" / "data.jsonl").exists()
     assert all((run_dir / "warmup" / p / "model" / "config.json").is_file() for p in POLICIES)
+    # Held-out evaluation scores each agent on its own samples, at the same versions.
+    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    by_policy = {p: [e["version"] for e in evals if e["policy"] == p] for p in POLICIES}
+    assert by_policy["solver"] == by_policy["verifier"] and 0 in by_policy["solver"], evals
+    assert all(e["groups"] == 8 and e["samples"] + e["failed_samples"] == 8 for e in evals)
+    assert set(s["eval"]["policies"]) == set(POLICIES)
 
     # The barrier held at every observation.
     assert seen, "nothing observed"

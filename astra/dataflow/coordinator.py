@@ -100,7 +100,7 @@ class Dataflow(Ingesting, WeightSync):
         self.sources: dict[str, PromptSource] = {}
         self.evals = EvalDesk(
             {s.name: s.eval_every_versions for s in config.streams},
-            {s.name: s.policy_ids[0] for s in config.streams},
+            {s.name: list(s.policy_ids) for s in config.streams},
         )
         for s in config.streams:
             d = s.dataset

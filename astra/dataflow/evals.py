@@ -6,10 +6,11 @@ included) that has not been evaluated yet, every record of its dataset
 becomes one group with the id `<stream>/<version>/<index>` (the version takes
 the place of the epoch), dispatched like any work (leases, re-dispatch,
 de-duplication by id) but only to instances that hold at least that version.
-The results go to a tally here instead of a buffer: per version, groups and
-samples seen, failed samples, mean reward, the share of groups with a sample
-at reward >= 1 (`solved`), and the range of token versions that produced
-them. Versions passed over while an evaluation runs are skipped (counted),
+The results go to tallies here instead of a buffer, one per policy of the
+stream (a multi-agent group scores each agent's samples): per version, groups
+and samples seen, failed samples, mean reward, the share of groups with a
+sample at reward >= 1 (`solved`), and the range of token versions that
+produced them. Versions passed over while an evaluation runs are skipped (counted),
 so evaluation never falls behind training. The tallies and the evaluated
 versions are part of Dataflow's durable state (`state`/`restore`, written in
 the transaction that takes each result), so a restart neither loses nor
@@ -87,11 +88,14 @@ class Tally:
 class EvalDesk:
     """The evaluation streams of one Dataflow: when each is due, and what it found."""
 
-    def __init__(self, every: dict[str, int], policy_of: dict[str, str]) -> None:
+    def __init__(self, every: dict[str, int], policies_of: dict[str, list[str]]) -> None:
+        """policies_of: stream -> its policies, the first the one whose versions it follows."""
         self.every = {s: n for s, n in every.items() if n > 0}
-        self.policy_of = policy_of  # stream -> the policy whose versions it follows
+        self.policies_of = {s: list(p) for s, p in policies_of.items()}
         self.last: dict[str, int] = {}  # stream -> newest version scheduled
-        self.running: dict[tuple[str, int], Tally] = {}
+        # (stream, version) -> policy -> its tally; the tallies of one evaluation advance
+        # together (every group result counts once for each policy).
+        self.running: dict[tuple[str, int], dict[str, Tally]] = {}
         self.finished: dict[str, list[Tally]] = {s: [] for s in self.every}
         self.skipped = 0
 
@@ -115,43 +119,48 @@ class EvalDesk:
         if last is not None:
             self.skipped += max(0, (version - last) // self.every[stream] - 1)
         self.last[stream] = version
-        tally = Tally(stream, self.policy_of[stream], version, groups)
-        if tally.complete:  # nothing to run (every group already done): finished at once
-            self._finish(tally)
+        tallies = {p: Tally(stream, p, version, groups) for p in self.policies_of[stream]}
+        if groups == 0:  # nothing to run (every group already done): finished at once
+            for tally in tallies.values():
+                self._finish(tally)
         else:
-            self.running[(stream, version)] = tally
+            self.running[(stream, version)] = tallies
 
     def floor(self, stream: str) -> int | None:
         """The version an instance must hold to run the stream's pending groups."""
         versions = [v for s, v in self.running if s == stream]
         return min(versions) if versions else None
 
-    def take(self, stream: str, epoch: int, trajectories: list[TrajectoryRecord]) -> str:
-        """Counts one group's results; returns its outcome for the work table."""
-        tally = self.running.get((stream, epoch))
-        if tally is None:  # its evaluation is unknown (should not happen: ids carry it)
+    def take(self, stream: str, epoch: int, per_policy: dict[str, list[TrajectoryRecord]]) -> str:
+        """Counts one group's results, each policy's samples in its tally (a policy without
+        any: a group done with no sample); returns the group's outcome for the work table."""
+        tallies = self.running.get((stream, epoch))
+        if tallies is None:  # its evaluation is unknown (should not happen: ids carry it)
             return "eval: unknown evaluation"
-        tally.add(trajectories)
-        if tally.complete:
+        for policy_id, tally in tallies.items():
+            tally.add(per_policy.get(policy_id, []))
+        if all(t.complete for t in tallies.values()):
             del self.running[(stream, epoch)]
-            self._finish(tally)
-        return f"eval:{tally.version}"
+            for tally in tallies.values():
+                self._finish(tally)
+        return f"eval:{epoch}"
 
     def _finish(self, tally: Tally) -> None:
         tally.completed = tally.completed or time.time()
         done = self.finished[tally.stream]
         done.append(tally)
-        del done[:-KEEP_RESULTS]
+        del done[: -KEEP_RESULTS * len(self.policies_of.get(tally.stream, [1]))]
 
     def results(self) -> list[dict[str, Any]]:
-        """Finished evaluations (newest KEEP_RESULTS per stream), then those still running."""
+        """Finished evaluations (the newest KEEP_RESULTS per stream, a result per policy),
+        then those still running."""
         done = [t.result() for s in sorted(self.finished) for t in self.finished[s]]
-        return done + [t.result() for t in self.running.values()]
+        return done + [t.result() for ts in self.running.values() for t in ts.values()]
 
     def state(self) -> dict[str, Any]:
         return {
             "last": self.last,
-            "running": [asdict(t) for t in self.running.values()],
+            "running": [asdict(t) for ts in self.running.values() for t in ts.values()],
             "finished": {s: [asdict(t) for t in ts] for s, ts in self.finished.items()},
             "skipped": self.skipped,
         }
@@ -161,7 +170,14 @@ class EvalDesk:
         for raw in state.get("running", []):
             if raw["stream"] in self.every:
                 t = Tally(**raw)
-                self.running[(t.stream, t.version)] = t
+                self.running.setdefault((t.stream, t.version), {})[t.policy_id] = t
+        # A state written before per-policy tallies has the first policy's only: the others
+        # start from the groups it had done (their earlier samples were never kept).
+        for (stream, version), tallies in self.running.items():
+            first = next(iter(tallies.values()))
+            for p in self.policies_of.get(stream, []):
+                if p not in tallies:
+                    tallies[p] = Tally(stream, p, version, first.groups, first.groups_done)
         for s, ts in state.get("finished", {}).items():
             if s in self.every:
                 self.finished[s] = [Tally(**raw) for raw in ts]

@@ -247,15 +247,20 @@ class Ingesting:
             )
 
     def _take_eval(self: Dataflow, w: Work, r: IncomingGroup) -> str:
-        """An evaluation group's result: tallied, never buffered (a failure counts as failed
-        samples, so every evaluation completes)."""
-        policy_id = w.item.policy_ids[0]
+        """An evaluation group's result: each policy's samples tallied, never buffered (a
+        failure counts as failed samples, so every evaluation completes)."""
+        per_policy: dict[str, list[TrajectoryRecord]] = {}
         if r.invalid is not None or r.error is not None:
             self.counters["eval_failed_groups"] += 1  # counted here, not in failed_groups
-            trajectories = [TrajectoryRecord("", 0.0, -1, -1, 0, failed=True)] * w.item.num_samples
+            failed = [TrajectoryRecord("", 0.0, -1, -1, 0, failed=True)] * w.item.num_samples
+            per_policy = dict.fromkeys(w.item.policy_ids, failed)
         else:
-            trajectories = [*r.per_policy.get(policy_id, []), *r.per_policy.get("", [])]
-        outcome = self.evals.take(w.stream, w.item.epoch, trajectories)
+            for policy_id in w.item.policy_ids:  # failed samples without a sequence: everyone's
+                per_policy[policy_id] = [
+                    *r.per_policy.get(policy_id, []),
+                    *r.per_policy.get("", []),
+                ]
+        outcome = self.evals.take(w.stream, w.item.epoch, per_policy)
         self.counters["eval_groups"] += 1  # every evaluation group's outcome, failed or not
         return outcome
 

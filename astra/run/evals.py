@@ -23,10 +23,13 @@ log = logging.getLogger("astra.run")
 
 
 class EvalLog:
-    def __init__(self, path: Path, *, every_steps: int, streams: list[str] | None = None) -> None:
-        """streams: the run's evaluation streams, the first the one summary.json leads with."""
+    def __init__(
+        self, path: Path, *, every_steps: int, streams: dict[str, list[str]] | None = None
+    ) -> None:
+        """streams: the run's evaluation streams -> their policies (summary.json leads with
+        the first stream's first policy)."""
         self.path, self.every_steps = path, every_steps
-        self.streams = list(streams or ["eval"])
+        self.streams = dict(streams or {"eval": []})
         self.started = time.monotonic()
         self.rows: list[dict[str, Any]] = []
         if path.is_file():
@@ -35,14 +38,14 @@ class EvalLog:
                     self.rows.append(json.loads(line))
                 except ValueError:
                     continue  # a line cut short by a kill
-        self.seen = {(r.get("stream"), r.get("version")) for r in self.rows}
+        self.seen = {(r.get("stream"), r.get("version"), r.get("policy")) for r in self.rows}
 
     def update(self, evals: list[dict[str, Any]], tensorboard: Any = None) -> list[dict[str, Any]]:
         """Records the finished evaluations not seen before (and in `tensorboard`, a
         astra.run.tboard.TensorBoardSink, when given); returns their rows."""
         new = []
         for e in evals:
-            key = (e["stream"], e["version"])
+            key = (e["stream"], e["version"], e["policy_id"])
             if not e["complete"] or key in self.seen:
                 continue
             self.seen.add(key)
@@ -89,20 +92,29 @@ class EvalLog:
         )
 
     def summary(self) -> dict[str, Any]:
-        """summary.json's `eval`: the first evaluation stream's figures, and with several
-        streams each one's under `streams`."""
-        out = self._summary(self.streams[0])
-        if len(self.streams) > 1:
-            out["streams"] = {name: self._summary(name) for name in self.streams}
+        """summary.json's `eval`: the first evaluation stream's figures (of its first policy;
+        with several policies each one's under `policies`), and with several streams each
+        one's under `streams`."""
+        names = list(self.streams)
+        out = self._stream_summary(names[0])
+        if len(names) > 1:
+            out["streams"] = {name: self._stream_summary(name) for name in names}
         return out
 
-    def _summary(self, stream: str) -> dict[str, Any]:
-        rows = sorted(
-            (r for r in self.rows if r.get("stream", stream) == stream), key=lambda r: r["version"]
-        )
+    def _stream_summary(self, stream: str) -> dict[str, Any]:
+        rows = [r for r in self.rows if r.get("stream", stream) == stream]
+        policies = list(self.streams.get(stream) or dict.fromkeys(r["policy"] for r in rows))
+        out = {"stream": stream, **self._figures([r for r in rows if r["policy"] in policies[:1]])}
+        if len(policies) > 1:
+            out["policies"] = {
+                p: self._figures([r for r in rows if r["policy"] == p]) for p in policies
+            }
+        return out
+
+    def _figures(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        rows = sorted(rows, key=lambda r: r["version"])
         scored = [r for r in rows if r["mean_reward"] is not None]
         return {
-            "stream": stream,
             "every_steps": self.every_steps,
             "first": scored[0]["mean_reward"] if scored else None,
             "last": scored[-1]["mean_reward"] if scored else None,
@@ -114,7 +126,8 @@ class EvalLog:
             ],
             "method": "held-out problems (none in the RL or warm-up data) run by the RaaS at "
             "every every_steps-th version with the eval section's sampling (temperature 0: "
-            "greedy), scored by the stream's reward; mean_reward is accuracy for 0/1 rewards",
+            "greedy), scored by the stream's reward (each policy on its own samples); "
+            "mean_reward is accuracy for 0/1 rewards",
         }
 
 

@@ -342,7 +342,10 @@ class Supervisor:
                 evals=EvalLog(
                     self.rd.evals,
                     every_steps=self.recipe.eval.every_steps,
-                    streams=[name for name, _ in self.recipe.eval_streams()],
+                    streams={
+                        name: self.recipe.stream_policies(spec)
+                        for name, spec in self.recipe.eval_streams()
+                    },
                 )
                 if self.recipe.evaluating
                 else None,

@@ -191,10 +191,15 @@ def _evals(snap: dict[str, Any]) -> Text | None:
     evals = snap.get("evals") or []
     if not evals:
         return None
+    several = len({(e.get("stream"), e.get("policy_id")) for e in evals}) > 1
+
+    def who(e: dict[str, Any]) -> str:  # which evaluation, where a run has several
+        return f"{e.get('policy_id')}/{e.get('stream')} " if several else ""
+
     done = [e for e in evals if e.get("complete")][-MAX_EVALS:]
-    parts = [f"v{e.get('version')} {_num(e.get('mean_reward'), '.2f')}" for e in done]
+    parts = [f"{who(e)}v{e.get('version')} {_num(e.get('mean_reward'), '.2f')}" for e in done]
     parts += [
-        f"v{e.get('version')} running {e.get('groups_done', 0)}/{e.get('groups', 0)}"
+        f"{who(e)}v{e.get('version')} running {e.get('groups_done', 0)}/{e.get('groups', 0)}"
         for e in evals
         if not e.get("complete")
     ]
