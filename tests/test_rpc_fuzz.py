@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from astra.common.v1 import array_pb2, rollout_pb2, version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
-from astra.raas.scripted import MAX_SEQ_LEN
+from astra.raas.scripted import MAX_SEQ_LEN, ScriptedGenerator
 from astra.raas.v1 import rollout_service_pb2 as raas_pb
 from astra.servers.convert import incoming_group, to_array
 from astra.servers.weights_fetch import StreamSettings
@@ -602,6 +603,96 @@ def test_dataflow_survives_fuzzed_requests_on_every_rpc(dataset: Path, tmp_path:
             await svc.close()
 
     run(body())
+
+
+def test_fuzzed_requests_on_every_rpc_leave_the_epoch_accounting_intact(tmp_path: Path):
+    """Fuzzing is not only surviving: while a bounded epoch's rollouts flow, every Dataflow RPC
+    gets the seeded malformed and random requests (fake instances register, heartbeat and leave;
+    fetches lease real groups and never acknowledge them; versions are announced; the trainer's
+    own batch is acknowledged and extended by strangers). Afterwards a trainer drains the epoch:
+    each group is trained exactly once and the work table ends every group done and accepted,
+    n in all, with no result dropped as unknown."""
+    from tests.test_dataflow_invariants import (
+        POLICY,
+        Trainer,
+        all_ids,
+        assert_epoch_trained_once,
+        dataflow_config,
+        epoch_finished,
+        until,
+    )
+    from tests.test_dataflow_invariants import raas as scripted_raas
+
+    n = 24
+    # Batches the fuzz leases (and drops) come back to the buffer within a second.
+    config = dataflow_config(tmp_path, n, leases={"batch_lease_s": 1.0})
+
+    async def body():
+        # Two groups at a time, 0.4 s each: the epoch's rollouts run through most of the fuzz.
+        gen = ScriptedGenerator(delay_s=0.4)
+        async with (
+            running_dataflow(config) as (server, df, client),
+            scripted_raas(server.address, gen, capacity=8, name="raas-fuzz"),
+        ):
+            trainer = Trainer(client)
+            svc = Service(server.address, df_pb, "DataflowService")
+            bases = dataflow_bases(svc)
+            await until(lambda: df.buffers[POLICY], 5.0, "the first group")
+            before = df.status()["counters"]
+            assert not epoch_finished(df) and before.get("groups_done", 0) < n
+            for method, request, field in dataflow_invalid(bases):
+                await expect_invalid(svc, method, request, field)
+            held = None
+            for i, (method, base) in enumerate(bases.items()):
+                if method == "AckBatch":
+                    # A batch the trainer holds, so acknowledgements and lease extensions
+                    # reach a real, leased batch of the epoch.
+                    while held is None:
+                        held = await trainer.fetch(2, max_wait_s=5.0)
+                    for name in ("AckBatch", "ExtendBatchLease"):
+                        bases[name].batch_id = held.header.batch_id
+                tame = _bounded_wait if method == "FetchBatch" else None
+                await fuzz(svc, method, base, i, tame=tame, vary=_ids(method))
+            assert held is not None
+            during = df.status()["counters"]
+            await _dataflow_sane(svc, df)
+            await svc.close()
+            # Rollouts came in while the fuzz ran, and fuzzed fetches leased some of them (the
+            # trainer's batch is one more).
+            assert during["completed_groups"] > before.get("completed_groups", 0), during
+            assert during["batches_served"] > 1, during
+            # The trainer acknowledges its batch: it trains those groups unless the lease ran
+            # out (then they went back to the buffer and come again). A stranger's ack of it
+            # (the fuzz's request bytes may still name it) consumed them for the trainer.
+            try:
+                ack = await client.ack_batch(held.header.batch_id)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == code.FAILED_PRECONDITION, exc
+                assert error_info(exc)[0].reason == "BATCH_LEASE_EXPIRED", exc
+            else:
+                assert ack.consumed_groups in (0, held.header.num_groups), ack
+                trainer.batches.append(held)
+                trainer.consumed.extend(held.group_ids)
+            # Fuzzed announcements may have moved the policy's version on: train at it.
+            trainer.version = df.versions.current(POLICY)
+            await trainer.drain(df, timeout_s=20.0)
+            return trainer, df.status(), {r.group_id: r for r in df.store.work_rows()}
+
+    trainer, status, rows = run(body(), timeout_s=60.0)
+    assert_epoch_trained_once(trainer.consumed, n)
+    assert set(rows) == all_ids(n), "the work table does not hold exactly the epoch's groups"
+    assert {r.state for r in rows.values()} == {"done"}, Counter(r.state for r in rows.values())
+    outcomes = Counter(r.outcome for r in rows.values())
+    assert outcomes == {f"{POLICY}:accepted": n}, outcomes
+    c = status["counters"]
+    assert c["groups_done"] == n == c["completed_groups"] == c["consumed_groups"], c
+    assert c[f"buffer.{POLICY}.accepted"] == n, c
+    assert c["consumed_trajectories"] == sum(len(b.trajectories) for b in trainer.batches)
+    for counter in ("unknown_results_dropped", "duplicates_dropped", "failed_groups",
+                    "malformed_results", "collector_failures"):  # fmt: skip
+        assert c.get(counter, 0) == 0, (counter, c)
+    (policy,) = status["policies"]
+    assert policy["buffered_groups"] == 0 and policy["leased_groups"] == 0, policy
 
 
 # ----- RaaS ----------------------------------------------------------------------------------

@@ -12,12 +12,14 @@ import pytest
 from astra.clients.weights import WeightClient
 from astra.clients.weights_publish import publish_version
 from astra.clients.weights_stream import Receiver
+from astra.errors import AlreadyExists
 from astra.weights.checksum import adler32_hex
 from astra.weights.delta import encode_xor_zstd
 from astra.weights.layout import Version
 from astra.weights.v1 import weight_service_pb2 as pb
+from tests.conftest import error_info
 from tests.test_weights_service import _expect, _stream, run, serving
-from tests.test_weights_store import bf16_model, chain_of, same
+from tests.test_weights_store import bf16_model, chain_of, same, sparse_update, tree
 
 
 def full_bytes(model: dict) -> int:
@@ -317,5 +319,98 @@ def test_a_raw_publish_checks_the_ram_copy_it_encodes_against(tmp_path: Path) ->
                 assert "p" not in server.store.hot or server.store.hot["p"].identity == "v1"
                 fetched = await rx.fetch("v1")
                 assert fetched.plan == "delta" and same(rx.current_path, models[1])
+
+    run(body())
+
+
+def _delta_republish(policy: str, identity: str, version: int, model: dict, base: tuple) -> list:
+    """A whole PublishVersion stream of `model` as xor+zstd frames against `base`."""
+    base_id, base_model = base
+    h = pb.PublishHeader(policy_id=policy, version_id=identity, version=version)
+    h.num_tensors, h.base_version_id = len(model), base_id
+    msgs = [pb.PublishVersionRequest(header=h)]
+    for name, (_, _, data) in sorted(model.items()):
+        old = np.frombuffer(base_model[name][2], np.uint8)
+        frame = encode_xor_zstd(np.frombuffer(data, np.uint8), old)
+        msgs += _delta_tensor(name, frame, len(data), adler32_hex(data))
+    return [*msgs, pb.PublishVersionRequest(commit=pb.PublishCommit(num_tensors=len(model)))]
+
+
+def _sync_publish(address: str, msgs: list) -> tuple[grpc.StatusCode, str, list]:
+    """(code, ErrorInfo reason, responses) of one PublishVersion stream, sent whole on the
+    sync API (which reports the service's status when it ends the call early)."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            "/astra.weights.v1.WeightService/PublishVersion",
+            request_serializer=pb.PublishVersionRequest.SerializeToString,
+            response_deserializer=pb.PublishVersionResponse.FromString,
+        )
+        try:
+            out = list(call(iter(msgs), timeout=30))
+        except grpc.RpcError as exc:
+            info, _ = error_info(exc)
+            return exc.code(), info.reason if info is not None else "", []
+    return grpc.StatusCode.OK, "", out
+
+
+@pytest.mark.parametrize("sender_base", ["v1", "v2"], ids=["base-v1", "base-v2-itself"])
+def test_a_delta_republish_with_other_content_is_refused_and_changes_nothing(
+    tmp_path: Path, sender_base: str
+) -> None:
+    """One identity, one content, whatever the encoding: v2 published as frames against v1
+    (content A), then v2 again as frames (against v1, the base it was built on, or against v2,
+    the current version) with content B is refused, ALREADY_EXISTS (VERSION_CONTENT_MISMATCH),
+    and nothing on disk, in the listing or in what a receiver gets changes; the same republish
+    with content A succeeds as the existing version and changes nothing either."""
+    v1, a = chain_of(2, seed=40)
+    b = sparse_update(a, 41)  # other bytes, same names, dtypes and shapes
+    assert all(a[n][2] != b[n][2] for n in a)
+    held = {"v1": v1, "v2": a}  # what the sender holds as its base
+    store_dir = tmp_path / "store"
+
+    async def body() -> None:
+        async with serving(store_dir) as server, WeightClient(server.address) as client:
+            await publish_version(server.address, "p", "v1", 1, v1)
+            first = await publish_version(server.address, "p", "v2", 2, a, base=("v1", v1))
+            assert first.delta_base == "v1" and not first.already_existed
+            assert server.store.chain("p").get("v2").kind == "delta"
+
+            async def snapshot() -> tuple:
+                listed = await client.list_versions("p")
+                got = await client.get_version("p", "v2")
+                return tree(store_dir), listed, got, server.store.chain("p").get("v2")
+
+            before = await snapshot()
+            base = (sender_base, held[sender_base])
+            # On the wire: the frames of B never become v2 (the service refuses them outright,
+            # or sends the sender back to raw tensors, which are then compared).
+            status, reason, out = await asyncio.to_thread(
+                _sync_publish, server.address, _delta_republish("p", "v2", 2, b, base)
+            )
+            assert (status, reason) in {
+                (grpc.StatusCode.ALREADY_EXISTS, "VERSION_CONTENT_MISMATCH"),
+                (grpc.StatusCode.FAILED_PRECONDITION, "PUBLISH_BASE_NOT_CURRENT"),
+            }, (status, reason, out)
+            assert await snapshot() == before
+            # The trainer's publish (frames, then raw when the frames are refused): refused.
+            with pytest.raises(AlreadyExists) as err:
+                await publish_version(server.address, "p", "v2", 2, b, base=base)
+            assert err.value.code == "ALREADY_EXISTS"
+            assert err.value.reason == "VERSION_CONTENT_MISMATCH", err.value
+            assert err.value.metadata["identity"] == "v2"
+            assert await snapshot() == before, "a refused republish changed the store"
+            # The same content again: the existing version, nothing written.
+            again = await publish_version(server.address, "p", "v2", 2, a, base=base)
+            assert again.already_existed and again.version.version_id == "v2"
+            assert again.version.current and again.version.version == 2
+            assert await snapshot() == before, "an idempotent republish changed the store"
+            # What receivers get is A, bit for bit, whether they come from v1 or from nothing.
+            async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
+                await rx.fetch("v1")
+                fetched = await rx.fetch("v2")
+                assert fetched.identity == "v2" and same(rx.current_path, a)
+            async with Receiver(server.address, "p", tmp_path / "rx2", durable=False) as rx:
+                await rx.fetch("v2")
+                assert same(rx.current_path, a)
 
     run(body())
