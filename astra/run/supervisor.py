@@ -175,7 +175,7 @@ class Supervisor:
                 "warm-up of %s: %d supervised steps on %s (pid %s)",
                 p.id,
                 r.warmup.steps,
-                data,
+                mine,
                 child.pid,
             )
             try:
