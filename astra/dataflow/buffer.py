@@ -10,8 +10,8 @@ accounted for by exactly one counter (see INVARIANTS.md, "Nothing disappears wit
 moving").
 
 This module never touches gRPC, protobuf, the network, disk, clocks or locks: the caller
-serialises access, persists admissions and removals (`drop_stale`, `pop_dropped`, `pop_replay_gone`), and says
-which trainer version is current.
+serialises access, persists admissions and removals (`drop_stale`, `pop_dropped`,
+`pop_replay_gone`), and says which trainer version is current.
 """
 
 from __future__ import annotations
@@ -482,7 +482,7 @@ class PolicyBuffer:
             self._replay.move_to_end(group.group_id)
             self._counters["replay_added"] += 1
             entered.append(group.group_id)
-        self._trim_replay("replay_evicted")
+        self._trim_replay()
         return entered
 
     def restore_replay(self, group: GroupRecord) -> None:
@@ -491,14 +491,14 @@ class PolicyBuffer:
         `replay_evicted`."""
         self._replay[group.group_id] = _copy(group, replay=True)
         self._replay.move_to_end(group.group_id)
-        self._trim_replay("replay_evicted")
+        self._trim_replay()
 
-    def _trim_replay(self, counter: str) -> None:
+    def _trim_replay(self) -> None:
         capacity = self.config.replay_capacity_groups if self.keeps_replay else 0
         while len(self._replay) > capacity:
             group_id, _ = self._replay.popitem(last=False)
             self._replay_gone.append(group_id)
-            self._counters[counter] += 1
+            self._counters["replay_evicted"] += 1
 
     def pop_replay_gone(self) -> list[str]:
         """Ids that left replay (evicted, expired) since the last call: the caller persists it."""
