@@ -116,3 +116,4 @@ def test_each_policy_of_an_evaluated_stream_is_summarised(tmp_path: Path) -> Non
     assert (s["first"], s["last"], s["last_version"]) == (0.25, 0.75, 1)  # the first policy's
     assert s["policies"]["verifier"]["results"][0]["mean_reward"] == 0.5
     assert [r["version"] for r in s["policies"]["solver"]["results"]] == [0, 1]
+    assert log.lead() == ("eval", "solver")  # what the status line shows

@@ -91,6 +91,12 @@ class EvalLog:
             default=None,
         )
 
+    def lead(self) -> tuple[str, str | None]:
+        """(stream, policy) of the evaluation summary.json leads with: the first stream's
+        first policy (None: whichever its rows name)."""
+        stream, policies = next(iter(self.streams.items()))
+        return stream, (policies[0] if policies else None)
+
     def summary(self) -> dict[str, Any]:
         """summary.json's `eval`: the first evaluation stream's figures (of its first policy;
         with several policies each one's under `policies`), and with several streams each

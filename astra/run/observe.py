@@ -219,7 +219,11 @@ class Observer(StatusPoller):
             )
             if (rate := self.throughput.rate("groups")) is not None:
                 parts.append(f"{rate:.2f} groups/s")
-        if done := [e for e in self.last_evals if e["complete"]]:
+        done = [e for e in self.last_evals if e["complete"]]
+        if self.evals is not None:  # the evaluation summary.json leads with, where several run
+            lead = self.evals.lead()
+            done = [e for e in done if (e["stream"], e["policy_id"]) == lead] or done
+        if done:
             parts.append(f"eval v{done[-1]['version']} {done[-1]['mean_reward']:.2f}")
         return " | ".join(parts)
 
