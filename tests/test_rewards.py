@@ -488,3 +488,29 @@ def test_which_tests_are_judged_outside_and_how_values_are_read_back():
             decode(bad)
     with pytest.raises(TypeError):
         decode(["S", [["l", []]]])  # an unhashable member
+
+
+def test_sandboxed_code_cannot_reach_the_machines_services():
+    """A policy's program could call a service of the machine it runs on (loopback) to
+    fetch answers or do harm: it runs in a network namespace of its own."""
+    import socket
+
+    from astra.rewards.sandbox import SandboxLimits, no_network_prefix, run_python
+
+    if not no_network_prefix():
+        pytest.skip("this machine allows no network namespace (unshare refused)")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        code = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {server.getsockname()[1]}), 2).close()\n"
+            "    print('reached')\n"
+            "except OSError as exc:\n"
+            "    print('cut off:', type(exc).__name__)\n"
+        )
+        cut = run_python(code)
+        assert cut.ok and cut.network_isolated and cut.stdout.startswith("cut off"), cut
+        allowed = run_python(code, limits=SandboxLimits(network=True))
+        assert allowed.ok and not allowed.network_isolated and allowed.stdout == "reached\n"

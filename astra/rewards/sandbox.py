@@ -6,16 +6,25 @@ temporary directory with an empty environment, in its own session so a
 timeout kills everything it started. A small launcher sets the rlimits in
 the child itself (soft = hard, so the code cannot raise them) and then execs
 the code: `preexec_fn` would do the same but is unsafe in a process with
-threads, as an event loop with `to_thread` is. This is resource isolation,
-not a security boundary: the code can still read files and use the network.
+threads, as an event loop with `to_thread` is. Unless `SandboxLimits.network`
+allows it, the child runs in a network namespace of its own (`unshare --net`;
+`--user --map-root-user` as well when not root), where no address, loopback
+included, reaches anything outside: it cannot fetch answers or call the
+services of the machine it runs on. Where this machine refuses namespaces
+(`unshare` missing, user namespaces off) the code runs with the network and
+a warning says so once; `SandboxResult.network_isolated` tells which. This is
+resource isolation, not a security boundary: the code can still read files.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,14 +44,19 @@ os.execv(sys.executable, [sys.executable, "-I", "-B", "main.py"])
 """
 
 
+log = logging.getLogger(__name__)
+
+
 @dataclass(frozen=True, slots=True)
 class SandboxLimits:
-    """Bounds of one run: wall time, address space, bytes written per file, output returned."""
+    """Bounds of one run: wall time, address space, bytes written per file, output returned,
+    and whether the code may use the network (default: not, where the machine allows)."""
 
     time_s: float = 5.0
     memory_bytes: int = 512 << 20
     file_bytes: int = 4 << 20
     output_chars: int = 16_384
+    network: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +74,7 @@ class SandboxResult:
     wall_s: float
     truncated: bool = False
     files: dict[str, str] = field(default_factory=dict)  # the `keep` files the code left
+    network_isolated: bool = False  # ran in a network namespace of its own
 
     @property
     def ok(self) -> bool:
@@ -84,8 +99,9 @@ def run_python(
         (root / "main.py").write_text(code, encoding="utf-8")
         (root / "stdin").write_text(stdin, encoding="utf-8")
         cpu_s = math.ceil(limits.time_s) + 1
-        argv = [sys.executable, "-I", "-c", _LAUNCHER, str(cpu_s), str(limits.memory_bytes)]
-        argv.append(str(limits.file_bytes))
+        isolation = () if limits.network else no_network_prefix()
+        argv = [*isolation, sys.executable, "-I", "-c", _LAUNCHER, str(cpu_s)]
+        argv += [str(limits.memory_bytes), str(limits.file_bytes)]
         start = time.monotonic()
         with (
             (root / "stdin").open("rb") as fin,
@@ -130,7 +146,34 @@ def run_python(
         wall_s=wall_s,
         truncated=cut_out or cut_err,
         files=files,
+        network_isolated=bool(isolation),
     )
+
+
+@functools.cache
+def no_network_prefix() -> tuple[str, ...]:
+    """The command prefix that runs a program in a network namespace of its own, or () where
+    this machine allows none (said once, as a warning)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        log.warning("sandbox: no `unshare` on this machine: sandboxed code can use the network")
+        return ()
+    prefix = (
+        (unshare, "--net") if os.geteuid() == 0 else (unshare, "--user", "--map-root-user", "--net")
+    )
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("sandbox: %s failed (%s): sandboxed code can use the network", prefix, exc)
+        return ()
+    if probe.returncode != 0:
+        log.warning(
+            "sandbox: %s refused (%s): sandboxed code can use the network",
+            " ".join(prefix),
+            probe.stderr.strip()[:200],
+        )
+        return ()
+    return prefix
 
 
 async def run_python_async(
