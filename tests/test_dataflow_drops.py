@@ -55,6 +55,11 @@ def test_dropped_groups_in_a_row_are_counted_and_a_kept_one_ends_the_run(tmp_pat
             assert policy_view(df) == (0, "malformed")  # the newest drop, kept
             await df.ingest("r1", [result(gids[18], "r1", 0, rewards=(0.0, 0.0))])
             assert policy_view(df) == (1, "filtered_equal_reward")
+            await df.ingest("r1", [result(g, "r1", 0, rewards=(1.0, 1.0)) for g in gids[20:23]])
+            # kill -9: the run of drops goes on being counted after the restart
+            crash(df)
+            df = new_dataflow(cfg)
+            assert policy_view(df) == (4, "filtered_equal_reward")
         finally:
             crash(df)
 

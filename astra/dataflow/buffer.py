@@ -206,7 +206,7 @@ class PolicyBuffer:
         self._counters: Counter[str] = Counter()
         # Finished groups dropped one after another since the last one accepted, and why the
         # newest was: a count that keeps growing means no batch can form (every group filtered
-        # as equal-reward once the policy has learned its data, say). Not durable: a diagnostic.
+        # as equal-reward once the policy has learned its data, say). Dataflow keeps it durably.
         self.dropped_in_a_row = 0
         self.last_drop = ""
         for key in _COUNTERS + tuple(

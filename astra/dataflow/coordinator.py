@@ -189,6 +189,9 @@ class Dataflow(Ingesting, WeightSync):
         for policy_id, saved in st.get("buffer_counters", {}).items():
             if policy_id in self.buffers:
                 self.buffers[policy_id].restore_counters(saved)
+        for policy_id, (n, last) in st.get("drop_streaks", {}).items():
+            if (buf := self.buffers.get(policy_id)) is not None:  # a stall stays counted
+                buf.dropped_in_a_row, buf.last_drop = n, last
         self.versions.restore(st.get("versions", {}))
         self.evals.restore(st.get("evals", {}))
         for name, source in self.sources.items():
@@ -261,7 +264,11 @@ class Dataflow(Ingesting, WeightSync):
             self.persist_counters(tx)
 
     def _counter_state(self) -> tuple:
-        return dict(self.counters), {p: b.counters for p, b in self.buffers.items()}
+        return (
+            dict(self.counters),
+            {p: b.counters for p, b in self.buffers.items()},
+            {p: [b.dropped_in_a_row, b.last_drop] for p, b in self.buffers.items()},
+        )
 
     def persist_counters(self, tx) -> None:
         state = self._counter_state()
@@ -269,6 +276,7 @@ class Dataflow(Ingesting, WeightSync):
         tx.put("accepted", dict(self.accepted))
         tx.put("replay_slots", dict(self.replay_slots))
         tx.put("buffer_counters", state[1])
+        tx.put("drop_streaks", state[2])
         self._saved_counters = state
 
     # ----- lifecycle -----------------------------------------------------------------------
