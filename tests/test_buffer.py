@@ -413,13 +413,20 @@ def test_replay_inherits_max_staleness() -> None:
     assert batch is not None and not any(g.replay for g in batch)
 
 
-def test_put_back_ignores_replay_and_an_untrained_group_never_enters_it() -> None:
+def second_batch_with_replay() -> tuple[PolicyBuffer, list[GroupRecord]]:
+    """4 groups buffered at replay ratio 0.5; the first batch of 2 trained (remembered), the
+    second taken: g2 fresh, one of g0/g1 replayed; g3 still buffered."""
     buf = PolicyBuffer(BufferConfig(replay_ratio=0.5, replay_capacity_groups=8))
     for i in range(4):
         buf.add(group(f"g{i}", [0.0, 1.0]), 0)
     buf.remember(buf.take(2, 0))
     batch = buf.take(2, 0)
     assert batch is not None and sum(g.replay for g in batch) == 1
+    return buf, batch
+
+
+def test_put_back_ignores_replay_and_an_untrained_group_never_enters_it() -> None:
+    buf, batch = second_batch_with_replay()
     buf.put_back(batch)
     assert len(buf) == 2  # g2 back, plus the untouched one; the replay copy is not inserted
     assert buf.counters["put_back"] == 1
@@ -428,11 +435,7 @@ def test_put_back_ignores_replay_and_an_untrained_group_never_enters_it() -> Non
 
 
 def test_remember_keeps_fresh_groups_only_and_nothing_without_replay() -> None:
-    buf = PolicyBuffer(BufferConfig(replay_ratio=0.5, replay_capacity_groups=8))
-    for i in range(4):
-        buf.add(group(f"g{i}", [0.0, 1.0]), 0)
-    buf.remember(buf.take(2, 0))
-    batch = buf.take(2, 0)
+    buf, batch = second_batch_with_replay()
     fresh = [g.group_id for g in batch if not g.replay]
     assert buf.remember(batch) == fresh  # the replayed copy does not enter again
     assert buf.replay_len == 3 and buf.counters["replay_added"] == 3

@@ -354,8 +354,7 @@ def test_the_run_summary_reads_the_batch_rows_of_schema_2(tmp_path):
 
     async def body():
         df = new_dataflow(cfg)
-        _, b2 = await fill_and_fetch(df, 2)
-        df.batches.ack(b2.batch_id)
+        await train_two_batches(df)
         crash(df)
 
     run(body())
@@ -383,6 +382,14 @@ def test_replayed_copies_are_not_counted_as_consumed(tmp_path):
     run(body())
 
 
+async def train_two_batches(df: Dataflow) -> list[tuple[str, list[bytes]]]:
+    """Two batches fetched and acknowledged (the second with a replayed copy at ratio 0.5);
+    returns what replay memory then holds."""
+    _, b2 = await fill_and_fetch(df, 2)
+    df.batches.ack(b2.batch_id)
+    return remembered(df)
+
+
 def remembered(df: Dataflow) -> list[tuple[str, list[bytes]]]:
     """What the policy's replay memory holds, oldest to enter first."""
     return [
@@ -397,9 +404,7 @@ def test_replay_memory_survives_a_crash_in_the_order_it_was_trained(tmp_path):
 
     async def body():
         df = new_dataflow(cfg)
-        _, b2 = await fill_and_fetch(df, 2)  # b1 acknowledged: its 2 groups remembered
-        df.batches.ack(b2.batch_id)  # b2's fresh group enters too
-        want = remembered(df)
+        want = await train_two_batches(df)  # b1's 2 groups and b2's fresh one
         assert len(want) == 3
         crash(df)
         df2 = new_dataflow(cfg)
@@ -443,9 +448,7 @@ def test_a_smaller_replay_capacity_after_a_restart_lets_the_oldest_go_durably(tm
 
     async def body():
         df = new_dataflow(cfg)
-        _, b2 = await fill_and_fetch(df, 2)
-        df.batches.ack(b2.batch_id)
-        want = remembered(df)
+        want = await train_two_batches(df)
         crash(df)
         for capacity, kept in ((1, want[-1:]), (0, [])):
             smaller = replay_config(
