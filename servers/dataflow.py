@@ -41,6 +41,7 @@ def _versions(items) -> dict[str, int]:
     out = {}
     for i, v in enumerate(items):
         check_id(v.policy_id, f"loaded_versions[{i}].policy_id")
+        identity(v.version_id, f"loaded_versions[{i}].version_id", required=False)
         if v.version < 0:
             raise invalid_field(f"loaded_versions[{i}].version", "must be >= 0")
         out[v.policy_id] = v.version

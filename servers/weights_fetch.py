@@ -34,6 +34,7 @@ from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.wire import chunk_message
 
 MiB = 1 << 20
+MAX_TENSOR_NAME = 1024  # characters of TensorAck.name (weight_service.proto)
 MIN_BYTES_PER_SECOND = 4096  # below, a cap would hold a stream (and the versions it pins) for weeks
 
 
@@ -69,6 +70,8 @@ class AckReader:
                 if req.WhichOneof("part") != "ack":
                     raise invalid_field("ack", "only TensorAck may follow FetchStart")
                 name, status = req.ack.name, req.ack.status
+                if not 1 <= len(name) <= MAX_TENSOR_NAME:
+                    raise invalid_field("ack.name", f"must be 1-{MAX_TENSOR_NAME} characters")
                 if name not in self.sizes:
                     raise InvalidArgument(
                         f"ack for {name!r}, which this stream did not send",

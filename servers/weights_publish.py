@@ -32,12 +32,13 @@ from astra.servers.weights_convert import (
 )
 from astra.weights.publish_sink import TensorSink
 from astra.weights.store import Store
-from astra.weights.store_publish import PublishSession
+from astra.weights.store_publish import MAX_FILE_BYTES, PublishSession
 from astra.weights.v1 import weight_service_pb2 as pb
 
 DOMAIN = "astra.weights.v1"
 DRAIN_S = 5.0
 MAX_DECODING = 2
+MAX_CHUNK_BYTES = 8 << 20  # TensorChunk.data (weight_service.proto)
 
 
 async def first_message(requests: AsyncIterator[Any], timeout_s: float) -> Any | None:
@@ -231,8 +232,21 @@ async def _receive(
                         raise invalid_field(
                             "chunk", "no TensorHeader before it", reason="UNEXPECTED_CHUNK"
                         )
+                    if len(req.chunk.data) > MAX_CHUNK_BYTES:
+                        raise invalid_field(
+                            "chunk.data",
+                            f"{len(req.chunk.data)} bytes, at most {MAX_CHUNK_BYTES}",
+                            reason="CHUNK_TOO_LARGE",
+                        )
                     await asyncio.to_thread(sink.write, req.chunk.offset, req.chunk.data)
                 elif part == "file":
+                    if len(req.file.content) > MAX_FILE_BYTES:
+                        raise invalid_field(
+                            "file.content",
+                            f"{req.file.name!r}: {len(req.file.content)} bytes, at most "
+                            f"{MAX_FILE_BYTES}",
+                            reason="INVALID_FILE",
+                        )
                     session.add_file(req.file.name, req.file.content)
                 elif part == "commit":
                     if req.commit.num_tensors != h.num_tensors:

@@ -266,35 +266,8 @@ def cases() -> list[Case]:
 
 
 # Expected failures: case id -> what the server does instead.
-XFAIL = {
-    **dict.fromkeys(
-        [
-            "Dataflow.RegisterInstance.loaded_versions.version_id.len-max128-past",
-            "Dataflow.HeartbeatInstance.loaded_versions.version_id.len-max128-past",
-        ],
-        "Dataflow accepts (OK) a loaded_versions[].version_id of 129 characters: it does not "
-        "check the identities an instance reports (AnnounceVersion and the RaaS's LoadWeights "
-        "refuse the same value with INVALID_IDENTITY)",
-    ),
-    "Weight.PublishVersion.chunk.data.bytes-max8388608-past": (
-        "a TensorChunk of 8 MiB + 1 byte is accepted and the version commits (OK): only the "
-        "64 MiB gRPC message limit bounds a chunk"
-    ),
-    "Weight.PublishVersion.file.content.bytes-max8388608-past": (
-        "refused with INVALID_ARGUMENT, reason INVALID_FILE, but the error names the file "
-        "(metadata file='config.json', \"file 'config.json' is larger than 8388608 bytes\"), "
-        "not the field content, and carries no BadRequest"
-    ),
-    **dict.fromkeys(
-        [
-            "Weight.FetchVersion.ack.name.len-max1024-past",
-            "Weight.FetchVersion.ack.name.len-min1-past",
-        ],
-        "an acknowledgement's name is not length-checked: a 1025-character or empty name is "
-        "refused only as any name the stream did not send is (INVALID_ARGUMENT, reason "
-        "UNKNOWN_TENSOR, metadata tensor=<the name>), an error that does not name the field",
-    ),
-}
+# Cases the servers do not meet yet, each with why (strict: one that starts to pass fails).
+XFAIL: dict[str, str] = {}
 
 CASES = cases()
 
