@@ -157,7 +157,8 @@ class WeightServiceServicer:
         PublishHeader), STREAM_IDLE (no first message within the service's
         timeout, 30 s by default), UNEXPECTED_HEADER (a second PublishHeader, or
         a message with no part), UNEXPECTED_CHUNK (a TensorChunk with no
-        TensorHeader before it), TRUNCATED_TENSOR (another part before the
+        TensorHeader before it), CHUNK_TOO_LARGE (a TensorChunk of more than
+        8 MiB), TRUNCATED_TENSOR (another part before the
         current tensor's bytes are complete), INVALID_TENSOR (a bad TensorHeader,
         or a tensor sent twice, held ones included), INVALID_FILE (a bad or
         repeated VersionFile) or PUBLISH_INCOMPLETE (PublishCommit.num_tensors
