@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -514,3 +515,23 @@ def test_sandboxed_code_cannot_reach_the_machines_services():
         assert cut.ok and cut.network_isolated and cut.stdout.startswith("cut off"), cut
         allowed = run_python(code, limits=SandboxLimits(network=True))
         assert allowed.ok and not allowed.network_isolated and allowed.stdout == "reached\n"
+
+
+def test_root_without_cap_sys_admin_still_cuts_the_network(tmp_path):
+    """Root in a container usually lacks CAP_SYS_ADMIN: `unshare --net` is refused there, a
+    user namespace of its own is not."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop CAP_SYS_ADMIN")
+    probe = (
+        "from astra.rewards.sandbox import no_network_prefix, run_python\n"
+        "r = run_python('import socket\\nsocket.create_connection((\"127.0.0.1\", 9), 1)')\n"
+        "print(no_network_prefix()[1:], r.network_isolated, 'unreachable' in r.stderr)\n"
+    )
+    drop = ["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin"]
+    out = subprocess.run([*drop, sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["('--user',", "'--map-root-user',", "'--net')", "True", "True"]

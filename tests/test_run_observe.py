@@ -410,16 +410,12 @@ def test_a_run_is_stalled_only_while_its_buffer_cannot_make_a_batch() -> None:
 
     from astra.run.observe import Observer
 
-    def view(n: int, buffered: int, limit: int = 100) -> str | None:
-        obs = SimpleNamespace(
-            max_dropped_in_a_row=limit,
-            batch_groups={"p": 4},
-            last_detail={
-                "policies": {
-                    "p": {"dropped_in_a_row": n, "last_drop": "failed", "buffered": buffered}
-                }
-            },
-        )
+    def view(n: int, buffered: int, limit: int = 100, obs=None) -> str | None:
+        obs = obs or SimpleNamespace(_drops_before={"p": 0})  # watched since the run began
+        obs.max_dropped_in_a_row, obs.batch_groups = limit, {"p": 4}
+        obs.last_detail = {
+            "policies": {"p": {"dropped_in_a_row": n, "last_drop": "failed", "buffered": buffered}}
+        }
         return Observer.stalled(obs)
 
     assert view(99, 0) is None
@@ -428,3 +424,9 @@ def test_a_run_is_stalled_only_while_its_buffer_cannot_make_a_batch() -> None:
     assert "(the newest: failed)" in why and "supervision.max_dropped_in_a_row: 100" in why
     assert view(100, 4) is None  # a full batch is waiting: batches still form
     assert view(10**6, 0, limit=0) is None  # 0: never
+    # A resumed run (Dataflow kept its run of drops) counts from where it resumed.
+    resumed = SimpleNamespace(_drops_before={})
+    assert view(150, 0, obs=resumed) is None and view(249, 0, obs=resumed) is None
+    assert view(250, 0, obs=resumed) is not None
+    assert view(5, 0, obs=resumed) is None  # a group kept since: a new run, from 0
+    assert view(100, 0, obs=resumed) is not None

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,30 +151,40 @@ def run_python(
     )
 
 
-@functools.cache
+_NO_NETWORK = threading.Lock()
+
+
 def no_network_prefix() -> tuple[str, ...]:
     """The command prefix that runs a program in a network namespace of its own, or () where
     this machine allows none (said once, as a warning)."""
+    with _NO_NETWORK:  # worker threads call this: one probe, one warning
+        return _probe_no_network()
+
+
+@functools.cache
+def _probe_no_network() -> tuple[str, ...]:
     unshare = shutil.which("unshare")
     if unshare is None:
         log.warning("sandbox: no `unshare` on this machine: sandboxed code can use the network")
         return ()
-    prefix = (
-        (unshare, "--net") if os.geteuid() == 0 else (unshare, "--user", "--map-root-user", "--net")
+    # Root may lack CAP_SYS_ADMIN (a container): a user namespace of its own then does it.
+    candidates = [(unshare, "--user", "--map-root-user", "--net")]
+    if os.geteuid() == 0:
+        candidates.insert(0, (unshare, "--net"))
+    errors = []
+    for prefix in candidates:
+        try:
+            probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            errors.append(f"{' '.join(prefix)}: {exc}")
+            continue
+        if probe.returncode == 0:
+            return prefix
+        errors.append(f"{' '.join(prefix)}: {probe.stderr.strip()[:200]}")
+    log.warning(
+        "sandbox: no network namespace (%s): sandboxed code can use the network", "; ".join(errors)
     )
-    try:
-        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("sandbox: %s failed (%s): sandboxed code can use the network", prefix, exc)
-        return ()
-    if probe.returncode != 0:
-        log.warning(
-            "sandbox: %s refused (%s): sandboxed code can use the network",
-            " ".join(prefix),
-            probe.stderr.strip()[:200],
-        )
-        return ()
-    return prefix
+    return ()
 
 
 async def run_python_async(

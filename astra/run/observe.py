@@ -73,6 +73,9 @@ class Observer(StatusPoller):
     ) -> None:
         super().__init__(dataflow, trainers, name=name, num_steps=num_steps)
         self.max_dropped_in_a_row, self.on_stall = max_dropped_in_a_row, on_stall
+        # Per policy, its run of drops when this observer first saw it (Dataflow keeps the
+        # run across its restarts; a resumed run counts from where it resumed).
+        self._drops_before: dict[str, int] = {}
         self.batch_groups = batch_groups or {}
         self.metrics_path, self.out = metrics_path, out
         self.poll_interval_s, self.status_every_s = poll_interval_s, status_every_s
@@ -182,12 +185,18 @@ class Observer(StatusPoller):
             await asyncio.sleep(self.poll_interval_s / 4)
 
     def stalled(self) -> str | None:
-        """Why the run cannot go on: a policy's run of dropped groups reached the bound and
-        its buffer holds less than a batch (a full buffer can still serve batches)."""
+        """Why the run cannot go on: a policy's run of dropped groups grew by the bound while
+        this observer watched (a resumed run starts counting again: its overrides may have
+        fixed the cause) and its buffer holds less than a batch (a full buffer can still serve
+        batches)."""
         limit = self.max_dropped_in_a_row
         for policy, d in sorted((self.last_detail.get("policies") or {}).items()):
             n = d.get("dropped_in_a_row", 0)
-            if limit and n >= limit and d.get("buffered", 0) < self.batch_groups.get(policy, 1):
+            floor = self._drops_before.setdefault(policy, n)
+            if n < floor:  # a group was kept since: a new run of drops
+                floor = self._drops_before[policy] = 0
+            grown = n - floor
+            if limit and grown >= limit and d.get("buffered", 0) < self.batch_groups.get(policy, 1):
                 return (
                     f"stalled: policy {policy}: the last {n} finished groups were all dropped "
                     f"(the newest: {d.get('last_drop') or 'unknown'}), so no batch can form "

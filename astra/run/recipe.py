@@ -142,6 +142,11 @@ class Recipe(_Strict):
             raise ValueError(f"eval.streams: unknown streams {unknown} (streams: {names})")
         if len(set(self.eval.streams)) != len(self.eval.streams):
             raise ValueError("eval.streams: a stream is named twice")
+        if self.evaluating and (long := [n for n, _ in self.eval_streams() if len(n) > 128]):
+            raise ValueError(
+                f"eval.streams: the evaluation streams {long} would be named over 128 "
+                "characters (eval-<stream>): shorten those streams' names"
+            )
         if self.evaluating and (taken := {n for n, _ in self.eval_streams()} & set(names)):
             raise ValueError(f"streams: the names {sorted(taken)} are the evaluations'")
         ids = [p.id for p in self.policies]
@@ -220,7 +225,7 @@ class Recipe(_Strict):
         chosen = [by_name[n] for n in self.eval.streams if n in by_name] or self.streams[:1]
         if len(chosen) == 1:
             return [(EVAL_STREAM, chosen[0])]
-        return [(f"{EVAL_PREFIX}{s.name}"[:128], s) for s in chosen]
+        return [(f"{EVAL_PREFIX}{s.name}", s) for s in chosen]
 
     @property
     def raas_names(self) -> list[str]:

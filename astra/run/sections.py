@@ -95,7 +95,7 @@ class EvalSpec(_Strict):
     version of that stream's first policy (version 0 included), the RaaS run `size`
     problems that neither RL nor the warm-up ever sees, `group_size` samples each at
     `temperature` (0: greedy), with the stream's workflow and scored by its reward
-    (the first policy's samples); never trained on. One evaluated stream runs as the
+    (each policy of the stream on its own samples); never trained on. One evaluated stream runs as the
     Dataflow stream `eval`, several as `eval-<stream>`. Results: evals.jsonl,
     TensorBoard `eval/...` (`eval-<stream>/...`), plot.png and summary.json `eval`
     (the first evaluated stream; with several, each under `eval.streams`). The run
