@@ -535,3 +535,18 @@ def test_root_without_cap_sys_admin_still_cuts_the_network(tmp_path):
     out = subprocess.run([*drop, sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["('--user',", "'--map-root-user',", "'--net')", "True", "True"]
+
+
+def test_a_sandbox_that_cannot_start_raises_instead_of_scoring_the_code(monkeypatch):
+    """A refused namespace at run time (user namespaces exhausted, say) is no failure of the
+    policy's program: it must not score 0. Code that fails on its own still scores."""
+    import astra.rewards.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "no_network_prefix", lambda: ("/bin/false",))
+    with pytest.raises(sandbox.SandboxUnavailable, match="did not start"):
+        sandbox.run_python("print(1)")
+    with pytest.raises(sandbox.SandboxUnavailable):
+        code_tests({"tests": ["assert add(1, 2) == 3"]}, ADD)
+    monkeypatch.setattr(sandbox, "no_network_prefix", lambda: ())
+    own = sandbox.run_python("import sys\nsys.stderr.write('unshare: no\\n')\nsys.exit(1)")
+    assert own.reason == "exit 1"  # it ran: its own failure, whatever it prints

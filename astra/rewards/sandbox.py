@@ -12,8 +12,11 @@ allows it, the child runs in a network namespace of its own (`unshare --net`;
 included, reaches anything outside: it cannot fetch answers or call the
 services of the machine it runs on. Where this machine refuses namespaces
 (`unshare` missing, user namespaces off) the code runs with the network and
-a warning says so once; `SandboxResult.network_isolated` tells which. This is
-resource isolation, not a security boundary: the code can still read files.
+a warning says so once; `SandboxResult.network_isolated` tells which. A sandbox
+that could not start at all (the code never ran, as the launcher's one byte on a
+pipe tells) raises `SandboxUnavailable` rather than passing for the code's own
+failure. This is resource isolation, not a security boundary: the code can
+still read files.
 """
 
 from __future__ import annotations
@@ -34,15 +37,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Says it started (one byte on an inherited pipe, before the code can run, so the code can
+# neither fake nor hide it), sets the limits, runs the code.
 _LAUNCHER = """\
 import os, resource, sys
-cpu, mem, fsize = (int(a) for a in sys.argv[1:4])
+cpu, mem, fsize, started = (int(a) for a in sys.argv[1:5])
+os.write(started, b"1")
+os.close(started)
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 os.execv(sys.executable, [sys.executable, "-I", "-B", "main.py"])
 """
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox itself could not start (the code never ran): not the code's failure, so a
+    reward raises instead of scoring it (the sample is counted failed)."""
 
 
 log = logging.getLogger(__name__)
@@ -101,24 +113,32 @@ def run_python(
         (root / "stdin").write_text(stdin, encoding="utf-8")
         cpu_s = math.ceil(limits.time_s) + 1
         isolation = () if limits.network else no_network_prefix()
+        started_r, started_w = os.pipe()
         argv = [*isolation, sys.executable, "-I", "-c", _LAUNCHER, str(cpu_s)]
-        argv += [str(limits.memory_bytes), str(limits.file_bytes)]
+        argv += [str(limits.memory_bytes), str(limits.file_bytes), str(started_w)]
         start = time.monotonic()
         with (
             (root / "stdin").open("rb") as fin,
             (root / "stdout").open("wb") as fout,
             (root / "stderr").open("wb") as ferr,
         ):
-            proc = subprocess.Popen(
-                argv,
-                stdin=fin,
-                stdout=fout,
-                stderr=ferr,
-                cwd=root,
-                env={"LANG": "C.UTF-8"},
-                start_new_session=True,
-                close_fds=True,
-            )
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=fin,
+                    stdout=fout,
+                    stderr=ferr,
+                    cwd=root,
+                    env={"LANG": "C.UTF-8"},
+                    start_new_session=True,
+                    close_fds=True,
+                    pass_fds=(started_w,),
+                )
+            except BaseException:
+                os.close(started_r)
+                raise
+            finally:
+                os.close(started_w)
             timed_out = False
             try:
                 proc.wait(timeout=limits.time_s)
@@ -129,6 +149,13 @@ def run_python(
             # Whatever the code left running in its session goes with it.
             _kill_group(proc.pid)
         wall_s = time.monotonic() - start
+        with os.fdopen(started_r, "rb") as pipe:
+            launched = pipe.read(1) == b"1"
+        if not launched and not timed_out:
+            detail = (root / "stderr").read_text(errors="replace").strip()[-300:]
+            raise SandboxUnavailable(
+                f"the sandbox did not start (exit {proc.returncode}): {detail}"
+            )
         # Python ignores SIGXFSZ: a write past the limit fails (EFBIG) and the code exits.
         full = any((root / n).stat().st_size >= limits.file_bytes for n in ("stdout", "stderr"))
         stdout, cut_out = _read(root / "stdout", limits.output_chars)
