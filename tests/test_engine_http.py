@@ -417,8 +417,12 @@ def test_unknown_model_is_invalid_argument(fake: FakeEngineServer) -> None:
 @pytest.mark.parametrize("fake", [("sglang", 0.02)], indirect=True)
 def test_cancel_aborts_the_server_request(fake: FakeEngineServer) -> None:
     async def body(engine: HTTPEngine) -> None:
-        task = asyncio.create_task(engine.generate("p", PROMPT, Sampling(max_new_tokens=500)))
+        # Greedy: 500 tokens without an end-of-sequence on this prompt (a sampled run could
+        # end at once, before the loop below ever sees it running).
+        sampling = Sampling(max_new_tokens=500, temperature=0.0)
+        task = asyncio.create_task(engine.generate("p", PROMPT, sampling))
         while fake.running == 0:
+            assert not task.done(), task.result()
             await asyncio.sleep(0.01)
         assert engine.stats()["running"] == 1
         task.cancel()
