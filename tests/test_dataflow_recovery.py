@@ -1339,3 +1339,45 @@ def test_a_batch_leased_before_an_outage_longer_than_its_lease_can_still_be_ackn
             crash(df2)
 
     run(body())
+
+
+def test_a_restart_without_a_stream_or_policy_keeps_their_state_for_later(tmp_path):
+    """A resume with a config that drops a stream (say an evaluation stream renamed) or a
+    policy failed to start at all (KeyError in recovery); now their state waits on disk."""
+    data = write_prompts(tmp_path / "prompts.jsonl", 8)
+
+    def config(both: bool) -> DataflowConfig:
+        policies = [{"id": "p", "batch_groups": 2, "buffer": {"drop_equal_rewards": False}}]
+        streams = [{"name": "s", "dataset": {"path": str(data)}, "policy_ids": ["p"]}]
+        if both:
+            policies.append({**policies[0], "id": "q"})
+            streams.append({"name": "t", "dataset": {"path": str(data)}, "policy_ids": ["q"]})
+        return make_config(tmp_path, policies=policies, streams=streams)
+
+    async def body():
+        df = new_dataflow(config(both=True))
+        await register(df, policies=("p", "q"))
+        await df._dispatch_round()
+        mine = sorted(leased(df))
+        t_done = [g for g in mine if g.startswith("t/")][:3]
+        await df.ingest("r1", [result(g, "r1", 0, policies=("q",)) for g in t_done])
+        t_waiting = {g for g in df.work if g.startswith("t/")}
+        assert len(df.buffers["q"]) == 3 and t_waiting
+        crash(df)
+        df = new_dataflow(config(both=False))
+        try:
+            assert "q" not in df.buffers and not {g for g in df.work if g.startswith("t/")}
+            await register(df)
+            await df._dispatch_round()
+            s_groups = sorted(leased(df))
+            assert s_groups and all(g.startswith("s/") for g in s_groups)
+        finally:
+            crash(df)
+        df = new_dataflow(config(both=True))  # configured again: all of it is back
+        try:
+            assert len(df.buffers["q"]) == 3
+            assert {g for g in df.work if g.startswith("t/")} == t_waiting
+        finally:
+            crash(df)
+
+    run(body())

@@ -198,16 +198,24 @@ class Dataflow(Ingesting, WeightSync):
             saved = st.get(f"dataset/{name}")
             if saved is not None:
                 source.restore(saved)
+        # What belongs to a stream or policy this configuration lacks (a resume with another
+        # config) stays on disk untouched, for when it is configured again.
+        kept: Counter[str] = Counter()
         for row in st.work_rows():
             if row.state == "done":
                 self.done.add(row.group_id)
+                continue
+            if row.stream not in self.sources:
+                kept[f"unfinished groups of stream {row.stream!r}"] += 1
                 continue
             item = self.sources[row.stream].item_for(row.group_id)
             self.work[row.group_id] = Work(item, row.stream, attempts=row.attempts)
             self.waiting.append(row.group_id)
         leased: dict[str, list[GroupRecord]] = {}
         for group, batch_id in st.groups():
-            if batch_id is None:
+            if group.policy_id not in self.buffers:
+                kept[f"groups of policy {group.policy_id!r}"] += 1
+            elif batch_id is None:
                 self.buffers[group.policy_id].restore(group)
             else:
                 leased.setdefault(batch_id, []).append(group)
@@ -228,7 +236,9 @@ class Dataflow(Ingesting, WeightSync):
                 for policy_id, group_ids in gone.items():
                     tx.forget_replays(policy_id, group_ids)
                 self.persist_counters(tx)
-        rows = st.batches()
+        rows = [r for r in st.batches() if r.policy_id in self.buffers]
+        for what, n in sorted(kept.items()):
+            log.warning("%d %s kept on disk: not configured", n, what)
         self.batches.recover(rows, leased, st.replays())
         if uncounted:
             self._count_replay_slots(rows)
