@@ -550,3 +550,20 @@ def test_a_sandbox_that_cannot_start_raises_instead_of_scoring_the_code(monkeypa
     monkeypatch.setattr(sandbox, "no_network_prefix", lambda: ())
     own = sandbox.run_python("import sys\nsys.stderr.write('unshare: no\\n')\nsys.exit(1)")
     assert own.reason == "exit 1"  # it ran: its own failure, whatever it prints
+
+
+def test_the_sandbox_runs_in_a_process_whose_standard_streams_are_closed():
+    """The launcher's pipe once landed on fd 0/1 there, under the code's stdout: every run
+    then looked like a sandbox that could not start."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import os\n"
+        "from astra.rewards.sandbox import run_python\n"
+        "os.close(0)\nos.close(1)\n"
+        "r = run_python(\"print('hi')\")\n"
+        "os.write(2, f'{r.reason} {r.stdout!r}'.encode())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr.endswith("ok 'hi\\n'"), out.stderr

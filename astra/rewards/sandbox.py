@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import logging
 import math
@@ -37,17 +38,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Says it started (one byte on an inherited pipe, before the code can run, so the code can
-# neither fake nor hide it), sets the limits, runs the code.
+# Sets the limits, says the sandbox is ready (one byte on an inherited pipe, before the code
+# can run, so the code can neither fake nor hide it), runs the code.
 _LAUNCHER = """\
 import os, resource, sys
-cpu, mem, fsize, started = (int(a) for a in sys.argv[1:5])
-os.write(started, b"1")
-os.close(started)
+cpu, mem, fsize, ready = (int(a) for a in sys.argv[1:5])
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+os.write(ready, b"1")
+os.close(ready)
 os.execv(sys.executable, [sys.executable, "-I", "-B", "main.py"])
 """
 
@@ -113,15 +114,15 @@ def run_python(
         (root / "stdin").write_text(stdin, encoding="utf-8")
         cpu_s = math.ceil(limits.time_s) + 1
         isolation = () if limits.network else no_network_prefix()
-        started_r, started_w = os.pipe()
-        argv = [*isolation, sys.executable, "-I", "-c", _LAUNCHER, str(cpu_s)]
-        argv += [str(limits.memory_bytes), str(limits.file_bytes), str(started_w)]
         start = time.monotonic()
         with (
             (root / "stdin").open("rb") as fin,
             (root / "stdout").open("wb") as fout,
             (root / "stderr").open("wb") as ferr,
         ):
+            started_r, started_w = _pipe()
+            argv = [*isolation, sys.executable, "-I", "-c", _LAUNCHER, str(cpu_s)]
+            argv += [str(limits.memory_bytes), str(limits.file_bytes), str(started_w)]
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -223,6 +224,22 @@ async def run_python_async(
 ) -> SandboxResult:
     """`run_python` in a worker thread, so the event loop keeps serving."""
     return await asyncio.to_thread(run_python, code, stdin=stdin, limits=limits, keep=keep)
+
+
+def _pipe() -> tuple[int, int]:
+    """A pipe whose ends are 3 or above (close-on-exec), never on a standard stream a caller
+    left closed: the child's stdin/stdout/stderr are put over 0-2."""
+    r, w = os.pipe()
+    try:
+        high_r = fcntl.fcntl(r, fcntl.F_DUPFD_CLOEXEC, 3)
+        try:
+            return high_r, fcntl.fcntl(w, fcntl.F_DUPFD_CLOEXEC, 3)
+        except BaseException:
+            os.close(high_r)
+            raise
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def _kill_group(pid: int) -> None:
