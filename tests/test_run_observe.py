@@ -411,7 +411,7 @@ def test_a_run_is_stalled_only_while_its_buffer_cannot_make_a_batch() -> None:
     from astra.run.observe import Observer
 
     def view(n: int, buffered: int, limit: int = 100, obs=None) -> str | None:
-        obs = obs or SimpleNamespace(_drops_before={"p": 0})  # watched since the run began
+        obs = obs or SimpleNamespace(_resumed=False, _drops_before={})
         obs.max_dropped_in_a_row, obs.batch_groups = limit, {"p": 4}
         obs.last_detail = {
             "policies": {"p": {"dropped_in_a_row": n, "last_drop": "failed", "buffered": buffered}}
@@ -424,8 +424,11 @@ def test_a_run_is_stalled_only_while_its_buffer_cannot_make_a_batch() -> None:
     assert "(the newest: failed)" in why and "supervision.max_dropped_in_a_row: 100" in why
     assert view(100, 4) is None  # a full batch is waiting: batches still form
     assert view(10**6, 0, limit=0) is None  # 0: never
+    # A new run counts from 0 whenever its first poll comes (RaaS may have dropped a lot by then).
+    late = SimpleNamespace(_resumed=False, _drops_before={})
+    assert view(400, 0, obs=late) is not None
     # A resumed run (Dataflow kept its run of drops) counts from where it resumed.
-    resumed = SimpleNamespace(_drops_before={})
+    resumed = SimpleNamespace(_resumed=True, _drops_before={})
     assert view(150, 0, obs=resumed) is None and view(249, 0, obs=resumed) is None
     assert view(250, 0, obs=resumed) is not None
     assert view(5, 0, obs=resumed) is None  # a group kept since: a new run, from 0

@@ -68,13 +68,16 @@ class Observer(StatusPoller):
         live: bool | None = None,
         evals: EvalLog | None = None,
         max_dropped_in_a_row: int = 0,
+        resumed: bool = False,
         batch_groups: dict[str, int] | None = None,
         on_stall: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(dataflow, trainers, name=name, num_steps=num_steps)
         self.max_dropped_in_a_row, self.on_stall = max_dropped_in_a_row, on_stall
-        # Per policy, its run of drops when this observer first saw it (Dataflow keeps the
-        # run across its restarts; a resumed run counts from where it resumed).
+        # Per policy, the run of drops that does not count against this run: 0 in a new run;
+        # in a resumed one (Dataflow keeps the run of drops durably, and the resume's overrides
+        # may have fixed its cause) what the first poll finds.
+        self._resumed = resumed
         self._drops_before: dict[str, int] = {}
         self.batch_groups = batch_groups or {}
         self.metrics_path, self.out = metrics_path, out
@@ -185,14 +188,13 @@ class Observer(StatusPoller):
             await asyncio.sleep(self.poll_interval_s / 4)
 
     def stalled(self) -> str | None:
-        """Why the run cannot go on: a policy's run of dropped groups grew by the bound while
-        this observer watched (a resumed run starts counting again: its overrides may have
-        fixed the cause) and its buffer holds less than a batch (a full buffer can still serve
-        batches)."""
+        """Why the run cannot go on: a policy's run of dropped groups reached the bound (in a
+        resumed run: grew by it since the resume) and its buffer holds less than a batch (a
+        full buffer can still serve batches)."""
         limit = self.max_dropped_in_a_row
         for policy, d in sorted((self.last_detail.get("policies") or {}).items()):
             n = d.get("dropped_in_a_row", 0)
-            floor = self._drops_before.setdefault(policy, n)
+            floor = self._drops_before.setdefault(policy, n if self._resumed else 0)
             if n < floor:  # a group was kept since: a new run of drops
                 floor = self._drops_before[policy] = 0
             grown = n - floor
