@@ -1343,40 +1343,66 @@ def test_a_batch_leased_before_an_outage_longer_than_its_lease_can_still_be_ackn
 
 def test_a_restart_without_a_stream_or_policy_keeps_their_state_for_later(tmp_path):
     """A resume with a config that drops a stream (say an evaluation stream renamed) or a
-    policy failed to start at all (KeyError in recovery); now their state waits on disk."""
+    policy failed to start at all (KeyError in recovery); now their state waits on disk, and
+    the next save keeps it too (versions, counters, evaluations)."""
     data = write_prompts(tmp_path / "prompts.jsonl", 8)
 
     def config(both: bool) -> DataflowConfig:
         policies = [{"id": "p", "batch_groups": 2, "buffer": {"drop_equal_rewards": False}}]
         streams = [{"name": "s", "dataset": {"path": str(data)}, "policy_ids": ["p"]}]
+        # An evaluation stream of its own, so that its saves rewrite the evaluations' state.
+        evaluation = {"dataset": {"path": str(data)}, "eval_every_versions": 1}
+        streams.append({**evaluation, "name": "f", "policy_ids": ["p"]})
         if both:
             policies.append({**policies[0], "id": "q"})
             streams.append({"name": "t", "dataset": {"path": str(data)}, "policy_ids": ["q"]})
+            streams.append({**evaluation, "name": "e", "policy_ids": ["q"]})
         return make_config(tmp_path, policies=policies, streams=streams)
+
+    def q_state(df: Dataflow) -> tuple:
+        buf = df.buffers["q"]
+        return df.versions.current("q"), buf.counters["accepted"], buf.dropped_in_a_row
 
     async def body():
         df = new_dataflow(config(both=True))
-        await register(df, policies=("p", "q"))
+        df.announce("q", 1, "1", "w0")
+        await register(df, policies=("p", "q"), versions={"q": 1})
         await df._dispatch_round()
         mine = sorted(leased(df))
         t_done = [g for g in mine if g.startswith("t/")][:3]
-        await df.ingest("r1", [result(g, "r1", 0, policies=("q",)) for g in t_done])
-        t_waiting = {g for g in df.work if g.startswith("t/")}
-        assert len(df.buffers["q"]) == 3 and t_waiting
+        await df.ingest("r1", [result(g, "r1", 1, policies=("q",)) for g in t_done])
+        t_waiting = {g for g in df.work if g.startswith(("t/", "e/"))}
+        assert len(df.buffers["q"]) == 3 and any(g.startswith("e/") for g in t_waiting)
+        before = q_state(df)
+        evaluating = (df.evals.last["e"], [k for k in df.evals.running if k[0] == "e"])
         crash(df)
         df = new_dataflow(config(both=False))
         try:
-            assert "q" not in df.buffers and not {g for g in df.work if g.startswith("t/")}
-            await register(df)
+            assert "q" not in df.buffers and not [g for g in df.work if g[0] in "te"]
+            df.announce("p", 1, "1", "w0")  # saves the versions: q's must survive it
+            await register(df, versions={"p": 1})
             await df._dispatch_round()
             s_groups = sorted(leased(df))
-            assert s_groups and all(g.startswith("s/") for g in s_groups)
+            assert s_groups and all(g.startswith(("s/", "f/")) for g in s_groups)
+            f_groups = [g for g in s_groups if g.startswith("f/")]
+            assert f_groups
+            # f's results: the evaluations' state is saved (what is e's must survive it)
+            await df.ingest("r1", [result(g, "r1", 1) for g in f_groups])
         finally:
             crash(df)
         df = new_dataflow(config(both=True))  # configured again: all of it is back
         try:
-            assert len(df.buffers["q"]) == 3
-            assert {g for g in df.work if g.startswith("t/")} == t_waiting
+            assert len(df.buffers["q"]) == 3 and q_state(df) == before
+            assert (df.evals.last["e"], [k for k in df.evals.running if k[0] == "e"]) == evaluating
+            assert {g for g in df.work if g.startswith(("t/", "e/"))} == t_waiting
+            # Even an evaluation scheduled again (its state lost) queues no group twice.
+            df.evals.last.clear()
+            df.evals.running.clear()
+            await register(df, iid="r2", policies=("p", "q"), versions={"p": 1, "q": 1})
+            await df._dispatch_round()
+            sent = df.pool.instances["r2"].port.submitted
+            assert [g for g in sent if g.startswith("e/")], sent
+            assert len(sent) == len(set(sent)), "a kept evaluation group dispatched twice"
         finally:
             crash(df)
 

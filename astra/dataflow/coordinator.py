@@ -163,6 +163,7 @@ class Dataflow(Ingesting, WeightSync):
         self._loads: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
         self._saved_counters: tuple = ()
+        self._unconfigured: dict[str, dict] = {"buffer_counters": {}, "drop_streaks": {}}
         self._pulled: list[str] = []
         self._unattributable: set[tuple[str, str | None]] = set()  # (instance, result) counted
         self._ingest_turn = asyncio.Lock()
@@ -186,6 +187,11 @@ class Dataflow(Ingesting, WeightSync):
         uncounted = st.get("replay_slots") is None and st.get("accepted") is not None
         self.replay_slots.update(st.get("replay_slots", {}))
         # Before the groups are restored below (which counts them `restored`).
+        # Per-policy state of policies this configuration lacks: kept as saved.
+        self._unconfigured = {
+            key: {p: v for p, v in (st.get(key) or {}).items() if p not in self.buffers}
+            for key in ("buffer_counters", "drop_streaks")
+        }
         for policy_id, saved in st.get("buffer_counters", {}).items():
             if policy_id in self.buffers:
                 self.buffers[policy_id].restore_counters(saved)
@@ -285,8 +291,8 @@ class Dataflow(Ingesting, WeightSync):
         tx.put("counters", state[0])
         tx.put("accepted", dict(self.accepted))
         tx.put("replay_slots", dict(self.replay_slots))
-        tx.put("buffer_counters", state[1])
-        tx.put("drop_streaks", state[2])
+        tx.put("buffer_counters", self._unconfigured["buffer_counters"] | state[1])
+        tx.put("drop_streaks", self._unconfigured["drop_streaks"] | state[2])
         self._saved_counters = state
 
     # ----- lifecycle -----------------------------------------------------------------------
@@ -718,6 +724,8 @@ class Dataflow(Ingesting, WeightSync):
             self.evals.schedule(name, version, len(items))
             with self.store.tx() as tx:
                 for item in items:
+                    if item.group_id in self.work:  # queued already (kept from before)
+                        continue
                     self.work[item.group_id] = Work(item, name)
                     self.waiting.append(item.group_id)
                     tx.set_work(item.group_id, name, "pending")

@@ -98,6 +98,8 @@ class EvalDesk:
         self.running: dict[tuple[str, int], dict[str, Tally]] = {}
         self.finished: dict[str, list[Tally]] = {s: [] for s in self.every}
         self.skipped = 0
+        # Saved state of streams this configuration does not evaluate, kept as is.
+        self._unconfigured: dict[str, Any] = {"last": {}, "running": [], "finished": {}}
 
     def is_eval(self, stream: str) -> bool:
         return stream in self.every
@@ -158,15 +160,26 @@ class EvalDesk:
         return done + [t.result() for ts in self.running.values() for t in ts.values()]
 
     def state(self) -> dict[str, Any]:
+        other = self._unconfigured
+        running = [asdict(t) for ts in self.running.values() for t in ts.values()]
+        finished = {s: [asdict(t) for t in ts] for s, ts in self.finished.items()}
         return {
-            "last": self.last,
-            "running": [asdict(t) for ts in self.running.values() for t in ts.values()],
-            "finished": {s: [asdict(t) for t in ts] for s, ts in self.finished.items()},
+            "last": other["last"] | self.last,
+            "running": other["running"] + running,
+            "finished": other["finished"] | finished,
             "skipped": self.skipped,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
-        self.last = {s: v for s, v in state.get("last", {}).items() if s in self.every}
+        last = state.get("last", {})
+        self.last = {s: v for s, v in last.items() if s in self.every}
+        self._unconfigured = {
+            "last": {s: v for s, v in last.items() if s not in self.every},
+            "running": [r for r in state.get("running", []) if r["stream"] not in self.every],
+            "finished": {
+                s: ts for s, ts in state.get("finished", {}).items() if s not in self.every
+            },
+        }
         for raw in state.get("running", []):
             if raw["stream"] in self.every:
                 t = Tally(**raw)

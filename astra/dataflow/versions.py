@@ -38,6 +38,7 @@ class VersionBook:
     def __init__(self, policy_ids: list[str], barrier: str) -> None:
         self.barrier = barrier
         self.policies: dict[str, PolicyVersions] = {p: PolicyVersions() for p in policy_ids}
+        self._unconfigured: dict[str, dict] = {}  # saved state of other policies, kept as is
 
     def current(self, policy_id: str) -> int:
         return self.policies[policy_id].current
@@ -106,7 +107,7 @@ class VersionBook:
         return Announced(a.version, a.version_id, book.address)
 
     def state(self) -> dict:
-        return {
+        return self._unconfigured | {
             pid: {
                 "current": b.current,
                 "history": {
@@ -119,7 +120,8 @@ class VersionBook:
 
     def restore(self, state: dict) -> None:
         for pid, raw in (state or {}).items():
-            if pid not in self.policies:
+            if pid not in self.policies:  # kept for a configuration that has it again
+                self._unconfigured[pid] = raw
                 continue
             book = self.policies[pid]
             book.current = int(raw["current"])
