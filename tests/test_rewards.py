@@ -567,3 +567,15 @@ def test_the_sandbox_runs_in_a_process_whose_standard_streams_are_closed():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.returncode == 0 and out.stderr.endswith("ok 'hi\\n'"), out.stderr
+
+
+def test_the_python_tool_fails_the_sample_when_the_sandbox_cannot_start(monkeypatch):
+    import asyncio
+
+    import astra.rewards.sandbox as sandbox
+    from astra.workflows.tools import run_tool
+
+    assert asyncio.run(run_tool("python", "print(2 + 2)")).output == "4\n"
+    monkeypatch.setattr(sandbox, "no_network_prefix", lambda: ("/bin/false",))
+    with pytest.raises(sandbox.SandboxUnavailable):
+        asyncio.run(run_tool("python", "print(2 + 2)"))

@@ -21,7 +21,7 @@ from typing import Any
 
 from astra.plugins import Registry, UnknownName
 from astra.rewards import safe_math
-from astra.rewards.sandbox import SandboxLimits, run_python_async
+from astra.rewards.sandbox import SandboxLimits, SandboxUnavailable, run_python_async
 
 CLOSE_TAG = "</tool>"
 MAX_OBSERVATION_CHARS = 1024
@@ -77,7 +77,8 @@ def observation(result: ToolResult, call: ToolCall) -> str:
 
 
 async def run_tool(name: str, argument: str) -> ToolResult:
-    """Runs one tool; an unknown tool or any exception becomes an "error: ..." result."""
+    """Runs one tool; an unknown tool or any exception becomes an "error: ..." result (a
+    sandbox that could not start is raised: the sample fails instead)."""
     tool = TOOLS.find(name)
     if tool is None:
         known = ", ".join(TOOLS.names())
@@ -87,8 +88,8 @@ async def run_tool(name: str, argument: str) -> ToolResult:
         if inspect.isawaitable(out):
             out = await out
         text, ok = str(out), True
-    except asyncio.CancelledError:
-        raise
+    except (asyncio.CancelledError, SandboxUnavailable):
+        raise  # the machine's failure, not the policy's: the sample fails, it is not scored
     except ToolError as exc:
         text, ok = f"error: {exc}", False
     except Exception as exc:
