@@ -186,12 +186,12 @@ class Dataflow(Ingesting, WeightSync):
         # Kept since schema 2; counted from the versions trained when missing, below.
         uncounted = st.get("replay_slots") is None and st.get("accepted") is not None
         self.replay_slots.update(st.get("replay_slots", {}))
-        # Before the groups are restored below (which counts them `restored`).
         # Per-policy state of policies this configuration lacks: kept as saved.
         self._unconfigured = {
             key: {p: v for p, v in (st.get(key) or {}).items() if p not in self.buffers}
             for key in ("buffer_counters", "drop_streaks")
         }
+        # Before the groups are restored below (which counts them `restored`).
         for policy_id, saved in st.get("buffer_counters", {}).items():
             if policy_id in self.buffers:
                 self.buffers[policy_id].restore_counters(saved)
@@ -226,13 +226,8 @@ class Dataflow(Ingesting, WeightSync):
             else:
                 leased.setdefault(batch_id, []).append(group)
         for policy_id, remembered in st.replay_memory().items():
-            if policy_id not in self.buffers:  # kept for when it is configured again
-                log.warning(
-                    "replay memory of policy %r (%d groups) kept on disk: the policy is not "
-                    "configured",
-                    policy_id,
-                    len(remembered),
-                )
+            if policy_id not in self.buffers:
+                kept[f"groups in the replay memory of policy {policy_id!r}"] += len(remembered)
                 continue
             for group in remembered:
                 self.buffers[policy_id].restore_replay(group)
