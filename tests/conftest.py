@@ -86,6 +86,29 @@ async def running_dataflow(config: DataflowConfig):
             metrics.shutdown()
 
 
+def save_tiny_trainer_model(path: Path) -> Path:
+    """A random tiny model of the scripted RaaS's vocabulary, saved for a trainer to start from."""
+    from astra.engine.tiny import TINY_CONFIG, random_model, save_model
+    from astra.raas.scripted import VOCAB_SIZE
+
+    cfg = {**TINY_CONFIG, "vocab_size": VOCAB_SIZE}
+    save_model(path, random_model(cfg, 1), cfg)
+    return path
+
+
+async def start_two_rank_trainer(df_server, weights, model: Path, *more: str, **popen):
+    """`python -m astra.trainer --nproc 2` (torchrun) against a `scripted_system`; `more`
+    flags after the common ones, `popen` for asyncio.create_subprocess_exec (stdout piped)."""
+    import asyncio
+    import sys
+
+    args = ["--nproc", "2", "--dataflow", df_server.address, "--weights", weights.address]
+    args += ["--policy", "policy", "--model", str(model), "--port", "0", *more]
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "astra.trainer", *args, stdout=asyncio.subprocess.PIPE, **popen
+    )
+
+
 @asynccontextmanager
 async def scripted_system(tmp_path: Path, dataset: Path):
     """What a trainer process needs, in process: a WeightService (not durable), a Dataflow and

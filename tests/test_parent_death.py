@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from astra.engine.tiny import TINY_CONFIG, random_model, save_model
-from astra.raas.scripted import VOCAB_SIZE
-from tests.conftest import scripted_system
+from tests.conftest import save_tiny_trainer_model, scripted_system, start_two_rank_trainer
 from tests.test_run_children import alive, gone_within, kill
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl: Linux")
@@ -99,22 +97,17 @@ def test_a_child_of_pid_1_is_not_taken_for_an_orphan() -> None:
 
 @pytest.mark.slow
 def test_torchrun_ranks_go_when_torchrun_is_sigkilled(tmp_path: Path, dataset: Path) -> None:
-    model_cfg = {**TINY_CONFIG, "vocab_size": VOCAB_SIZE}
-    save_model(tmp_path / "model", random_model(model_cfg, 1), model_cfg)
+    model = save_tiny_trainer_model(tmp_path / "model")
 
     seen: dict[str, object] = {}
 
     async def body() -> None:
         async with scripted_system(tmp_path, dataset) as (df_server, _, weights):
-            args = ["--nproc", "2", "--dataflow", df_server.address, "--weights"]
-            args += [weights.address, "--policy", "policy", "--model", str(tmp_path / "model")]
-            args += ["--port", "0", "--num-steps", "0"]  # until stopped
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "astra.trainer",
-                *args,
-                stdout=asyncio.subprocess.PIPE,
+            proc = await start_two_rank_trainer(
+                df_server,
+                weights,
+                model,
+                *("--num-steps", "0"),  # until stopped
                 stderr=asyncio.subprocess.DEVNULL,
             )
             ranks: list[int] = []

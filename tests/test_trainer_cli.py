@@ -6,15 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from astra.engine.tiny import TINY_CONFIG, random_model, save_model
-from astra.raas.scripted import VOCAB_SIZE
 from astra.trainer.checkpoint import list_checkpoints
-from tests.conftest import scripted_system
+from tests.conftest import save_tiny_trainer_model, scripted_system, start_two_rank_trainer
 
 STEPS = 2
 
@@ -23,8 +20,7 @@ STEPS = 2
 def test_two_rank_trainer_process_trains_announces_and_checkpoints(
     tmp_path: Path, dataset: Path
 ) -> None:
-    model_cfg = {**TINY_CONFIG, "vocab_size": VOCAB_SIZE}  # the scripted RaaS's vocabulary
-    save_model(tmp_path / "model", random_model(model_cfg, 1), model_cfg)
+    model = save_tiny_trainer_model(tmp_path / "model")
     env = {
         **os.environ,
         "ASTRA_TRAINER__BATCH__NUM_GROUPS": "2",
@@ -33,16 +29,11 @@ def test_two_rank_trainer_process_trains_announces_and_checkpoints(
 
     async def body() -> None:
         async with scripted_system(tmp_path, dataset) as (df_server, client, weights):
-            args = ["--nproc", "2", "--dataflow", df_server.address, "--weights"]
-            args += [weights.address, "--policy", "policy", "--model", str(tmp_path / "model")]
-            args += ["--port", "0", "--num-steps", str(STEPS), "--checkpoint-dir"]
-            args += [str(tmp_path / "ckpt")]
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "astra.trainer",
-                *args,
-                stdout=asyncio.subprocess.PIPE,
+            proc = await start_two_rank_trainer(
+                df_server,
+                weights,
+                model,
+                *("--num-steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ckpt")),
                 stderr=asyncio.subprocess.PIPE,
                 env=env,
             )

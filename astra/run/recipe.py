@@ -221,8 +221,8 @@ class Recipe(_Strict):
     def eval_streams(self) -> list[tuple[str, StreamSpec]]:
         """(Dataflow stream name, recipe stream) of each evaluation, in `eval.streams` order:
         `eval` when one stream is evaluated, `eval-<stream>` each when several are."""
-        by_name = {s.name: s for s in self.streams}
-        chosen = [by_name[n] for n in self.eval.streams if n in by_name] or self.streams[:1]
+        by_name = {s.name: s for s in self.streams}  # (eval.streams names only these: _refs)
+        chosen = [by_name[n] for n in self.eval.streams] or self.streams[:1]
         if len(chosen) == 1:
             return [(EVAL_STREAM, chosen[0])]
         return [(f"{EVAL_PREFIX}{s.name}", s) for s in chosen]

@@ -86,9 +86,8 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            preexec_fn=parent_death.preexec(
-                signal.SIGTERM
-            ),  # it goes with the process that started it
+            # It goes with the process that started it.
+            preexec_fn=parent_death.preexec(signal.SIGTERM),
         )
 
     def log_tail(self, chars: int = 3000) -> str:
