@@ -34,6 +34,7 @@ def main() -> None:
 
 
 def _add_subcommands() -> None:
+    from astra.raas.check_cli import check_command
     from astra.run.cli import run_command
     from astra.run.raas_cli import raas
     from astra.run.top import top_command
@@ -43,6 +44,7 @@ def _add_subcommands() -> None:
 
     main.add_command(weights)
     main.add_command(run_command)
+    raas.add_command(check_command)
     main.add_command(raas)
     main.add_command(top_command)
     main.add_command(sft_command)

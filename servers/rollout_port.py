@@ -64,21 +64,7 @@ class GrpcRolloutPort:
             return await self.client.collect_results_raw(max_groups, max_wait_s)
 
     def decode(self, received: Sequence[bytes]) -> list[IncomingGroup]:
-        out = []
-        for msg in received:
-            try:
-                (raw,) = field_slices(msg, 1, copy=False) or [b""]
-                result = rollout_pb2.GroupResult.FromString(raw)
-            except (DecodeError, Malformed, ValueError, IndexError) as exc:
-                # A RaaS bug, not Dataflow's: the collector must not die of it (it would
-                # collect the same bytes again forever). Named by its group id where that
-                # much parses: the group ends counted as malformed and is acknowledged.
-                # Else it cannot be acknowledged: counted once (by digest), its lease
-                # expires and the group is dispatched again elsewhere.
-                out.append(_undecodable(msg, exc))
-                continue
-            out.append(incoming_group(result, result.instance_id, raw))
-        return out
+        return decode_results(received)
 
     async def ack(self, group_ids: Sequence[str]) -> None:
         with _call():
@@ -114,6 +100,25 @@ class GrpcRolloutPort:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def decode_results(received: Sequence[bytes]) -> list[IncomingGroup]:
+    """Serialized CollectResultsResponse messages as Dataflow takes them in (each validated)."""
+    out = []
+    for msg in received:
+        try:
+            (raw,) = field_slices(msg, 1, copy=False) or [b""]
+            result = rollout_pb2.GroupResult.FromString(raw)
+        except (DecodeError, Malformed, ValueError, IndexError) as exc:
+            # A RaaS bug, not Dataflow's: the collector must not die of it (it would
+            # collect the same bytes again forever). Named by its group id where that
+            # much parses: the group ends counted as malformed and is acknowledged.
+            # Else it cannot be acknowledged: counted once (by digest), its lease
+            # expires and the group is dispatched again elsewhere.
+            out.append(_undecodable(msg, exc))
+            continue
+        out.append(incoming_group(result, result.instance_id, raw))
+    return out
 
 
 def connect(timeout_s: float):

@@ -33,7 +33,7 @@ TIMEOUT = click.option(
 
 @click.group("raas")
 def raas() -> None:
-    """Add or remove RaaS of a running `astra run` (elastic pool)."""
+    """Add or remove RaaS of a running `astra run` (elastic pool); check a RaaS's contract."""
 
 
 def _label(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:

@@ -494,6 +494,17 @@ class Bench:
         )
         return r
 
+    def null_receiver(self, identity: str, total: int) -> dict:
+        """The service's stream of a stored version read by a receiver that only acknowledges
+        (nothing copied, checked or kept): what any receiver could reach over Python gRPC."""
+        settle()
+        cpu0 = cpu_seconds(self.service.pid)
+        cmd = {"op": "fetch_null", "address": self.service.address, "policy": POLICY,
+               "target": identity, "total": total}  # fmt: skip
+        (out,) = ask_all(self.workers[:1], [cmd])
+        out["service_cpu_s"] = cpu_seconds(self.service.pid) - cpu0
+        return out
+
     def astra_single_full(self, identity: str, expect: dict) -> dict:
         """One receiver with nothing fetches a stored version: Astra's stream throughput."""
         d = self.tmp / "rx-single"
@@ -566,17 +577,18 @@ def run(p, tmp: Path) -> dict:
         res["first"] = b.astra_trial(base, "full")
         expect1, sizes = adlers(base), [a.nbytes for a in base.values()]
         # One receiver, full copy: the four kinds in rounds, so the machine's moods hit them alike.
-        for key in ("tcp1", "grpc1", "single", "single_mem"):
+        for key in ("tcp1", "grpc1", "single", "single_mem", "null1"):
             res[key] = []
         for _ in range(p.reps_stream):
             res["tcp1"].append(b.raw_tcp(1, False))
             res["grpc1"].append(b.plain_grpc(1))
             res["single"].append(b.astra_single_full("v1", expect1))
             res["single_mem"].append(b.astra_single_full_mem("v1", expect1, sizes))
+            res["null1"].append(b.null_receiver("v1", res["full_bytes"]))
         ask_all(b.workers, [{"op": "free", "key": "single"}] * len(b.workers))
         say("1 receiver, GB/s: " + "; ".join(
             f"{k} {[round(size / r['seconds'] / GB, 2) for r in res[k]]}"
-            for k in ("tcp1", "grpc1", "single", "single_mem")))  # fmt: skip
+            for k in ("tcp1", "grpc1", "single", "single_mem", "null1")))  # fmt: skip
         del base
         model, seed = new, 3
         res["delta"], res["full"] = [], []
@@ -674,6 +686,7 @@ def markdown(p, res: dict, started: str, took: float) -> str:
     grpc1 = gbps([r["seconds"] for r in res["grpc1"]])
     single = gbps([r["seconds"] for r in res["single"]])
     single_mem = gbps([r["seconds"] for r in res["single_mem"]])
+    null1 = gbps([r["seconds"] for r in res.get("null1", [])])  # runs from before: none
     # Like for like: raw TCP's receiver writes into a RAM buffer faulted in beforehand, so Astra's
     # in-memory receiver with its spare buffers faulted in. The trials run in rounds (raw TCP,
     # plain gRPC, Astra on disk, Astra in memory): the ratio is the median over rounds of Astra
@@ -682,6 +695,7 @@ def markdown(p, res: dict, started: str, took: float) -> str:
     stream_ratio = med(a / t for a, t in zip(single_mem, tcp1, strict=True))
     stream_vs_fastest = med(single_mem) / max(tcp1)
     disk_ratio = med(a / t for a, t in zip(single, tcp1, strict=True))
+    null_ratio = med(a / t for a, t in zip(null1, tcp1, strict=True)) if null1 else None
     speedup = lf["e2e_s"] / ld["e2e_s"]
     fetch_speedup = lf["fetch_s"] / ld["fetch_s"]
     mem_speedup = mlf["e2e_s"] / mld["e2e_s"]
@@ -745,6 +759,15 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         f"| the same, Astra into a new checkpoint directory (`Receiver.fetch`: staged, fsynced, "
         f"installed) | {rng(single, '{:.3f}')} ({disk_ratio:.0%} of raw TCP) | | "
         f"| | | |",
+        *(
+            [
+                f"| the same stream read by a receiver that only acknowledges (nothing copied, "
+                f"checked or kept: the ceiling of any receiver over Python gRPC) | "
+                f"{rng(null1, '{:.3f}')} ({null_ratio:.0%} of raw TCP) | | | | | |"
+            ]
+            if null1
+            else []
+        ),
         f"| full version to 4 receivers, loopback, s (Astra: v1, after its publish) | "
         f"{first['fetch_s']:.1f} | {rng([r['seconds'] for r in res['tcp4']], '{:.1f}')} | | "
         f"{rng([r['seconds'] for r in res['grpc4']], '{:.1f}')} | | |",

@@ -16,6 +16,10 @@ its stdin closes. A worker answers each command line with one JSON line:
       one version; `reset` drops it first): verified and swapped in RAM.
   {"op": "tcp", "host", "port", "total"}   raw TCP: read the whole checkpoint into RAM.
   {"op": "grpc", "address", "total"}       plain gRPC: read every chunk into RAM.
+  {"op": "fetch_null", "address", "policy", "target", "total"}
+      Astra's FetchVersion stream read by a receiver that only acknowledges each tensor
+      once its bytes arrived: nothing copied, checked or kept (the ceiling of any receiver
+      of this service on Python gRPC).
 Times are time.monotonic() (CLOCK_MONOTONIC, shared by all processes of the machine).
 The relay forwards every connection to its target through one token bucket per
 direction shared by all connections (one 1 Gbit/s uplink), and answers "stats" on
@@ -262,6 +266,48 @@ async def op_grpc(c: dict) -> dict:
             "bytes_received": pos}  # fmt: skip
 
 
+async def op_fetch_null(c: dict) -> dict:
+    import grpc
+
+    from astra.weights.malloc import keep_freed_memory
+    from astra.weights.v1 import weight_service_pb2 as pb
+    from astra.weights.wire import deserializer
+
+    keep_freed_memory()  # as the Receiver does
+    cpu0, t0 = cpu_self(), time.monotonic()
+    pos = 0
+    async with grpc.aio.insecure_channel(c["address"]) as channel:
+        call = channel.stream_stream(
+            "/astra.weights.v1.WeightService/FetchVersion",
+            request_serializer=pb.FetchVersionRequest.SerializeToString,
+            response_deserializer=deserializer(pb.FetchVersionResponse.FromString),
+        )()
+        start = pb.FetchStart(policy_id=c["policy"], target_version_id=c["target"])
+        await call.write(pb.FetchVersionRequest(start=start))
+        name, left = "", 0
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                raise ConnectionError(f"stream ended after {pos} bytes, before FetchDone")
+            part = msg.WhichOneof("part")
+            if part == "tensor":
+                name, left = msg.tensor.name, msg.tensor.encoded_size_bytes
+            elif part == "chunk":
+                left -= len(msg.chunk.data)
+                pos += len(msg.chunk.data)
+            elif part == "done":
+                break
+            if name and left == 0:
+                await call.write(pb.FetchVersionRequest(ack=pb.TensorAck(name=name)))
+                name = ""
+        await call.done_writing()
+    t1 = time.monotonic()
+    if pos != c["total"]:
+        raise ValueError(f"received {pos} bytes, expected {c['total']}")
+    return {"t_start": t0, "t_end": t1, "seconds": t1 - t0, "cpu_s": cpu_self() - cpu0,
+            "bytes_received": pos}  # fmt: skip
+
+
 def worker() -> None:
     import logging
 
@@ -270,6 +316,7 @@ def worker() -> None:
     instrument()
     loop = asyncio.new_event_loop()
     ops = {"fetch": op_fetch, "fetch_mem": op_fetch_mem, "tcp": op_tcp, "grpc": op_grpc}
+    ops["fetch_null"] = op_fetch_null
     ops["prep"], ops["free"] = op_prep, op_free
     emit({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:

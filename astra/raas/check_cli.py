@@ -1,0 +1,61 @@
+"""`astra raas check ADDRESS`: a RolloutService implementation checked against the contract.
+
+One line per check on stdout (PASS, FAIL, WARN, SKIP and what was seen), or one
+JSON object with --json. Exit status: 0 when no check failed (warnings and
+skips allowed), 1 when one did or the server could not be reached, 2 usage.
+The checks themselves live in astra.clients.raas_check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import click
+
+
+@click.command("check")
+@click.argument("address")
+@click.option("--policy", default="", help="Policy to run groups of (default: the first served).")
+@click.option("--workflow", default="", help="Workflow to run (default: the first served).")
+@click.option("--reward", default="", help="Reward to name (default: the workflow's).")
+@click.option("--prompt", default="1+1=", show_default=True, help="Prompt text of every group.")
+@click.option("--answer", default="2", show_default=True, help="The record's answer field.")
+@click.option(
+    "--max-new-tokens", type=click.IntRange(min=1), default=8, show_default=True,
+    help="Tokens per sample: keep the checks cheap on a real engine.",
+)  # fmt: skip
+@click.option(
+    "--result-timeout", "result_timeout_s", type=click.FloatRange(min=1.0), default=120.0,
+    show_default=True, help="Seconds for one group to finish.",
+)  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
+def check_command(address: str, as_json: bool, result_timeout_s: float, **options: object) -> None:
+    """Checks the RolloutService at ADDRESS (host:port) against rollout_service.proto.
+
+    Runs a few real groups of one or two samples, so point it at an instance no
+    Dataflow dispatches to.
+    """
+    from astra.clients.raas_check import CheckOptions, RaasChecker, summary
+    from astra.servers.runtime import install_event_loop_policy
+
+    opts = CheckOptions(result_timeout_s=result_timeout_s, **options)  # type: ignore[arg-type]
+    install_event_loop_policy()
+    try:
+        results = asyncio.run(RaasChecker(address, opts).run())
+    except OSError as exc:
+        click.echo(f"astra raas check: {exc}", err=True)
+        sys.exit(1)
+    report = summary(results)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        width = max(len(r.name) for r in results)
+        for r in results:
+            click.echo(f"{r.status.upper():4}  {r.name:{width}}  {r.detail}")
+        click.echo(
+            f"{report['pass']} passed, {report['fail']} failed, {report['warn']} warnings, "
+            f"{report['skip']} skipped"
+        )
+    sys.exit(0 if report["ok"] else 1)

@@ -1,0 +1,433 @@
+"""Checks a RolloutService implementation against the RaaS contract (`astra raas check ADDRESS`).
+
+For engine authors: each check is one rule of rollout_service.proto, run over the
+wire against a live server. A check passes, fails (saying what the contract
+expects and what came), warns (a recommendation, not a rule), or is skipped (a
+feature the server does not list in GetCapabilities, or a check that needs an
+earlier one). Results are validated by the decoder Dataflow itself uses
+(`decode_results`), so a group that passes here is one Dataflow trains on.
+
+The checks run real groups, one sample of `max_new_tokens` tokens or two at a
+time; point them at an instance that is not registered with a Dataflow, or
+Dataflow's own groups change the counts the checks read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+
+import grpc
+from google.protobuf import struct_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from astra.clients.raas import RolloutClient
+from astra.common.v1 import rollout_pb2, version_pb2
+from astra.dataflow.ports import IncomingGroup
+from astra.raas.v1 import rollout_service_pb2 as pb
+from astra.servers.rollout_port import decode_results
+
+CONTRACT_MAJOR = "1"
+MAX_WAIT_S = 30.0  # CollectResults.max_wait bound (rollout_service.proto)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "pass", "fail", "warn" or "skip"
+    detail: str
+
+
+@dataclass
+class CheckOptions:
+    policy: str = ""  # default: the first policy the server lists
+    workflow: str = ""  # default: the first workflow it lists
+    reward: str = ""  # default: the workflow's
+    prompt: str = "1+1="
+    answer: str = "2"  # the dataset record's "answer", for rewards that need one
+    max_new_tokens: int = 8
+    result_timeout_s: float = 120.0  # for one group to finish
+    call_timeout_s: float = 10.0
+
+
+class CheckFailed(Exception):
+    """A rule broken; the message says what was expected and what came."""
+
+
+class Skipped(Exception):
+    """A check that does not apply (a feature not listed, an earlier check failed)."""
+
+
+class _Warning(Exception):
+    """A recommendation the server does not follow."""
+
+
+@dataclass
+class _Rpc:
+    """How a call ended: OK, or its code with the ErrorInfo and RetryInfo it carried."""
+
+    code: grpc.StatusCode
+    details: str = ""
+    reason: str = ""  # ErrorInfo.reason; "" when the status carries no ErrorInfo
+    retry: bool = False  # RetryInfo present
+    response: object = None
+
+    def expect(self, code: grpc.StatusCode, reason: str | None = None) -> str:
+        if self.code != code:
+            raise CheckFailed(f"expected {code.name}, got {self.code.name} {self.details!r}")
+        if code == grpc.StatusCode.OK:
+            return "OK"
+        if not self.reason:
+            raise CheckFailed(f"{code.name} without a google.rpc.ErrorInfo in the status details")
+        if reason is not None and self.reason != reason:
+            raise CheckFailed(f"{code.name} with reason {self.reason}, expected {reason}")
+        return f"{code.name} {self.reason}"
+
+
+async def _rpc(call: Awaitable) -> _Rpc:
+    try:
+        return _Rpc(grpc.StatusCode.OK, response=await call)
+    except grpc.aio.AioRpcError as exc:
+        out = _Rpc(exc.code(), exc.details() or "")
+        raw = dict(exc.trailing_metadata() or ()).get("grpc-status-details-bin")
+        for detail in status_pb2.Status.FromString(raw).details if raw else ():
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                out.reason = info.reason
+            out.retry = out.retry or detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR)
+        return out
+
+
+@dataclass
+class RaasChecker:
+    address: str
+    options: CheckOptions = field(default_factory=CheckOptions)
+
+    def __post_init__(self) -> None:
+        self.client: RolloutClient  # opened by `run`, on its event loop
+        self.run_id = secrets.token_hex(4)
+        self.capacity = 0
+        self.features: set[str] = set()
+        self.policy, self.workflow = self.options.policy, self.options.workflow
+        # The group `submit` sent (group_id empty until it passes) and what collects decoded.
+        self.group, self.submitted = "", rollout_pb2.PromptGroup()
+        self.decoded: dict[str, IncomingGroup] = {}
+        self.results: list[Check] = []
+        self._n = 0
+
+    async def run(self) -> list[Check]:
+        """Every check in order, each on its own; the list of what they found."""
+        self.client = RolloutClient(self.address, timeout_s=self.options.call_timeout_s)
+        checks: list[tuple[str, Callable[[], Awaitable[str]]]] = [
+            ("health", self.health),
+            ("reflection", self.reflection),
+            ("capabilities", self.capabilities),
+            ("status", self.status),
+            ("submit_rejects_empty", self.submit_rejects_empty),
+            ("submit_rejects_duplicate_ids", self.submit_rejects_duplicate_ids),
+            ("submit_rejects_unknown_policy", self.submit_rejects_unknown_policy),
+            ("submit_rejects_unknown_workflow", self.submit_rejects_unknown_workflow),
+            ("submit_refuses_over_capacity", self.submit_refuses_over_capacity),
+            ("collect_rejects_long_wait", self.collect_rejects_long_wait),
+            ("submit", self.submit),
+            ("submit_is_idempotent", self.submit_is_idempotent),
+            ("collect", self.collect),
+            ("collect_repeats_until_ack", self.collect_repeats_until_ack),
+            ("ack", self.ack),
+            ("ack_removes_the_result", self.ack_removes_the_result),
+            ("ack_ignores_unknown_ids", self.ack_ignores_unknown_ids),
+            ("cancel", self.cancel),
+            ("load_weights_rejects_bad_requests", self.load_weights_rejects_bad_requests),
+            ("settles", self.settles),
+        ]
+        try:
+            for name, check in checks:
+                try:
+                    self.results.append(Check(name, "pass", await check()))
+                except CheckFailed as exc:
+                    self.results.append(Check(name, "fail", str(exc)))
+                except Skipped as exc:
+                    self.results.append(Check(name, "skip", str(exc)))
+                except _Warning as exc:
+                    self.results.append(Check(name, "warn", str(exc)))
+                except (grpc.aio.AioRpcError, TimeoutError) as exc:
+                    text = (
+                        f"{exc.code().name}: {exc.details()}"
+                        if hasattr(exc, "code")
+                        else "timed out"
+                    )
+                    self.results.append(Check(name, "fail", f"unexpected: {text}"))
+        finally:
+            await self.client.close()
+        return self.results
+
+    # ----- helpers ---------------------------------------------------------------------------
+
+    def _group(
+        self, *, num_samples: int = 1, policy: str = "", workflow: str = ""
+    ) -> rollout_pb2.PromptGroup:
+        self._n += 1
+        data = struct_pb2.Struct()
+        data.update({"prompt": self.options.prompt, "answer": self.options.answer})
+        return rollout_pb2.PromptGroup(
+            group_id=f"conformance/{self.run_id}/{self._n}",
+            workflow=workflow or self.workflow,
+            policy_ids=[policy or self.policy],
+            prompt=rollout_pb2.Prompt(text=self.options.prompt, data=data),
+            num_samples=num_samples,
+            sampling_params=rollout_pb2.SamplingParams(
+                temperature=1.0, top_p=1.0, max_new_tokens=self.options.max_new_tokens, seed=self._n
+            ),
+            reward=self.options.reward,
+        )
+
+    def _needs(self, *attrs: str) -> None:
+        for attr in attrs:
+            if not getattr(self, attr):
+                raise Skipped(f"needs an earlier check ({attr} unknown)")
+
+    async def _submit(self, *groups: rollout_pb2.PromptGroup) -> _Rpc:
+        return await _rpc(self.client.submit_groups(list(groups)))
+
+    async def _collect(self, max_wait_s: float) -> dict[str, int]:
+        """group id -> results delivered for it by one CollectResults call (our groups only)."""
+        raw = await self.client.collect_results_raw(64, max_wait_s)
+        out: dict[str, int] = {}
+        for group in decode_results(raw):
+            if group.group_id.startswith(f"conformance/{self.run_id}/"):
+                out[group.group_id] = out.get(group.group_id, 0) + 1
+                self.decoded[group.group_id] = group
+        return out
+
+    # ----- checks ----------------------------------------------------------------------------
+
+    async def health(self) -> str:
+        r = await _rpc(self.client.check_health())
+        if r.code != grpc.StatusCode.OK:
+            raise CheckFailed(f"grpc.health.v1 Check({RolloutClient.SERVICE!r}): {r.code.name}")
+        if not r.response:
+            raise CheckFailed("not SERVING (the contract: SERVING once the model is loaded)")
+        return "SERVING"
+
+    async def reflection(self) -> str:
+        stub = reflection_pb2_grpc.ServerReflectionStub(self.client.channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        try:
+            call = stub.ServerReflectionInfo(iter([request]), timeout=self.options.call_timeout_s)
+            names = [s.name async for r in call for s in r.list_services_response.service]
+        except grpc.aio.AioRpcError as exc:
+            raise _Warning(
+                f"no server reflection ({exc.code().name}): grpcurl needs the protos"
+            ) from None
+        if RolloutClient.SERVICE not in names:
+            raise _Warning(f"reflection lists {names}, not {RolloutClient.SERVICE}")
+        return f"{len(names)} services"
+
+    async def capabilities(self) -> str:
+        caps = (await self.client.get_capabilities()).capabilities
+        self.features = set(caps.features)
+        if caps.contract_version.split(".")[0] != CONTRACT_MAJOR:
+            raise CheckFailed(
+                f"contract_version {caps.contract_version!r}; this checker knows {CONTRACT_MAJOR}.x"
+            )
+        name = caps.implementation or "(no implementation name)"
+        return f"{name} {caps.implementation_version}, contract {caps.contract_version}, features {sorted(self.features)}"
+
+    async def status(self) -> str:
+        s = await self.client.get_status()
+        if s.capacity < 1 or not 0 <= s.free_slots <= s.capacity:
+            raise CheckFailed(f"capacity {s.capacity}, free_slots {s.free_slots}")
+        if not s.policy_ids or not s.workflows:
+            raise CheckFailed(f"policy_ids {list(s.policy_ids)}, workflows {list(s.workflows)}")
+        for kind, chosen, listed in (
+            ("policy", self.policy, s.policy_ids),
+            ("workflow", self.workflow, s.workflows),
+        ):
+            if chosen and chosen not in listed:
+                raise CheckFailed(f"{kind} {chosen!r} not among {list(listed)}")
+        self.policy = self.policy or s.policy_ids[0]
+        self.workflow = self.workflow or s.workflows[0]
+        self.capacity = s.capacity
+        if s.running_groups or s.pending_results:
+            raise _Warning(
+                f"{s.running_groups} running, {s.pending_results} pending: an instance in use "
+                "(a Dataflow's groups) may make later checks fail"
+            )
+        return f"capacity {s.capacity}, serving {self.policy}/{self.workflow}"
+
+    async def submit_rejects_empty(self) -> str:
+        return (await self._submit()).expect(grpc.StatusCode.INVALID_ARGUMENT)
+
+    async def submit_rejects_duplicate_ids(self) -> str:
+        self._needs("policy")
+        g = self._group()
+        return (await self._submit(g, g)).expect(grpc.StatusCode.INVALID_ARGUMENT)
+
+    async def submit_rejects_unknown_policy(self) -> str:
+        self._needs("policy")
+        r = await self._submit(self._group(policy=f"no-such-policy-{self.run_id}"))
+        return r.expect(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_POLICY")
+
+    async def submit_rejects_unknown_workflow(self) -> str:
+        self._needs("policy")
+        r = await self._submit(self._group(workflow=f"no-such-workflow-{self.run_id}"))
+        return r.expect(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_WORKFLOW")
+
+    async def submit_refuses_over_capacity(self) -> str:
+        self._needs("policy", "capacity")
+        per = min(1024, self.capacity)
+        groups = [self._group(num_samples=per) for _ in range(self.capacity // per + 1)]
+        r = await self._submit(*groups)
+        text = r.expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "NO_FREE_SLOTS")
+        if not r.retry:
+            raise CheckFailed("RESOURCE_EXHAUSTED without a google.rpc.RetryInfo")
+        s = await self.client.get_status()
+        if s.running_groups:  # all or nothing: none of the groups may run
+            raise CheckFailed(f"refused, yet {s.running_groups} groups run")
+        return f"{text} for {len(groups)} x {per} samples, RetryInfo set, none run"
+
+    async def collect_rejects_long_wait(self) -> str:
+        req = pb.CollectResultsRequest(max_groups=1)
+        req.max_wait.FromSeconds(int(MAX_WAIT_S) + 1)
+
+        async def call() -> list:
+            return [m async for m in self.client.stub.CollectResults(req, timeout=MAX_WAIT_S + 5)]
+
+        return (await _rpc(call())).expect(grpc.StatusCode.INVALID_ARGUMENT)
+
+    async def submit(self) -> str:
+        self._needs("policy", "capacity")
+        g = self._group(num_samples=min(2, self.capacity))
+        r = await self._submit(g)
+        r.expect(grpc.StatusCode.OK)
+        if list(r.response.accepted_group_ids) != [g.group_id]:
+            raise CheckFailed(
+                f"accepted {list(r.response.accepted_group_ids)}, expected [{g.group_id!r}]"
+            )
+        self.group, self.submitted = g.group_id, g
+        return f"{g.group_id} ({g.num_samples} samples) accepted"
+
+    async def submit_is_idempotent(self) -> str:
+        self._needs("group")
+        r = await self._submit(self.submitted)
+        if r.code == grpc.StatusCode.OK and self.group in r.response.accepted_group_ids:
+            return "the same group again: reported accepted"
+        raise CheckFailed(f"resubmitting a held group: {r.code.name} {r.details!r}")
+
+    async def collect(self) -> str:
+        self._needs("group")
+        deadline = time.monotonic() + self.options.result_timeout_s
+        while time.monotonic() < deadline:
+            got = await self._collect(min(5.0, max(0.1, deadline - time.monotonic())))
+            if got.get(self.group, 0) > 1:
+                raise CheckFailed(f"{got[self.group]} results for {self.group} in one collect")
+            if self.group in got:
+                break
+        else:
+            self.group = ""
+            raise CheckFailed(f"no result within {self.options.result_timeout_s:g} s")
+        result = self.decoded[self.group]
+        if result.error is not None:
+            raise CheckFailed(f"the group failed: {result.error}")
+        if result.invalid is not None:
+            raise CheckFailed(f"Dataflow would refuse the result: {result.invalid}")
+        trajectories = result.per_policy.get(self.policy, [])
+        if len(trajectories) != self.submitted.num_samples:
+            raise CheckFailed(
+                f"{len(trajectories)} trajectories of {self.policy}, expected {self.submitted.num_samples}"
+            )
+        failed = sum(t.failed for t in trajectories)
+        if failed:
+            raise CheckFailed(f"{failed} of {len(trajectories)} samples failed")
+        tokens = sum(t.num_tokens for t in trajectories)
+        return f"{len(trajectories)} trajectories, {tokens} trained tokens, as Dataflow reads them"
+
+    async def collect_repeats_until_ack(self) -> str:
+        self._needs("group")
+        got = await self._collect(0.0)
+        if self.group not in got:
+            raise CheckFailed("a result not yet acknowledged was not sent again")
+        return "sent again before AckResults"
+
+    async def ack(self) -> str:
+        self._needs("group")
+        first = await self.client.ack_results([self.group])
+        if first.acknowledged != 1:
+            raise CheckFailed(f"acknowledged {first.acknowledged}, expected 1")
+        again = await _rpc(self.client.ack_results([self.group]))
+        again.expect(grpc.StatusCode.OK)
+        if again.response.acknowledged != 0 or again.response.ignored != 1:
+            raise CheckFailed(
+                f"acknowledged again: acknowledged {again.response.acknowledged}, ignored "
+                f"{again.response.ignored}, expected 0 and 1"
+            )
+        return "acknowledged once; again: ignored"
+
+    async def ack_removes_the_result(self) -> str:
+        self._needs("group")
+        # Long enough for a second run of the resubmitted group to finish, were there one.
+        got = await self._collect(2.0)
+        if self.group in got:
+            raise CheckFailed("delivered again after AckResults (or run twice: the resubmission)")
+        return "not delivered again"
+
+    async def ack_ignores_unknown_ids(self) -> str:
+        r = await _rpc(self.client.ack_results([f"conformance/{self.run_id}/unknown"]))
+        r.expect(grpc.StatusCode.OK)
+        if r.response.ignored != 1:
+            raise CheckFailed(f"ignored {r.response.ignored}, expected 1")
+        return "OK, ignored 1"
+
+    async def cancel(self) -> str:
+        unknown = await _rpc(self.client.cancel_groups([f"conformance/{self.run_id}/unknown"]))
+        unknown.expect(grpc.StatusCode.OK)
+        if "cancel" not in self.features:
+            raise Skipped("unknown ids OK; the cancel feature is not listed")
+        self._needs("policy")
+        g = self._group()
+        (await self._submit(g)).expect(grpc.StatusCode.OK)
+        cancelled = (await self.client.cancel_groups([g.group_id])).cancelled
+        got = await self._collect(1.0)
+        if cancelled and g.group_id in got:
+            raise CheckFailed("a cancelled group produced a result")
+        if g.group_id in got:  # finished before the cancel: fine, acknowledged like any other
+            await self.client.ack_results([g.group_id])
+            return "unknown ids OK; the group finished before the cancel"
+        return f"unknown ids OK; a running group cancelled ({cancelled}), no result"
+
+    async def load_weights_rejects_bad_requests(self) -> str:
+        self._needs("policy")
+        empty = await _rpc(
+            self.client.load_weights([], "127.0.0.1:1", f"conformance-{self.run_id}-1")
+        )
+        first = empty.expect(grpc.StatusCode.INVALID_ARGUMENT)
+        unknown = version_pb2.PolicyVersion(
+            policy_id=f"no-such-policy-{self.run_id}", version=1, version_id="v1"
+        )
+        r = await _rpc(
+            self.client.load_weights([unknown], "127.0.0.1:1", f"conformance-{self.run_id}-2")
+        )
+        return f"empty: {first}; unknown policy: {r.expect(grpc.StatusCode.INVALID_ARGUMENT, 'UNKNOWN_POLICY')}"
+
+    async def settles(self) -> str:
+        deadline = time.monotonic() + self.options.result_timeout_s
+        while True:
+            s = await self.client.get_status()
+            if s.running_groups == 0 and s.pending_results == 0 and s.free_slots == s.capacity:
+                return "nothing running or pending, every slot free"
+            if time.monotonic() > deadline:
+                raise CheckFailed(
+                    f"running {s.running_groups}, pending {s.pending_results}, free "
+                    f"{s.free_slots} of {s.capacity} after every group was acknowledged"
+                )
+            await asyncio.sleep(0.2)
+
+
+def summary(results: list[Check]) -> dict:
+    counts = {k: sum(r.status == k for r in results) for k in ("pass", "fail", "warn", "skip")}
+    return {"ok": counts["fail"] == 0, **counts, "checks": [asdict(r) for r in results]}
