@@ -116,7 +116,7 @@ class RaasChecker:
         self.policy, self.workflow = self.options.policy, self.options.workflow
         # The group `submit` sent (group_id empty until it passes) and what collects decoded.
         self.group, self.submitted = "", rollout_pb2.PromptGroup()
-        self.decoded: dict[str, IncomingGroup] = {}
+        self.decoded: dict[str, tuple[IncomingGroup, pb.CollectResultsResponse]] = {}
         self.results: list[Check] = []
         self._n = 0
 
@@ -198,10 +198,10 @@ class RaasChecker:
         """group id -> results delivered for it by one CollectResults call (our groups only)."""
         raw = await self.client.collect_results_raw(64, max_wait_s)
         out: dict[str, int] = {}
-        for group in decode_results(raw):
+        for msg, group in zip(raw, decode_results(raw), strict=True):
             if group.group_id.startswith(f"conformance/{self.run_id}/"):
                 out[group.group_id] = out.get(group.group_id, 0) + 1
-                self.decoded[group.group_id] = group
+                self.decoded[group.group_id] = (group, pb.CollectResultsResponse.FromString(msg))
         return out
 
     # ----- checks ----------------------------------------------------------------------------
@@ -331,19 +331,21 @@ class RaasChecker:
         else:
             self.group = ""
             raise CheckFailed(f"no result within {self.options.result_timeout_s:g} s")
-        result = self.decoded[self.group]
+        result, wire = self.decoded[self.group]
         if result.error is not None:
             raise CheckFailed(f"the group failed: {result.error}")
         if result.invalid is not None:
             raise CheckFailed(f"Dataflow would refuse the result: {result.invalid}")
+        errors = [t.error.message for t in wire.result.trajectories if t.error.code]
+        if errors:  # not trained on: the engine could not generate them
+            n = len(wire.result.trajectories)
+            raise CheckFailed(f"{len(errors)} of {n} samples failed, the first: {errors[0]}")
         trajectories = result.per_policy.get(self.policy, [])
         if len(trajectories) != self.submitted.num_samples:
             raise CheckFailed(
-                f"{len(trajectories)} trajectories of {self.policy}, expected {self.submitted.num_samples}"
+                f"{len(trajectories)} trajectories of {self.policy}, expected "
+                f"{self.submitted.num_samples}"
             )
-        failed = sum(t.failed for t in trajectories)
-        if failed:
-            raise CheckFailed(f"{failed} of {len(trajectories)} samples failed")
         tokens = sum(t.num_tokens for t in trajectories)
         return f"{len(trajectories)} trajectories, {tokens} trained tokens, as Dataflow reads them"
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -19,6 +18,7 @@ import pytest
 from astra.clients.raas_check import CheckOptions, RaasChecker, summary
 from astra.raas.scripted import ScriptedGenerator
 from astra.servers.raas import start_raas
+from astra.testing.fake_engines import FakeEngineServer
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = CheckOptions(result_timeout_s=10.0)
@@ -114,6 +114,19 @@ def test_a_result_dataflow_would_refuse_fails_collect() -> None:
     assert "logprobs" in detail  # the field named, as Dataflow names it
 
 
+class EveryoneFails(ScriptedGenerator):
+    """Every sample failed (a misconfigured engine: say, the wrong served model name)."""
+
+    async def generate(self, spec, versions):
+        out = await super().generate(spec, versions)
+        return [replace(t, sequences=[], error="HTTP 404: no model 'policy'") for t in out]
+
+
+def test_samples_that_failed_fail_collect_with_the_engines_message() -> None:
+    status, detail = run_checks(backend=EveryoneFails(delay_s=0.05))["collect"]
+    assert status == "fail" and "2 of 2 samples failed" in detail and "HTTP 404" in detail
+
+
 def test_checks_that_need_a_failed_one_are_skipped() -> None:
     def no_policies(servicer) -> None:
         servicer.policy_ids = []
@@ -125,19 +138,25 @@ def test_checks_that_need_a_failed_one_are_skipped() -> None:
 
 
 @pytest.mark.slow
-def test_cli_checks_the_torch_engine_raas(tmp_path: Path) -> None:
-    """`astra raas check` against `astra serve raas` (built-in engine, tiny model): exit 0, and
-    exit 1 naming the check when told to run a workflow the instance does not serve."""
+@pytest.mark.parametrize("engine", ["torch", "vllm", "sglang"])
+def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> None:
+    """`astra raas check` against `astra serve raas`: the built-in engine on the tiny model, and
+    the vLLM and SGLang adapters on their FAKE servers; exit 0. Told to run a workflow the
+    instance does not serve, exit 1 naming the check."""
+    fake = None
+    args = ["--model", "tiny"]
+    if engine != "torch":
+        fake = FakeEngineServer(engine).start()
+        args = ["--engine", engine, "--engine-url", fake.url, "--served-model-name", "FAKE-tiny"]
     raas = subprocess.Popen(
-        [sys.executable, "-m", "astra.cli", "serve", "raas", "--model", "tiny", "--capacity",
-         "4", "--state-dir", str(tmp_path / "state")],
+        [sys.executable, "-m", "astra.cli", "serve", "raas", *args, "--capacity", "4",
+         "--state-dir", str(tmp_path / "state")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
     )  # fmt: skip
     try:
         address = json.loads(raas.stdout.readline())["address"]
         check = [sys.executable, "-m", "astra.cli", "raas", "check", address]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        ok = subprocess.run(check, capture_output=True, text=True, timeout=120, env=env)
+        ok = subprocess.run(check, capture_output=True, text=True, timeout=120)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert "20 passed, 0 failed" in ok.stdout
         bad = subprocess.run(
@@ -151,6 +170,8 @@ def test_cli_checks_the_torch_engine_raas(tmp_path: Path) -> None:
     finally:
         raas.terminate()
         raas.wait(30)
+        if fake is not None:
+            fake.stop()
 
 
 def test_summary_counts() -> None:
