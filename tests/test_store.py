@@ -156,3 +156,25 @@ def test_a_failed_commit_is_rolled_back_reported_and_the_store_goes_on(tmp_path)
         raise ValueError("a refusal")
     assert len(failures) == 1
     store.close()
+
+
+def test_done_groups_keep_the_newest_in_memory_and_ask_the_table_for_the_rest() -> None:
+    from astra.dataflow.done import DoneGroups
+
+    table = {"s/0/0", "s/0/1"}  # done before this process started
+    asked: list[str] = []
+
+    def is_done(gid: str) -> bool:
+        asked.append(gid)
+        return gid in table
+
+    done = DoneGroups(is_done, len(table), recent=2)
+    assert "s/0/0" in done and asked == ["s/0/0"] and len(done) == 2
+    for gid in ("s/0/2", "s/0/3", "s/0/4"):
+        table.add(gid)  # the caller's transaction records it
+        done.add(gid)
+    assert len(done) == 5 and done.in_memory == 2
+    asked.clear()
+    assert "s/0/4" in done and "s/0/3" in done and asked == []  # the newest: from memory
+    assert "s/0/2" in done and asked == ["s/0/2"]  # forgotten: from the table
+    assert "s/0/9" not in done and 7 not in done

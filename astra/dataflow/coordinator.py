@@ -25,6 +25,7 @@ from astra.dataflow.batches import BatchDesk
 from astra.dataflow.buffer import BufferConfig, PolicyBuffer
 from astra.dataflow.config import DataflowConfig, StreamSettings
 from astra.dataflow.dataset import DatasetConfig, PromptSource
+from astra.dataflow.done import DoneGroups
 from astra.dataflow.evals import EvalDesk
 from astra.dataflow.gate import (
     GateConfig,
@@ -153,7 +154,8 @@ class Dataflow(Ingesting, WeightSync):
             for p in config.policies
         }
         self.waiting: deque[str] = deque()
-        self.done: set[str] = set()
+        # Groups with an outcome: the newest in memory, the rest in the work table.
+        self.done = DoneGroups(self.store.is_done, self.store.done_count())
         self.batches = BatchDesk(self)
         self.gate_state: GateState | None = None
         self._wake = asyncio.Event()
@@ -207,10 +209,7 @@ class Dataflow(Ingesting, WeightSync):
         # What belongs to a stream or policy this configuration lacks (a resume with another
         # config) stays on disk untouched, for when it is configured again.
         kept: Counter[str] = Counter()
-        for row in st.work_rows():
-            if row.state == "done":
-                self.done.add(row.group_id)
-                continue
+        for row in st.unfinished_work():  # done groups stay in the table (`self.done`)
             if row.stream not in self.sources:
                 kept[f"unfinished groups of stream {row.stream!r}"] += 1
                 continue

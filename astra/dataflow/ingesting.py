@@ -75,9 +75,9 @@ class Ingesting:
         their bytes can be written off the event loop first (see `ingest`)."""
         staged = {}
         for r in results:
-            if r.invalid is not None or r.error is not None or r.group_id in self.done:
+            if r.invalid is not None or r.error is not None:
                 continue
-            w = self.work.get(r.group_id)
+            w = self.work.get(r.group_id)  # a group done is no longer in `work`
             if w is None or self.evals.is_eval(w.stream):
                 continue
             for policy_id, trajectories in r.per_policy.items():
@@ -135,12 +135,12 @@ class Ingesting:
                         log.warning("result from %s without a group id: %s", instance_id, r.invalid)
                     continue
                 acks.append(r.group_id)
-                if r.group_id in self.done:
-                    self.counters["duplicates_dropped"] += 1
-                    continue
                 w = self.work.get(r.group_id)
-                if w is None:
-                    self.counters["unknown_results_dropped"] += 1
+                if w is None:  # done (`work` and `done` never share an id), or never ours
+                    if r.group_id in self.done:
+                        self.counters["duplicates_dropped"] += 1
+                    else:
+                        self.counters["unknown_results_dropped"] += 1
                     continue
                 if w.instance_id is not None and w.instance_id != instance_id:
                     cancel.setdefault(w.instance_id, []).append(r.group_id)

@@ -422,7 +422,24 @@ class StateStore:
         return default if row is None else json.loads(row[0])
 
     def work_rows(self) -> list[WorkRow]:
+        """Every row, done ones included (the run's history: for accounting and tests)."""
         return [WorkRow(*r) for r in self.conn.execute("SELECT * FROM work")]
+
+    def unfinished_work(self) -> list[WorkRow]:
+        """The rows of groups not done (waiting or leased): what a restart takes up again."""
+        rows = self.conn.execute("SELECT * FROM work WHERE state != 'done'")
+        return [WorkRow(*r) for r in rows]
+
+    def is_done(self, group_id: str) -> bool:
+        """True when the work table records the group as done (inside a transaction, its
+        writes so far count)."""
+        row = self.conn.execute(
+            "SELECT 1 FROM work WHERE group_id=? AND state='done'", (group_id,)
+        ).fetchone()
+        return row is not None
+
+    def done_count(self) -> int:
+        return self.conn.execute("SELECT COUNT(*) FROM work WHERE state='done'").fetchone()[0]
 
     def groups(self) -> list[tuple[GroupRecord, str | None]]:
         """Every stored group with the batch it is leased in (None if buffered)."""
