@@ -584,7 +584,7 @@ def run(p, tmp: Path) -> dict:
             res["grpc1"].append(b.plain_grpc(1))
             res["single"].append(b.astra_single_full("v1", expect1))
             res["single_mem"].append(b.astra_single_full_mem("v1", expect1, sizes))
-            res["null1"].append(b.null_receiver("v1", res["full_bytes"]))
+            res["null1"].append(b.null_receiver("v1", size))
         ask_all(b.workers, [{"op": "free", "key": "single"}] * len(b.workers))
         say("1 receiver, GB/s: " + "; ".join(
             f"{k} {[round(size / r['seconds'] / GB, 2) for r in res[k]]}"
