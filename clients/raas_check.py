@@ -155,13 +155,12 @@ class RaasChecker:
                     self.results.append(Check(name, "skip", str(exc)))
                 except _Warning as exc:
                     self.results.append(Check(name, "warn", str(exc)))
-                except (grpc.aio.AioRpcError, TimeoutError) as exc:
-                    text = (
-                        f"{exc.code().name}: {exc.details()}"
-                        if hasattr(exc, "code")
-                        else "timed out"
-                    )
-                    self.results.append(Check(name, "fail", f"unexpected: {text}"))
+                except grpc.aio.AioRpcError as exc:
+                    text = f"unexpected {exc.code().name}: {exc.details()}"
+                    self.results.append(Check(name, "fail", text))
+                except Exception as exc:  # a response the checker cannot read: that server's
+                    text = f"unexpected {type(exc).__name__}: {exc}"
+                    self.results.append(Check(name, "fail", text))
         finally:
             await self.client.close()
         return self.results

@@ -517,6 +517,65 @@ def test_sandboxed_code_cannot_reach_the_machines_services():
         assert allowed.ok and not allowed.network_isolated and allowed.stdout == "reached\n"
 
 
+def test_sandboxed_code_sees_only_its_directory_python_and_the_system(tmp_path):
+    """A policy's program could read the dataset's answers, or the service's own code, or
+    write into the Python every later sample runs on: it sees none of the machine's files but
+    its own directory, a private /tmp and the Python installation, read-only; changing root
+    again leads nowhere. `files=True` shows it the machine."""
+    import sys
+
+    from astra.rewards.sandbox import SandboxLimits, own_files_prefix, run_python
+
+    if not own_files_prefix():
+        pytest.skip("this machine refuses user and mount namespaces (unshare)")
+    secret = tmp_path / "answers.jsonl"
+    secret.write_text('{"answer": "42"}\n')
+    probe = f"astra-sandbox-probe-{os.getpid()}-{time.time_ns()}"  # never left in the venv
+    code = (
+        "import os, sys, json\n"
+        "def can(f):\n"
+        "    try:\n"
+        "        f()\n"
+        "        return True\n"
+        "    except OSError:\n"
+        "        return False\n"
+        "seen = {\n"
+        f"    'secret': can(lambda: open({str(secret)!r}).read()),\n"
+        f"    'code': can(lambda: open({str(Path(__file__).resolve())!r}).read()),\n"
+        "    'own': can(lambda: open('main.py').read()),\n"
+        f"    'python_written': can(lambda: open(os.path.join(sys.prefix, {probe!r}), 'w').close()),\n"
+        "    'tmp': can(lambda: open('/tmp/t', 'w').write('x')),\n"
+        "    'proc': os.path.exists('/proc/self'),\n"
+        "}\n"
+        "import numpy\n"  # the Python installation's packages still import
+        "home = os.getcwd()\n"
+        "os.mkdir('x'); os.chroot('x')\n"
+        "for _ in range(32): os.chdir('..')\n"
+        "os.chroot('.')\n"
+        f"seen['secret_after_chroot'] = os.path.exists({str(secret)!r})\n"
+        "os.chdir(home)\n"
+        "open('out.json', 'w').write(json.dumps(seen))\n"
+    )
+    try:
+        hidden = run_python(code, keep=("out.json",))
+    finally:
+        written = Path(sys.prefix) / probe
+        leaked = written.exists()
+        written.unlink(missing_ok=True)
+    assert hidden.ok and hidden.files_isolated and hidden.network_isolated and not leaked, hidden
+    assert json.loads(hidden.files["out.json"]) == {
+        "secret": False,
+        "code": False,
+        "own": True,
+        "python_written": False,
+        "tmp": True,
+        "proc": False,
+        "secret_after_chroot": False,
+    }
+    shown = run_python(f"print(open({str(secret)!r}).read())", limits=SandboxLimits(files=True))
+    assert shown.ok and not shown.files_isolated and shown.stdout.startswith('{"answer"'), shown
+
+
 def test_root_without_cap_sys_admin_still_cuts_the_network(tmp_path):
     """Root in a container usually lacks CAP_SYS_ADMIN: `unshare --net` is refused there, a
     user namespace of its own is not."""
@@ -542,12 +601,12 @@ def test_a_sandbox_that_cannot_start_raises_instead_of_scoring_the_code(monkeypa
     policy's program: it must not score 0. Code that fails on its own still scores."""
     import astra.rewards.sandbox as sandbox
 
-    monkeypatch.setattr(sandbox, "no_network_prefix", lambda: ("/bin/false",))
+    monkeypatch.setattr(sandbox, "isolation", lambda limits: (("/bin/false",), True, True))
     with pytest.raises(sandbox.SandboxUnavailable, match="did not start"):
         sandbox.run_python("print(1)")
     with pytest.raises(sandbox.SandboxUnavailable):
         code_tests({"tests": ["assert add(1, 2) == 3"]}, ADD)
-    monkeypatch.setattr(sandbox, "no_network_prefix", lambda: ())
+    monkeypatch.setattr(sandbox, "isolation", lambda limits: ((), False, False))
     own = sandbox.run_python("import sys\nsys.stderr.write('unshare: no\\n')\nsys.exit(1)")
     assert own.reason == "exit 1"  # it ran: its own failure, whatever it prints
 
@@ -576,6 +635,6 @@ def test_the_python_tool_fails_the_sample_when_the_sandbox_cannot_start(monkeypa
     from astra.workflows.tools import run_tool
 
     assert asyncio.run(run_tool("python", "print(2 + 2)")).output == "4\n"
-    monkeypatch.setattr(sandbox, "no_network_prefix", lambda: ("/bin/false",))
+    monkeypatch.setattr(sandbox, "isolation", lambda limits: (("/bin/false",), True, True))
     with pytest.raises(sandbox.SandboxUnavailable):
         asyncio.run(run_tool("python", "print(2 + 2)"))

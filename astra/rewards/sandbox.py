@@ -15,8 +15,13 @@ services of the machine it runs on. Where this machine refuses namespaces
 a warning says so once; `SandboxResult.network_isolated` tells which. A sandbox
 that could not start at all (the code never ran, as the launcher's one byte on a
 pipe tells) raises `SandboxUnavailable` rather than passing for the code's own
-failure. This is resource isolation, not a security boundary: the code can
-still read files.
+failure. Unless `SandboxLimits.files` allows more, the code sees only its
+working directory, a private /tmp, the Python it runs on and the system's
+libraries, read-only (astra.rewards.sandbox_fs): not the dataset with its
+answers, nor the service's code, nor other runs; `SandboxResult.files_isolated`
+tells whether that held (where the machine refuses the namespaces, a warning
+says so once). No /proc either. This is a set of namespaces and limits, not a
+virtual machine: a kernel exploit would break out of it.
 """
 
 from __future__ import annotations
@@ -38,11 +43,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Sets the limits, says the sandbox is ready (one byte on an inherited pipe, before the code
-# can run, so the code can neither fake nor hide it), runs the code.
-_LAUNCHER = """\
+from astra.rewards.sandbox_fs import VIEW, launcher_args
+
+# Builds the file system view where asked (astra.rewards.sandbox_fs), sets the limits, says the
+# sandbox is ready (one byte on an inherited pipe, before the code can run, so the code can
+# neither fake nor hide it), runs the code.
+_LAUNCHER = (
+    VIEW
+    + """
 import os, resource, sys
 cpu, mem, fsize, ready = (int(a) for a in sys.argv[1:5])
+if len(sys.argv) > 5:
+    _view(sys.argv[5], sys.argv[6], int(sys.argv[7]), sys.argv[8].split(","), sys.argv[9:])
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
@@ -51,6 +63,7 @@ os.write(ready, b"1")
 os.close(ready)
 os.execv(sys.executable, [sys.executable, "-I", "-B", "main.py"])
 """
+)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -64,13 +77,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class SandboxLimits:
     """Bounds of one run: wall time, address space, bytes written per file, output returned,
-    and whether the code may use the network (default: not, where the machine allows)."""
+    whether the code may use the network and see the machine's files (default: neither, where
+    the machine allows)."""
 
     time_s: float = 5.0
     memory_bytes: int = 512 << 20
     file_bytes: int = 4 << 20
     output_chars: int = 16_384
     network: bool = False
+    files: bool = False  # True: the machine's files are visible (default: only its own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +104,7 @@ class SandboxResult:
     truncated: bool = False
     files: dict[str, str] = field(default_factory=dict)  # the `keep` files the code left
     network_isolated: bool = False  # ran in a network namespace of its own
+    files_isolated: bool = False  # saw only its directory, Python and the system's libraries
 
     @property
     def ok(self) -> bool:
@@ -109,11 +125,16 @@ def run_python(
     """
     limits = limits or SandboxLimits()
     with tempfile.TemporaryDirectory(prefix="astra-sandbox-") as tmp:
-        root = Path(tmp)
+        root = Path(tmp) / "work"  # the code's directory; Path(tmp) / "view": its file system
+        root.mkdir()
         (root / "main.py").write_text(code, encoding="utf-8")
         (root / "stdin").write_text(stdin, encoding="utf-8")
         cpu_s = math.ceil(limits.time_s) + 1
-        isolation = () if limits.network else no_network_prefix()
+        prefix, no_net, own_files = isolation(limits)
+        view = []
+        if own_files:
+            (Path(tmp) / "view").mkdir()
+            view = launcher_args(Path(tmp) / "view", root, limits.file_bytes)
         start = time.monotonic()
         with (
             (root / "stdin").open("rb") as fin,
@@ -121,8 +142,8 @@ def run_python(
             (root / "stderr").open("wb") as ferr,
         ):
             started_r, started_w = _pipe()
-            argv = [*isolation, sys.executable, "-I", "-c", _LAUNCHER, str(cpu_s)]
-            argv += [str(limits.memory_bytes), str(limits.file_bytes), str(started_w)]
+            argv = [*prefix, sys.executable, "-I", "-c", _LAUNCHER, str(cpu_s)]
+            argv += [str(limits.memory_bytes), str(limits.file_bytes), str(started_w), *view]
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -175,8 +196,21 @@ def run_python(
         wall_s=wall_s,
         truncated=cut_out or cut_err,
         files=files,
-        network_isolated=bool(isolation),
+        network_isolated=no_net,
+        files_isolated=own_files,
     )
+
+
+def isolation(limits: SandboxLimits) -> tuple[tuple[str, ...], bool, bool]:
+    """(command prefix, network cut, files hidden) for a run under `limits`: a mount namespace
+    with its own file system (and its own network unless allowed) where this machine allows
+    it, else the network namespace alone, else nothing (each refusal warned of once)."""
+    if not limits.files:
+        prefix = own_files_prefix(network=limits.network)
+        if prefix:
+            return prefix, not limits.network, True
+    prefix = () if limits.network else no_network_prefix()
+    return prefix, bool(prefix), False
 
 
 _NO_NETWORK = threading.Lock()
@@ -187,6 +221,54 @@ def no_network_prefix() -> tuple[str, ...]:
     this machine allows none (said once, as a warning)."""
     with _NO_NETWORK:  # worker threads call this: one probe, one warning
         return _probe_no_network()
+
+
+def own_files_prefix(*, network: bool = False) -> tuple[str, ...]:
+    """The prefix that runs the launcher in namespaces of its own (user, mount, and net unless
+    `network`) where it builds the code's file system, or () where this machine refuses."""
+    with _NO_NETWORK:
+        return _probe_own_files(network)
+
+
+@functools.cache
+def _probe_own_files(network: bool) -> tuple[str, ...]:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        log.warning(
+            "sandbox: no `unshare` on this machine: sandboxed code sees the machine's files"
+        )
+        return ()
+    # A user namespace even for root: its root has no power over the machine's mounts.
+    prefix = (unshare, "--user", "--map-root-user", "--mount", *(() if network else ("--net",)))
+    with tempfile.TemporaryDirectory(prefix="astra-sandbox-probe-") as tmp:
+        work, view = Path(tmp) / "work", Path(tmp) / "view"
+        work.mkdir()
+        view.mkdir()
+        # Seen from inside: its own directory, not the one beside it.
+        (work / "main.py").write_text(
+            f"import os\nprint(os.getcwd() == {str(work)!r}, os.path.exists({str(view)!r}))\n"
+        )
+        ready_r, ready_w = _pipe()
+        argv = [*prefix, sys.executable, "-I", "-c", _LAUNCHER, "10", str(1 << 30), str(1 << 20)]
+        argv += [str(ready_w), *launcher_args(view, work, 1 << 20)]
+        try:
+            probe = subprocess.run(
+                argv, cwd=work, capture_output=True, text=True, timeout=30, pass_fds=(ready_w,),
+                env={"LANG": "C.UTF-8"},
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            probe = subprocess.CompletedProcess(argv, -1, "", str(exc))
+        finally:
+            os.close(ready_w)
+            os.close(ready_r)
+    if probe.returncode == 0 and probe.stdout.split() == ["True", "False"]:
+        return prefix
+    log.warning(
+        "sandbox: cannot give sandboxed code a file system of its own (%s): it sees the "
+        "machine's files",
+        (probe.stderr.strip() or probe.stdout.strip())[-300:],
+    )
+    return ()
 
 
 @functools.cache
