@@ -52,6 +52,10 @@ class CheckOptions:
     max_new_tokens: int = 8
     result_timeout_s: float = 120.0  # for one group to finish
     call_timeout_s: float = 10.0
+    # A WeightService holding `version_id` of the policy: the LoadWeights checks run with it.
+    weights: str = ""
+    version_id: str = ""
+    load_timeout_s: float = 300.0
 
 
 class CheckFailed(Exception):
@@ -114,6 +118,7 @@ class RaasChecker:
         self.capacity = 0
         self.features: set[str] = set()
         self.policy, self.workflow = self.options.policy, self.options.workflow
+        self.loaded: version_pb2.PolicyVersion | None = None  # what `load_weights` loaded
         # The group `submit` sent (group_id empty until it passes) and what collects decoded.
         self.group, self.submitted = "", rollout_pb2.PromptGroup()
         self.decoded: dict[str, tuple[IncomingGroup, pb.CollectResultsResponse]] = {}
@@ -143,6 +148,11 @@ class RaasChecker:
             ("ack_ignores_unknown_ids", self.ack_ignores_unknown_ids),
             ("cancel", self.cancel),
             ("load_weights_rejects_bad_requests", self.load_weights_rejects_bad_requests),
+            ("load_weights", self.load_weights),
+            ("load_weights_is_idempotent", self.load_weights_is_idempotent),
+            ("load_weights_refuses_regression", self.load_weights_refuses_regression),
+            ("load_weights_refuses_reused_request_id", self.load_weights_refuses_reused_id),
+            ("tokens_carry_the_loaded_version", self.tokens_carry_the_loaded_version),
             ("settles", self.settles),
         ]
         try:
@@ -414,6 +424,97 @@ class RaasChecker:
             self.client.load_weights([unknown], "127.0.0.1:1", f"conformance-{self.run_id}-2")
         )
         return f"empty: {first}; unknown policy: {r.expect(grpc.StatusCode.INVALID_ARGUMENT, 'UNKNOWN_POLICY')}"
+
+    # ----- weights (with --weights and --version) --------------------------------------------
+
+    def _load(self, versions: list, request_id: str) -> Awaitable:
+        return self.client.load_weights(
+            versions, self.options.weights, request_id, timeout_s=self.options.load_timeout_s
+        )
+
+    async def _held(self) -> int | None:
+        s = await self.client.get_status()
+        return next((v.version for v in s.loaded_versions if v.policy_id == self.policy), None)
+
+    async def load_weights(self) -> str:
+        if not (self.options.weights and self.options.version_id):
+            raise Skipped("needs --weights HOST:PORT and --version ID")
+        self._needs("policy")
+        from astra.clients.weights import WeightClient
+
+        async with WeightClient(self.options.weights) as weights:
+            info = (await weights.get_version(self.policy, self.options.version_id)).version
+        want = version_pb2.PolicyVersion(
+            policy_id=self.policy, version=info.version, version_id=info.version_id
+        )
+        held = await self._held()
+        if held is not None and held > want.version:
+            raise Skipped(f"the instance holds version {held}, newer than {want.version}")
+        r = await _rpc(self._load([want], f"conformance-{self.run_id}-load"))
+        r.expect(grpc.StatusCode.OK)
+        got = {(v.policy_id, v.version) for v in r.response.loaded_versions}
+        if (self.policy, want.version) not in got:
+            raise CheckFailed(
+                f"loaded_versions {sorted(got)}, expected ({self.policy}, {want.version})"
+            )
+        if (now := await self._held()) != want.version:
+            raise CheckFailed(f"GetStatus says version {now} after loading {want.version}")
+        self.loaded = want
+        return f"{self.policy} {want.version_id} (version {want.version}), {r.response.fetched_bytes:,} bytes fetched"
+
+    async def load_weights_is_idempotent(self) -> str:
+        self._needs("loaded")
+        again = await _rpc(self._load([self.loaded], f"conformance-{self.run_id}-load"))
+        again.expect(grpc.StatusCode.OK)
+        other = await _rpc(self._load([self.loaded], f"conformance-{self.run_id}-again"))
+        other.expect(grpc.StatusCode.OK)
+        for r in (again, other):
+            if (self.policy, self.loaded.version) not in {
+                (v.policy_id, v.version) for v in r.response.loaded_versions
+            }:
+                raise CheckFailed(f"loaded_versions {list(r.response.loaded_versions)}")
+        return "the same request again, and the same versions under a new request_id: OK"
+
+    async def load_weights_refuses_regression(self) -> str:
+        self._needs("loaded")
+        if self.loaded.version < 1:
+            raise Skipped("the loaded version is 0: nothing older to ask for")
+        older = version_pb2.PolicyVersion(
+            policy_id=self.policy, version=self.loaded.version - 1, version_id="conformance-older"
+        )
+        r = await _rpc(self._load([older], f"conformance-{self.run_id}-older"))
+        text = r.expect(grpc.StatusCode.FAILED_PRECONDITION, "VERSION_REGRESSION")
+        if (now := await self._held()) != self.loaded.version:
+            raise CheckFailed(f"after the refusal GetStatus says version {now}")
+        return f"{text}; version {self.loaded.version} still in service"
+
+    async def load_weights_refuses_reused_id(self) -> str:
+        self._needs("loaded")
+        newer = version_pb2.PolicyVersion(
+            policy_id=self.policy, version=self.loaded.version + 1, version_id="conformance-newer"
+        )
+        r = await _rpc(self._load([newer], f"conformance-{self.run_id}-load"))
+        return r.expect(grpc.StatusCode.INVALID_ARGUMENT, "REQUEST_ID_REUSED")
+
+    async def tokens_carry_the_loaded_version(self) -> str:
+        self._needs("loaded")
+        g = self._group()
+        (await self._submit(g)).expect(grpc.StatusCode.OK)
+        deadline = time.monotonic() + self.options.result_timeout_s
+        while g.group_id not in await self._collect(1.0):
+            if time.monotonic() > deadline:
+                raise CheckFailed(f"no result within {self.options.result_timeout_s:g} s")
+        await self.client.ack_results([g.group_id])
+        result, _ = self.decoded[g.group_id]
+        if result.error is not None or result.invalid is not None:
+            raise CheckFailed(f"the group: {result.error or result.invalid}")
+        seen = {(t.min_version, t.max_version) for t in result.per_policy.get(self.policy, [])}
+        want = (self.loaded.version, self.loaded.version)
+        if seen != {want}:
+            raise CheckFailed(
+                f"generated tokens carry versions (oldest, newest) {sorted(seen)}, expected {want}"
+            )
+        return f"every generated token: version {self.loaded.version}"
 
     async def settles(self) -> str:
         deadline = time.monotonic() + self.options.result_timeout_s

@@ -13,40 +13,106 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from astra.clients.raas_check import CheckOptions, RaasChecker, summary
+from astra.clients.weights_publish import publish_version
 from astra.raas.scripted import ScriptedGenerator
 from astra.servers.raas import start_raas
+from astra.servers.weights import start_weights
 from astra.testing.fake_engines import FakeEngineServer
+from astra.weights.store import StoreConfig
+from tests.test_e2e_raas import perturbed_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = CheckOptions(result_timeout_s=10.0)
 
 
-def run_checks(patch=None, backend=None) -> dict[str, tuple[str, str]]:
-    """{check: (status, detail)} of the checker against an in-process RaaS, `patch`ed."""
+def run_checks(patch=None, backend=None, store: Path | None = None) -> dict[str, tuple[str, str]]:
+    """{check: (status, detail)} of the checker against an in-process RaaS, `patch`ed; with
+    `store`, a WeightService there holding version 3 ("v3") of the policy as well."""
 
     async def body() -> dict[str, tuple[str, str]]:
         server, servicer, _ = await start_raas(
             backend or ScriptedGenerator(delay_s=0.05), capacity=4
         )
+        weights, options = None, OPTIONS
         try:
+            if store is not None:
+                weights = await start_weights(store, config=StoreConfig(durable=False))
+                tensor = ("F32", [4], np.arange(4, dtype=np.float32).tobytes())
+                await publish_version(weights.address, "policy", "v3", 3, {"w": tensor})
+                options = replace(OPTIONS, weights=weights.address, version_id="v3")
             if patch is not None:
                 patch(servicer)
-            results = await RaasChecker(server.address, OPTIONS).run()
+            results = await RaasChecker(server.address, options).run()
             return {r.name: (r.status, r.detail) for r in results}
         finally:
             await server.stop(0)
+            if weights is not None:
+                await weights.stop(0)
 
     return asyncio.run(asyncio.wait_for(body(), 90))
 
 
+WEIGHT_CHECKS = {
+    "load_weights",
+    "load_weights_is_idempotent",
+    "load_weights_refuses_regression",
+    "load_weights_refuses_reused_request_id",
+    "tokens_carry_the_loaded_version",
+}
+
+
 def test_astra_raas_passes_every_check() -> None:
     got = run_checks()
-    assert len(got) == 20
-    assert {name: status for name, (status, _) in got.items() if status != "pass"} == {}
+    assert len(got) == 25
+    not_passed = {name: status for name, (status, _) in got.items() if status != "pass"}
+    assert not_passed == dict.fromkeys(WEIGHT_CHECKS, "skip")  # no --weights given
     assert "as Dataflow reads them" in got["collect"][1]
+
+
+def test_the_load_weights_checks_pass_with_a_weight_service(tmp_path: Path) -> None:
+    got = run_checks(store=tmp_path / "store")
+    assert {name: got[name][0] for name in WEIGHT_CHECKS} == dict.fromkeys(WEIGHT_CHECKS, "pass")
+    assert "version 3" in got["load_weights"][1] and got["settles"][0] == "pass"
+
+
+class StampsVersionZero(ScriptedGenerator):
+    """Loads new versions but stamps every token with version 0: staleness would be wrong."""
+
+    async def generate(self, spec, versions):
+        return await super().generate(spec, dict.fromkeys(versions, 0))
+
+
+def allows_regression(servicer) -> None:
+    """Swaps to any version asked, older ones included."""
+    load = servicer._load
+
+    async def reset_then_load(wanted, address):
+        servicer._versions = {p: replace(v, version=-1) for p, v in servicer._versions.items()}
+        return await load(wanted, address)
+
+    servicer._load = reset_then_load
+
+
+@pytest.mark.parametrize(
+    ("backend", "patch", "check", "says"),
+    [
+        (StampsVersionZero, None, "tokens_carry_the_loaded_version", "expected (3, 3)"),
+        (
+            ScriptedGenerator,
+            allows_regression,
+            "load_weights_refuses_regression",
+            "expected FAILED",
+        ),
+    ],
+)
+def test_a_broken_load_rule_fails_its_check(tmp_path, backend, patch, check, says) -> None:
+    got = run_checks(patch, backend(delay_s=0.05), store=tmp_path / "store")
+    status, detail = got[check]
+    assert status == "fail" and says in detail, (check, got[check])
 
 
 def forgets_unacknowledged(servicer) -> None:
@@ -143,9 +209,18 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
     """`astra raas check` against `astra serve raas`: the built-in engine on the tiny model, and
     the vLLM and SGLang adapters on their FAKE servers; exit 0. Told to run a workflow the
     instance does not serve, exit 1 naming the check."""
-    fake = None
-    args = ["--model", "tiny"]
-    if engine != "torch":
+    fake = weights = None
+    args, weight_args = ["--model", "tiny"], []
+    if engine == "torch":  # the LoadWeights checks too, with version 1 of a WeightService
+        weights = subprocess.Popen(
+            [sys.executable, "-m", "astra.cli", "serve", "weights", "--store",
+             str(tmp_path / "store"), "--port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+        )  # fmt: skip
+        address = json.loads(weights.stdout.readline())["address"]
+        asyncio.run(publish_version(address, "policy", "v1", 1, perturbed_tiny()))
+        weight_args = ["--weights", address, "--version", "v1"]
+    else:
         fake = FakeEngineServer(engine).start()
         args = ["--engine", engine, "--engine-url", fake.url, "--served-model-name", "FAKE-tiny"]
     raas = subprocess.Popen(
@@ -156,9 +231,13 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
     try:
         address = json.loads(raas.stdout.readline())["address"]
         check = [sys.executable, "-m", "astra.cli", "raas", "check", address]
-        ok = subprocess.run(check, capture_output=True, text=True, timeout=120)
+        ok = subprocess.run([*check, *weight_args], capture_output=True, text=True, timeout=180)
         assert ok.returncode == 0, ok.stdout + ok.stderr
-        assert "20 passed, 0 failed" in ok.stdout
+        if weights is not None:
+            assert "25 passed, 0 failed, 0 warnings, 0 skipped" in ok.stdout, ok.stdout
+            assert "every generated token: version 1" in ok.stdout
+        else:
+            assert "20 passed, 0 failed, 0 warnings, 5 skipped" in ok.stdout, ok.stdout
         bad = subprocess.run(
             [*check, "--workflow", "no_such", "--json"], capture_output=True, text=True, timeout=60
         )
@@ -172,6 +251,9 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
         raas.wait(30)
         if fake is not None:
             fake.stop()
+        if weights is not None:
+            weights.terminate()
+            weights.wait(30)
 
 
 def test_summary_counts() -> None:

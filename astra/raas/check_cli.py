@@ -30,12 +30,18 @@ import click
     "--result-timeout", "result_timeout_s", type=click.FloatRange(min=1.0), default=120.0,
     show_default=True, help="Seconds for one group to finish.",
 )  # fmt: skip
+@click.option("--weights", default="", help="WeightService HOST:PORT for the LoadWeights checks.")
+@click.option(
+    "--version", "version_id", default="",
+    help="Version identity of the policy there to load (needs --weights).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
 def check_command(address: str, as_json: bool, result_timeout_s: float, **options: object) -> None:
     """Checks the RolloutService at ADDRESS (host:port) against rollout_service.proto.
 
     Runs a few real groups of one or two samples, so point it at an instance no
-    Dataflow dispatches to.
+    Dataflow dispatches to. With --weights and --version it also loads that version
+    (the instance must not hold a newer one) and checks the LoadWeights rules.
     """
     from astra.clients.raas_check import CheckOptions, RaasChecker, summary
     from astra.servers.runtime import install_event_loop_policy
