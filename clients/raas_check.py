@@ -18,14 +18,15 @@ import asyncio
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import struct_pb2
-from google.rpc import error_details_pb2, status_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from astra.clients.raas import RolloutClient
+from astra.clients.raas_check_weights import WeightChecks
+from astra.clients.raas_rules import Check, CheckFailed, Rpc, Skipped, Warned, rpc
 from astra.common.v1 import rollout_pb2, version_pb2
 from astra.dataflow.ports import IncomingGroup
 from astra.raas.v1 import rollout_service_pb2 as pb
@@ -33,13 +34,6 @@ from astra.servers.rollout_port import decode_results
 
 CONTRACT_MAJOR = "1"
 MAX_WAIT_S = 30.0  # CollectResults.max_wait bound (rollout_service.proto)
-
-
-@dataclass
-class Check:
-    name: str
-    status: str  # "pass", "fail", "warn" or "skip"
-    detail: str
 
 
 @dataclass
@@ -58,57 +52,8 @@ class CheckOptions:
     load_timeout_s: float = 300.0
 
 
-class CheckFailed(Exception):
-    """A rule broken; the message says what was expected and what came."""
-
-
-class Skipped(Exception):
-    """A check that does not apply (a feature not listed, an earlier check failed)."""
-
-
-class _Warning(Exception):
-    """A recommendation the server does not follow."""
-
-
 @dataclass
-class _Rpc:
-    """How a call ended: OK, or its code with the ErrorInfo and RetryInfo it carried."""
-
-    code: grpc.StatusCode
-    details: str = ""
-    reason: str = ""  # ErrorInfo.reason; "" when the status carries no ErrorInfo
-    retry: bool = False  # RetryInfo present
-    response: object = None
-
-    def expect(self, code: grpc.StatusCode, reason: str | None = None) -> str:
-        if self.code != code:
-            raise CheckFailed(f"expected {code.name}, got {self.code.name} {self.details!r}")
-        if code == grpc.StatusCode.OK:
-            return "OK"
-        if not self.reason:
-            raise CheckFailed(f"{code.name} without a google.rpc.ErrorInfo in the status details")
-        if reason is not None and self.reason != reason:
-            raise CheckFailed(f"{code.name} with reason {self.reason}, expected {reason}")
-        return f"{code.name} {self.reason}"
-
-
-async def _rpc(call: Awaitable) -> _Rpc:
-    try:
-        return _Rpc(grpc.StatusCode.OK, response=await call)
-    except grpc.aio.AioRpcError as exc:
-        out = _Rpc(exc.code(), exc.details() or "")
-        raw = dict(exc.trailing_metadata() or ()).get("grpc-status-details-bin")
-        for detail in status_pb2.Status.FromString(raw).details if raw else ():
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                out.reason = info.reason
-            out.retry = out.retry or detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR)
-        return out
-
-
-@dataclass
-class RaasChecker:
+class RaasChecker(WeightChecks):
     address: str
     options: CheckOptions = field(default_factory=CheckOptions)
 
@@ -163,7 +108,7 @@ class RaasChecker:
                     self.results.append(Check(name, "fail", str(exc)))
                 except Skipped as exc:
                     self.results.append(Check(name, "skip", str(exc)))
-                except _Warning as exc:
+                except Warned as exc:
                     self.results.append(Check(name, "warn", str(exc)))
                 except grpc.aio.AioRpcError as exc:
                     text = f"unexpected {exc.code().name}: {exc.details()}"
@@ -200,8 +145,8 @@ class RaasChecker:
             if not getattr(self, attr):
                 raise Skipped(f"needs an earlier check ({attr} unknown)")
 
-    async def _submit(self, *groups: rollout_pb2.PromptGroup) -> _Rpc:
-        return await _rpc(self.client.submit_groups(list(groups)))
+    async def _submit(self, *groups: rollout_pb2.PromptGroup) -> Rpc:
+        return await rpc(self.client.submit_groups(list(groups)))
 
     async def _collect(self, max_wait_s: float) -> dict[str, int]:
         """group id -> results delivered for it by one CollectResults call (our groups only)."""
@@ -216,7 +161,7 @@ class RaasChecker:
     # ----- checks ----------------------------------------------------------------------------
 
     async def health(self) -> str:
-        r = await _rpc(self.client.check_health())
+        r = await rpc(self.client.check_health())
         if r.code != grpc.StatusCode.OK:
             raise CheckFailed(f"grpc.health.v1 Check({RolloutClient.SERVICE!r}): {r.code.name}")
         if not r.response:
@@ -230,11 +175,11 @@ class RaasChecker:
             call = stub.ServerReflectionInfo(iter([request]), timeout=self.options.call_timeout_s)
             names = [s.name async for r in call for s in r.list_services_response.service]
         except grpc.aio.AioRpcError as exc:
-            raise _Warning(
+            raise Warned(
                 f"no server reflection ({exc.code().name}): grpcurl needs the protos"
             ) from None
         if RolloutClient.SERVICE not in names:
-            raise _Warning(f"reflection lists {names}, not {RolloutClient.SERVICE}")
+            raise Warned(f"reflection lists {names}, not {RolloutClient.SERVICE}")
         return f"{len(names)} services"
 
     async def capabilities(self) -> str:
@@ -263,7 +208,7 @@ class RaasChecker:
         self.workflow = self.workflow or s.workflows[0]
         self.capacity = s.capacity
         if s.running_groups or s.pending_results:
-            raise _Warning(
+            raise Warned(
                 f"{s.running_groups} running, {s.pending_results} pending: an instance in use "
                 "(a Dataflow's groups) may make later checks fail"
             )
@@ -307,7 +252,7 @@ class RaasChecker:
         async def call() -> list:
             return [m async for m in self.client.stub.CollectResults(req, timeout=MAX_WAIT_S + 5)]
 
-        return (await _rpc(call())).expect(grpc.StatusCode.INVALID_ARGUMENT)
+        return (await rpc(call())).expect(grpc.StatusCode.INVALID_ARGUMENT)
 
     async def submit(self) -> str:
         self._needs("policy", "capacity")
@@ -370,7 +315,7 @@ class RaasChecker:
         first = await self.client.ack_results([self.group])
         if first.acknowledged != 1:
             raise CheckFailed(f"acknowledged {first.acknowledged}, expected 1")
-        again = await _rpc(self.client.ack_results([self.group]))
+        again = await rpc(self.client.ack_results([self.group]))
         again.expect(grpc.StatusCode.OK)
         if again.response.acknowledged != 0 or again.response.ignored != 1:
             raise CheckFailed(
@@ -388,14 +333,14 @@ class RaasChecker:
         return "not delivered again"
 
     async def ack_ignores_unknown_ids(self) -> str:
-        r = await _rpc(self.client.ack_results([f"conformance/{self.run_id}/unknown"]))
+        r = await rpc(self.client.ack_results([f"conformance/{self.run_id}/unknown"]))
         r.expect(grpc.StatusCode.OK)
         if r.response.ignored != 1:
             raise CheckFailed(f"ignored {r.response.ignored}, expected 1")
         return "OK, ignored 1"
 
     async def cancel(self) -> str:
-        unknown = await _rpc(self.client.cancel_groups([f"conformance/{self.run_id}/unknown"]))
+        unknown = await rpc(self.client.cancel_groups([f"conformance/{self.run_id}/unknown"]))
         unknown.expect(grpc.StatusCode.OK)
         if "cancel" not in self.features:
             raise Skipped("unknown ids OK; the cancel feature is not listed")
@@ -413,108 +358,17 @@ class RaasChecker:
 
     async def load_weights_rejects_bad_requests(self) -> str:
         self._needs("policy")
-        empty = await _rpc(
+        empty = await rpc(
             self.client.load_weights([], "127.0.0.1:1", f"conformance-{self.run_id}-1")
         )
         first = empty.expect(grpc.StatusCode.INVALID_ARGUMENT)
         unknown = version_pb2.PolicyVersion(
             policy_id=f"no-such-policy-{self.run_id}", version=1, version_id="v1"
         )
-        r = await _rpc(
+        r = await rpc(
             self.client.load_weights([unknown], "127.0.0.1:1", f"conformance-{self.run_id}-2")
         )
         return f"empty: {first}; unknown policy: {r.expect(grpc.StatusCode.INVALID_ARGUMENT, 'UNKNOWN_POLICY')}"
-
-    # ----- weights (with --weights and --version) --------------------------------------------
-
-    def _load(self, versions: list, request_id: str) -> Awaitable:
-        return self.client.load_weights(
-            versions, self.options.weights, request_id, timeout_s=self.options.load_timeout_s
-        )
-
-    async def _held(self) -> int | None:
-        s = await self.client.get_status()
-        return next((v.version for v in s.loaded_versions if v.policy_id == self.policy), None)
-
-    async def load_weights(self) -> str:
-        if not (self.options.weights and self.options.version_id):
-            raise Skipped("needs --weights HOST:PORT and --version ID")
-        self._needs("policy")
-        from astra.clients.weights import WeightClient
-
-        async with WeightClient(self.options.weights) as weights:
-            info = (await weights.get_version(self.policy, self.options.version_id)).version
-        want = version_pb2.PolicyVersion(
-            policy_id=self.policy, version=info.version, version_id=info.version_id
-        )
-        held = await self._held()
-        if held is not None and held > want.version:
-            raise Skipped(f"the instance holds version {held}, newer than {want.version}")
-        r = await _rpc(self._load([want], f"conformance-{self.run_id}-load"))
-        r.expect(grpc.StatusCode.OK)
-        got = {(v.policy_id, v.version) for v in r.response.loaded_versions}
-        if (self.policy, want.version) not in got:
-            raise CheckFailed(
-                f"loaded_versions {sorted(got)}, expected ({self.policy}, {want.version})"
-            )
-        if (now := await self._held()) != want.version:
-            raise CheckFailed(f"GetStatus says version {now} after loading {want.version}")
-        self.loaded = want
-        return f"{self.policy} {want.version_id} (version {want.version}), {r.response.fetched_bytes:,} bytes fetched"
-
-    async def load_weights_is_idempotent(self) -> str:
-        self._needs("loaded")
-        again = await _rpc(self._load([self.loaded], f"conformance-{self.run_id}-load"))
-        again.expect(grpc.StatusCode.OK)
-        other = await _rpc(self._load([self.loaded], f"conformance-{self.run_id}-again"))
-        other.expect(grpc.StatusCode.OK)
-        for r in (again, other):
-            if (self.policy, self.loaded.version) not in {
-                (v.policy_id, v.version) for v in r.response.loaded_versions
-            }:
-                raise CheckFailed(f"loaded_versions {list(r.response.loaded_versions)}")
-        return "the same request again, and the same versions under a new request_id: OK"
-
-    async def load_weights_refuses_regression(self) -> str:
-        self._needs("loaded")
-        if self.loaded.version < 1:
-            raise Skipped("the loaded version is 0: nothing older to ask for")
-        older = version_pb2.PolicyVersion(
-            policy_id=self.policy, version=self.loaded.version - 1, version_id="conformance-older"
-        )
-        r = await _rpc(self._load([older], f"conformance-{self.run_id}-older"))
-        text = r.expect(grpc.StatusCode.FAILED_PRECONDITION, "VERSION_REGRESSION")
-        if (now := await self._held()) != self.loaded.version:
-            raise CheckFailed(f"after the refusal GetStatus says version {now}")
-        return f"{text}; version {self.loaded.version} still in service"
-
-    async def load_weights_refuses_reused_id(self) -> str:
-        self._needs("loaded")
-        newer = version_pb2.PolicyVersion(
-            policy_id=self.policy, version=self.loaded.version + 1, version_id="conformance-newer"
-        )
-        r = await _rpc(self._load([newer], f"conformance-{self.run_id}-load"))
-        return r.expect(grpc.StatusCode.INVALID_ARGUMENT, "REQUEST_ID_REUSED")
-
-    async def tokens_carry_the_loaded_version(self) -> str:
-        self._needs("loaded")
-        g = self._group()
-        (await self._submit(g)).expect(grpc.StatusCode.OK)
-        deadline = time.monotonic() + self.options.result_timeout_s
-        while g.group_id not in await self._collect(1.0):
-            if time.monotonic() > deadline:
-                raise CheckFailed(f"no result within {self.options.result_timeout_s:g} s")
-        await self.client.ack_results([g.group_id])
-        result, _ = self.decoded[g.group_id]
-        if result.error is not None or result.invalid is not None:
-            raise CheckFailed(f"the group: {result.error or result.invalid}")
-        seen = {(t.min_version, t.max_version) for t in result.per_policy.get(self.policy, [])}
-        want = (self.loaded.version, self.loaded.version)
-        if seen != {want}:
-            raise CheckFailed(
-                f"generated tokens carry versions (oldest, newest) {sorted(seen)}, expected {want}"
-            )
-        return f"every generated token: version {self.loaded.version}"
 
     async def settles(self) -> str:
         deadline = time.monotonic() + self.options.result_timeout_s
@@ -528,8 +382,3 @@ class RaasChecker:
                     f"{s.free_slots} of {s.capacity} after every group was acknowledged"
                 )
             await asyncio.sleep(0.2)
-
-
-def summary(results: list[Check]) -> dict:
-    counts = {k: sum(r.status == k for r in results) for k in ("pass", "fail", "warn", "skip")}
-    return {"ok": counts["fail"] == 0, **counts, "checks": [asdict(r) for r in results]}

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from astra.clients.raas_check import CheckOptions, RaasChecker, summary
+from astra.clients.raas_check import CheckOptions, RaasChecker
+from astra.clients.raas_rules import summary
 from astra.clients.weights_publish import publish_version
 from astra.raas.scripted import ScriptedGenerator
 from astra.servers.raas import start_raas
@@ -257,7 +258,7 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
 
 
 def test_summary_counts() -> None:
-    from astra.clients.raas_check import Check
+    from astra.clients.raas_rules import Check
 
     s = summary([Check("a", "pass", ""), Check("b", "warn", ""), Check("c", "skip", "")])
     assert s["ok"] and (s["pass"], s["warn"], s["skip"], s["fail"]) == (1, 1, 1, 0)

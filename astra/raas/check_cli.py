@@ -3,7 +3,7 @@
 One line per check on stdout (PASS, FAIL, WARN, SKIP and what was seen), or one
 JSON object with --json. Exit status: 0 when no check failed (warnings and
 skips allowed), 1 when one did or the server could not be reached, 2 usage.
-The checks themselves live in astra.clients.raas_check.
+The checks themselves live in astra.clients.raas_check (and raas_check_weights, raas_rules).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def check_command(address: str, as_json: bool, result_timeout_s: float, **option
     Dataflow dispatches to. With --weights and --version it also loads that version
     (the instance must not hold a newer one) and checks the LoadWeights rules.
     """
-    from astra.clients.raas_check import CheckOptions, RaasChecker, summary
+    from astra.clients.raas_check import CheckOptions, RaasChecker
+    from astra.clients.raas_rules import summary
     from astra.servers.runtime import install_event_loop_policy
 
     opts = CheckOptions(result_timeout_s=result_timeout_s, **options)  # type: ignore[arg-type]

@@ -1,0 +1,114 @@
+"""The LoadWeights checks of `astra raas check` (with --weights HOST:PORT --version ID).
+
+A mixin of astra.clients.raas_check.RaasChecker: with a WeightService that holds a
+version of the policy, the instance must load it and show it in GetStatus, answer
+retries and the same versions under a new request id at once, refuse an older
+version (VERSION_REGRESSION) and keep the loaded one, refuse a request id reused for
+other versions (REQUEST_ID_REUSED), and stamp every token it generates afterwards
+with the loaded version (what Dataflow's staleness bound reads).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from astra.clients.raas_rules import CheckFailed, Skipped, rpc
+from astra.common.v1 import version_pb2
+
+if TYPE_CHECKING:
+    from astra.clients.raas_check import RaasChecker
+
+
+class WeightChecks:
+    def _load(self: RaasChecker, versions: list, request_id: str) -> Awaitable:
+        return self.client.load_weights(
+            versions, self.options.weights, request_id, timeout_s=self.options.load_timeout_s
+        )
+
+    async def _held(self: RaasChecker) -> int | None:
+        s = await self.client.get_status()
+        return next((v.version for v in s.loaded_versions if v.policy_id == self.policy), None)
+
+    async def load_weights(self: RaasChecker) -> str:
+        if not (self.options.weights and self.options.version_id):
+            raise Skipped("needs --weights HOST:PORT and --version ID")
+        self._needs("policy")
+        from astra.clients.weights import WeightClient
+
+        async with WeightClient(self.options.weights) as weights:
+            info = (await weights.get_version(self.policy, self.options.version_id)).version
+        want = version_pb2.PolicyVersion(
+            policy_id=self.policy, version=info.version, version_id=info.version_id
+        )
+        held = await self._held()
+        if held is not None and held > want.version:
+            raise Skipped(f"the instance holds version {held}, newer than {want.version}")
+        r = await rpc(self._load([want], f"conformance-{self.run_id}-load"))
+        r.expect(grpc.StatusCode.OK)
+        got = {(v.policy_id, v.version) for v in r.response.loaded_versions}
+        if (self.policy, want.version) not in got:
+            raise CheckFailed(
+                f"loaded_versions {sorted(got)}, expected ({self.policy}, {want.version})"
+            )
+        if (now := await self._held()) != want.version:
+            raise CheckFailed(f"GetStatus says version {now} after loading {want.version}")
+        self.loaded = want
+        return f"{self.policy} {want.version_id} (version {want.version}), {r.response.fetched_bytes:,} bytes fetched"
+
+    async def load_weights_is_idempotent(self: RaasChecker) -> str:
+        self._needs("loaded")
+        again = await rpc(self._load([self.loaded], f"conformance-{self.run_id}-load"))
+        again.expect(grpc.StatusCode.OK)
+        other = await rpc(self._load([self.loaded], f"conformance-{self.run_id}-again"))
+        other.expect(grpc.StatusCode.OK)
+        for r in (again, other):
+            if (self.policy, self.loaded.version) not in {
+                (v.policy_id, v.version) for v in r.response.loaded_versions
+            }:
+                raise CheckFailed(f"loaded_versions {list(r.response.loaded_versions)}")
+        return "the same request again, and the same versions under a new request_id: OK"
+
+    async def load_weights_refuses_regression(self: RaasChecker) -> str:
+        self._needs("loaded")
+        if self.loaded.version < 1:
+            raise Skipped("the loaded version is 0: nothing older to ask for")
+        older = version_pb2.PolicyVersion(
+            policy_id=self.policy, version=self.loaded.version - 1, version_id="conformance-older"
+        )
+        r = await rpc(self._load([older], f"conformance-{self.run_id}-older"))
+        text = r.expect(grpc.StatusCode.FAILED_PRECONDITION, "VERSION_REGRESSION")
+        if (now := await self._held()) != self.loaded.version:
+            raise CheckFailed(f"after the refusal GetStatus says version {now}")
+        return f"{text}; version {self.loaded.version} still in service"
+
+    async def load_weights_refuses_reused_id(self: RaasChecker) -> str:
+        self._needs("loaded")
+        newer = version_pb2.PolicyVersion(
+            policy_id=self.policy, version=self.loaded.version + 1, version_id="conformance-newer"
+        )
+        r = await rpc(self._load([newer], f"conformance-{self.run_id}-load"))
+        return r.expect(grpc.StatusCode.INVALID_ARGUMENT, "REQUEST_ID_REUSED")
+
+    async def tokens_carry_the_loaded_version(self: RaasChecker) -> str:
+        self._needs("loaded")
+        g = self._group()
+        (await self._submit(g)).expect(grpc.StatusCode.OK)
+        deadline = time.monotonic() + self.options.result_timeout_s
+        while g.group_id not in await self._collect(1.0):
+            if time.monotonic() > deadline:
+                raise CheckFailed(f"no result within {self.options.result_timeout_s:g} s")
+        await self.client.ack_results([g.group_id])
+        result, _ = self.decoded[g.group_id]
+        if result.error is not None or result.invalid is not None:
+            raise CheckFailed(f"the group: {result.error or result.invalid}")
+        seen = {(t.min_version, t.max_version) for t in result.per_policy.get(self.policy, [])}
+        want = (self.loaded.version, self.loaded.version)
+        if seen != {want}:
+            raise CheckFailed(
+                f"generated tokens carry versions (oldest, newest) {sorted(seen)}, expected {want}"
+            )
+        return f"every generated token: version {self.loaded.version}"
