@@ -522,12 +522,18 @@ def test_sandboxed_code_sees_only_its_directory_python_and_the_system(tmp_path):
     write into the Python every later sample runs on: it sees none of the machine's files but
     its own directory, a private /tmp and the Python installation, read-only; changing root
     again leads nowhere. `files=True` shows it the machine."""
+    import shutil
+    import subprocess
     import sys
 
     from astra.rewards.sandbox import SandboxLimits, own_files_prefix, run_python
 
-    if not own_files_prefix():
+    unshare = shutil.which("unshare")
+    namespaces = [unshare, "--user", "--map-root-user", "--mount", "--net", "true"]
+    if unshare is None or subprocess.run(namespaces, capture_output=True).returncode != 0:
         pytest.skip("this machine refuses user and mount namespaces (unshare)")
+    # The machine allows them: the sandbox must use them (a failing view is no reason to skip).
+    assert own_files_prefix(), "namespaces allowed, yet the sandbox could not build its view"
     secret = tmp_path / "answers.jsonl"
     secret.write_text('{"answer": "42"}\n')
     probe = f"astra-sandbox-probe-{os.getpid()}-{time.time_ns()}"  # never left in the venv

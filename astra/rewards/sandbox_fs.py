@@ -55,6 +55,9 @@ def _view(root, work, tmp_bytes, devices, paths):
             open(target, "a").close()
         return target
 
+    # A private /tmp first: the Python installation or the working directory may be below it
+    # (bound after it, into it).
+    mount("tmpfs", place("/tmp", True), "tmpfs", NOSUID | NODEV, f"size={tmp_bytes},mode=1777")
     for path in paths:
         if os.path.islink(path):
             os.makedirs(os.path.dirname(root + path), exist_ok=True)
@@ -71,10 +74,7 @@ def _view(root, work, tmp_bytes, devices, paths):
     for dev in devices:
         if os.path.exists(dev):
             mount(dev, place(dev, False), None, BIND)
-    # A private /tmp first: the working directory may be below it (bound after, writable;
-    # not recursive: nothing is mounted below it).
-    mount("tmpfs", place("/tmp", True), "tmpfs", NOSUID | NODEV, f"size={tmp_bytes},mode=1777")
-    mount(work, place(work, True), None, BIND)
+    mount(work, place(work, True), None, BIND)  # writable; not recursive: nothing below it
     os.chdir(root)
     mount(root, "/", None, MOVE)
     os.chroot(".")
