@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,6 +33,34 @@ from astra.servers.rollout_port import decode_results
 
 CONTRACT_MAJOR = "1"
 MAX_WAIT_S = 30.0  # CollectResults.max_wait bound (rollout_service.proto)
+# In order: each is the name of a method (here or in WeightChecks) that returns what it saw.
+CHECKS = (
+    "health",
+    "reflection",
+    "capabilities",
+    "status",
+    "submit_rejects_empty",
+    "submit_rejects_duplicate_ids",
+    "submit_rejects_unknown_policy",
+    "submit_rejects_unknown_workflow",
+    "submit_refuses_over_capacity",
+    "collect_rejects_long_wait",
+    "submit",
+    "submit_is_idempotent",
+    "collect",
+    "collect_repeats_until_ack",
+    "ack",
+    "ack_removes_the_result",
+    "ack_ignores_unknown_ids",
+    "cancel",
+    "load_weights_rejects_bad_requests",
+    "load_weights",
+    "load_weights_is_idempotent",
+    "load_weights_refuses_regression",
+    "load_weights_refuses_reused_request_id",
+    "tokens_carry_the_loaded_version",
+    "settles",
+)
 
 
 @dataclass
@@ -73,37 +100,10 @@ class RaasChecker(WeightChecks):
     async def run(self) -> list[Check]:
         """Every check in order, each on its own; the list of what they found."""
         self.client = RolloutClient(self.address, timeout_s=self.options.call_timeout_s)
-        checks: list[tuple[str, Callable[[], Awaitable[str]]]] = [
-            ("health", self.health),
-            ("reflection", self.reflection),
-            ("capabilities", self.capabilities),
-            ("status", self.status),
-            ("submit_rejects_empty", self.submit_rejects_empty),
-            ("submit_rejects_duplicate_ids", self.submit_rejects_duplicate_ids),
-            ("submit_rejects_unknown_policy", self.submit_rejects_unknown_policy),
-            ("submit_rejects_unknown_workflow", self.submit_rejects_unknown_workflow),
-            ("submit_refuses_over_capacity", self.submit_refuses_over_capacity),
-            ("collect_rejects_long_wait", self.collect_rejects_long_wait),
-            ("submit", self.submit),
-            ("submit_is_idempotent", self.submit_is_idempotent),
-            ("collect", self.collect),
-            ("collect_repeats_until_ack", self.collect_repeats_until_ack),
-            ("ack", self.ack),
-            ("ack_removes_the_result", self.ack_removes_the_result),
-            ("ack_ignores_unknown_ids", self.ack_ignores_unknown_ids),
-            ("cancel", self.cancel),
-            ("load_weights_rejects_bad_requests", self.load_weights_rejects_bad_requests),
-            ("load_weights", self.load_weights),
-            ("load_weights_is_idempotent", self.load_weights_is_idempotent),
-            ("load_weights_refuses_regression", self.load_weights_refuses_regression),
-            ("load_weights_refuses_reused_request_id", self.load_weights_refuses_reused_id),
-            ("tokens_carry_the_loaded_version", self.tokens_carry_the_loaded_version),
-            ("settles", self.settles),
-        ]
         try:
-            for name, check in checks:
+            for name in CHECKS:
                 try:
-                    self.results.append(Check(name, "pass", await check()))
+                    self.results.append(Check(name, "pass", await getattr(self, name)()))
                 except CheckFailed as exc:
                     self.results.append(Check(name, "fail", str(exc)))
                 except Skipped as exc:
@@ -157,6 +157,18 @@ class RaasChecker(WeightChecks):
                 out[group.group_id] = out.get(group.group_id, 0) + 1
                 self.decoded[group.group_id] = (group, pb.CollectResultsResponse.FromString(msg))
         return out
+
+    async def _until_collected(self, group_id: str) -> str:
+        """Collects until `group_id`'s result arrives: "" then, else why it did not (none within
+        result_timeout_s); CheckFailed when one collect delivers it twice."""
+        deadline = time.monotonic() + self.options.result_timeout_s
+        while time.monotonic() < deadline:
+            got = await self._collect(min(5.0, max(0.1, deadline - time.monotonic())))
+            if got.get(group_id, 0) > 1:
+                raise CheckFailed(f"{got[group_id]} results for {group_id} in one collect")
+            if group_id in got:
+                return ""
+        return f"no result within {self.options.result_timeout_s:g} s"
 
     # ----- checks ----------------------------------------------------------------------------
 
@@ -275,16 +287,9 @@ class RaasChecker(WeightChecks):
 
     async def collect(self) -> str:
         self._needs("group")
-        deadline = time.monotonic() + self.options.result_timeout_s
-        while time.monotonic() < deadline:
-            got = await self._collect(min(5.0, max(0.1, deadline - time.monotonic())))
-            if got.get(self.group, 0) > 1:
-                raise CheckFailed(f"{got[self.group]} results for {self.group} in one collect")
-            if self.group in got:
-                break
-        else:
-            self.group = ""
-            raise CheckFailed(f"no result within {self.options.result_timeout_s:g} s")
+        if missing := await self._until_collected(self.group):
+            self.group = ""  # the checks that need a collected group are skipped
+            raise CheckFailed(missing)
         result, wire = self.decoded[self.group]
         if result.error is not None:
             raise CheckFailed(f"the group failed: {result.error}")

@@ -10,7 +10,6 @@ with the loaded version (what Dataflow's staleness bound reads).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
@@ -85,7 +84,7 @@ class WeightChecks:
             raise CheckFailed(f"after the refusal GetStatus says version {now}")
         return f"{text}; version {self.loaded.version} still in service"
 
-    async def load_weights_refuses_reused_id(self: RaasChecker) -> str:
+    async def load_weights_refuses_reused_request_id(self: RaasChecker) -> str:
         self._needs("loaded")
         newer = version_pb2.PolicyVersion(
             policy_id=self.policy, version=self.loaded.version + 1, version_id="conformance-newer"
@@ -97,10 +96,8 @@ class WeightChecks:
         self._needs("loaded")
         g = self._group()
         (await self._submit(g)).expect(grpc.StatusCode.OK)
-        deadline = time.monotonic() + self.options.result_timeout_s
-        while g.group_id not in await self._collect(1.0):
-            if time.monotonic() > deadline:
-                raise CheckFailed(f"no result within {self.options.result_timeout_s:g} s")
+        if missing := await self._until_collected(g.group_id):
+            raise CheckFailed(missing)
         await self.client.ack_results([g.group_id])
         result, _ = self.decoded[g.group_id]
         if result.error is not None or result.invalid is not None:

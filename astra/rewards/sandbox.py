@@ -124,13 +124,25 @@ def run_python(
     `output_chars` of each).
     """
     limits = limits or SandboxLimits()
+    return _run(code, stdin, limits, keep, *isolation(limits))
+
+
+def _run(
+    code: str,
+    stdin: str,
+    limits: SandboxLimits,
+    keep: tuple[str, ...],
+    prefix: tuple[str, ...],
+    no_net: bool,
+    own_files: bool,
+) -> SandboxResult:
+    """`run_python` under the given isolation (`isolation`'s answer)."""
     with tempfile.TemporaryDirectory(prefix="astra-sandbox-") as tmp:
         root = Path(tmp) / "work"  # the code's directory; Path(tmp) / "view": its file system
         root.mkdir()
         (root / "main.py").write_text(code, encoding="utf-8")
         (root / "stdin").write_text(stdin, encoding="utf-8")
         cpu_s = math.ceil(limits.time_s) + 1
-        prefix, no_net, own_files = isolation(limits)
         view = []
         if own_files:
             (Path(tmp) / "view").mkdir()
@@ -240,33 +252,19 @@ def _probe_own_files(network: bool) -> tuple[str, ...]:
         return ()
     # A user namespace even for root: its root has no power over the machine's mounts.
     prefix = (unshare, "--user", "--map-root-user", "--mount", *(() if network else ("--net",)))
-    with tempfile.TemporaryDirectory(prefix="astra-sandbox-probe-") as tmp:
-        work, view = Path(tmp) / "work", Path(tmp) / "view"
-        work.mkdir()
-        view.mkdir()
-        # Seen from inside: its own directory, not the one beside it.
-        (work / "main.py").write_text(
-            f"import os\nprint(os.getcwd() == {str(work)!r}, os.path.exists({str(view)!r}))\n"
-        )
-        ready_r, ready_w = _pipe()
-        argv = [*prefix, sys.executable, "-I", "-c", _LAUNCHER, "10", str(1 << 30), str(1 << 20)]
-        argv += [str(ready_w), *launcher_args(view, work, 1 << 20)]
-        try:
-            probe = subprocess.run(
-                argv, cwd=work, capture_output=True, text=True, timeout=30, pass_fds=(ready_w,),
-                env={"LANG": "C.UTF-8"},
-            )  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            probe = subprocess.CompletedProcess(argv, -1, "", str(exc))
-        finally:
-            os.close(ready_w)
-            os.close(ready_r)
-    if probe.returncode == 0 and probe.stdout.split() == ["True", "False"]:
-        return prefix
+    # Seen from inside: its own directory, not the view's mount point beside it.
+    code = "import os\nprint(os.path.exists(os.path.join(os.getcwd(), '..', 'view')))\n"
+    try:
+        probe = _run(code, "", SandboxLimits(time_s=30), (), prefix, not network, True)
+        if probe.ok and probe.stdout.split() == ["False"]:
+            return prefix
+        why = probe.stderr.strip() or probe.stdout.strip() or probe.reason
+    except (OSError, SandboxUnavailable) as exc:
+        why = str(exc)
     log.warning(
         "sandbox: cannot give sandboxed code a file system of its own (%s): it sees the "
         "machine's files",
-        (probe.stderr.strip() or probe.stdout.strip())[-300:],
+        why[-300:],
     )
     return ()
 
