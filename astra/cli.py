@@ -29,8 +29,29 @@ def _metrics_and_log_level(metrics_help: str = "Prometheus HTTP port (0 picks)."
 
 @click.group()
 @click.version_option(package_name="astra-rl")
-def main() -> None:
+@click.option(
+    "--tls",
+    "tls_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Mutual TLS with the credentials in this directory (ca.pem, cert.pem, key.pem; "
+    "`astra tls init`), for this command and the processes it starts. Same as ASTRA_TLS_DIR.",
+)
+@click.pass_context
+def main(ctx: click.Context, tls_dir: str | None) -> None:
     """Astra: asynchronous RL post-training over gRPC services."""
+    import os
+
+    from astra.tls import ENV_DIR, TlsConfigError, current_tls
+
+    if tls_dir is not None:
+        os.environ[ENV_DIR] = tls_dir
+    if ctx.invoked_subcommand == "tls":
+        return  # writes the credentials a later command reads
+    try:
+        current_tls()  # a wrong setting fails here, naming the variable, not at the first call
+    except TlsConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 def _add_subcommands() -> None:
@@ -38,6 +59,7 @@ def _add_subcommands() -> None:
     from astra.run.cli import run_command
     from astra.run.raas_cli import raas
     from astra.run.top import top_command
+    from astra.tls_cli import tls
     from astra.trainer.cli import trainer_command
     from astra.trainer.sft_cli import sft_command
     from astra.weights.cli import weights
@@ -48,6 +70,7 @@ def _add_subcommands() -> None:
     main.add_command(raas)
     main.add_command(top_command)
     main.add_command(sft_command)
+    main.add_command(tls)
     serve.add_command(trainer_command, "trainer")
 
 
@@ -332,6 +355,7 @@ def status(address: str, timeout_s: float) -> None:
     import grpc
     from google.protobuf import json_format
 
+    from astra.clients.channel import connect_hint
     from astra.clients.dataflow import DataflowClient
 
     async def fetch() -> dict:
@@ -344,7 +368,8 @@ def status(address: str, timeout_s: float) -> None:
     try:
         out = asyncio.run(fetch())
     except grpc.aio.AioRpcError as exc:
-        click.echo(f"status: {exc.code().name}: {exc.details()}", err=True)
+        hint = connect_hint(exc.code())
+        click.echo(f"status: {exc.code().name}: {exc.details()}{hint}", err=True)
         sys.exit(1)
     click.echo(json.dumps(out, indent=2, sort_keys=True))
 

@@ -3,6 +3,8 @@
 Retries are declared in the gRPC service config, per method, so only the
 RPCs a contract marks idempotent are retried (on UNAVAILABLE), by gRPC
 itself, with exponential backoff. Every client call also carries a deadline.
+Channels use mutual TLS when the process's environment names the run's
+credentials (astra.tls), plaintext otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from types import ModuleType
 from typing import Any
 
 import grpc
+
+from astra.tls import TlsMaterial, current_tls
 
 MiB = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
@@ -51,15 +55,33 @@ def open_channel(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(
-        address,
-        options=[
-            ("grpc.service_config", service_config),
-            ("grpc.enable_retries", 1),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.keepalive_time_ms", 30_000),
-        ],
+    options: list[tuple[str, Any]] = [
+        ("grpc.service_config", service_config),
+        ("grpc.enable_retries", 1),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+    ]
+    tls = current_tls()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
+
+
+def connect_hint(code: grpc.StatusCode) -> str:
+    """What to add to an UNAVAILABLE seen by a command line tool: the usual cause when the
+    process has no TLS settings is a server that requires them."""
+    if code is grpc.StatusCode.UNAVAILABLE and current_tls() is None:
+        return " (a server with mutual TLS refuses plaintext: pass --tls DIR or set ASTRA_TLS_DIR)"
+    return ""
+
+
+def channel_credentials(tls: TlsMaterial) -> grpc.ChannelCredentials:
+    """Mutual TLS: the server must show a certificate of the run's CA; this node shows its own."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
     )
 
 

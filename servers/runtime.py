@@ -3,7 +3,9 @@
 Health (grpc.health.v1) and reflection are always registered; message-size
 limits are explicit; errors are mapped by one interceptor; SIGTERM and SIGINT
 mark the server NOT_SERVING, drain in-flight RPCs for a grace period and
-return, so the process exits 0.
+return, so the process exits 0. The port is mutual TLS when the process's
+environment names the run's credentials (astra.tls): only clients with a
+certificate of the run's CA get through the handshake.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from astra.servers.errors import ErrorInterceptor, domain_from_method
+from astra.tls import current_tls
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class GrpcServer:
         self.requested_port = port
         self.grace_s = grace_s
         self.port = 0
+        self.tls = False
         self._services: list[str] = []
         self._server = grpc.aio.server(
             interceptors=[ErrorInterceptor(domain_from_method)],
@@ -120,7 +124,17 @@ class GrpcServer:
         reflection.enable_server_reflection(
             [*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        where = f"{self.host}:{self.requested_port}"
+        tls = current_tls()
+        if tls is None:
+            self.port = self._server.add_insecure_port(where)
+        else:
+            credentials = grpc.ssl_server_credentials(
+                [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
+            )
+            self.port = self._server.add_secure_port(where, credentials)
+            log.info("mutual TLS on %s (%s)", where, tls.source)
+        self.tls = tls is not None
         if self.port == 0:
             raise OSError(f"cannot bind {self.host}:{self.requested_port}")
         await self._server.start()

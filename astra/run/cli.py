@@ -86,6 +86,7 @@ def run_command(
         raise click.UsageError(f"{rd.root} holds a run: use --resume DIR or another --run-dir")
     if log_format is not None:  # children inherit the environment
         os.environ["ASTRA_LOG_FORMAT"] = log_format
+    _tls(resolved.tls, rd.root, ray_address)
     _logging(log_level, rd.log("supervisor"))
     from astra.run.supervisor import Supervisor
 
@@ -107,6 +108,29 @@ def run_command(
     except RayUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     sys.exit(code)
+
+
+def _tls(wanted: bool, root: Path, ray_address: str | None) -> None:
+    """Mutual TLS for the run's children (they inherit the environment): the credentials
+    `astra --tls DIR` (or ASTRA_TLS_*) gave, else with `tls: true` a CA and a loopback
+    credential of the run's own, made once in RUN_DIR/tls."""
+    from astra.tls import ENV_DIR, current_tls
+    from astra.tls_certs import DEFAULT_HOSTS, init_ca, issue
+
+    if current_tls() is not None or not wanted:
+        return
+    if ray_address is not None:
+        raise click.UsageError(
+            "tls: true makes a loopback credential, which other nodes cannot use: make one "
+            "for every node's address (astra tls init DIR --host IP ...) on the shared "
+            "filesystem and run `astra --tls DIR run ... --ray ...`"
+        )
+    directory = root / "tls"
+    if not (directory / "cert.pem").is_file():
+        if not (directory / "ca.key").is_file():
+            init_ca(directory, name=f"astra run CA ({root.name})")
+        issue(directory, directory, list(DEFAULT_HOSTS))
+    os.environ[ENV_DIR] = str(directory.resolve())
 
 
 def _logging(level: str, path: Path) -> None:

@@ -120,6 +120,12 @@ class Recipe(_Strict):
     supervision: SupervisionSpec = Field(default_factory=SupervisionSpec, description="Children.")
     observe: ObserveSpec = Field(default_factory=ObserveSpec, description="Outputs.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra child environment.")
+    tls: bool = Field(
+        False,
+        description="Mutual TLS between the run's processes: a CA and a loopback credential "
+        "are made in RUN_DIR/tls (kept on --resume). `astra --tls DIR run` uses DIR instead "
+        "(needed with --ray: a credential for every node's address).",
+    )
 
     @property
     def evaluating(self) -> bool:

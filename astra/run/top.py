@@ -19,6 +19,19 @@ from typing import Any
 import click
 
 
+def _run_tls(run_dir: Path) -> None:
+    """A run made with `tls: true` is watched with its own credentials, unless others are set."""
+    import os
+
+    from astra.tls import ENV_DIR, ENV_FILES
+
+    own = run_dir / "tls"
+    if (own / "cert.pem").is_file() and not any(
+        os.environ.get(v) for v in (ENV_DIR, *ENV_FILES.values())
+    ):
+        os.environ[ENV_DIR] = str(own.resolve())
+
+
 def addresses_from_run_dir(run_dir: Path) -> tuple[str, dict[str, str]]:
     """Dataflow's address and each policy's trainer address, from run.json."""
     path = run_dir / "run.json"
@@ -100,6 +113,7 @@ def top_command(
     trainers: dict[str, str] = {}
     name, num_steps = "top", None
     if run_dir is not None:
+        _run_tls(Path(run_dir))
         found, trainers = addresses_from_run_dir(Path(run_dir))
         address = address or found
         name, num_steps = recipe_facts(Path(run_dir))

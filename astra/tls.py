@@ -1,0 +1,128 @@
+"""Transport security of a run: which PEM files this process uses, read and checked once.
+
+Every Astra process, server and client alike, uses mutual TLS when its environment names the
+run's credentials, and plaintext otherwise:
+
+- ``ASTRA_TLS_DIR``: a directory holding ``ca.pem`` (the run's certificate authority),
+  ``cert.pem`` and ``key.pem`` (this node's certificate and private key), as
+  ``astra tls init`` and ``astra tls issue`` write it; or
+- ``ASTRA_TLS_CA``, ``ASTRA_TLS_CERT`` and ``ASTRA_TLS_KEY``: the three files by path, all three.
+
+Servers then accept only clients whose certificate the CA signed, and clients accept only
+servers whose certificate the CA signed for the host they dial (an IP address or DNS name in
+its subjectAltName). ``ASTRA_TLS_SERVER_NAME`` makes clients check that name instead of the
+dialled host (a certificate issued for a DNS name, dialled by IP). The same files serve both
+ends, so one credential per node is enough. Never touches gRPC.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_DIR = "ASTRA_TLS_DIR"
+ENV_FILES = {"ca": "ASTRA_TLS_CA", "cert": "ASTRA_TLS_CERT", "key": "ASTRA_TLS_KEY"}
+ENV_SERVER_NAME = "ASTRA_TLS_SERVER_NAME"
+DIR_FILES = {"ca": "ca.pem", "cert": "cert.pem", "key": "key.pem"}
+MAX_PEM_BYTES = 1 << 20
+
+
+class TlsConfigError(ValueError):
+    """The TLS settings of this process name files that are missing, unreadable or not PEM."""
+
+
+@dataclass(frozen=True)
+class TlsMaterial:
+    """The PEM bytes of one process's credentials."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    server_name: str = ""
+    source: str = ""  # where they came from, for messages and logs
+
+
+def tls_paths(env: Mapping[str, str] | None = None) -> dict[str, Path] | None:
+    """The files `env` (default: this process's environment) names, None for plaintext."""
+    env = os.environ if env is None else env
+    directory = env.get(ENV_DIR, "")
+    named = {k: env.get(v, "") for k, v in ENV_FILES.items()}
+    if directory and any(named.values()):
+        given = ", ".join(ENV_FILES[k] for k, v in named.items() if v)
+        raise TlsConfigError(f"{ENV_DIR} and {given} are both set: set one or the other")
+    if directory:
+        return {k: Path(directory) / name for k, name in DIR_FILES.items()}
+    if not any(named.values()):
+        return None
+    missing = [ENV_FILES[k] for k, v in named.items() if not v]
+    if missing:
+        raise TlsConfigError(
+            f"{', '.join(missing)} not set: mutual TLS needs {', '.join(ENV_FILES.values())}"
+        )
+    return {k: Path(v) for k, v in named.items()}
+
+
+def load_tls(env: Mapping[str, str] | None = None) -> TlsMaterial | None:
+    """This process's TLS material, None when its environment asks for plaintext."""
+    env = os.environ if env is None else env
+    paths = tls_paths(env)
+    if paths is None:
+        return None
+    via = {k: ENV_DIR if env.get(ENV_DIR) else ENV_FILES[k] for k in paths}
+    pem = {k: _read_pem(k, p, via[k]) for k, p in paths.items()}
+    _check(pem, paths)
+    source = env.get(ENV_DIR) or ", ".join(str(p) for p in paths.values())
+    return TlsMaterial(**pem, server_name=env.get(ENV_SERVER_NAME, ""), source=source)
+
+
+def _read_pem(kind: str, path: Path, var: str) -> bytes:
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_PEM_BYTES + 1)
+    except OSError as exc:
+        raise TlsConfigError(f"{var}: cannot read the {kind} file {path}: {exc.strerror}") from exc
+    if len(data) > MAX_PEM_BYTES:
+        raise TlsConfigError(f"{var}: {path} is over {MAX_PEM_BYTES} bytes: not a PEM file")
+    if b"-----BEGIN " not in data:
+        raise TlsConfigError(f"{var}: {path} is not PEM (no -----BEGIN line)")
+    return data
+
+
+def _check(pem: dict[str, bytes], paths: dict[str, Path]) -> None:
+    """Each file holds what its name says, and the key belongs to the certificate."""
+    if b"CERTIFICATE-----" not in pem["ca"]:
+        raise TlsConfigError(f"{paths['ca']}: no certificate in the CA file")
+    if b"CERTIFICATE-----" not in pem["cert"]:
+        raise TlsConfigError(f"{paths['cert']}: no certificate in the certificate file")
+    if b"PRIVATE KEY-----" not in pem["key"]:
+        raise TlsConfigError(f"{paths['key']}: no private key in the key file")
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+    except ImportError:  # pragma: no cover - a dependency; gRPC still checks at the handshake
+        return
+    try:
+        cert = x509.load_pem_x509_certificate(pem["cert"])
+        key = serialization.load_pem_private_key(pem["key"], password=None)
+    except (ValueError, TypeError) as exc:
+        raise TlsConfigError(f"{paths['cert']} / {paths['key']}: {exc}") from exc
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    encoding = serialization.Encoding.DER
+    if cert.public_key().public_bytes(encoding, public) != key.public_key().public_bytes(
+        encoding, public
+    ):
+        raise TlsConfigError(f"{paths['key']} is not the key of the certificate {paths['cert']}")
+
+
+_cache: dict[tuple[str, ...], TlsMaterial | None] = {}
+
+
+def current_tls() -> TlsMaterial | None:
+    """`load_tls` of this process's environment, read once per distinct setting."""
+    names = (ENV_DIR, *ENV_FILES.values(), ENV_SERVER_NAME)
+    key = tuple(os.environ.get(n, "") for n in names)
+    if key not in _cache:
+        _cache[key] = load_tls()
+    return _cache[key]

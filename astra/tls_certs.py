@@ -1,0 +1,149 @@
+"""A run's certificate authority and its nodes' credentials (what `astra tls` writes).
+
+`init_ca` writes a CA (ca.pem, ca.key) into a directory; `issue` writes a node credential
+(ca.pem, cert.pem, key.pem: what ASTRA_TLS_DIR names) signed by it, valid for the given hosts
+(IP addresses and DNS names, all in the subjectAltName) for both server and client use, since
+every Astra process is both. Keys are ECDSA P-256, written readable by their owner only.
+Never touches gRPC.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from astra.tls import DIR_FILES, TlsConfigError
+
+CA_CERT, CA_KEY = "ca.pem", "ca.key"
+DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+
+
+def _x509():
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError as exc:  # pragma: no cover - a dependency of astra-rl
+        raise TlsConfigError("astra tls needs the cryptography package") from exc
+    return x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID
+
+
+def _write(path: Path, data: bytes, *, private: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _names(hosts: Sequence[str]):
+    x509 = _x509()[0]
+    out = []
+    for h in hosts:
+        h = h.strip()
+        if not h:
+            raise TlsConfigError("a host must not be empty")
+        try:
+            out.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            out.append(x509.DNSName(h))
+    return out
+
+
+def _ca_usage(x509):
+    """Key usage of a CA: signs certificates and CRLs, nothing else."""
+    flags = dict.fromkeys(
+        ["content_commitment", "key_encipherment", "data_encipherment", "key_agreement"], False
+    )
+    return x509.KeyUsage(
+        digital_signature=True,
+        key_cert_sign=True,
+        crl_sign=True,
+        encipher_only=False,
+        decipher_only=False,
+        **flags,
+    )
+
+
+def init_ca(directory: Path, *, name: str = "astra run CA", days: int = 365) -> Path:
+    """Writes a new CA into `directory` (refuses to overwrite one); returns ca.pem's path."""
+    x509, hashes, serialization, ec, _, NameOID = _x509()
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / CA_KEY).exists():
+        raise TlsConfigError(f"{directory / CA_KEY} exists: a CA is there already")
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_ca_usage(x509), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    pem_key = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    _write(directory / CA_KEY, pem_key, private=True)
+    _write(directory / CA_CERT, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    return directory / CA_CERT
+
+
+def issue(
+    ca_dir: Path,
+    out_dir: Path,
+    hosts: Sequence[str] = DEFAULT_HOSTS,
+    *,
+    name: str = "",
+    days: int = 365,
+) -> Path:
+    """Writes a node credential signed by the CA in `ca_dir` into `out_dir`; returns out_dir."""
+    x509, hashes, serialization, ec, EKU, NameOID = _x509()
+    if not hosts:
+        raise TlsConfigError("a node certificate needs at least one host")
+    try:
+        ca_pem = (ca_dir / CA_CERT).read_bytes()
+        ca_cert = x509.load_pem_x509_certificate(ca_pem)
+        ca_key = serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), None)
+    except (OSError, ValueError) as exc:
+        raise TlsConfigError(f"{ca_dir}: no readable CA ({CA_CERT}, {CA_KEY}): {exc}") from exc
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name or hosts[0])])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(_names(hosts)), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([EKU.SERVER_AUTH, EKU.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pem_key = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    _write(out_dir / DIR_FILES["key"], pem_key, private=True)
+    _write(
+        out_dir / DIR_FILES["cert"], cert.public_bytes(serialization.Encoding.PEM), private=False
+    )
+    if (out_dir / DIR_FILES["ca"]).resolve() != (ca_dir / CA_CERT).resolve():
+        _write(out_dir / DIR_FILES["ca"], ca_pem, private=False)
+    return out_dir
