@@ -137,6 +137,12 @@ def test_one_policy_playing_two_agents_credits_each_agent_with_its_own_reward(mo
     assert [s.advantages[0].item() for s in build(single).sequences] == [0.25, -0.25]
 
 
+def test_equal_rewards_with_eps_zero_give_zero_advantages_not_nan() -> None:
+    same = [traj([1, 2, 3], reward=1.0, index=i) for i in range(2)]  # std 0
+    got = [s.advantages[0].item() for s in build(same, advantages="group", adv_eps=0.0).sequences]
+    assert got == [0.0, 0.0]
+
+
 def _seqs(lengths):
     return build(
         [traj(list(range(1, n + 2)), prompt_len=1, index=i) for i, n in enumerate(lengths)]

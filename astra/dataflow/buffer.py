@@ -533,7 +533,9 @@ class PolicyBuffer:
             rows = every.reshape(len(batch), sizes.pop())
             centred = rows - rows.mean(axis=1, keepdims=True)
             if self.config.std_normalize:
-                centred = centred / (rows.std(axis=1, keepdims=True) + self.config.adv_eps)
+                scale = rows.std(axis=1, keepdims=True) + self.config.adv_eps
+                # adv_eps 0 and equal rewards: centred is 0 there, kept 0 (not 0/0 = NaN).
+                centred = np.divide(centred, scale, out=np.zeros_like(centred), where=scale > 0)
             for group, advantages in zip(batch, centred.tolist(), strict=True):
                 group.advantages = advantages
             return
@@ -543,6 +545,6 @@ class PolicyBuffer:
                 (rewards.mean(), rewards.std()) if mode == "group" else (batch_mean, batch_std)
             )
             centred = rewards - mean
-            if self.config.std_normalize:
+            if self.config.std_normalize and std + self.config.adv_eps > 0:
                 centred = centred / (std + self.config.adv_eps)
             group.advantages = [float(a) for a in centred]

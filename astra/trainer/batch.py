@@ -97,7 +97,9 @@ def _normalised(rewards: np.ndarray, keys: list, std_normalize: bool, eps: float
     for idx in members.values():
         r = rewards[idx]
         centred = r - r.mean()
-        out[idx] = centred / (r.std() + eps) if std_normalize else centred
+        scale = r.std() + eps
+        # eps 0 and equal rewards: centred is 0, kept 0 (not 0/0 = NaN).
+        out[idx] = centred / scale if std_normalize and scale > 0 else centred
     return out
 
 
