@@ -119,6 +119,31 @@ class GateSettings(_Strict):
     max_concurrent_groups: int = Field(1024, ge=1, description="Groups in flight at most.")
 
 
+class StorageSettings(_Strict):
+    min_free_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Below this many bytes free on the state directory's file system, "
+        "dispatch and ingest pause (the RaaS keep their results); 0: never.",
+    )
+    resume_free_bytes: int | None = Field(
+        None, ge=0, description="Resume at this many bytes free (default 1.25 x min_free_bytes)."
+    )
+    check_interval_s: float = Field(2.0, gt=0, description="How often the free space is read.")
+
+    @model_validator(mode="after")
+    def _resume_above_min(self) -> StorageSettings:
+        if self.resume_free_bytes is not None and self.resume_free_bytes < self.min_free_bytes:
+            raise ValueError("storage.resume_free_bytes: must be >= storage.min_free_bytes")
+        return self
+
+    @property
+    def resume_at(self) -> int:
+        if self.resume_free_bytes is not None:
+            return self.resume_free_bytes
+        return self.min_free_bytes + self.min_free_bytes // 4
+
+
 class VersionSettings(_Strict):
     barrier: Literal["independent", "lockstep"] = Field(
         "independent",
@@ -139,6 +164,7 @@ class DataflowConfig(_Strict):
     leases: LeaseSettings = Field(default_factory=LeaseSettings)
     gate: GateSettings = Field(default_factory=GateSettings)
     versions: VersionSettings = Field(default_factory=VersionSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
 
     @model_validator(mode="after")
     def _check_refs(self) -> DataflowConfig:

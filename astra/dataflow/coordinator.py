@@ -20,6 +20,7 @@ import uuid
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from astra.dataflow.batches import BatchDesk
 from astra.dataflow.buffer import BufferConfig, PolicyBuffer
@@ -40,6 +41,7 @@ from astra.dataflow.pool import Instance, InstanceState, Pool
 from astra.dataflow.ports import Connector, PortError
 from astra.dataflow.records import GroupRecord, WorkItem
 from astra.dataflow.status import dataflow_status
+from astra.dataflow.storage_guard import StorageGuard
 from astra.dataflow.store import StateStore, is_storage_error
 from astra.dataflow.versions import VersionBook
 from astra.dataflow.weight_sync import WeightSync
@@ -96,6 +98,11 @@ class Dataflow(Ingesting, WeightSync):
         self.dataflow_id = uuid.uuid4().hex[:12]
         self.store = StateStore(config.state_dir)
         self.store.on_failure = self._storage_failed
+        st = config.storage
+        self.storage = StorageGuard(
+            Path(config.state_dir), st.min_free_bytes, st.resume_at, st.check_interval_s
+        )
+        self._storage_pauses_seen, self._storage_was_paused = 0, False
         self.pool = Pool(config.pool, connect)
         self.streams: dict[str, StreamSettings] = {s.name: s for s in config.streams}
         self.sources: dict[str, PromptSource] = {}
@@ -663,8 +670,28 @@ class Dataflow(Ingesting, WeightSync):
             # version, so the observed gap is 0 until results say otherwise.
             self.staleness.update(0.0)
         state = self.gate.evaluate(self.staleness.value, capacity, fill, in_flight)
+        if self._storage_paused():
+            # Not the gate's own mode (its hysteresis goes on from where it was): what
+            # status shows and what stops dispatch while the disk is short of space.
+            state = GateState(
+                GateMode.THROTTLED, self.storage.reason, state.staleness, capacity, fill, in_flight
+            )
         self.gate_state = state
         return state
+
+    def _storage_paused(self) -> bool:
+        """StorageGuard.check, counting each pause and logging each change."""
+        paused = self.storage.check()
+        if self.storage.pauses != self._storage_pauses_seen:
+            self.counters["storage_pauses"] += self.storage.pauses - self._storage_pauses_seen
+            self._storage_pauses_seen = self.storage.pauses
+            why = self.storage.reason
+            log.error("%s: dispatch and ingest paused (the RaaS keep their results)", why)
+        elif self._storage_was_paused and not paused:
+            free = f"{self.storage.free_now:,}"
+            log.warning("storage: %s bytes free again: dispatch and ingest resume", free)
+        self._storage_was_paused = paused
+        return paused
 
     def _next_work(self, stream: StreamSettings) -> str | None:
         """A waiting group of the stream, pulling a new one from the dataset if needed."""
@@ -734,6 +761,8 @@ class Dataflow(Ingesting, WeightSync):
             self.evaluate_gate()
             return
         state = self.evaluate_gate()
+        if self.storage.paused:
+            return  # evaluations too: their results are written like any other
         # Evaluation streams first, with at most half the free slots: after the training
         # streams an evaluation got only the slots they left, next to none behind an open gate,
         # and crawled while the end of a run waited for it; with all of them, training

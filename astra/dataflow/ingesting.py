@@ -20,6 +20,7 @@ from astra.dataflow.buffer import ACCEPTED, DUPLICATE, FAILED, REJECTED_FULL
 from astra.dataflow.pool import Instance, InstanceState
 from astra.dataflow.ports import IncomingGroup, PortError
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
+from astra.dataflow.storage_guard import is_disk_full
 
 if TYPE_CHECKING:
     from astra.dataflow.coordinator import Dataflow, Work
@@ -40,6 +41,9 @@ class Ingesting:
                 await asyncio.sleep(ps.probe_interval_s)
                 continue
             await self.after_trainers()
+            if self._storage_paused():  # the RaaS keep their results until there is room
+                await asyncio.sleep(min(self.config.storage.check_interval_s, 1.0))
+                continue
             try:
                 received = await inst.port.collect(ps.collect_max_groups, ps.collect_wait_s)
             except PortError as exc:
@@ -106,6 +110,16 @@ class Ingesting:
             )
             try:
                 await write
+            except OSError as exc:
+                if not write.done() or not is_disk_full(exc):
+                    raise
+                # Nothing changed in memory yet: acknowledge none, keep the RaaS holding them,
+                # and pause until there is room (astra.dataflow.storage_guard).
+                self.store.discard_staged(staged.values())
+                self.storage.note_full(exc)
+                self._storage_paused()
+                self.counters["results_deferred_disk_full"] += len(results)
+                return []
             except BaseException:
                 if write.done():  # else the thread may still write there: leave the room
                     self.store.discard_staged(staged.values())

@@ -64,6 +64,17 @@ class StatusCollector(Collector):
             "Groups dispatched, not received",
             value=gate["in_flight_groups"],
         )
+        storage = s["storage"]
+        yield GaugeMetricFamily(
+            "astra_dataflow_storage_free_bytes",
+            "Free bytes on the state directory's file system at the last check",
+            value=storage["free_bytes"],
+        )
+        yield GaugeMetricFamily(
+            "astra_dataflow_storage_paused",
+            "1 while dispatch and ingest pause for lack of disk space",
+            value=1.0 if storage["paused"] else 0.0,
+        )
 
 
 def serve_metrics(status: Callable[[], dict], host: str, port: int) -> tuple[Metrics, int]:

@@ -100,6 +100,7 @@ def dataflow_status(df: Dataflow) -> dict:
         "pool_empty": df.pool.empty,
         "status_time": _rfc3339(now_wall),
         "evals": df.evals.results(),
+        "storage": df.storage.status(),
     }
 
 

@@ -335,7 +335,7 @@ class EvalResult(_message.Message):
     def __init__(self, stream: _Optional[str] = ..., policy_id: _Optional[str] = ..., version: _Optional[int] = ..., groups: _Optional[int] = ..., groups_done: _Optional[int] = ..., samples: _Optional[int] = ..., failed_samples: _Optional[int] = ..., mean_reward: _Optional[float] = ..., solved_groups: _Optional[int] = ..., min_token_version: _Optional[int] = ..., max_token_version: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("dataflow_id", "instances", "policies", "gate", "streams", "counters", "pool_empty", "status_time", "evals")
+    __slots__ = ("dataflow_id", "instances", "policies", "gate", "streams", "counters", "pool_empty", "status_time", "evals", "storage")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +352,7 @@ class GetStatusResponse(_message.Message):
     POOL_EMPTY_FIELD_NUMBER: _ClassVar[int]
     STATUS_TIME_FIELD_NUMBER: _ClassVar[int]
     EVALS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
     dataflow_id: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     policies: _containers.RepeatedCompositeFieldContainer[PolicyStatus]
@@ -361,7 +362,22 @@ class GetStatusResponse(_message.Message):
     pool_empty: bool
     status_time: _timestamp_pb2.Timestamp
     evals: _containers.RepeatedCompositeFieldContainer[EvalResult]
-    def __init__(self, dataflow_id: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., policies: _Optional[_Iterable[_Union[PolicyStatus, _Mapping]]] = ..., gate: _Optional[_Union[GateStatus, _Mapping]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., pool_empty: _Optional[bool] = ..., status_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ...) -> None: ...
+    storage: StorageStatus
+    def __init__(self, dataflow_id: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., policies: _Optional[_Iterable[_Union[PolicyStatus, _Mapping]]] = ..., gate: _Optional[_Union[GateStatus, _Mapping]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., pool_empty: _Optional[bool] = ..., status_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., storage: _Optional[_Union[StorageStatus, _Mapping]] = ...) -> None: ...
+
+class StorageStatus(_message.Message):
+    __slots__ = ("free_bytes", "min_free_bytes", "resume_free_bytes", "paused", "reason")
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIN_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    free_bytes: int
+    min_free_bytes: int
+    resume_free_bytes: int
+    paused: bool
+    reason: str
+    def __init__(self, free_bytes: _Optional[int] = ..., min_free_bytes: _Optional[int] = ..., resume_free_bytes: _Optional[int] = ..., paused: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ()

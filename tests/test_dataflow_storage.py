@@ -1,0 +1,145 @@
+"""Dataflow short of disk space pauses instead of failing: nothing is lost, nothing doubled.
+
+Below `storage.min_free_bytes` free (or once a blob write fails with ENOSPC) Dataflow stops
+dispatching and collecting; the RaaS keep their finished results; batches are still served;
+when space is back it resumes, and every group of the epoch is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+
+from astra.clients.raas import RolloutClient
+from astra.dataflow.metrics import StatusCollector
+from astra.dataflow.storage_guard import StorageGuard, free_bytes
+from astra.raas.scripted import ScriptedGenerator
+from tests.test_dataflow_invariants import (
+    Trainer,
+    assert_epoch_trained_once,
+    dataflow_config,
+    run,
+    until,
+    with_raas,
+)
+
+
+class Disk:
+    """The free space the guard reads, set by the test."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def __call__(self, _path) -> int:
+        return self.free
+
+
+def test_guard_pauses_below_min_and_resumes_at_the_resume_threshold(tmp_path):
+    now = [0.0]
+    disk = Disk(10_000)
+    g = StorageGuard(tmp_path, 1_000, 1_250, 1.0, free=disk, clock=lambda: now[0])
+    assert not g.check() and g.free_now == 10_000
+    disk.free = 999
+    assert not g.check()  # read at most once per interval
+    now[0] += 1.0
+    assert g.check() and g.pauses == 1 and "999 bytes free" in g.reason
+    disk.free = 1_200  # above the pause threshold, below the resume one: still paused
+    now[0] += 1.0
+    assert g.check()
+    disk.free = 1_250
+    now[0] += 1.0
+    assert not g.check() and g.reason == ""
+    g.note_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert g.paused and g.pauses == 2 and "No space left" in g.reason
+    now[0] += 1.0
+    assert not g.check()  # space is there: resumes at the next read
+    assert StorageGuard(tmp_path, 0, 0, 1.0, free=Disk(0)).check() is False  # 0: never
+    assert free_bytes(tmp_path) > 0  # the real statvfs of this file system
+
+
+def test_short_of_space_dataflow_pauses_keeps_serving_and_loses_nothing(tmp_path):
+    n = 24
+    config = dataflow_config(
+        tmp_path,
+        n,
+        gate={"max_offpolicyness": None},
+        storage={"min_free_bytes": 1_000_000, "check_interval_s": 0.05},
+    )
+
+    async def body():
+        gen = ScriptedGenerator(delay_s=0.3)  # groups in flight when the pause begins
+        async with with_raas(config, gen, capacity=8, name="raas-a") as (df, client, r):
+            disk = Disk(10_000_000)
+            df.storage.free = disk
+            trainer = Trainer(client)
+            await until(lambda: df.counters["completed_groups"] >= 2, 10, "first results")
+            batch = await trainer.fetch(2)
+            assert batch is not None
+            disk.free = 999_999  # short of space
+            await until(lambda: df.storage.paused, 5, "the pause")
+            status = df.status()
+            assert status["gate"]["mode"] == "GATE_MODE_THROTTLED", status["gate"]
+            assert "999,999 bytes free" in status["gate"]["reason"]
+            assert status["storage"]["paused"] and status["counters"]["storage_pauses"] == 1
+            gauges = {m.name: m.samples[0].value for m in StatusCollector(df.status).collect()}
+            assert gauges["astra_dataflow_storage_paused"] == 1.0
+            assert gauges["astra_dataflow_storage_free_bytes"] == 999_999
+            await asyncio.sleep(0.5)  # a collect under way settles; in-flight groups finish
+            dispatched = df.counters["dispatched"]
+            completed = df.counters["completed_groups"]
+            await asyncio.sleep(1.0)
+            assert df.counters["dispatched"] == dispatched, "dispatched while paused"
+            assert df.counters["completed_groups"] == completed, "ingested while paused"
+            # Batches are still served and acknowledged while paused.
+            await trainer.ack(batch)
+            more = await trainer.fetch(2, max_wait_s=0.2)
+            if more is not None:
+                await trainer.ack(more)
+            # The RaaS holds what it finished, unacknowledged, for when Dataflow is back.
+            async with RolloutClient(r.server.address) as raas_client:
+                held = (await raas_client.get_status()).pending_results
+            assert held > 0, "the RaaS held no finished results while Dataflow paused"
+            disk.free = 1_250_000  # back above the resume threshold
+            await until(lambda: not df.storage.paused, 5, "the resume")
+            await trainer.drain(df, timeout_s=30)
+            return trainer, df.status()
+
+    trainer, status = run(body(), timeout_s=60)
+    assert_epoch_trained_once(trainer.consumed, n)
+    c = status["counters"]
+    assert c["storage_pauses"] == 1 and c.get("duplicates_dropped", 0) == 0
+    assert status["gate"]["mode"] == "GATE_MODE_ASYNC_RUNNING"
+
+
+def test_a_blob_write_failing_with_enospc_defers_the_results_without_loss(tmp_path, monkeypatch):
+    n = 16
+    config = dataflow_config(
+        tmp_path,
+        n,
+        gate={"max_offpolicyness": None},
+        storage={"min_free_bytes": 1, "check_interval_s": 0.05},
+    )
+
+    async def body():
+        gen = ScriptedGenerator()
+        async with with_raas(config, gen, capacity=8, name="raas-a") as (df, client, _r):
+            real = df.store.write_staged
+            failures = []
+
+            def full_once(staged):
+                if not failures:
+                    failures.append(len(staged))
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real(staged)
+
+            monkeypatch.setattr(df.store, "write_staged", full_once)
+            trainer = Trainer(client)
+            await trainer.drain(df, timeout_s=30)
+            return trainer, df.status(), failures
+
+    trainer, status, failures = run(body(), timeout_s=60)
+    assert failures, "the failing write never happened"
+    assert_epoch_trained_once(trainer.consumed, n)
+    c = status["counters"]
+    assert c["storage_pauses"] == 1 and c["results_deferred_disk_full"] >= 1
+    assert c["consumed_groups"] == n
