@@ -34,6 +34,12 @@ class Disk:
         return self.free
 
 
+def guarded_config(tmp_path, n: int, *, min_free_bytes: int):
+    """A Dataflow over `n` prompts whose free space is read every 50 ms."""
+    storage = {"min_free_bytes": min_free_bytes, "check_interval_s": 0.05}
+    return dataflow_config(tmp_path, n, gate={"max_offpolicyness": None}, storage=storage)
+
+
 def test_guard_pauses_below_min_and_resumes_at_the_resume_threshold(tmp_path):
     now = [0.0]
     disk = Disk(10_000)
@@ -59,12 +65,7 @@ def test_guard_pauses_below_min_and_resumes_at_the_resume_threshold(tmp_path):
 
 def test_short_of_space_dataflow_pauses_keeps_serving_and_loses_nothing(tmp_path):
     n = 24
-    config = dataflow_config(
-        tmp_path,
-        n,
-        gate={"max_offpolicyness": None},
-        storage={"min_free_bytes": 1_000_000, "check_interval_s": 0.05},
-    )
+    config = guarded_config(tmp_path, n, min_free_bytes=1_000_000)
 
     async def body():
         gen = ScriptedGenerator(delay_s=0.3)  # groups in flight when the pause begins
@@ -113,12 +114,7 @@ def test_short_of_space_dataflow_pauses_keeps_serving_and_loses_nothing(tmp_path
 
 def test_a_blob_write_failing_with_enospc_defers_the_results_without_loss(tmp_path, monkeypatch):
     n = 16
-    config = dataflow_config(
-        tmp_path,
-        n,
-        gate={"max_offpolicyness": None},
-        storage={"min_free_bytes": 1, "check_interval_s": 0.05},
-    )
+    config = guarded_config(tmp_path, n, min_free_bytes=1)
 
     async def body():
         gen = ScriptedGenerator()
