@@ -147,3 +147,15 @@ def issue(
     if (out_dir / DIR_FILES["ca"]).resolve() != (ca_dir / CA_CERT).resolve():
         _write(out_dir / DIR_FILES["ca"], ca_pem, private=False)
     return out_dir
+
+
+def node_credential(ca_dir: Path, host: str) -> Path:
+    """The credential of the node dialled as `host`, issued once into ca_dir/nodes/<host>
+    (with loopback beside it) by the CA in `ca_dir`: what a supervisor hands each child it
+    places on another node. Returns its directory."""
+    if not host or "/" in host or host.startswith("."):
+        raise TlsConfigError(f"not a host name or address: {host!r}")
+    out = ca_dir / "nodes" / host
+    if not (out / DIR_FILES["cert"]).is_file():
+        issue(ca_dir, out, [host, *(h for h in DEFAULT_HOSTS if h != host)])
+    return out

@@ -79,6 +79,7 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "astra.run", "--ray", "auto", "--run-dir", str(run_dir), *SMALL]
     cmd += ["--set", "trainer.num_steps=60", "--set", "supervision.restart_backoff_s=0.2"]
+    cmd += ["--set", "tls=true"]  # each child with a credential for its node's IP
     with (tmp_path / "run.out").open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -116,7 +117,10 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
             # A service placed by Ray listens on (and advertises) its node's IP.
             assert c["address"].rpartition(":")[0] == placed["node_ip"], c
             assert c["command"][-2:] == ["--host", placed["node_ip"]]
-            assert (run_dir / "logs" / f"{c['name']}.log").stat().st_size > 0
+            log_text = (run_dir / "logs" / f"{c['name']}.log").read_text(errors="replace")
+            assert "mutual TLS on" in log_text, c["name"]
+            node_cert = run_dir / "tls" / "nodes" / placed["node_ip"] / "cert.pem"
+            assert node_cert.is_file(), c
         assert len({c["ray"]["node_id"] for c in children}) == 1  # one local node
         assert len({c["ray"]["actor_id"] for c in children}) == len(NAMES)
         assert all(c["ray"]["worker_pid"] != c["pid"] for c in children)

@@ -113,24 +113,23 @@ def run_command(
 def _tls(wanted: bool, root: Path, ray_address: str | None) -> None:
     """Mutual TLS for the run's children (they inherit the environment): the credentials
     `astra --tls DIR` (or ASTRA_TLS_*) gave, else with `tls: true` a CA and a loopback
-    credential of the run's own, made once in RUN_DIR/tls."""
-    from astra.tls import ENV_DIR, current_tls
+    credential of the run's own, made once in RUN_DIR/tls (with --ray, a credential per node
+    as well, issued as children are placed)."""
+    from astra.tls import ENV_DIR, ENV_NODE_CA, current_tls
     from astra.tls_certs import DEFAULT_HOSTS, init_ca, issue
 
     if current_tls() is not None or not wanted:
         return
-    if ray_address is not None:
-        raise click.UsageError(
-            "tls: true makes a loopback credential, which other nodes cannot use: make one "
-            "for every node's address (astra tls init DIR --host IP ...) on the shared "
-            "filesystem and run `astra --tls DIR run ... --ray ...`"
-        )
     directory = root / "tls"
     if not (directory / "cert.pem").is_file():
         if not (directory / "ca.key").is_file():
             init_ca(directory, name=f"astra run CA ({root.name})")
         issue(directory, directory, list(DEFAULT_HOSTS))
     os.environ[ENV_DIR] = str(directory.resolve())
+    if ray_address is not None:
+        # Each child placed on a node gets a credential for that node's address, issued by
+        # the supervisor from this CA (astra.run.ray_children) into RUN_DIR/tls/nodes/.
+        os.environ[ENV_NODE_CA] = str(directory.resolve())
 
 
 def _logging(level: str, path: Path) -> None:

@@ -123,8 +123,8 @@ class Recipe(_Strict):
     tls: bool = Field(
         False,
         description="Mutual TLS between the run's processes: a CA and a loopback credential "
-        "are made in RUN_DIR/tls (kept on --resume). `astra --tls DIR run` uses DIR instead "
-        "(needed with --ray: a credential for every node's address).",
+        "are made in RUN_DIR/tls (kept on --resume); with --ray each child also gets one for "
+        "its node's address, in RUN_DIR/tls/nodes. `astra --tls DIR run` uses DIR instead.",
     )
 
     @property
