@@ -9,9 +9,11 @@ Never touches gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,11 +35,20 @@ def _x509():
 
 
 def _write(path: Path, data: bytes, *, private: bool) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Atomically, through a new temporary file of its own (never a name that could already
+    exist or be a link), with the mode set before the bytes land, synced."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600 if private else 0o644)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _names(hosts: Sequence[str]):
@@ -50,6 +61,10 @@ def _names(hosts: Sequence[str]):
         try:
             out.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
+            if ":" in h or "/" in h or " " in h:
+                raise TlsConfigError(
+                    f"{h!r} is neither an IP address nor a DNS name (a host, not HOST:PORT)"
+                ) from None
             out.append(x509.DNSName(h))
     return out
 
@@ -88,6 +103,7 @@ def init_ca(directory: Path, *, name: str = "astra run CA", days: int = 365) -> 
         .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(_ca_usage(x509), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
     pem_key = key.private_bytes(
@@ -116,7 +132,7 @@ def issue(
         ca_pem = (ca_dir / CA_CERT).read_bytes()
         ca_cert = x509.load_pem_x509_certificate(ca_pem)
         ca_key = serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), None)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError) as exc:  # TypeError: a key with a passphrase
         raise TlsConfigError(f"{ca_dir}: no readable CA ({CA_CERT}, {CA_KEY}): {exc}") from exc
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name or hosts[0])])
@@ -132,6 +148,11 @@ def issue(
         .add_extension(x509.SubjectAlternativeName(_names(hosts)), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([EKU.SERVER_AUTH, EKU.CLIENT_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())
     )
     out_dir.mkdir(parents=True, exist_ok=True)

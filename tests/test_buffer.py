@@ -486,15 +486,17 @@ def test_batch_advantages_match_numpy(eps: float) -> None:
         np.testing.assert_allclose(g.advantages, (np.asarray(r) - mean) / (std + eps), rtol=1e-12)
 
 
-@pytest.mark.parametrize("sizes", [(2, 2), (3, 2)])  # one size: the row-wise path; two: per group
+@pytest.mark.parametrize("sizes", [(3, 3), (3, 2)])  # one size: the row-wise path; two: per group
 def test_equal_rewards_with_eps_zero_give_zero_advantages_not_nan(sizes) -> None:
+    """Also where the mean of equal rewards rounds (3 x 0.1): no +-1 from dividing the rounding."""
     buf = PolicyBuffer(BufferConfig(normalization="group", adv_eps=0.0, drop_equal_rewards=False))
-    buf.add(group("same", [1.0] * sizes[0]), 0)
-    buf.add(group("mixed", [0.0, 2.0][: sizes[1]]), 0)
+    buf.add(group("same", [0.1] * sizes[0]), 0)
+    mixed = [0.0, 1.0, 2.0][: sizes[1]]
+    buf.add(group("mixed", mixed), 0)
     batch = buf.take(2, 0)
     assert batch is not None
     assert batch[0].advantages == [0.0] * sizes[0]
-    assert batch[1].advantages == [-1.0, 1.0]
+    np.testing.assert_allclose(batch[1].advantages, _group_adv(mixed, 0.0), rtol=1e-12)
 
 
 def test_mean_only_and_no_normalisation() -> None:

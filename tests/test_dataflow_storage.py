@@ -12,7 +12,7 @@ import errno
 
 from astra.clients.raas import RolloutClient
 from astra.dataflow.metrics import StatusCollector
-from astra.dataflow.storage_guard import StorageGuard, free_bytes
+from astra.dataflow.storage_guard import FULL_MARGIN, StorageGuard, free_bytes
 from astra.raas.scripted import ScriptedGenerator
 from tests.test_dataflow_invariants import (
     Trainer,
@@ -34,10 +34,10 @@ class Disk:
         return self.free
 
 
-def guarded_config(tmp_path, n: int, *, min_free_bytes: int):
+def guarded_config(tmp_path, n: int, *, min_free_bytes: int, **over):
     """A Dataflow over `n` prompts whose free space is read every 50 ms."""
     storage = {"min_free_bytes": min_free_bytes, "check_interval_s": 0.05}
-    return dataflow_config(tmp_path, n, gate={"max_offpolicyness": None}, storage=storage)
+    return dataflow_config(tmp_path, n, gate={"max_offpolicyness": None}, storage=storage, **over)
 
 
 def test_guard_pauses_below_min_and_resumes_at_the_resume_threshold(tmp_path):
@@ -55,10 +55,23 @@ def test_guard_pauses_below_min_and_resumes_at_the_resume_threshold(tmp_path):
     disk.free = 1_250
     now[0] += 1.0
     assert not g.check() and g.reason == ""
+    # A failed write with statvfs showing room (a quota, another file system): it does not
+    # resume at the next read, but tries again after a wait that doubles per failure.
     g.note_full(OSError(errno.ENOSPC, "No space left on device"))
     assert g.paused and g.pauses == 2 and "No space left" in g.reason
+    now[0] += 0.5
+    assert g.check()
+    now[0] += 0.5
+    assert not g.check()  # the retry, after 1 s
+    g.note_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
     now[0] += 1.0
-    assert not g.check()  # space is there: resumes at the next read
+    assert g.check()  # the second failure in a row waits 2 s
+    now[0] += 1.0
+    assert not g.check()
+    g.note_full(OSError(errno.ENOSPC, "No space left on device"))
+    disk.free += FULL_MARGIN  # space came back: resumes at the next read, the wait reset
+    now[0] += 1.0
+    assert not g.check() and g._retry_s == 0.0
     assert StorageGuard(tmp_path, 0, 0, 1.0, free=Disk(0)).check() is False  # 0: never
     assert free_bytes(tmp_path) > 0  # the real statvfs of this file system
 
@@ -139,3 +152,33 @@ def test_a_blob_write_failing_with_enospc_defers_the_results_without_loss(tmp_pa
     c = status["counters"]
     assert c["storage_pauses"] == 1 and c["results_deferred_disk_full"] >= 1
     assert c["consumed_groups"] == n
+
+
+def test_leases_do_not_run_out_while_paused(tmp_path):
+    """A pause longer than the group lease, one dispatch attempt allowed: the groups waiting
+    on their RaaS are neither given up nor dispatched again, and all are trained once."""
+    n = 12
+    leases = {"group_lease_s": 1.0, "max_dispatch_attempts": 1}
+    config = guarded_config(tmp_path, n, min_free_bytes=1_000_000, leases=leases)
+
+    async def body():
+        gen = ScriptedGenerator(delay_s=0.2)
+        async with with_raas(config, gen, capacity=8, name="raas-a") as (df, client, _r):
+            disk = Disk(10_000_000)
+            df.storage.free = disk
+            await until(lambda: df.counters["dispatched"] >= 2, 10, "dispatch")
+            disk.free = 0
+            await until(lambda: df.storage.paused, 5, "the pause")
+            await asyncio.sleep(2.5)  # past every lease taken before the pause
+            assert df.counters.get("leases_expired", 0) == 0
+            disk.free = 10_000_000
+            trainer = Trainer(client)
+            await trainer.drain(df, timeout_s=30)
+            return trainer, df.status()
+
+    trainer, status = run(body(), timeout_s=60)
+    assert_epoch_trained_once(trainer.consumed, n)
+    c = status["counters"]
+    assert c.get("failed_groups", 0) == 0 and c.get("leases_expired", 0) == 0
+    # Each group dispatched once, besides submits the RaaS refused as busy (not a dispatch).
+    assert c["dispatched"] - c.get("requeued_submit_failed", 0) == n

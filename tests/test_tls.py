@@ -84,6 +84,38 @@ def test_settings_errors_name_the_variable(tmp_path, run_ca):
     assert load_tls({**files, "ASTRA_TLS_CA": str(run_ca / "ca.pem")}).cert.startswith(b"-----")
     with pytest.raises(TlsConfigError, match="a CA is there already"):
         init_ca(run_ca)
+    with pytest.raises(TlsConfigError, match="not HOST:PORT"):
+        issue(run_ca, tmp_path / "port", ["10.0.0.1:50051"])
+    _strict_handshake(run_ca)
+
+
+def _strict_handshake(ca: Path) -> None:
+    """A TLS handshake in memory whose client verifies strictly (VERIFY_X509_STRICT, Python
+    3.13's default, wants the key identifiers), checking the host name 127.0.0.1."""
+    import ssl
+
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(ca / "cert.pem", ca / "key.pem")
+    client_ctx = ssl.create_default_context(cafile=str(ca / "ca.pem"))
+    client_ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    bios = [ssl.MemoryBIO() for _ in range(4)]
+    server = server_ctx.wrap_bio(bios[0], bios[1], server_side=True)
+    client = client_ctx.wrap_bio(bios[2], bios[3], server_hostname="127.0.0.1")
+    done = set()
+    for _ in range(10):
+        for name, end, out, into in (
+            ("c", client, bios[3], bios[0]),
+            ("s", server, bios[1], bios[2]),
+        ):
+            try:
+                end.do_handshake()
+                done.add(name)
+            except ssl.SSLWantReadError:
+                pass
+            into.write(out.read())
+        if done == {"c", "s"}:
+            return
+    raise AssertionError("the strict handshake did not complete")
     assert (run_ca / "key.pem").stat().st_mode & 0o077 == 0  # keys readable by their owner only
     assert (run_ca / "ca.key").stat().st_mode & 0o077 == 0
 

@@ -138,9 +138,9 @@ def test_one_policy_playing_two_agents_credits_each_agent_with_its_own_reward(mo
 
 
 def test_equal_rewards_with_eps_zero_give_zero_advantages_not_nan() -> None:
-    same = [traj([1, 2, 3], reward=1.0, index=i) for i in range(2)]  # std 0
+    same = [traj([1, 2, 3], reward=0.1, index=i) for i in range(3)]  # the mean rounds
     got = [s.advantages[0].item() for s in build(same, advantages="group", adv_eps=0.0).sequences]
-    assert got == [0.0, 0.0]
+    assert got == [0.0, 0.0, 0.0]
 
 
 def _seqs(lengths):

@@ -534,8 +534,10 @@ class PolicyBuffer:
             centred = rows - rows.mean(axis=1, keepdims=True)
             if self.config.std_normalize:
                 scale = rows.std(axis=1, keepdims=True) + self.config.adv_eps
-                # adv_eps 0 and equal rewards: centred is 0 there, kept 0 (not 0/0 = NaN).
                 centred = np.divide(centred, scale, out=np.zeros_like(centred), where=scale > 0)
+            # Equal rewards carry no signal: exactly 0, whatever rounding left in the mean
+            # (with adv_eps 0 it would be divided up to +-1, or 0/0).
+            centred[rows.max(axis=1) == rows.min(axis=1)] = 0.0
             for group, advantages in zip(batch, centred.tolist(), strict=True):
                 group.advantages = advantages
             return
@@ -545,6 +547,9 @@ class PolicyBuffer:
                 (rewards.mean(), rewards.std()) if mode == "group" else (batch_mean, batch_std)
             )
             centred = rewards - mean
-            if self.config.std_normalize and std + self.config.adv_eps > 0:
+            same = every if mode == "batch" else rewards
+            if same.size and same.max() == same.min():
+                centred = np.zeros_like(rewards)  # equal rewards: no signal, exactly 0
+            elif self.config.std_normalize and std + self.config.adv_eps > 0:
                 centred = centred / (std + self.config.adv_eps)
             group.advantages = [float(a) for a in centred]

@@ -124,7 +124,8 @@ class StorageSettings(_Strict):
         1 << 30,
         ge=0,
         description="Below this many bytes free on the state directory's file system, "
-        "dispatch and ingest pause (the RaaS keep their results); 0: never.",
+        "dispatch and ingest pause (the RaaS keep their results); 0: only after a write failed "
+        "for lack of space.",
     )
     resume_free_bytes: int | None = Field(
         None, ge=0, description="Resume at this many bytes free (default 1.25 x min_free_bytes)."

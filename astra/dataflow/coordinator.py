@@ -103,6 +103,7 @@ class Dataflow(Ingesting, WeightSync):
             Path(config.state_dir), st.min_free_bytes, st.resume_at, st.check_interval_s
         )
         self._storage_pauses_seen, self._storage_was_paused = 0, False
+        self._storage_paused_at = 0.0
         self.pool = Pool(config.pool, connect)
         self.streams: dict[str, StreamSettings] = {s.name: s for s in config.streams}
         self.sources: dict[str, PromptSource] = {}
@@ -475,6 +476,8 @@ class Dataflow(Ingesting, WeightSync):
                 "training data exhausted: every training stream ran its num_epochs and no "
                 "group is left to generate; what is buffered is all there will be"
             )
+        if self.storage.paused:
+            return self.storage.reason
         if self.pool.empty:
             return POOL_EMPTY
         state = self.gate_state or self.evaluate_gate()
@@ -690,8 +693,19 @@ class Dataflow(Ingesting, WeightSync):
         elif self._storage_was_paused and not paused:
             free = f"{self.storage.free_now:,}"
             log.warning("storage: %s bytes free again: dispatch and ingest resume", free)
+            self._extend_leases(time.time() - self._storage_paused_at)
+            self.wake()
+        if paused and not self._storage_was_paused:
+            self._storage_paused_at = time.time()
         self._storage_was_paused = paused
         return paused
+
+    def _extend_leases(self, seconds: float) -> None:
+        """Pushes every group lease back by `seconds` (the pause they waited through), in memory;
+        a lease expiring after a restart instead is dispatched again, as any lease is."""
+        for w in self.work.values():
+            if w.lease_expire:
+                w.lease_expire += seconds
 
     def _next_work(self, stream: StreamSettings) -> str | None:
         """A waiting group of the stream, pulling a new one from the dataset if needed."""
@@ -937,7 +951,13 @@ class Dataflow(Ingesting, WeightSync):
 
     async def upkeep(self) -> None:
         now = time.time()
-        expired = {g for g, w in self.work.items() if w.lease_expire and w.lease_expire < now}
+        paused = self._storage_paused()
+        # While ingest pauses for disk space, finished groups wait on their RaaS: their leases
+        # must not run out meanwhile (a group on its last attempt would end failed and its
+        # held result be dropped); on resume they are pushed back by the pause.
+        expired = set() if paused else {
+            g for g, w in self.work.items() if w.lease_expire and w.lease_expire < now
+        }  # fmt: skip
         if expired:
             self.counters["leases_expired"] += len(expired)
             owners: dict[str, list[str]] = {}

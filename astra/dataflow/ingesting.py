@@ -62,6 +62,8 @@ class Ingesting:
                     # run their slices past a trainer that arrived meanwhile. Bounded, so a
                     # stream that never closes cannot stall ingest.
                     await self.after_trainers()
+                    if self.storage.paused:
+                        break  # the rest stays on the RaaS, unacknowledged
                     results = inst.port.decode(received[start : start + INGEST_SLICE])
                     acks += await self.ingest(instance_id, results)
                 await asyncio.sleep(0)
@@ -103,31 +105,37 @@ class Ingesting:
         in one transaction, exactly as if nothing had been written ahead: bytes a row does
         not end up pointing at are given back.
         """
-        staged = self._stage(instance_id, results)
+        try:
+            staged = self._stage(instance_id, results)  # may open a new blob segment
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            return self._defer_disk_full(exc, results)
         if staged:
             write = asyncio.get_running_loop().run_in_executor(
                 self._writer, self.store.write_staged, list(staged.values())
             )
             try:
                 await write
-            except OSError as exc:
-                if not write.done() or not is_disk_full(exc):
+            except BaseException as exc:
+                if not write.done():  # the thread may still write there: leave the room
                     raise
-                # Nothing changed in memory yet: acknowledge none, keep the RaaS holding them,
-                # and pause until there is room (astra.dataflow.storage_guard).
                 self.store.discard_staged(staged.values())
-                self.storage.note_full(exc)
-                self._storage_paused()
-                self.counters["results_deferred_disk_full"] += len(results)
-                return []
-            except BaseException:
-                if write.done():  # else the thread may still write there: leave the room
-                    self.store.discard_staged(staged.values())
-                raise
+                if not is_disk_full(exc):
+                    raise
+                return self._defer_disk_full(exc, results)
         try:
             return await self._ingest(instance_id, results, staged)
         finally:
             self.store.discard_staged(staged.values())
+
+    def _defer_disk_full(self: Dataflow, exc: OSError, results: list[IncomingGroup]) -> list[str]:
+        """Nothing changed in memory yet: acknowledge none (the RaaS keeps them) and pause
+        until there is room (astra.dataflow.storage_guard)."""
+        self.storage.note_full(exc)
+        self._storage_paused()
+        self.counters["results_deferred_disk_full"] += len(results)
+        return []
 
     async def _ingest(
         self: Dataflow, instance_id: str, results: list[IncomingGroup], staged

@@ -7,7 +7,10 @@ astra.dataflow.v1.GetStatusResponse in snake_case. No gRPC here.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
+
+from astra.dataflow.gate import GateMode
 
 if TYPE_CHECKING:
     from astra.dataflow.coordinator import Dataflow
@@ -18,6 +21,8 @@ def dataflow_status(df: Dataflow) -> dict:
     GetStatus answers (servers/dataflow.py parses it into the message)."""
     now_wall, now_mono = time.time(), time.monotonic()
     gate = df.gate_state or df.evaluate_gate()
+    if df.storage.paused and gate.mode is not GateMode.THROTTLED:
+        gate = replace(gate, mode=GateMode.THROTTLED)  # paused since the gate last ran
     targets = df.versions.targets()
     instances = []
     for i in df.pool.instances.values():

@@ -6,7 +6,11 @@ would fail again. Instead, below `min_free_bytes` free on the state directory's 
 (or once a blob write fails with ENOSPC/EDQUOT), Dataflow pauses: it dispatches no new
 groups and collects no results, so the RaaS keep what they finished until it is
 acknowledged (nothing is lost), while batches are still served and acknowledged, which is
-what frees space. It resumes at `resume_free_bytes` (hysteresis). Knows nothing of gRPC.
+what frees space. It resumes at `resume_free_bytes` (hysteresis). After a failed write it
+resumes once FULL_MARGIN more is free than at the failure (a quota or another file system
+that statvfs does not show would otherwise fail at once again), or, failing that, retries
+after a wait that doubles with each failure in a row (up to MAX_RETRY_S). Knows nothing of
+gRPC.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+FULL_MARGIN = 64 << 20  # bytes more than at a failed write before ingest tries again
+MAX_RETRY_S = 300.0
 
 
 def free_bytes(path: Path) -> int:
@@ -51,6 +57,9 @@ class StorageGuard:
         self.pauses = 0  # times it paused, for the counters
         self.free_now = -1
         self._checked = -float("inf")
+        # After a failed write: the free bytes then, when to try anyway, and the wait before.
+        self._failed_free: int | None = None
+        self._retry_at, self._retry_s = 0.0, 0.0
 
     def check(self) -> bool:
         """Reads the free space (at most every check interval) and returns `paused`."""
@@ -66,7 +75,15 @@ class StorageGuard:
             self._pause(f"cannot read the free space of {self.path}: {exc}")
             return True
         if self.paused:
-            if self.free_now >= self.resume_free_bytes:
+            if self._failed_free is not None:
+                freed = self.free_now >= max(
+                    self.resume_free_bytes, self._failed_free + FULL_MARGIN
+                )
+                if freed or now >= self._retry_at:
+                    self._failed_free = None
+                    self._retry_s = 0.0 if freed else self._retry_s
+                    self.paused, self.reason = False, ""
+            elif self.free_now >= self.resume_free_bytes:
                 self.paused, self.reason = False, ""
         elif self.free_now < self.min_free_bytes:
             self._pause(
@@ -76,9 +93,19 @@ class StorageGuard:
         return self.paused
 
     def note_full(self, exc: BaseException) -> None:
-        """A write failed for lack of space: pause now, until the space is back."""
-        self._pause(f"storage: a write to {self.path} failed: {exc}")
-        self._checked = self.clock()
+        """A write failed for lack of space: pause now, until the space is back (or the retry)."""
+        now = self.clock()
+        try:
+            self._failed_free = self.free_now = self.free(self.path)
+        except OSError:
+            self._failed_free = 0
+        self._retry_s = min(MAX_RETRY_S, max(2 * self._retry_s, self.check_interval_s))
+        self._retry_at = now + self._retry_s
+        self._pause(
+            f"storage: a write to {self.path} failed ({exc}); trying again with "
+            f"{FULL_MARGIN >> 20} MiB more free or in {self._retry_s:.0f} s"
+        )
+        self._checked = now
 
     def _pause(self, reason: str) -> None:
         if not self.paused:

@@ -96,10 +96,10 @@ def _normalised(rewards: np.ndarray, keys: list, std_normalize: bool, eps: float
     out = np.zeros_like(rewards)
     for idx in members.values():
         r = rewards[idx]
+        if r.max() == r.min():
+            continue  # equal rewards carry no signal: exactly 0 (with eps 0, not 0/0 or +-1)
         centred = r - r.mean()
-        scale = r.std() + eps
-        # eps 0 and equal rewards: centred is 0, kept 0 (not 0/0 = NaN).
-        out[idx] = centred / scale if std_normalize and scale > 0 else centred
+        out[idx] = centred / (r.std() + eps) if std_normalize else centred
     return out
 
 
