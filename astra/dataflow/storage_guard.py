@@ -5,8 +5,8 @@ disk to fill, a failed transaction would stop the process (fail-stop) and every 
 would fail again. Instead, below `min_free_bytes` free on the state directory's file system
 (or once a blob write fails with ENOSPC/EDQUOT), Dataflow pauses: it dispatches no new
 groups and collects no results, so the RaaS keep what they finished until it is
-acknowledged (nothing is lost), while batches are still served and acknowledged, which is
-what frees space. It resumes at `resume_free_bytes` (hysteresis). After a failed write it
+acknowledged (nothing is lost), while batches are still served and acknowledged (consumed
+groups free their bytes as whole blob-log segments fall out of use). It resumes at `resume_free_bytes` (hysteresis). After a failed write it
 resumes once FULL_MARGIN more is free than at the failure (a quota or another file system
 that statvfs does not show would otherwise fail at once again), or, failing that, retries
 after a wait that doubles with each failure in a row (up to MAX_RETRY_S). Knows nothing of
