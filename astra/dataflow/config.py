@@ -131,6 +131,12 @@ class StorageSettings(_Strict):
         None, ge=0, description="Resume at this many bytes free (default 1.25 x min_free_bytes)."
     )
     check_interval_s: float = Field(2.0, gt=0, description="How often the free space is read.")
+    blob_segment_bytes: int = Field(
+        256 << 20,
+        ge=1 << 20,
+        description="Size of the blob log's segment files: consumed groups give their bytes "
+        "back as whole segments fall out of use.",
+    )
 
     @model_validator(mode="after")
     def _resume_above_min(self) -> StorageSettings:

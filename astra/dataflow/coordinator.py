@@ -96,7 +96,7 @@ class Dataflow(Ingesting, WeightSync):
     def __init__(self, config: DataflowConfig, connect: Connector) -> None:
         self.config = config
         self.dataflow_id = uuid.uuid4().hex[:12]
-        self.store = StateStore(config.state_dir)
+        self.store = StateStore(config.state_dir, segment_bytes=config.storage.blob_segment_bytes)
         self.store.on_failure = self._storage_failed
         st = config.storage
         self.storage = StorageGuard(
@@ -471,13 +471,13 @@ class Dataflow(Ingesting, WeightSync):
 
     def why(self) -> str:
         """Why work is or is not being admitted, in words."""
+        if self.storage.paused:
+            return self.storage.reason
         if self.data_exhausted():
             return (
                 "training data exhausted: every training stream ran its num_epochs and no "
                 "group is left to generate; what is buffered is all there will be"
             )
-        if self.storage.paused:
-            return self.storage.reason
         if self.pool.empty:
             return POOL_EMPTY
         state = self.gate_state or self.evaluate_gate()

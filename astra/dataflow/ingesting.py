@@ -124,6 +124,8 @@ class Ingesting:
                 if not is_disk_full(exc):
                     raise
                 return self._defer_disk_full(exc, results)
+            self.storage.note_written(sum(s.length for s in staged.values()))
+            self._storage_paused()
         try:
             return await self._ingest(instance_id, results, staged)
         finally:

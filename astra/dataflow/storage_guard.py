@@ -92,6 +92,18 @@ class StorageGuard:
             )
         return self.paused
 
+    def note_written(self, nbytes: int) -> None:
+        """`nbytes` were just written: the free space is that much less until the next read,
+        so a burst of writes between two reads still pauses at the threshold."""
+        if self.free_now < 0:
+            return
+        self.free_now -= nbytes
+        if not self.paused and self.min_free_bytes > 0 and self.free_now < self.min_free_bytes:
+            self._pause(
+                f"storage: about {self.free_now:,} bytes free on {self.path} < "
+                f"min_free_bytes {self.min_free_bytes:,}"
+            )
+
     def note_full(self, exc: BaseException) -> None:
         """A write failed for lack of space: pause now, until the space is back (or the retry)."""
         now = self.clock()
@@ -103,7 +115,7 @@ class StorageGuard:
         self._retry_at = now + self._retry_s
         self._pause(
             f"storage: a write to {self.path} failed ({exc}); trying again with "
-            f"{FULL_MARGIN >> 20} MiB more free or in {self._retry_s:.0f} s"
+            f"{FULL_MARGIN >> 20} MiB more free or in {self._retry_s:g} s"
         )
         self._checked = now
 

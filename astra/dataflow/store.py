@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astra.dataflow.blobs import BlobLog, write_parts
+from astra.dataflow.blobs import SEGMENT_BYTES, BlobLog, write_parts
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
 
 # 2: batch_replays; a batch row's groups carry their advantages. A schema-1 directory is
@@ -326,7 +326,7 @@ class Tx:
 
 
 class StateStore:
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, *, segment_bytes: int = SEGMENT_BYTES) -> None:
         path = Path(state_dir)
         path.mkdir(parents=True, exist_ok=True)
         self.path = path / "dataflow.sqlite"
@@ -338,7 +338,7 @@ class StateStore:
             raise RuntimeError(f"{self.path}: schema {version}, this build reads {SCHEMA_VERSION}")
         self.conn.executescript(SCHEMA)
         self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        self.blobs = BlobLog(path / "blobs")
+        self.blobs = BlobLog(path / "blobs", segment_bytes)
         for (seg,) in self.conn.execute(
             "SELECT seg FROM groups UNION ALL SELECT seg FROM batch_replays"
             " UNION ALL SELECT seg FROM replay_memory"
