@@ -541,14 +541,18 @@ class PolicyBuffer:
             for group, advantages in zip(batch, centred.tolist(), strict=True):
                 group.advantages = advantages
             return
+        batch_equal = every.size > 0 and every.max() == every.min()
         for group in batch:
             rewards = np.asarray(group.rewards, dtype=np.float64)
             mean, std = (
                 (rewards.mean(), rewards.std()) if mode == "group" else (batch_mean, batch_std)
             )
             centred = rewards - mean
-            same = every if mode == "batch" else rewards
-            if same.size and same.max() == same.min():
+            if mode == "batch":
+                equal = batch_equal
+            else:
+                equal = rewards.size > 0 and rewards.max() == rewards.min()
+            if equal:
                 centred = np.zeros_like(rewards)  # equal rewards: no signal, exactly 0
             elif self.config.std_normalize and std + self.config.adv_eps > 0:
                 centred = centred / (std + self.config.adv_eps)

@@ -673,12 +673,6 @@ class Dataflow(Ingesting, WeightSync):
             # version, so the observed gap is 0 until results say otherwise.
             self.staleness.update(0.0)
         state = self.gate.evaluate(self.staleness.value, capacity, fill, in_flight)
-        if self._storage_paused():
-            # Not the gate's own mode (its hysteresis goes on from where it was): what
-            # status shows and what stops dispatch while the disk is short of space.
-            state = GateState(
-                GateMode.THROTTLED, self.storage.reason, state.staleness, capacity, fill, in_flight
-            )
         self.gate_state = state
         return state
 
@@ -775,7 +769,7 @@ class Dataflow(Ingesting, WeightSync):
             self.evaluate_gate()
             return
         state = self.evaluate_gate()
-        if self.storage.paused:
+        if self._storage_paused():  # status shows the gate THROTTLED with the reason
             return  # evaluations too: their results are written like any other
         # Evaluation streams first, with at most half the free slots: after the training
         # streams an evaluation got only the slots they left, next to none behind an open gate,

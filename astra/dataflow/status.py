@@ -21,8 +21,8 @@ def dataflow_status(df: Dataflow) -> dict:
     GetStatus answers (servers/dataflow.py parses it into the message)."""
     now_wall, now_mono = time.time(), time.monotonic()
     gate = df.gate_state or df.evaluate_gate()
-    if df.storage.paused and gate.mode is not GateMode.THROTTLED:
-        gate = replace(gate, mode=GateMode.THROTTLED)  # paused since the gate last ran
+    if df.storage.paused:  # no dispatch while the disk is short of space (why() says so)
+        gate = replace(gate, mode=GateMode.THROTTLED)
     targets = df.versions.targets()
     instances = []
     for i in df.pool.instances.values():

@@ -23,12 +23,10 @@ def _run_tls(run_dir: Path) -> None:
     """A run made with `tls: true` is watched with its own credentials, unless others are set."""
     import os
 
-    from astra.tls import ENV_DIR, ENV_FILES
+    from astra.tls import ENV_DIR, tls_paths
 
     own = run_dir / "tls"
-    if (own / "cert.pem").is_file() and not any(
-        os.environ.get(v) for v in (ENV_DIR, *ENV_FILES.values())
-    ):
+    if (own / "cert.pem").is_file() and tls_paths() is None:
         os.environ[ENV_DIR] = str(own.resolve())
 
 
