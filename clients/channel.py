@@ -119,8 +119,9 @@ class BaseClient:
             self.PB.GetCapabilitiesRequest(), timeout=self._timeout(timeout_s)
         )
 
-    async def close(self) -> None:
-        await self.channel.close()
+    async def close(self, grace_s: float | None = None) -> None:
+        """Closes the channel; calls in flight get `grace_s` to finish (None: cancelled now)."""
+        await self.channel.close(grace_s)
 
     async def __aenter__(self):
         return self

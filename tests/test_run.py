@@ -49,7 +49,17 @@ class Run:
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"astra run still running: {self.output()}") from None
+            raise AssertionError(
+                f"astra run still running: {self.output()}\n{self.log_tails()}"
+            ) from None
+
+    def log_tails(self, lines: int = 12) -> str:
+        """The last lines of every child's log: what a hung run's own output does not show."""
+        parts = []
+        for log in sorted((self.run_dir / "logs").glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {log.name} ---\n" + "\n".join(line[:300] for line in tail))
+        return "\n".join(parts)
 
     def output(self) -> str:
         self.out.flush()

@@ -4,6 +4,7 @@ files (astra.run.tboard), plot.png (astra.run.plot), and `astra top` against a r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -16,6 +17,10 @@ from click.testing import CliRunner
 from astra.run import observe, plot, tboard, view
 from astra.run.observe import Observer
 from astra.run.poller import Throughput
+from astra.servers.runtime import GrpcServer
+from astra.servers.trainer import SERVICE_NAME as TRAINER_SERVICE
+from astra.trainer.v1 import trainer_service_pb2 as trainer_pb
+from astra.trainer.v1 import trainer_service_pb2_grpc as trainer_grpc
 from tests.conftest import free_port, make_config
 from tests.procs import start_dataflow, start_scripted_raas
 
@@ -348,6 +353,57 @@ def test_observer_outputs_that_fail_do_not_stop_it(tmp_path: Path, monkeypatch, 
     assert any("live view failed" in m for m in failed)
     assert any("TensorBoard event files failed" in m for m in failed)
     assert any("plot.png failed" in m for m in failed)
+
+
+class _Trainer(trainer_grpc.TrainerServiceServicer):
+    """A TrainerService that answers GetStatus with `step`, after `hang_s` (a dying trainer)."""
+
+    def __init__(self, step: int, hang_s: float = 0.0) -> None:
+        self.step, self.hang_s = step, hang_s
+        self.polled = asyncio.Event()
+
+    async def GetStatus(self, request, context):
+        self.polled.set()
+        await asyncio.sleep(self.hang_s)
+        return trainer_pb.GetStatusResponse(policy_id="policy", step=self.step, version=self.step)
+
+
+def test_observer_goes_on_when_its_trainer_moves_during_a_poll(tmp_path: Path) -> None:
+    """A trainer restarted on a new port (astra.run.restarts calls set_trainer) while a poll of
+    the old one was in flight: closing the old channel cancels that call, which must not end
+    the observer (it did: no status line, row or stall check for the rest of the run)."""
+
+    async def go() -> None:
+        old, new = _Trainer(3, hang_s=60), _Trainer(7)
+        servers = []
+        for servicer in (old, new):
+            server = GrpcServer("127.0.0.1", 0)
+            server.add_service(
+                trainer_grpc.add_TrainerServiceServicer_to_server, servicer, TRAINER_SERVICE
+            )
+            await server.start()
+            servers.append(server)
+        obs = make_observer(tmp_path, poll_interval_s=0.2)
+        obs.set_trainer("policy", servers[0].address)
+        task = asyncio.create_task(obs.run())
+        try:
+            await asyncio.wait_for(old.polled.wait(), 10)  # a poll hangs on the old trainer
+            await asyncio.sleep(0.2)
+            obs.set_trainer("policy", servers[1].address)
+            deadline = time.monotonic() + 20
+            while obs.trainer_status.get("policy", {}).get("step") != 7:
+                assert not task.done(), task
+                assert time.monotonic() < deadline, "the new trainer was never polled"
+                await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await obs.close()
+            for server in servers:
+                await server.stop(0)
+
+    asyncio.run(go())
 
 
 @pytest.fixture

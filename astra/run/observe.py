@@ -180,7 +180,10 @@ class Observer(StatusPoller):
                 self.flush()  # lines read last tick: this poll saw the step unless another did
                 self.read_logs()
                 self.print_status()
-            except Exception:
+            except (Exception, asyncio.CancelledError) as exc:
+                task = asyncio.current_task()
+                if isinstance(exc, asyncio.CancelledError) and (task is None or task.cancelling()):
+                    raise  # this task itself is cancelled: the run is ending
                 failures += 1  # observing must not end the run: the next tick tries again
                 if failures == 1 or failures % 100 == 0:
                     log.warning("observer tick failed (%d so far)", failures, exc_info=True)

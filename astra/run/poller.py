@@ -175,22 +175,32 @@ class StatusPoller:
         return self.last_dataflow
 
     async def poll_trainer(self, policy: str) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            resp = await self.trainers[policy].get_status()
-            self.trainer_status[policy] = {
-                "step": resp.step,
-                "version": resp.version,
-                "loss": resp.loss,
-                "metrics": {k: round(v, 6) for k, v in sorted(resp.metrics.items())},
-            }
-            self.throughput.add(time.monotonic(), f"step:{policy}", resp.step)
+        client = self.trainers[policy]
+        try:
+            resp = await client.get_status()
+        except grpc.aio.AioRpcError:
+            return
+        except asyncio.CancelledError:
+            # gRPC cancels a call in flight on a channel that closes (set_trainer's old one):
+            # that poll is skipped. Only a cancellation of this task itself goes on up.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            return
+        self.trainer_status[policy] = {
+            "step": resp.step,
+            "version": resp.version,
+            "loss": resp.loss,
+            "metrics": {k: round(v, 6) for k, v in sorted(resp.metrics.items())},
+        }
+        self.throughput.add(time.monotonic(), f"step:{policy}", resp.step)
 
     def set_trainer(self, policy: str, address: str) -> None:
         """A restarted trainer's new address (the old client is closed in the background)."""
         old = self.trainers.get(policy)
         self.trainers[policy] = TrainerClient(address, timeout_s=self.timeout_s)
-        if old is not None:
-            task = asyncio.ensure_future(old.close())
+        if old is not None:  # a poll in flight on it gets its deadline before the close
+            task = asyncio.ensure_future(old.close(grace_s=self.timeout_s))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def poll(self) -> None:
