@@ -4,6 +4,7 @@ bad input, non-finite losses, checkpoints and exact resume."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from pathlib import Path
 
@@ -101,6 +102,22 @@ def test_the_loop_waits_out_a_batch_that_is_not_ready() -> None:
     source.not_ready = 3
     (r,) = list(t.run_training(1))
     assert r.version == 1 and t.counters["fetch_waits"] == 3
+    t.close()
+
+
+def test_a_trainer_kept_waiting_for_a_batch_says_why(monkeypatch, caplog) -> None:
+    """Waits show at INFO once per WAIT_LOG_EVERY_S with the source's reason (Dataflow's why()),
+    so a trainer that stopped training tells which condition holds it."""
+    from astra.trainer import feed
+
+    monkeypatch.setattr(feed, "WAIT_LOG_EVERY_S", 0.0)
+    t, source, _ = trainer()
+    source.not_ready = 2
+    with caplog.at_level(logging.INFO, logger="astra.trainer.feed"):
+        (r,) = list(t.run_training(1))
+    said = [m.getMessage() for m in caplog.records if "no batch for version" in m.getMessage()]
+    assert len(said) == 2 and all("synthetic: not ready" in m for m in said), said
+    assert r.version == 1
     t.close()
 
 

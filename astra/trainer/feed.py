@@ -33,6 +33,7 @@ ACK_RETRY_S = 300.0
 ACK_MAX_BACKOFF_S = 5.0
 LEASE_MIN_WAIT_S = 0.25  # between lease extensions at the least
 LEASE_MAX_WAIT_S = 30.0  # and at the most (batch leases are far longer by default: 300 s)
+WAIT_LOG_EVERY_S = 30.0  # a trainer kept waiting for a batch says why, this often
 
 
 class Feed:
@@ -64,6 +65,7 @@ class Feed:
         if self.source is None:
             raise RuntimeError("no batch source: set config.dataflow or pass source=")
         backoff = 0.05
+        waiting_since = logged = time.monotonic()
         while True:
             request_id = self.request_id(next_version)
             try:
@@ -73,7 +75,13 @@ class Feed:
                 batch = await self.source.fetch(request_id, self.config.batch.num_groups, **extra)
             except BatchNotReady as exc:
                 self.counters["fetch_waits"] += 1
-                log.debug("batch not ready: %s", exc)
+                now = time.monotonic()
+                if now - logged >= WAIT_LOG_EVERY_S:  # the operator's "why is it not training"
+                    logged = now
+                    log.info("no batch for version %d after %.0f s: %s", next_version,
+                             now - waiting_since, exc)  # fmt: skip
+                else:
+                    log.debug("batch not ready: %s", exc)
                 if self.on_wait is not None:
                     await self.on_wait()
                 await asyncio.sleep(backoff)
