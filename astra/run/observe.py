@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from astra.run.poller import StatusPoller
+from astra.run.progress import ProgressWatch
 
 if TYPE_CHECKING:
     from astra.run.evals import EvalLog
@@ -71,8 +72,13 @@ class Observer(StatusPoller):
         resumed: bool = False,
         batch_groups: dict[str, int] | None = None,
         on_stall: Callable[[str], None] | None = None,
+        progress_warn_s: float = 300.0,
+        max_idle_s: float = 0.0,
     ) -> None:
         super().__init__(dataflow, trainers, name=name, num_steps=num_steps)
+        self.progress = ProgressWatch(
+            trainers, warn_after_s=progress_warn_s, fail_after_s=max_idle_s
+        )
         self.max_dropped_in_a_row, self.on_stall = max_dropped_in_a_row, on_stall
         # Per policy, the run of drops that does not count against this run: 0 in a new run;
         # in a resumed one (Dataflow keeps the run of drops durably, and the resume's overrides
@@ -119,6 +125,7 @@ class Observer(StatusPoller):
                     self.pending.append(
                         (policy, int(step), int(version), float(loss), skipped.decode())
                     )
+                    self.progress.stepped(policy)
 
     def flush(self) -> None:
         """Writes the pending steps as rows, with the trainer figures a poll saw for that step."""
@@ -172,7 +179,10 @@ class Observer(StatusPoller):
                 if tick % 4 == 0:
                     await self.poll_dataflow()
                     self.record_evals()
-                    if self.on_stall is not None and (why := self.stalled()) is not None:
+                    why = self.stalled() or self.progress.check(
+                        self.trainer_status, self.last_dataflow, self.error
+                    )
+                    if self.on_stall is not None and why is not None:
                         log.error("%s", why)
                         self.on_stall(why)
                         self.on_stall = None  # said once; the run is ending

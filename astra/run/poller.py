@@ -191,6 +191,7 @@ class StatusPoller:
             "step": resp.step,
             "version": resp.version,
             "loss": resp.loss,
+            "paused": resp.paused,
             "metrics": {k: round(v, 6) for k, v in sorted(resp.metrics.items())},
         }
         self.throughput.add(time.monotonic(), f"step:{policy}", resp.step)

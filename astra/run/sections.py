@@ -227,6 +227,18 @@ class SupervisionSpec(_Strict):
         "batch: no batch can form (say, every group equal-reward once the policy solves its "
         "data); 0: wait forever. Keep it above the groups one version can have in flight.",
     )
+    progress_warn_s: float = Field(
+        300.0,
+        ge=0,
+        description="Warn, saying what Dataflow reports (gate, buffer, RaaS), while a trainer "
+        "has taken no step for this long; again as often while it lasts; 0: never.",
+    )
+    max_idle_s: float = Field(
+        0.0,
+        ge=0,
+        description="End the run as stalled once a trainer has taken no step for this long "
+        "(not while it is paused); 0: wait forever.",
+    )
 
 
 class ObserveSpec(_Strict):

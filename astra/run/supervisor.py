@@ -340,6 +340,8 @@ class Supervisor:
                 resumed=self.resume,
                 batch_groups={p.id: self.recipe.batch_groups(p) for p in self.recipe.policies},
                 on_stall=self.fail,
+                progress_warn_s=self.recipe.supervision.progress_warn_s,
+                max_idle_s=self.recipe.supervision.max_idle_s,
                 evals=EvalLog(
                     self.rd.evals,
                     every_steps=self.recipe.eval.every_steps,
