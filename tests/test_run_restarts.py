@@ -228,6 +228,7 @@ def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(runs) -
     run = runs(
         *("--set", f"trainer.num_steps={steps}", "--set", "trainer.checkpoint.every_steps=5"),
         *("--set", "supervision.restart_backoff_s=0.2"),
+        *("--set", "supervision.progress_warn_s=20"),  # a hang says why in the output
     )
     run.wait_for_children({"dataflow", "weights", "raas", "trainer"}, 120)
     killed = []
@@ -274,6 +275,7 @@ def test_a_trainer_stopped_by_a_sigterm_from_outside_is_restarted_not_taken_as_f
     run = runs(
         *("--set", f"trainer.num_steps={steps}", "--set", "trainer.checkpoint.every_steps=5"),
         *("--set", "supervision.restart_backoff_s=0.2"),
+        *("--set", "supervision.progress_warn_s=20"),  # a hang says why in the output
     )
     run.wait_for_children({"dataflow", "weights", "raas", "trainer"}, 120)
     pid = _pid(run, "trainer-policy")
