@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+import tempfile
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,6 +24,17 @@ def dataset(tmp_path: Path) -> Path:
         for i in range(16):
             f.write(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n")
     return path
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Says so when the disk the tests write to ran short: a Dataflow below
+    storage.min_free_bytes (256 MiB by default) pauses by design, which shows as a hung run."""
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    if free < 2 << 30:
+        terminalreporter.write_line(
+            f"LOW DISK: {free / 2**20:.0f} MiB free in {tempfile.gettempdir()} at the end "
+            "(Dataflow pauses below storage.min_free_bytes)"
+        )
 
 
 def free_port() -> int:

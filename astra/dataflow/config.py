@@ -121,11 +121,12 @@ class GateSettings(_Strict):
 
 class StorageSettings(_Strict):
     min_free_bytes: int = Field(
-        1 << 30,
+        256 << 20,
         ge=0,
         description="Below this many bytes free on the state directory's file system, "
         "dispatch and ingest pause (the RaaS keep their results); 0: only after a write failed "
-        "for lack of space.",
+        "for lack of space. Between two reads of the free space the bytes Dataflow writes are "
+        "counted, so it is a margin for state commits, not for the blob log.",
     )
     resume_free_bytes: int | None = Field(
         None, ge=0, description="Resume at this many bytes free (default 1.25 x min_free_bytes)."
