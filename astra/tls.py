@@ -13,11 +13,20 @@ servers whose certificate the CA signed for the host they dial (an IP address or
 its subjectAltName). ``ASTRA_TLS_SERVER_NAME`` makes clients check that name instead of the
 dialled host (a certificate issued for a DNS name, dialled by IP). The same files serve both
 ends, so one credential per node is enough. Never touches gRPC.
+
+The files are read again when they change (`TlsFiles.refresh`, at most once a second): a
+server's next handshake shows the new certificate and checks clients against the new CA file,
+and channels opened after it use the new files. Files that changed into something unusable (a
+key written before its certificate, a certificate the CA did not sign) leave the credentials in
+use as they are until they are whole again.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +39,9 @@ ENV_SERVER_NAME = "ASTRA_TLS_SERVER_NAME"
 ENV_NODE_CA = "ASTRA_TLS_NODE_CA"
 DIR_FILES = {"ca": "ca.pem", "cert": "cert.pem", "key": "key.pem"}
 MAX_PEM_BYTES = 1 << 20
+RECHECK_S = 1.0  # how often the files' stat is looked at again, at most
+
+log = logging.getLogger("astra.tls")
 
 
 class TlsConfigError(ValueError):
@@ -117,15 +129,93 @@ def _check(pem: dict[str, bytes], paths: dict[str, Path]) -> None:
         encoding, public
     ):
         raise TlsConfigError(f"{paths['key']} is not the key of the certificate {paths['cert']}")
+    try:
+        cas = x509.load_pem_x509_certificates(pem["ca"])
+    except ValueError as exc:
+        raise TlsConfigError(f"{paths['ca']}: {exc}") from exc
+    if not any(_issued_by(cert, ca) for ca in cas):
+        raise TlsConfigError(f"{paths['cert']} was not issued by the CA of {paths['ca']}")
 
 
-_cache: dict[tuple[str, ...], TlsMaterial | None] = {}
+def _issued_by(cert, ca) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except Exception:  # InvalidSignature, or a CA of another key type
+        return False
+    return True
 
 
-def current_tls() -> TlsMaterial | None:
-    """`load_tls` of this process's environment, read once per distinct setting."""
+def _stamp(paths: dict[str, Path]) -> tuple[tuple[int, int, int] | None, ...]:
+    """What tells a file changed: inode (a file renamed over it), size and mtime."""
+    out: list[tuple[int, int, int] | None] = []
+    for path in paths.values():
+        try:
+            st = path.stat()
+        except OSError:
+            out.append(None)
+        else:
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+class TlsFiles:
+    """The TLS setting of an environment and its material, read again when the files change.
+    The first read raises TlsConfigError (a wrong setting stops the process); later ones keep
+    the material in use and log why (see the module docstring). Thread-safe: gRPC asks a
+    server's credentials from its own threads."""
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.env = dict(os.environ if env is None else env)
+        self.paths = tls_paths(self.env)
+        self.stamp = _stamp(self.paths) if self.paths else ()
+        self.material = load_tls(self.env)
+        self.reloads = 0
+        self._checked = time.monotonic()
+        self._refused: tuple = ()
+        self._lock = threading.Lock()
+
+    def refresh(self) -> TlsMaterial | None:
+        """The material to use now: read again if the files changed (looked at once a
+        RECHECK_S at most)."""
+        if self.paths is None:
+            return None
+        with self._lock:
+            now = time.monotonic()
+            if now - self._checked < RECHECK_S:
+                return self.material
+            self._checked = now
+            stamp = _stamp(self.paths)
+            if stamp == self.stamp:
+                return self.material
+            try:
+                material = load_tls(self.env)
+            except TlsConfigError as exc:
+                if stamp != self._refused:  # once per state of the files
+                    self._refused = stamp
+                    log.warning("TLS files changed but cannot be used yet: %s; "
+                                "the credentials in use stay", exc)  # fmt: skip
+                return self.material
+            self.stamp, self.material = stamp, material
+            self.reloads += 1
+            log.info("TLS credentials read again from %s", material.source)
+            return material
+
+
+_cache: dict[tuple[str, ...], TlsFiles] = {}
+
+
+def tls_files() -> TlsFiles | None:
+    """The TlsFiles of this process's environment (one per distinct setting), None for
+    plaintext."""
     names = (ENV_DIR, *ENV_FILES.values(), ENV_SERVER_NAME)
     key = tuple(os.environ.get(n, "") for n in names)
     if key not in _cache:
-        _cache[key] = load_tls()
-    return _cache[key]
+        _cache[key] = TlsFiles()
+    files = _cache[key]
+    return None if files.paths is None else files
+
+
+def current_tls() -> TlsMaterial | None:
+    """This process's TLS material now (`load_tls`, read again when its files change)."""
+    files = tls_files()
+    return None if files is None else files.refresh()

@@ -22,12 +22,39 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from astra.servers.errors import ErrorInterceptor, domain_from_method
-from astra.tls import current_tls
+from astra.tls import TlsFiles, TlsMaterial, tls_files
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
+
+
+def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
+    """Mutual TLS whose certificate and CA follow `files`: gRPC asks before each handshake,
+    and gets a new configuration once the files changed into a usable set (astra.tls)."""
+
+    def config(m: TlsMaterial) -> Any:
+        return grpc.ssl_server_certificate_configuration([(m.key, m.cert)], root_certificates=m.ca)
+
+    material = files.material
+    assert material is not None
+    served = [material]
+
+    def fetch() -> Any:
+        try:
+            now = files.refresh()
+            if now is None or now is served[0]:
+                return None  # no change: gRPC keeps the configuration it has
+            served[0] = now
+            return config(now)
+        except Exception:  # called from gRPC's threads: never raise into them
+            log.exception("reading the TLS files again failed; the credentials in use stay")
+            return None
+
+    return grpc.dynamic_ssl_server_credentials(
+        config(material), fetch, require_client_authentication=True
+    )
 
 
 def install_event_loop_policy() -> None:
@@ -125,16 +152,14 @@ class GrpcServer:
             [*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
         where = f"{self.host}:{self.requested_port}"
-        tls = current_tls()
-        if tls is None:
+        files = tls_files()
+        if files is None:
             self.port = self._server.add_insecure_port(where)
         else:
-            credentials = grpc.ssl_server_credentials(
-                [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
-            )
-            self.port = self._server.add_secure_port(where, credentials)
-            log.info("mutual TLS on %s (%s)", where, tls.source)
-        self.tls = tls is not None
+            self.port = self._server.add_secure_port(where, server_credentials(files))
+            source = files.material.source if files.material is not None else ""
+            log.info("mutual TLS on %s (%s)", where, source)
+        self.tls = files is not None
         if self.port == 0:
             raise OSError(f"cannot bind {self.host}:{self.requested_port}")
         await self._server.start()

@@ -1,0 +1,142 @@
+"""Certificates renewed under a running server (astra.tls.TlsFiles, servers.runtime): the next
+handshake shows the new certificate, a CA file that gains a second CA lets that CA's clients in,
+and files caught half-written leave the credentials in use as they are. Real handshakes on
+loopback, a server in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from astra import tls
+from astra.clients.channel import channel_credentials
+from astra.servers.runtime import GrpcServer
+from astra.tls_certs import init_ca, issue
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch) -> Path:
+    """A run's CA with a loopback credential beside it, named by ASTRA_TLS_DIR; files looked at
+    again on every handshake."""
+    d = tmp_path / "tls"
+    init_ca(d)
+    issue(d, d, ["127.0.0.1"])
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(d))
+    monkeypatch.setattr(tls, "RECHECK_S", 0.0)
+    return d
+
+
+def _serial(pem_or_der: bytes) -> int:
+    if pem_or_der.startswith(b"-----"):
+        return x509.load_pem_x509_certificate(pem_or_der).serial_number
+    return x509.load_der_x509_certificate(pem_or_der).serial_number
+
+
+def _shown(port: int, client: Path, ca: Path) -> int:
+    """The serial of the certificate the server shows a client holding `client`'s credential."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(str(ca / "ca.pem"))
+    ctx.load_cert_chain(str(client / "cert.pem"), str(client / "key.pem"))
+    ctx.set_alpn_protocols(["h2"])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as sock,
+        ctx.wrap_socket(sock, server_hostname="127.0.0.1") as conn,
+    ):
+        der = conn.getpeercert(binary_form=True)
+    assert der is not None
+    return _serial(der)
+
+
+async def _health(address: str, client: Path, ca: Path) -> bool:
+    """A health check over a new channel with `client`'s credential; False if refused."""
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(ca / "ca.pem").read_bytes(),
+        private_key=(client / "key.pem").read_bytes(),
+        certificate_chain=(client / "cert.pem").read_bytes(),
+    )
+    async with grpc.aio.secure_channel(address, creds) as channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() is grpc.StatusCode.UNAVAILABLE, exc
+            return False
+    return True
+
+
+def test_a_running_server_takes_renewed_certificates(node: Path, tmp_path: Path, caplog) -> None:
+    async def main() -> None:
+        server = GrpcServer("127.0.0.1", 0)
+        await server.start()
+        try:
+            first = _serial((node / "cert.pem").read_bytes())
+            assert await asyncio.to_thread(_shown, server.port, node, node) == first
+
+            # Renewed in place (astra tls issue writes the key, then the certificate).
+            issue(node, node, ["127.0.0.1"])
+            renewed = _serial((node / "cert.pem").read_bytes())
+            assert renewed != first
+            assert await asyncio.to_thread(_shown, server.port, node, node) == renewed
+            assert await _health(server.address, node, node)
+            # A channel opened now uses the new files too.
+            assert tls.current_tls().cert == (node / "cert.pem").read_bytes()  # type: ignore[union-attr]
+            assert channel_credentials(tls.current_tls()) is not None  # type: ignore[arg-type]
+
+            # Caught half-written: a key that is not the certificate's. The server goes on
+            # showing the renewed certificate, and says why once.
+            good_key = (node / "key.pem").read_bytes()
+            other = tmp_path / "other"
+            issue(node, other, ["127.0.0.1"])
+            (node / "key.pem").write_bytes((other / "key.pem").read_bytes())
+            with caplog.at_level(logging.WARNING, logger="astra.tls"):
+                for _ in range(3):
+                    assert await asyncio.to_thread(_shown, server.port, other, node) == renewed
+            said = [
+                r.getMessage() for r in caplog.records if "cannot be used yet" in r.getMessage()
+            ]
+            assert len(said) == 1 and "is not the key of the certificate" in said[0], said
+            (node / "key.pem").write_bytes(good_key)
+
+            # A second CA in the CA file: its clients get in, the first CA's still do.
+            second = tmp_path / "second"
+            init_ca(second)
+            issue(second, second, ["127.0.0.1"])
+            assert not await _health(server.address, second, node)
+            bundle = (node / "ca.pem").read_bytes() + (second / "ca.pem").read_bytes()
+            (node / "ca.pem").write_bytes(bundle)
+            assert await _health(server.address, second, node)
+            assert await _health(server.address, node, node)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_tls_files_read_again_only_when_changed_and_usable(node: Path, tmp_path: Path) -> None:
+    files = tls.TlsFiles()
+    first = files.refresh()
+    assert first is files.material and files.reloads == 0
+    assert files.refresh() is first  # nothing changed: the same material, not read again
+    (node / "cert.pem").write_bytes(b"-----BEGIN CERTIFICATE-----\ntruncated")
+    assert files.refresh() is first and files.reloads == 0
+    issue(node, node, ["127.0.0.1"])
+    again = files.refresh()
+    assert again is not first and files.reloads == 1
+    assert again is not None and again.cert == (node / "cert.pem").read_bytes()
+    stranger = tmp_path / "stranger"
+    init_ca(stranger)
+    issue(stranger, stranger, ["127.0.0.1"])
+    for name in ("key.pem", "cert.pem"):  # a whole credential, but of another CA
+        (node / name).write_bytes((stranger / name).read_bytes())
+    assert files.refresh() is again
+    with pytest.raises(tls.TlsConfigError, match="was not issued by the CA"):
+        tls.load_tls()
