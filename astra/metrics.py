@@ -9,6 +9,10 @@ for longer than building one snapshot.
 
 Helpers turn plain values into families: `gauge`, `counter` (name, help, value or
 {label value: value}).
+
+With the process's mutual TLS on (astra.tls), /metrics is HTTPS and asks for a client
+certificate of the run's CA too, like every gRPC port: scrape it with Prometheus's
+`tls_config` (ca_file, cert_file, key_file). Its files are read when the endpoint starts.
 """
 
 from __future__ import annotations
@@ -74,8 +78,23 @@ class Metrics:
         return Histogram(name, doc, list(labels), registry=self.registry, buckets=list(buckets))
 
     def serve(self, host: str, port: int) -> int:
-        """Starts /metrics on (host, port) (0 picks a port); returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Starts /metrics on (host, port) (0 picks a port); returns the bound port. HTTPS
+        with client certificates required when this process runs with mutual TLS."""
+        from astra.tls import current_tls, tls_paths
+
+        tls: dict = {}
+        if current_tls() is not None:  # checked: a wrong setting fails here, naming the file
+            paths = tls_paths()
+            assert paths is not None
+            tls = {
+                "certfile": str(paths["cert"]),
+                "keyfile": str(paths["key"]),
+                "client_cafile": str(paths["ca"]),
+                "client_auth_required": True,
+            }
+        server, _thread = start_http_server(port, addr=host, registry=self.registry, **tls)
+        if tls:
+            log.info("/metrics on %s:%d over mutual TLS", host, server.server_port)
         self._server, self.port = server, server.server_port
         return server.server_port
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
+import urllib.error
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from astra.metrics import Metrics, counter, gauge
 from astra.servers.trainer import _train, start_trainer
+from astra.tls_certs import init_ca, issue
 from astra.trainer.config import TrainerConfig
 from astra.trainer.metrics import TrainerMetrics
 from astra.trainer.synthetic import MemorySink, SyntheticSource
@@ -169,3 +173,36 @@ def test_weight_service_metrics_follow_publishes_and_fetches(tmp_path):
             await server.stop(0)
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_metrics_are_https_with_client_certificates_under_mutual_tls(tmp_path, monkeypatch):
+    """The run's TLS covers /metrics too: plain HTTP and a client without a certificate of the
+    run's CA get nothing; a scraper holding one reads the figures."""
+    ca = tmp_path / "tls"
+    init_ca(ca)
+    issue(ca, ca, ["127.0.0.1"])
+    stranger = tmp_path / "stranger"
+    init_ca(stranger)
+    issue(stranger, stranger, ["127.0.0.1"])
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(ca))
+    metrics = Metrics(lambda: [gauge("astra_test_ok", "fine", 1.0)])
+    port = metrics.serve("127.0.0.1", 0)
+    url = f"https://127.0.0.1:{port}/metrics"
+
+    def get(client=None) -> bytes:
+        ctx = ssl.create_default_context(cafile=str(ca / "ca.pem"))
+        if client is not None:
+            ctx.load_cert_chain(str(client / "cert.pem"), str(client / "key.pem"))
+        with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
+            return resp.read()
+
+    try:
+        assert b"astra_test_ok 1.0" in get(ca)
+        for who in (None, stranger):  # no certificate; another CA's
+            with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError, OSError)):
+                get(who)
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            scrape(port)  # plain HTTP
+        assert b"astra_test_ok 1.0" in get(ca)  # still serving
+    finally:
+        metrics.shutdown()
