@@ -130,10 +130,11 @@ def _check(pem: dict[str, bytes], paths: dict[str, Path]) -> None:
     ):
         raise TlsConfigError(f"{paths['key']} is not the key of the certificate {paths['cert']}")
     try:
-        cas = x509.load_pem_x509_certificates(pem["ca"])
+        issuers = x509.load_pem_x509_certificates(pem["ca"])
+        issuers += x509.load_pem_x509_certificates(pem["cert"])[1:]  # a chain's intermediates
     except ValueError as exc:
-        raise TlsConfigError(f"{paths['ca']}: {exc}") from exc
-    if not any(_issued_by(cert, ca) for ca in cas):
+        raise TlsConfigError(f"{paths['ca']} / {paths['cert']}: {exc}") from exc
+    if not any(_issued_by(cert, issuer) for issuer in issuers):
         raise TlsConfigError(f"{paths['cert']} was not issued by the CA of {paths['ca']}")
 
 

@@ -140,3 +140,51 @@ def test_tls_files_read_again_only_when_changed_and_usable(node: Path, tmp_path:
     assert files.refresh() is again
     with pytest.raises(tls.TlsConfigError, match="was not issued by the CA"):
         tls.load_tls()
+
+
+def test_a_certificate_chain_through_an_intermediate_ca_is_accepted(tmp_path: Path) -> None:
+    """A site PKI: ca.pem the root, cert.pem the node's certificate then the intermediate that
+    signed it. The issued-by check follows the chain instead of refusing it."""
+    import datetime
+    import ipaddress
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject: str, key, issuer: str, signer, *, ca: bool):
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            ip = x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+            b = b.add_extension(x509.SubjectAlternativeName([ip]), critical=False)
+        return b.sign(signer, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+    root_key, mid_key, leaf_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    d = tmp_path / "site"
+    d.mkdir()
+    (d / "ca.pem").write_bytes(cert("root", root_key, "root", root_key, ca=True))
+    mid = cert("intermediate", mid_key, "root", root_key, ca=True)
+    leaf = cert("node", leaf_key, "intermediate", mid_key, ca=False)
+    (d / "key.pem").write_bytes(
+        leaf_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    (d / "cert.pem").write_bytes(leaf)
+    with pytest.raises(tls.TlsConfigError, match="was not issued by the CA"):
+        tls.load_tls({"ASTRA_TLS_DIR": str(d)})  # the intermediate missing
+    (d / "cert.pem").write_bytes(leaf + mid)
+    assert tls.load_tls({"ASTRA_TLS_DIR": str(d)}) is not None
