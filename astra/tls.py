@@ -23,6 +23,8 @@ use as they are until they are whole again.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import logging
 import os
 import threading
@@ -40,6 +42,7 @@ ENV_NODE_CA = "ASTRA_TLS_NODE_CA"
 DIR_FILES = {"ca": "ca.pem", "cert": "cert.pem", "key": "key.pem"}
 MAX_PEM_BYTES = 1 << 20
 RECHECK_S = 1.0  # how often the files' stat is looked at again, at most
+EXPIRY_WARN_S = 30 * 86400.0  # a certificate this close to its end is warned about, daily
 
 log = logging.getLogger("astra.tls")
 
@@ -123,6 +126,12 @@ def _check(pem: dict[str, bytes], paths: dict[str, Path]) -> None:
         key = serialization.load_pem_private_key(pem["key"], password=None)
     except (ValueError, TypeError) as exc:
         raise TlsConfigError(f"{paths['cert']} / {paths['key']}: {exc}") from exc
+    now = datetime.datetime.now(datetime.UTC)
+    if cert.not_valid_after_utc <= now:
+        raise TlsConfigError(
+            f"{paths['cert']} expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: "
+            "issue a new one (astra tls issue)"
+        )
     public = serialization.PublicFormat.SubjectPublicKeyInfo
     encoding = serialization.Encoding.DER
     if cert.public_key().public_bytes(encoding, public) != key.public_key().public_bytes(
@@ -144,6 +153,14 @@ def _issued_by(cert, ca) -> bool:
     except Exception:  # InvalidSignature, or a CA of another key type
         return False
     return True
+
+
+def expires_in_s(material: TlsMaterial) -> float:
+    """Seconds until the certificate of `material` expires (negative: expired)."""
+    from cryptography import x509
+
+    end = x509.load_pem_x509_certificate(material.cert).not_valid_after_utc
+    return (end - datetime.datetime.now(datetime.UTC)).total_seconds()
 
 
 def _stamp(paths: dict[str, Path]) -> tuple[tuple[int, int, int] | None, ...]:
@@ -174,6 +191,20 @@ class TlsFiles:
         self._checked = time.monotonic()
         self._refused: tuple = ()
         self._lock = threading.Lock()
+        self._expiry_warned = -float("inf")
+        self._warn_expiry(self._checked)
+
+    def _warn_expiry(self, now: float) -> None:
+        """Once a day at most, while the certificate in use ends within EXPIRY_WARN_S."""
+        if self.material is None or now - self._expiry_warned < 86400.0:
+            return
+        with contextlib.suppress(Exception):  # a warning only: never in the way of a handshake
+            left = expires_in_s(self.material)
+            if left < EXPIRY_WARN_S:
+                self._expiry_warned = now
+                log.warning("the TLS certificate of %s expires in %.1f days: renew it in place "
+                            "(astra tls issue), no restart needed", self.material.source,
+                            left / 86400)  # fmt: skip
 
     def refresh(self) -> TlsMaterial | None:
         """The material to use now: read again if the files changed (looked at once a
@@ -185,6 +216,7 @@ class TlsFiles:
             if now - self._checked < RECHECK_S:
                 return self.material
             self._checked = now
+            self._warn_expiry(now)
             stamp = _stamp(self.paths)
             if stamp == self.stamp:
                 return self.material
@@ -199,6 +231,8 @@ class TlsFiles:
             self.stamp, self.material = stamp, material
             self.reloads += 1
             log.info("TLS credentials read again from %s", material.source)
+            self._expiry_warned = -float("inf")  # the new certificate's own end
+            self._warn_expiry(now)
             return material
 
 

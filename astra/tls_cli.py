@@ -69,7 +69,7 @@ def show_command(directory: Path) -> None:
     from cryptography import x509
     from cryptography.exceptions import InvalidSignature
 
-    from astra.tls import load_tls
+    from astra.tls import expires_in_s, load_tls
 
     try:
         material = load_tls({ENV_DIR: str(directory)})
@@ -94,6 +94,7 @@ def show_command(directory: Path) -> None:
         "issuer": cert.issuer.rfc4514_string(),
         "hosts": hosts,
         "not_after": cert.not_valid_after_utc.isoformat(),
+        "expires_in_days": round(expires_in_s(material) / 86400, 1),
         "signed_by_ca": signed,
     }
     click.echo(json.dumps(out, indent=2))

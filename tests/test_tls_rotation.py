@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 import ssl
 from pathlib import Path
@@ -188,3 +189,42 @@ def test_a_certificate_chain_through_an_intermediate_ca_is_accepted(tmp_path: Pa
         tls.load_tls({"ASTRA_TLS_DIR": str(d)})  # the intermediate missing
     (d / "cert.pem").write_bytes(leaf + mid)
     assert tls.load_tls({"ASTRA_TLS_DIR": str(d)}) is not None
+
+
+def test_expired_certificates_stop_at_once_and_ending_ones_are_warned(tmp_path, caplog) -> None:
+    ca = tmp_path / "ca"
+    init_ca(ca)
+    issue(ca, tmp_path / "ended", ["127.0.0.1"], days=0)
+    with pytest.raises(tls.TlsConfigError, match=r"expired on .* issue a new one"):
+        tls.load_tls({"ASTRA_TLS_DIR": str(tmp_path / "ended")})
+    issue(ca, tmp_path / "soon", ["127.0.0.1"], days=10)
+    issue(ca, tmp_path / "fine", ["127.0.0.1"], days=365)
+    with caplog.at_level(logging.WARNING, logger="astra.tls"):
+        soon = tls.TlsFiles({"ASTRA_TLS_DIR": str(tmp_path / "soon")})
+        tls.TlsFiles({"ASTRA_TLS_DIR": str(tmp_path / "fine")})
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and re.search(r"expires in (9\.9|10\.0) days", said[0]), said
+    assert str(tmp_path / "soon") in said[0]
+    assert soon.material is not None and 9 * 86400 < tls.expires_in_s(soon.material) <= 10 * 86400
+
+
+def test_tls_show_prints_hosts_and_days_left_and_refuses_a_broken_directory(tmp_path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from astra.cli import main
+
+    d = tmp_path / "node"
+    init_ca(d)
+    issue(d, d, ["127.0.0.1", "node-a"], days=20)
+    res = CliRunner().invoke(main, ["tls", "show", str(d)])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["hosts"] == ["127.0.0.1", "node-a"] and out["signed_by_ca"] is True
+    assert 19.9 <= out["expires_in_days"] <= 20.0
+    other = tmp_path / "other"
+    init_ca(other)
+    (d / "ca.pem").write_bytes((other / "ca.pem").read_bytes())
+    res = CliRunner().invoke(main, ["tls", "show", str(d)])
+    assert res.exit_code == 2 and "was not issued by the CA" in res.output
