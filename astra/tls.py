@@ -191,17 +191,18 @@ class TlsFiles:
         self._checked = time.monotonic()
         self._refused: tuple = ()
         self._lock = threading.Lock()
-        self._expiry_warned = -float("inf")
+        self._expiry_checked = -float("inf")
         self._warn_expiry(self._checked)
 
     def _warn_expiry(self, now: float) -> None:
-        """Once a day at most, while the certificate in use ends within EXPIRY_WARN_S."""
-        if self.material is None or now - self._expiry_warned < 86400.0:
+        """Looked at once a day at most: a warning while the certificate in use ends within
+        EXPIRY_WARN_S."""
+        if self.material is None or now - self._expiry_checked < 86400.0:
             return
+        self._expiry_checked = now
         with contextlib.suppress(Exception):  # a warning only: never in the way of a handshake
             left = expires_in_s(self.material)
             if left < EXPIRY_WARN_S:
-                self._expiry_warned = now
                 log.warning("the TLS certificate of %s expires in %.1f days: renew it in place "
                             "(astra tls issue), no restart needed", self.material.source,
                             left / 86400)  # fmt: skip
@@ -231,7 +232,7 @@ class TlsFiles:
             self.stamp, self.material = stamp, material
             self.reloads += 1
             log.info("TLS credentials read again from %s", material.source)
-            self._expiry_warned = -float("inf")  # the new certificate's own end
+            self._expiry_checked = -float("inf")  # the new certificate's own end
             self._warn_expiry(now)
             return material
 
