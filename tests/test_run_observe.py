@@ -384,12 +384,15 @@ def test_observer_goes_on_when_its_trainer_moves_during_a_poll(tmp_path: Path) -
             await server.start()
             servers.append(server)
         obs = make_observer(tmp_path, poll_interval_s=0.2)
+        obs.timeout_s = 120.0  # the hanging poll's deadline never comes first
         obs.set_trainer("policy", servers[0].address)
+        old_client = obs.trainers["policy"]
         task = asyncio.create_task(obs.run())
         try:
             await asyncio.wait_for(old.polled.wait(), 10)  # a poll hangs on the old trainer
             await asyncio.sleep(0.2)
             obs.set_trainer("policy", servers[1].address)
+            await old_client.close()  # no grace: gRPC cancels the call in flight
             deadline = time.monotonic() + 20
             while obs.trainer_status.get("policy", {}).get("step") != 7:
                 assert not task.done(), task

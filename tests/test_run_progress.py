@@ -100,3 +100,14 @@ def test_the_observer_ends_a_run_whose_trainer_never_steps(tmp_path: Path) -> No
     asyncio.run(go())
     assert len(stalls) == 1, stalls
     assert stalls[0].startswith("stalled: policy p took no step") and "unreachable" in stalls[0]
+
+
+def test_a_finished_policy_is_not_waiting_and_a_restart_starts_the_clock_again() -> None:
+    w = ProgressWatch(["a", "b"], warn_after_s=0, fail_after_s=50, num_steps=10, now=0.0)
+    trainers = {"a": {"step": 10, "version": 10}, "b": {"step": 4, "version": 4}}
+    w.stepped("b", now=45.0)
+    assert w.check(trainers, {}, None, now=60.0) is None  # a finished at 10; b stepped at 45
+    w.stepped("b", now=90.0)  # b's trainer restarted (Observer.set_trainer)
+    assert w.check(trainers, {}, None, now=130.0) is None
+    why = w.check(trainers, {}, None, now=140.0)
+    assert why is not None and "policy b" in why

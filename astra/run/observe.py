@@ -77,7 +77,7 @@ class Observer(StatusPoller):
     ) -> None:
         super().__init__(dataflow, trainers, name=name, num_steps=num_steps)
         self.progress = ProgressWatch(
-            trainers, warn_after_s=progress_warn_s, fail_after_s=max_idle_s
+            trainers, warn_after_s=progress_warn_s, fail_after_s=max_idle_s, num_steps=num_steps
         )
         self.max_dropped_in_a_row, self.on_stall = max_dropped_in_a_row, on_stall
         # Per policy, the run of drops that does not count against this run: 0 in a new run;
@@ -126,6 +126,10 @@ class Observer(StatusPoller):
                         (policy, int(step), int(version), float(loss), skipped.decode())
                     )
                     self.progress.stepped(policy)
+
+    def set_trainer(self, policy: str, address: str) -> None:
+        super().set_trainer(policy, address)
+        self.progress.stepped(policy)  # restarted: its wait for a step starts now
 
     def flush(self) -> None:
         """Writes the pending steps as rows, with the trainer figures a poll saw for that step."""

@@ -6,7 +6,10 @@ told of every step a trainer logs (`stepped`) and, each observer tick, `check`s 
 policy that waited longest has gone without one: past `warn_after_s` it logs a warning naming
 what Dataflow and the trainers last said (the gate and its reason, the buffer, the RaaS), again
 every `warn_after_s` while it lasts; past `fail_after_s` (0: never) `check` returns the reason
-the run ends as stalled. A paused trainer is not waiting: its clock starts again on resume.
+the run ends as stalled. A paused trainer is not waiting: its clock starts again on resume,
+as it does when the trainer restarts (`stepped`); one that reached `num_steps` is done, not
+waiting. The first step counts from the trainers' start: with a large model whose first batch
+needs long rollouts, set warn_after_s above that.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ class ProgressWatch:
         *,
         warn_after_s: float = 300.0,
         fail_after_s: float = 0.0,
+        num_steps: int = 0,
         now: float | None = None,
     ) -> None:
         start = time.monotonic() if now is None else now
         self.warn_after_s, self.fail_after_s = warn_after_s, fail_after_s
+        self.num_steps = num_steps
         self.last_step_at = dict.fromkeys(policies, start)
         self.warned_at: float | None = None
         self.warnings = 0
@@ -47,11 +52,16 @@ class ProgressWatch:
         """Warns while a policy takes no step (see the module docstring); the reason to end the
         run once that lasted fail_after_s, else None."""
         now = time.monotonic() if now is None else now
-        for policy in self.last_step_at:
-            if trainers.get(policy, {}).get("paused"):
-                self.last_step_at[policy] = now
+        waiting = {}
+        for policy, since in self.last_step_at.items():
+            t = trainers.get(policy, {})
+            if self.num_steps and t.get("step", 0) >= self.num_steps:
+                continue  # done: its trainer finished, the others may go on
+            if t.get("paused"):
+                since = self.last_step_at[policy] = now
+            waiting[policy] = since
         bounds = [t for t in (self.warn_after_s, self.fail_after_s) if t > 0]
-        policy, since = min(self.last_step_at.items(), key=lambda kv: kv[1], default=("", now))
+        policy, since = min(waiting.items(), key=lambda kv: kv[1], default=("", now))
         idle = now - since
         if not policy or not bounds or idle < min(bounds):
             self.warned_at = None
