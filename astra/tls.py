@@ -139,12 +139,40 @@ def _check(pem: dict[str, bytes], paths: dict[str, Path]) -> None:
     ):
         raise TlsConfigError(f"{paths['key']} is not the key of the certificate {paths['cert']}")
     try:
-        issuers = x509.load_pem_x509_certificates(pem["ca"])
-        issuers += x509.load_pem_x509_certificates(pem["cert"])[1:]  # a chain's intermediates
+        chained = chains_to_ca(pem["cert"], pem["ca"])
     except ValueError as exc:
         raise TlsConfigError(f"{paths['ca']} / {paths['cert']}: {exc}") from exc
-    if not any(_issued_by(cert, issuer) for issuer in issuers):
+    if not chained:
         raise TlsConfigError(f"{paths['cert']} was not issued by the CA of {paths['ca']}")
+
+
+def chains_to_ca(cert_pem: bytes, ca_pem: bytes) -> bool:
+    """Whether the first certificate of `cert_pem` leads to one of `ca_pem`'s: issued by it
+    directly, or through intermediates that `cert_pem` carries after it (each a CA that
+    signed the one before). Raises ValueError on a file that holds no certificate."""
+    from cryptography import x509
+
+    leaf, *intermediates = x509.load_pem_x509_certificates(cert_pem)
+    roots = x509.load_pem_x509_certificates(ca_pem)
+    current, left = leaf, list(intermediates)
+    for _ in range(len(intermediates) + 1):
+        if any(_issued_by(current, root) for root in roots):
+            return True
+        issuer = next((c for c in left if _is_ca(c) and _issued_by(current, c)), None)
+        if issuer is None:
+            return False
+        left.remove(issuer)
+        current = issuer
+    return False
+
+
+def _is_ca(cert) -> bool:
+    from cryptography import x509
+
+    try:
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
 
 
 def _issued_by(cert, ca) -> bool:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
 import click
 
-from astra.tls import ENV_DIR, TlsConfigError
+from astra.tls import DIR_FILES, ENV_DIR, TlsConfigError
 
 
 @click.group("tls")
@@ -65,38 +66,43 @@ def issue_command(
 @tls.command("show")
 @click.argument("directory", type=click.Path(file_okay=False, exists=True, path_type=Path))
 def show_command(directory: Path) -> None:
-    """Check a credential directory and print what its certificate is valid for."""
+    """Print what a credential directory's certificate is valid for, and whether it is usable:
+    issued by the CA of its ca.pem (through the chain it carries), its key, its expiry. Shown
+    even when expired or broken, which exits 1."""
     from cryptography import x509
-    from cryptography.exceptions import InvalidSignature
 
-    from astra.tls import expires_in_s, load_tls
+    from astra.tls import chains_to_ca, load_tls
 
+    paths = {k: directory / name for k, name in DIR_FILES.items()}
     try:
-        material = load_tls({ENV_DIR: str(directory)})
-    except TlsConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
-    assert material is not None
-    cert = x509.load_pem_x509_certificate(material.cert)
-    ca = x509.load_pem_x509_certificate(material.ca)
+        pem = {k: p.read_bytes() for k, p in paths.items()}
+        cert = x509.load_pem_x509_certificate(pem["cert"])
+        signed = chains_to_ca(pem["cert"], pem["ca"])
+    except (OSError, ValueError) as exc:
+        raise click.UsageError(f"{directory}: {exc}") from exc
     try:
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         hosts = [str(v) for v in sans.get_values_for_type(x509.IPAddress)]
         hosts += sans.get_values_for_type(x509.DNSName)
     except x509.ExtensionNotFound:
         hosts = []
+    left = cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
     try:
-        cert.verify_directly_issued_by(ca)
-        signed = True
-    except (InvalidSignature, ValueError, TypeError):
-        signed = False
+        load_tls({ENV_DIR: str(directory)})
+        problem = ""
+    except TlsConfigError as exc:
+        problem = str(exc)
     out = {
         "subject": cert.subject.rfc4514_string(),
         "issuer": cert.issuer.rfc4514_string(),
         "hosts": hosts,
         "not_after": cert.not_valid_after_utc.isoformat(),
-        "expires_in_days": round(expires_in_s(material) / 86400, 1),
+        "expires_in_days": round(left.total_seconds() / 86400, 1),
         "signed_by_ca": signed,
+        "usable": not problem,
     }
+    if problem:
+        out["problem"] = problem
     click.echo(json.dumps(out, indent=2))
-    if not signed:
+    if problem:
         raise SystemExit(1)

@@ -139,6 +139,7 @@ def test_tls_files_read_again_only_when_changed_and_usable(node: Path, tmp_path:
     for name in ("key.pem", "cert.pem"):  # a whole credential, but of another CA
         (node / name).write_bytes((stranger / name).read_bytes())
     assert files.refresh() is again
+    assert files._refused == tls._stamp(files.paths)  # seen, and refused
     with pytest.raises(tls.TlsConfigError, match="was not issued by the CA"):
         tls.load_tls()
 
@@ -189,6 +190,16 @@ def test_a_certificate_chain_through_an_intermediate_ca_is_accepted(tmp_path: Pa
         tls.load_tls({"ASTRA_TLS_DIR": str(d)})  # the intermediate missing
     (d / "cert.pem").write_bytes(leaf + mid)
     assert tls.load_tls({"ASTRA_TLS_DIR": str(d)}) is not None
+    # A full chain of another CA: its root rides along in cert.pem but is not in ca.pem.
+    other = tmp_path / "other"
+    init_ca(other)
+    issue(other, other, ["127.0.0.1"])
+    for name in ("cert.pem", "key.pem"):
+        (d / name).write_bytes((other / name).read_bytes())
+    with (d / "cert.pem").open("ab") as f:
+        f.write((other / "ca.pem").read_bytes())
+    with pytest.raises(tls.TlsConfigError, match="was not issued by the CA"):
+        tls.load_tls({"ASTRA_TLS_DIR": str(d)})
 
 
 def test_expired_certificates_stop_at_once_and_ending_ones_are_warned(tmp_path, caplog) -> None:
@@ -227,4 +238,16 @@ def test_tls_show_prints_hosts_and_days_left_and_refuses_a_broken_directory(tmp_
     init_ca(other)
     (d / "ca.pem").write_bytes((other / "ca.pem").read_bytes())
     res = CliRunner().invoke(main, ["tls", "show", str(d)])
-    assert res.exit_code == 2 and "was not issued by the CA" in res.output
+    assert res.exit_code == 1, res.output
+    out = json.loads(res.output)
+    assert out["signed_by_ca"] is False and not out["usable"]
+    assert "was not issued by the CA" in out["problem"]
+    # Expired: still shown (what is to be replaced), not usable.
+    ended = tmp_path / "ended"
+    issue(other, ended, ["127.0.0.1"], days=0)
+    res = CliRunner().invoke(main, ["tls", "show", str(ended)])
+    out = json.loads(res.output)
+    assert res.exit_code == 1 and out["signed_by_ca"] and "expired" in out["problem"]
+    assert out["expires_in_days"] <= 0
+    res = CliRunner().invoke(main, ["tls", "show", str(tmp_path)])  # no credential there
+    assert res.exit_code == 2
