@@ -12,13 +12,15 @@ Helpers turn plain values into families: `gauge`, `counter` (name, help, value o
 
 With the process's mutual TLS on (astra.tls), /metrics is HTTPS and asks for a client
 certificate of the run's CA too, like every gRPC port: scrape it with Prometheus's
-`tls_config` (ca_file, cert_file, key_file). Its files are read when the endpoint starts.
+`tls_config` (ca_file, cert_file, key_file). Its files are read when the endpoint starts; each
+connection's handshake runs on that connection's own thread, with a timeout.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -82,18 +84,12 @@ class Metrics:
         with client certificates required when this process runs with mutual TLS."""
         from astra.tls import current_tls, tls_paths
 
-        tls: dict = {}
-        if current_tls() is not None:  # checked: a wrong setting fails here, naming the file
+        if current_tls() is None:  # checked: a wrong setting fails here, naming the file
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        else:
             paths = tls_paths()
             assert paths is not None
-            tls = {
-                "certfile": str(paths["cert"]),
-                "keyfile": str(paths["key"]),
-                "client_cafile": str(paths["ca"]),
-                "client_auth_required": True,
-            }
-        server, _thread = start_http_server(port, addr=host, registry=self.registry, **tls)
-        if tls:
+            server = _https_server(host, port, self.registry, paths)
             log.info("/metrics on %s:%d over mutual TLS", host, server.server_port)
         self._server, self.port = server, server.server_port
         return server.server_port
@@ -102,6 +98,60 @@ class Metrics:
         if self._server is not None:
             self._server.shutdown()  # type: ignore[attr-defined]
             self._server = None
+
+
+HANDSHAKE_TIMEOUT_S = 10.0  # a client that connects and says nothing holds only its own thread
+
+
+def _https_server(host: str, port: int, registry: CollectorRegistry, paths: Mapping[str, Any]):
+    """/metrics over mutual TLS on its own thread. The handshake runs in each connection's
+    thread with a timeout, not in the accepting one (where prometheus_client's own TLS does
+    it), so a client that connects and sends nothing cannot stop the scrapes of others."""
+    import ssl
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(str(paths["cert"]), str(paths["key"]))
+    ctx.load_verify_locations(cafile=str(paths["ca"]))
+    ctx.verify_mode = ssl.CERT_REQUIRED
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+                self.send_error(404)
+                return
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # scrapes are not worth a log line each
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+        def finish_request(self, request, client_address) -> None:  # the connection's thread
+            request.settimeout(HANDSHAKE_TIMEOUT_S)
+            try:
+                conn = ctx.wrap_socket(request, server_side=True)
+            except (ssl.SSLError, OSError):
+                return  # no certificate of the run's CA, plaintext, or silence: refused
+            try:
+                Handler(conn, client_address, self)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    server = Server((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="metrics-https", daemon=True).start()
+    return server
 
 
 # Seconds: from sub-millisecond (tiny models, control RPCs) to minutes (long rollouts).
