@@ -170,6 +170,21 @@ def issue(
     return out_dir
 
 
+RENEW_WITHIN_S = 30 * 86400.0  # the credentials a run makes itself are renewed this early
+
+
+def expiring(cert_path: Path, within_s: float = RENEW_WITHIN_S) -> bool:
+    """Whether the certificate at `cert_path` is missing, unreadable or ends within
+    `within_s`: what a run's own credentials are issued again for."""
+    x509 = _x509()[0]
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    except (OSError, ValueError):
+        return True
+    left = cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
+    return left.total_seconds() < within_s
+
+
 def node_credential(ca_dir: Path, host: str) -> Path:
     """The credential of the node dialled as `host`, issued once into ca_dir/nodes/<host>
     (with loopback beside it) by the CA in `ca_dir`: what a supervisor hands each child it
@@ -177,6 +192,6 @@ def node_credential(ca_dir: Path, host: str) -> Path:
     if not host or "/" in host or host.startswith("."):
         raise TlsConfigError(f"not a host name or address: {host!r}")
     out = ca_dir / "nodes" / host
-    if not (out / DIR_FILES["cert"]).is_file():
+    if expiring(out / DIR_FILES["cert"]):  # none yet, or about to end: (re)issued
         issue(ca_dir, out, [host, *(h for h in DEFAULT_HOSTS if h != host)])
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -116,14 +117,23 @@ def _tls(wanted: bool, root: Path, ray_address: str | None) -> None:
     credential of the run's own, made once in RUN_DIR/tls (with --ray, a credential per node
     as well, issued as children are placed)."""
     from astra.tls import ENV_DIR, ENV_NODE_CA, current_tls
-    from astra.tls_certs import DEFAULT_HOSTS, init_ca, issue
+    from astra.tls_certs import DEFAULT_HOSTS, expiring, init_ca, issue
 
     if current_tls() is not None or not wanted:
         return
     directory = root / "tls"
-    if not (directory / "cert.pem").is_file():
-        if not (directory / "ca.key").is_file():
-            init_ca(directory, name=f"astra run CA ({root.name})")
+    # Made once; on a resume, made again when about to end (a run of its own CA restarts every
+    # process on a resume, so nothing still holds the old ones).
+    if (directory / "ca.key").is_file() and expiring(directory / "ca.pem"):
+        logging.getLogger("astra.run").warning(
+            "the run's CA in %s ends within 30 days: a new CA and credentials", directory
+        )
+        for name in ("ca.key", "ca.pem", "cert.pem", "key.pem"):
+            (directory / name).unlink(missing_ok=True)
+        shutil.rmtree(directory / "nodes", ignore_errors=True)
+    if not (directory / "ca.key").is_file():
+        init_ca(directory, name=f"astra run CA ({root.name})")
+    if expiring(directory / "cert.pem"):
         issue(directory, directory, list(DEFAULT_HOSTS))
     os.environ[ENV_DIR] = str(directory.resolve())
     if ray_address is not None:
