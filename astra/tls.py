@@ -183,11 +183,12 @@ def _issued_by(cert, ca) -> bool:
     return True
 
 
-def expires_in_s(material: TlsMaterial) -> float:
-    """Seconds until the certificate of `material` expires (negative: expired)."""
+def expires_in_s(cert_pem: bytes) -> float:
+    """Seconds until the (first) certificate of `cert_pem` expires (negative: expired);
+    ValueError if it holds none."""
     from cryptography import x509
 
-    end = x509.load_pem_x509_certificate(material.cert).not_valid_after_utc
+    end = x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc
     return (end - datetime.datetime.now(datetime.UTC)).total_seconds()
 
 
@@ -229,7 +230,7 @@ class TlsFiles:
             return
         self._expiry_checked = now
         with contextlib.suppress(Exception):  # a warning only: never in the way of a handshake
-            left = expires_in_s(self.material)
+            left = expires_in_s(self.material.cert)
             if left < EXPIRY_WARN_S:
                 log.warning("the TLS certificate of %s expires in %.1f days: renew it in place "
                             "(astra tls issue), no restart needed", self.material.source,

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from astra.tls import DIR_FILES, TlsConfigError
+from astra.tls import DIR_FILES, TlsConfigError, expires_in_s
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
@@ -176,13 +176,10 @@ RENEW_WITHIN_S = 30 * 86400.0  # the credentials a run makes itself are renewed 
 def expiring(cert_path: Path, within_s: float = RENEW_WITHIN_S) -> bool:
     """Whether the certificate at `cert_path` is missing, unreadable or ends within
     `within_s`: what a run's own credentials are issued again for."""
-    x509 = _x509()[0]
     try:
-        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        return expires_in_s(cert_path.read_bytes()) < within_s
     except (OSError, ValueError):
         return True
-    left = cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
-    return left.total_seconds() < within_s
 
 
 def node_credential(ca_dir: Path, host: str) -> Path:

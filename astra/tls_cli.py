@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 
@@ -71,7 +70,7 @@ def show_command(directory: Path) -> None:
     even when expired or broken, which exits 1."""
     from cryptography import x509
 
-    from astra.tls import chains_to_ca, load_tls
+    from astra.tls import chains_to_ca, expires_in_s, load_tls
 
     paths = {k: directory / name for k, name in DIR_FILES.items()}
     try:
@@ -86,7 +85,6 @@ def show_command(directory: Path) -> None:
         hosts += sans.get_values_for_type(x509.DNSName)
     except x509.ExtensionNotFound:
         hosts = []
-    left = cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
     try:
         load_tls({ENV_DIR: str(directory)})
         problem = ""
@@ -97,7 +95,7 @@ def show_command(directory: Path) -> None:
         "issuer": cert.issuer.rfc4514_string(),
         "hosts": hosts,
         "not_after": cert.not_valid_after_utc.isoformat(),
-        "expires_in_days": round(left.total_seconds() / 86400, 1),
+        "expires_in_days": round(expires_in_s(pem["cert"]) / 86400, 1),
         "signed_by_ca": signed,
         "usable": not problem,
     }

@@ -85,11 +85,8 @@ class StorageGuard:
                     self.paused, self.reason = False, ""
             elif self.free_now >= self.resume_free_bytes:
                 self.paused, self.reason = False, ""
-        elif self.free_now < self.min_free_bytes:
-            self._pause(
-                f"storage: {self.free_now:,} bytes free on {self.path} < "
-                f"min_free_bytes {self.min_free_bytes:,}"
-            )
+        else:
+            self._pause_if_low("")
         return self.paused
 
     def note_written(self, nbytes: int) -> None:
@@ -98,9 +95,13 @@ class StorageGuard:
         if self.free_now < 0:
             return
         self.free_now -= nbytes
-        if not self.paused and self.min_free_bytes > 0 and self.free_now < self.min_free_bytes:
+        if not self.paused:
+            self._pause_if_low("about ")
+
+    def _pause_if_low(self, approx: str) -> None:
+        if self.min_free_bytes > 0 and self.free_now < self.min_free_bytes:
             self._pause(
-                f"storage: about {self.free_now:,} bytes free on {self.path} < "
+                f"storage: {approx}{self.free_now:,} bytes free on {self.path} < "
                 f"min_free_bytes {self.min_free_bytes:,}"
             )
 
