@@ -63,6 +63,10 @@ class DataLoss(AstraError):
     code = "DATA_LOSS"
 
 
+class PermissionDenied(AstraError):
+    code = "PERMISSION_DENIED"
+
+
 def invalid_field(
     field: str, description: str, *, reason: str = "INVALID_FIELD"
 ) -> InvalidArgument:

@@ -36,8 +36,9 @@ from pathlib import Path
 ENV_DIR = "ASTRA_TLS_DIR"
 ENV_FILES = {"ca": "ASTRA_TLS_CA", "cert": "ASTRA_TLS_CERT", "key": "ASTRA_TLS_KEY"}
 ENV_SERVER_NAME = "ASTRA_TLS_SERVER_NAME"
-# Set by `astra run --ray` with `tls: true`: the run's CA, from which the supervisor issues each
-# placed child a credential for its node's address (astra.tls_certs.node_credential).
+# Set by `astra run` with `tls: true`: the run's CA, from which the supervisor issues each child
+# a credential naming its role, for its node's address under --ray
+# (astra.tls_certs.child_credential). Children never see it.
 ENV_NODE_CA = "ASTRA_TLS_NODE_CA"
 DIR_FILES = {"ca": "ca.pem", "cert": "cert.pem", "key": "key.pem"}
 MAX_PEM_BYTES = 1 << 20

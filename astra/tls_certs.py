@@ -3,8 +3,9 @@
 `init_ca` writes a CA (ca.pem, ca.key) into a directory; `issue` writes a node credential
 (ca.pem, cert.pem, key.pem: what ASTRA_TLS_DIR names) signed by it, valid for the given hosts
 (IP addresses and DNS names, all in the subjectAltName) for both server and client use, since
-every Astra process is both. Keys are ECDSA P-256, written readable by their owner only.
-Never touches gRPC.
+every Astra process is both. A credential may name roles (astra.authz), as URI subjectAltNames
+``urn:astra:role:<role>``, which confine what its holder may call; one without roles may call
+everything. Keys are ECDSA P-256, written readable by their owner only. Never touches gRPC.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from astra.authz import ROLE_URI_PREFIX, ROLES, RoleError, check_roles
 from astra.tls import DIR_FILES, TlsConfigError, expires_in_s
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
@@ -123,11 +125,19 @@ def issue(
     *,
     name: str = "",
     days: int = 365,
+    roles: Sequence[str] = (),
 ) -> Path:
-    """Writes a node credential signed by the CA in `ca_dir` into `out_dir`; returns out_dir."""
+    """Writes a node credential signed by the CA in `ca_dir` into `out_dir`, naming `roles`
+    (none: it may call every RPC); returns out_dir."""
     x509, hashes, serialization, ec, EKU, NameOID = _x509()
     if not hosts:
         raise TlsConfigError("a node certificate needs at least one host")
+    try:
+        role_names = [
+            x509.UniformResourceIdentifier(ROLE_URI_PREFIX + r) for r in check_roles(roles)
+        ]
+    except RoleError as exc:
+        raise TlsConfigError(str(exc)) from exc
     try:
         ca_pem = (ca_dir / CA_CERT).read_bytes()
         ca_cert = x509.load_pem_x509_certificate(ca_pem)
@@ -145,7 +155,7 @@ def issue(
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName(_names(hosts)), critical=False)
+        .add_extension(x509.SubjectAlternativeName(_names(hosts) + role_names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([EKU.SERVER_AUTH, EKU.CLIENT_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
@@ -182,13 +192,30 @@ def expiring(cert_path: Path, within_s: float = RENEW_WITHIN_S) -> bool:
         return True
 
 
-def node_credential(ca_dir: Path, host: str) -> Path:
-    """The credential of the node dialled as `host`, issued once into ca_dir/nodes/<host>
-    (with loopback beside it) by the CA in `ca_dir`: what a supervisor hands each child it
-    places on another node. Returns its directory."""
-    if not host or "/" in host or host.startswith("."):
+def cert_roles(cert_pem: bytes) -> tuple[str, ...]:
+    """The roles a PEM certificate names (its ``urn:astra:role:`` URIs), in its order."""
+    x509 = _x509()[0]
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ()
+    uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+    return tuple(u[len(ROLE_URI_PREFIX) :] for u in uris if u.startswith(ROLE_URI_PREFIX))
+
+
+def child_credential(ca_dir: Path, role: str, host: str = "") -> Path:
+    """The credential of a child of `role` on the node dialled as `host` (loopback when
+    empty): issued by the CA in `ca_dir` into ca_dir/nodes/<host or loopback>/<role>, naming
+    that role (astra.authz), and again when it is about to end. A role astra.authz does not
+    know (a warm-up step) gets a credential without roles, in .../operator. What a supervisor
+    hands each child it starts. Returns its directory."""
+    if host and ("/" in host or host.startswith(".")):
         raise TlsConfigError(f"not a host name or address: {host!r}")
-    out = ca_dir / "nodes" / host
+    roles = [role] if role in ROLES else []
+    out = ca_dir / "nodes" / (host or "loopback") / (role if roles else "operator")
+    hosts = [host, *(h for h in DEFAULT_HOSTS if h != host)] if host else list(DEFAULT_HOSTS)
     if expiring(out / DIR_FILES["cert"]):  # none yet, or about to end: (re)issued
-        issue(ca_dir, out, [host, *(h for h in DEFAULT_HOSTS if h != host)])
+        name = f"{roles[0] if roles else 'operator'}@{host or 'loopback'}"
+        issue(ca_dir, out, hosts, name=name, roles=roles)
     return out

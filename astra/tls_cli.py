@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from astra.authz import ROLES
 from astra.tls import DIR_FILES, ENV_DIR, TlsConfigError
 
 
@@ -48,15 +49,28 @@ def init_command(directory: Path, hosts: tuple[str, ...], days: int) -> None:
 @_hosts_option
 @click.option("--name", default="", help="Subject common name (default: the first host).")
 @click.option("--days", type=click.IntRange(1, 3650), default=365, show_default=True)
+@click.option(
+    "--role",
+    "roles",
+    multiple=True,
+    type=click.Choice(ROLES),
+    help="What the holder may call (repeat for several; see astra.authz): raas, dataflow, "
+    "trainer, weights, admin. Without --role it may call every RPC, as an operator.",
+)
 def issue_command(
-    ca_dir: Path, out_dir: Path, hosts: tuple[str, ...], name: str, days: int
+    ca_dir: Path,
+    out_dir: Path,
+    hosts: tuple[str, ...],
+    name: str,
+    days: int,
+    roles: tuple[str, ...],
 ) -> None:
     """Write a node credential signed by the CA in CA_DIR into OUT_DIR (ca.pem, cert.pem,
     key.pem: what ASTRA_TLS_DIR names on that node)."""
     from astra.tls_certs import DEFAULT_HOSTS, issue
 
     try:
-        issue(ca_dir, out_dir, list(hosts or DEFAULT_HOSTS), name=name, days=days)
+        issue(ca_dir, out_dir, list(hosts or DEFAULT_HOSTS), name=name, days=days, roles=roles)
     except TlsConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(json.dumps({ENV_DIR: str(out_dir)}))
@@ -71,6 +85,7 @@ def show_command(directory: Path) -> None:
     from cryptography import x509
 
     from astra.tls import chains_to_ca, expires_in_s, load_tls
+    from astra.tls_certs import cert_roles
 
     paths = {k: directory / name for k, name in DIR_FILES.items()}
     try:
@@ -94,6 +109,8 @@ def show_command(directory: Path) -> None:
         "subject": cert.subject.rfc4514_string(),
         "issuer": cert.issuer.rfc4514_string(),
         "hosts": hosts,
+        # What the holder may call (astra.authz); [] = every RPC, as an operator.
+        "roles": list(cert_roles(pem["cert"])),
         "not_after": cert.not_valid_after_utc.isoformat(),
         "expires_in_days": round(expires_in_s(pem["cert"]) / 86400, 1),
         "signed_by_ca": signed,

@@ -66,6 +66,7 @@ _ERRORS = {
         errors.ResourceExhausted,
         errors.Unavailable,
         errors.DataLoss,
+        errors.PermissionDenied,
     )
 }
 

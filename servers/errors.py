@@ -135,10 +135,19 @@ class _ParsedRequests:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions raised by handlers to statuses, for all four RPC shapes."""
+    """Maps exceptions raised by handlers to statuses, for all four RPC shapes.
 
-    def __init__(self, domain_of: Callable[[str], str]) -> None:
+    `guard_of(method)`, where given, returns a check to run on the call's context before the
+    handler (servers.authz: the caller's roles), or None; what it raises is mapped the same way.
+    """
+
+    def __init__(
+        self,
+        domain_of: Callable[[str], str],
+        guard_of: Callable[[str], Callable[[Any], None] | None] | None = None,
+    ) -> None:
         self._domain_of = domain_of
+        self._guard_of = guard_of
 
     async def intercept_service(
         self,
@@ -149,6 +158,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         domain = self._domain_of(handler_call_details.method)
+        guard = self._guard_of(handler_call_details.method) if self._guard_of else None
 
         async def fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, AstraError):
@@ -159,6 +169,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_unary(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
+                    if guard is not None:
+                        guard(context)
                     request = _ParsedRequests(request) if stream_in else _parsed(request)
                     return await behavior(request, context)
                 except Exception as exc:
@@ -171,6 +183,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_stream(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
+                    if guard is not None:
+                        guard(context)
                     request = _ParsedRequests(request) if stream_in else _parsed(request)
                     async for item in behavior(request, context):
                         yield item

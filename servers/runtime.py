@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from astra.servers.authz import RoleGuard
 from astra.servers.errors import ErrorInterceptor, domain_from_method
 from astra.tls import TlsFiles, TlsMaterial, tls_files
 
@@ -118,8 +119,9 @@ class GrpcServer:
         self.port = 0
         self.tls = False
         self._services: list[str] = []
+        self.roles = RoleGuard()  # on with mutual TLS: callers confined to their roles
         self._server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(domain_from_method)],
+            interceptors=[ErrorInterceptor(domain_from_method, self.roles.guard)],
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
@@ -159,7 +161,7 @@ class GrpcServer:
             self.port = self._server.add_secure_port(where, server_credentials(files))
             source = files.material.source if files.material is not None else ""
             log.info("mutual TLS on %s (%s)", where, source)
-        self.tls = files is not None
+        self.tls = self.roles.enabled = files is not None
         if self.port == 0:
             raise OSError(f"cannot bind {self.host}:{self.requested_port}")
         await self._server.start()

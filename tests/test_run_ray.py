@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from astra.tls_certs import cert_roles
+
 pytest.importorskip("ray")
 
 SMALL = ["--set", "dataset.size=64", "--set", "observe.baseline_samples=8"]
@@ -119,8 +121,9 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
             assert c["command"][-2:] == ["--host", placed["node_ip"]]
             log_text = (run_dir / "logs" / f"{c['name']}.log").read_text(errors="replace")
             assert "mutual TLS on" in log_text, c["name"]
-            node_cert = run_dir / "tls" / "nodes" / placed["node_ip"] / "cert.pem"
-            assert node_cert.is_file(), c
+            # Its credential: for its node's IP, naming its role (astra.authz).
+            node_cert = run_dir / "tls" / "nodes" / placed["node_ip"] / c["role"] / "cert.pem"
+            assert cert_roles(node_cert.read_bytes()) == (c["role"],), c
         assert len({c["ray"]["node_id"] for c in children}) == 1  # one local node
         assert len({c["ray"]["actor_id"] for c in children}) == len(NAMES)
         assert all(c["ray"]["worker_pid"] != c["pid"] for c in children)

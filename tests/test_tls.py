@@ -25,7 +25,7 @@ from astra.clients.dataflow import DataflowClient
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
 from astra.tls import TlsConfigError, load_tls, tls_paths
-from astra.tls_certs import init_ca, issue
+from astra.tls_certs import cert_roles, init_ca, issue
 from tests.conftest import make_config
 from tests.procs import start_dataflow, start_scripted_raas
 
@@ -269,8 +269,9 @@ def test_a_run_over_mutual_tls(dataset, tmp_path, run_ca, monkeypatch):
 
 @pytest.mark.slow
 def test_astra_run_with_tls_true(runs, monkeypatch):
-    """`tls: true`: the run makes its CA, every child serves mutual TLS, the run trains and
-    accounts for every group as without TLS, and a plaintext client is refused meanwhile."""
+    """`tls: true`: the run makes its CA, every child serves mutual TLS with a credential
+    confined to its role, the run trains and accounts for every group as without TLS, and a
+    plaintext client is refused meanwhile."""
     for var in ("ASTRA_TLS_DIR", "ASTRA_TLS_CA", "ASTRA_TLS_CERT", "ASTRA_TLS_KEY"):
         monkeypatch.delenv(var, raising=False)
     run = runs("--set", "tls=true", "--set", "trainer.num_steps=2", "--set", "eval.every_steps=0")
@@ -293,4 +294,7 @@ def test_astra_run_with_tls_true(runs, monkeypatch):
     for c in run.children():
         text = (run.run_dir / "logs" / f"{c['name']}.log").read_text()
         assert "mutual TLS on" in text, c["name"]
+        # Each child had a credential naming its role (astra.authz), not the run's own.
+        own = credential / "nodes" / "loopback" / c["role"] / "cert.pem"
+        assert cert_roles(own.read_bytes()) == (c["role"],), c["name"]
     assert (credential / "ca.key").stat().st_mode & 0o077 == 0

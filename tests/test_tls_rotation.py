@@ -259,7 +259,7 @@ def test_a_runs_own_credentials_are_made_again_when_about_to_end(tmp_path, monke
     """`tls: true` on a resume: a node certificate within 30 days of its end is issued again
     from the run's CA; a CA about to end is replaced, with the node credentials under it."""
     from astra.run.cli import _tls
-    from astra.tls_certs import expiring, node_credential
+    from astra.tls_certs import child_credential, expiring
 
     for name in ("ASTRA_TLS_DIR", "ASTRA_TLS_NODE_CA"):
         monkeypatch.setenv(name, "")  # restored after the test (_tls sets them)
@@ -267,10 +267,10 @@ def test_a_runs_own_credentials_are_made_again_when_about_to_end(tmp_path, monke
     d = root / "tls"
     init_ca(d)
     issue(d, d, ["127.0.0.1"], days=10)
-    node = node_credential(d, "10.0.0.7")
+    node = child_credential(d, "raas", "10.0.0.7")
     ca_before = (d / "ca.pem").read_bytes()
     assert expiring(d / "cert.pem") and not expiring(node / "cert.pem")
-    _tls(True, root, None)
+    _tls(True, root)
     assert not expiring(d / "cert.pem") and (d / "ca.pem").read_bytes() == ca_before
     assert tls.load_tls({"ASTRA_TLS_DIR": str(d)}) is not None
 
@@ -279,7 +279,7 @@ def test_a_runs_own_credentials_are_made_again_when_about_to_end(tmp_path, monke
     (d / "ca.pem").unlink()
     init_ca(d, days=5)  # a CA about to end
     issue(d, d, ["127.0.0.1"])
-    _tls(True, root, None)
+    _tls(True, root)
     assert (d / "ca.pem").read_bytes() != ca_before and not expiring(d / "ca.pem")
     assert not (d / "nodes").exists()  # issued again from the new CA as children are placed
     assert tls.load_tls({"ASTRA_TLS_DIR": str(d)}) is not None

@@ -19,6 +19,10 @@ RaaS's engine server (astra.engine.http.launch) also has a session of its own an
 the same signal, so it goes when the RaaS dies however it dies.
 A child's exit is seen from its pid, not from its pipes (such a descendant may
 hold its stdout open): see `Child.wait`.
+
+With `tls: true` (ASTRA_TLS_NODE_CA set by `astra run`), each child is started with a
+credential of its own that names its role (astra.tls_certs.child_credential), so a RaaS cannot
+publish weights nor a trainer submit rollouts (astra.authz); the CA itself stays out of reach.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ import signal
 from collections import deque
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from astra.tls import ENV_DIR, ENV_NODE_CA
+from astra.tls_certs import child_credential
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +97,18 @@ class Child:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=self._log,
-            env={**os.environ, **self.env},
+            env=self.environment(),
             start_new_session=True,
         )
+
+    def environment(self) -> dict[str, str]:
+        """The supervisor's environment with the child's own, and its own TLS credential
+        where the run issues them."""
+        env = {**os.environ, **self.env}
+        ca = env.pop(ENV_NODE_CA, "")
+        if ca:
+            env[ENV_DIR] = str(child_credential(Path(ca), self.role))
+        return env
 
     async def read_address(self, timeout_s: float) -> dict[str, Any]:
         """Waits for the JSON address line; raises ChildFailed (with the log tail) otherwise."""

@@ -87,7 +87,7 @@ def run_command(
         raise click.UsageError(f"{rd.root} holds a run: use --resume DIR or another --run-dir")
     if log_format is not None:  # children inherit the environment
         os.environ["ASTRA_LOG_FORMAT"] = log_format
-    _tls(resolved.tls, rd.root, ray_address)
+    _tls(resolved.tls, rd.root)
     _logging(log_level, rd.log("supervisor"))
     from astra.run.supervisor import Supervisor
 
@@ -111,11 +111,11 @@ def run_command(
     sys.exit(code)
 
 
-def _tls(wanted: bool, root: Path, ray_address: str | None) -> None:
-    """Mutual TLS for the run's children (they inherit the environment): the credentials
-    `astra --tls DIR` (or ASTRA_TLS_*) gave, else with `tls: true` a CA and a loopback
-    credential of the run's own, made once in RUN_DIR/tls (with --ray, a credential per node
-    as well, issued as children are placed)."""
+def _tls(wanted: bool, root: Path) -> None:
+    """Mutual TLS for the run's children: the credentials `astra --tls DIR` (or ASTRA_TLS_*)
+    gave, which they inherit, else with `tls: true` a CA and a loopback credential of the
+    run's own (the supervisor's), made once in RUN_DIR/tls, and a credential per child role
+    (per node and role with --ray) issued from it as children start (astra.run.children)."""
     from astra.tls import ENV_DIR, ENV_NODE_CA, current_tls
     from astra.tls_certs import DEFAULT_HOSTS, expiring, init_ca, issue
 
@@ -136,10 +136,9 @@ def _tls(wanted: bool, root: Path, ray_address: str | None) -> None:
     if expiring(directory / "cert.pem"):
         issue(directory, directory, list(DEFAULT_HOSTS))
     os.environ[ENV_DIR] = str(directory.resolve())
-    if ray_address is not None:
-        # Each child placed on a node gets a credential for that node's address, issued by
-        # the supervisor from this CA (astra.run.ray_children) into RUN_DIR/tls/nodes/.
-        os.environ[ENV_NODE_CA] = str(directory.resolve())
+    # Each child gets a credential naming its role (on its node's address with --ray), issued
+    # by the supervisor from this CA into RUN_DIR/tls/nodes/ (astra.run.children).
+    os.environ[ENV_NODE_CA] = str(directory.resolve())
 
 
 def _logging(level: str, path: Path) -> None:

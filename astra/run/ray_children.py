@@ -21,8 +21,9 @@ Addresses: a service placed by Ray listens on its node's IP
 advertises it, so a child on another node can reach it; without --ray every
 service keeps 127.0.0.1.
 
-With `tls: true` the supervisor issues each child a credential for its node's IP from the run's
-CA (RUN_DIR/tls/nodes/<ip>, astra.tls_certs.node_credential) as the child is placed.
+With `tls: true` the supervisor issues each child a credential for its node's IP and its role
+from the run's CA (RUN_DIR/tls/nodes/<ip>/<role>, astra.tls_certs.child_credential) as the
+child is placed.
 
 The run directory must be on a filesystem every node shares, at the same path:
 children read their configs, the dataset and the model from it, write their
@@ -56,7 +57,7 @@ from astra.run.children import Child, ChildFailed
 from astra.run.ray_actor import process_actor
 from astra.run.recipe import Recipe
 from astra.tls import ENV_DIR, ENV_NODE_CA
-from astra.tls_certs import node_credential
+from astra.tls_certs import child_credential
 
 log = logging.getLogger("astra.run")
 SERVE_ROLES = ("dataflow", "weights", "raas", "trainer")
@@ -180,8 +181,8 @@ class RayChild(Child):
         self.args = command_on_node(self.role, self.args, self.placement["node_ip"])
         env = {k: v for k, v in os.environ.items() if k.startswith("ASTRA_")}
         node_ca = env.pop(ENV_NODE_CA, "")
-        if node_ca:  # `tls: true`: a credential for the address this child listens on
-            node = node_credential(Path(node_ca), self.placement["node_ip"])
+        if node_ca:  # `tls: true`: a credential for its role and the address it listens on
+            node = child_credential(Path(node_ca), self.role, self.placement["node_ip"])
             env[ENV_DIR] = str(node)
         own_python = self.args[0] == sys.executable
         started = await self._call(

@@ -44,6 +44,16 @@ class DataflowServiceStub:
     single group is larger: that group then comes alone (a group's result is at
     most 64 MiB, so no message passes 64 MiB). Receivers set their limit to
     64 MiB.
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    role "raas" may call RegisterInstance, HeartbeatInstance and
+    DeregisterInstance; role "trainer" FetchBatch, AckBatch, ExtendBatchLease
+    and AnnounceVersion; every role GetStatus and GetCapabilities.
     """
 
     def __init__(self, channel):
@@ -118,6 +128,16 @@ class DataflowServiceServicer:
     single group is larger: that group then comes alone (a group's result is at
     most 64 MiB, so no message passes 64 MiB). Receivers set their limit to
     64 MiB.
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    role "raas" may call RegisterInstance, HeartbeatInstance and
+    DeregisterInstance; role "trainer" FetchBatch, AckBatch, ExtendBatchLease
+    and AnnounceVersion; every role GetStatus and GetCapabilities.
     """
 
     def RegisterInstance(self, request, context):
@@ -331,6 +351,16 @@ class DataflowService:
     single group is larger: that group then comes alone (a group's result is at
     most 64 MiB, so no message passes 64 MiB). Receivers set their limit to
     64 MiB.
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    role "raas" may call RegisterInstance, HeartbeatInstance and
+    DeregisterInstance; role "trainer" FetchBatch, AckBatch, ExtendBatchLease
+    and AnnounceVersion; every role GetStatus and GetCapabilities.
     """
 
     @staticmethod

@@ -44,6 +44,15 @@ class RolloutServiceStub:
     Health: grpc.health.v1 reports NOT_SERVING until the model is loaded and
     after an engine failure, SERVING otherwise. Dataflow checks the service
     name "astra.raas.v1.RolloutService" to confirm a suspect instance.
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    role "dataflow" may call SubmitGroups, CollectResults, AckResults,
+    CancelGroups and LoadWeights; every role GetStatus and GetCapabilities.
     """
 
     def __init__(self, channel):
@@ -108,6 +117,15 @@ class RolloutServiceServicer:
     Health: grpc.health.v1 reports NOT_SERVING until the model is loaded and
     after an engine failure, SERVING otherwise. Dataflow checks the service
     name "astra.raas.v1.RolloutService" to confirm a suspect instance.
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    role "dataflow" may call SubmitGroups, CollectResults, AckResults,
+    CancelGroups and LoadWeights; every role GetStatus and GetCapabilities.
     """
 
     def SubmitGroups(self, request, context):
@@ -282,6 +300,15 @@ class RolloutService:
     Health: grpc.health.v1 reports NOT_SERVING until the model is loaded and
     after an engine failure, SERVING otherwise. Dataflow checks the service
     name "astra.raas.v1.RolloutService" to confirm a suspect instance.
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    role "dataflow" may call SubmitGroups, CollectResults, AckResults,
+    CancelGroups and LoadWeights; every role GetStatus and GetCapabilities.
     """
 
     @staticmethod

@@ -32,6 +32,15 @@ class TrainerServiceStub:
     it and ask for a checkpoint.
 
     Errors carry a google.rpc.ErrorInfo (domain "astra.trainer.v1").
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    every role may call GetStatus and GetCapabilities; SaveCheckpoint, Pause
+    and Resume are an operator's alone (no role but "admin").
     """
 
     def __init__(self, channel):
@@ -74,6 +83,15 @@ class TrainerServiceServicer:
     it and ask for a checkpoint.
 
     Errors carry a google.rpc.ErrorInfo (domain "astra.trainer.v1").
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    every role may call GetStatus and GetCapabilities; SaveCheckpoint, Pause
+    and Resume are an operator's alone (no role but "admin").
     """
 
     def GetStatus(self, request, context):
@@ -171,6 +189,15 @@ class TrainerService:
     it and ask for a checkpoint.
 
     Errors carry a google.rpc.ErrorInfo (domain "astra.trainer.v1").
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    every role may call GetStatus and GetCapabilities; SaveCheckpoint, Pause
+    and Resume are an operator's alone (no role but "admin").
     """
 
     @staticmethod

@@ -52,6 +52,16 @@ class WeightServiceStub:
     Errors carry a google.rpc.ErrorInfo (domain "astra.weights.v1").
     Size limits: one stream message is at most 8 MiB; tensors are split over
     several chunk messages.
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    role "trainer" may call PublishVersion, RollbackVersion and FetchVersion;
+    roles "raas" and "weights" (a relay) FetchVersion; every role
+    ListVersions, GetVersion, GetStatus and GetCapabilities.
     """
 
     def __init__(self, channel):
@@ -124,6 +134,16 @@ class WeightServiceServicer:
     Errors carry a google.rpc.ErrorInfo (domain "astra.weights.v1").
     Size limits: one stream message is at most 8 MiB; tensors are split over
     several chunk messages.
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    role "trainer" may call PublishVersion, RollbackVersion and FetchVersion;
+    roles "raas" and "weights" (a relay) FetchVersion; every role
+    ListVersions, GetVersion, GetStatus and GetCapabilities.
     """
 
     def PublishVersion(self, request_iterator, context):
@@ -315,6 +335,16 @@ class WeightService:
     Errors carry a google.rpc.ErrorInfo (domain "astra.weights.v1").
     Size limits: one stream message is at most 8 MiB; tensors are split over
     several chunk messages.
+
+    Roles: under mutual TLS, a client whose certificate names roles (URI
+    subjectAltNames "urn:astra:role:<role>") may call only what one of them
+    permits, and gets PERMISSION_DENIED (reason ROLE_NOT_PERMITTED, ErrorInfo
+    metadata "method", "roles", "permitted") for the rest; a certificate
+    without roles, or with role "admin", may call every RPC. Health checking
+    and reflection are open to every certificate of the run's CA. Here:
+    role "trainer" may call PublishVersion, RollbackVersion and FetchVersion;
+    roles "raas" and "weights" (a relay) FetchVersion; every role
+    ListVersions, GetVersion, GetStatus and GetCapabilities.
     """
 
     @staticmethod

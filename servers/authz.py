@@ -1,0 +1,52 @@
+"""Role checks of a mutual-TLS server: the caller's certificate roles against astra.authz.
+
+`RoleGuard.guard(method)` gives the check one call of `method` needs, or None when there is
+nothing to check (a plaintext server, health and reflection). The check reads the roles from
+the peer's URI subjectAltNames in gRPC's auth context (``peer_uri``), so it costs a dict
+lookup per call, and raises astra.authz's PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for
+the ErrorInterceptor to map. Each refused (method, roles) pair is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from astra.authz import OPEN_SERVICES, denied, permitted, roles_of_uris
+
+log = logging.getLogger(__name__)
+MAX_LOGGED = 1024  # refused (method, roles) pairs logged, at most
+
+
+class RoleGuard:
+    """Checks calls against the caller's roles once `enabled` (the port is mutual TLS)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.refused = 0
+        self._logged: set[tuple[str, frozenset[str]]] = set()
+
+    def guard(self, method: str) -> Callable[[grpc.aio.ServicerContext], None] | None:
+        if not self.enabled or method.startswith(OPEN_SERVICES):
+            return None
+
+        def check(context: grpc.aio.ServicerContext) -> None:
+            uris = context.auth_context().get("peer_uri", ())
+            roles = roles_of_uris(u.decode(errors="replace") for u in uris)
+            if permitted(method, roles):
+                return
+            self.refused += 1
+            key = (method, roles)
+            if key not in self._logged and len(self._logged) < MAX_LOGGED:
+                self._logged.add(key)
+                log.warning(
+                    "refused %s to %s: its certificate's roles (%s) may not call it",
+                    method,
+                    context.peer(),
+                    ", ".join(sorted(roles)),
+                )
+            raise denied(method, roles)
+
+        return check

@@ -1,0 +1,250 @@
+"""Roles in TLS certificates: what a caller may call is what its certificate's roles permit.
+
+Real certificates from astra.tls_certs, real handshakes to in-process servers on loopback. What
+must hold: every RPC of the four services has an entry in astra.authz.PERMITTED (the table
+follows the protos); a certificate naming a role is refused, with PERMISSION_DENIED and an
+ErrorInfo naming the method, what that role may not call, in every RPC shape, before the
+handler runs; what it may call goes through; a certificate without roles (an operator's, and
+every one made before roles) may call everything; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import grpc
+import pytest
+from click.testing import CliRunner
+from google.protobuf.duration_pb2 import Duration
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from astra.authz import ADMIN, ANYONE, PERMITTED, ROLES, permitted, roles_of_uris
+from astra.cli import main
+from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
+from astra.dataflow.v1 import dataflow_service_pb2_grpc as df_grpc
+from astra.raas.v1 import rollout_service_pb2 as raas_pb
+from astra.raas.v1 import rollout_service_pb2_grpc as raas_grpc
+from astra.tls import TlsConfigError
+from astra.tls_certs import cert_roles, child_credential, init_ca, issue
+from astra.trainer.v1 import trainer_service_pb2 as trainer_pb
+from astra.weights.v1 import weight_service_pb2 as w_pb
+from astra.weights.v1 import weight_service_pb2_grpc as w_grpc
+from tests.conftest import error_info, make_config, running_dataflow
+from tests.test_dataflow_service import register_request
+from tests.test_raas_scripted import raas
+from tests.test_weights_service import serving
+
+DENIED = grpc.StatusCode.PERMISSION_DENIED
+SERVICES = (df_pb, raas_pb, trainer_pb, w_pb)
+
+
+@pytest.fixture
+def ca(tmp_path, monkeypatch) -> Path:
+    """The run's CA; servers use its role-less credential, clients one per role."""
+    d = tmp_path / "tls"
+    init_ca(d)
+    issue(d, d, ["127.0.0.1"])
+    for role in ROLES:
+        issue(d, tmp_path / role, ["127.0.0.1"], roles=[role])
+    issue(d, tmp_path / "raas+trainer", ["127.0.0.1"], roles=["raas", "trainer"])
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(d))
+    return d
+
+
+def channel(address: str, credential: Path) -> grpc.aio.Channel:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(credential / "ca.pem").read_bytes(),
+        private_key=(credential / "key.pem").read_bytes(),
+        certificate_chain=(credential / "cert.pem").read_bytes(),
+    )
+    return grpc.aio.secure_channel(address, creds)
+
+
+async def outcome(result) -> grpc.StatusCode:
+    """The status code a call ends with (OK when it succeeds): a stream is read to its end."""
+    try:
+        if hasattr(result, "__aiter__"):
+            async for _ in result:
+                pass
+        else:
+            await result
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() is DENIED:
+            info, _ = error_info(exc)
+            assert info is not None and info.reason == "ROLE_NOT_PERMITTED", exc
+            assert info.metadata["method"] in exc.details()
+            assert info.metadata["roles"] and "admin" in info.metadata["permitted"]
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_every_rpc_of_the_four_services_has_an_entry_and_no_entry_is_stale() -> None:
+    methods = {
+        f"/{svc.full_name}/{m.name}"
+        for module in SERVICES
+        for svc in module.DESCRIPTOR.services_by_name.values()
+        for m in svc.methods
+    }
+    assert set(PERMITTED) == methods
+    for method, roles in PERMITTED.items():
+        assert roles <= {*ROLES, ANYONE} and ADMIN not in roles, method
+
+
+def test_what_each_kind_of_certificate_may_call() -> None:
+    fetch = "/astra.dataflow.v1.DataflowService/FetchBatch"
+    publish = "/astra.weights.v1.WeightService/PublishVersion"
+    status = "/astra.raas.v1.RolloutService/GetStatus"
+    pause = "/astra.trainer.v1.TrainerService/Pause"
+    unknown = "/astra.dataflow.v1.DataflowService/DropEverything"
+    health = "/grpc.health.v1.Health/Check"
+    for method in (fetch, publish, status, pause, unknown, health):
+        assert permitted(method, frozenset())  # no roles: an operator's certificate
+        assert permitted(method, frozenset({ADMIN}))
+    assert permitted(fetch, frozenset({"trainer"})) and not permitted(fetch, frozenset({"raas"}))
+    assert permitted(fetch, frozenset({"raas", "trainer"}))  # any one of its roles
+    assert not permitted(publish, frozenset({"raas"})) and not permitted(
+        pause, frozenset({"trainer"})
+    )
+    assert not permitted(unknown, frozenset({"trainer"}))  # a method the table lacks: closed
+    # A role this version does not know confines its holder to what every certificate may call.
+    stranger = roles_of_uris(["urn:astra:role:auditor", "spiffe://x/y"])
+    assert stranger == {"auditor"}
+    assert permitted(status, stranger) and permitted(health, stranger)
+    assert not permitted(fetch, stranger)
+
+
+def test_dataflow_confines_raas_and_trainer_certificates(dataset, tmp_path, ca, caplog) -> None:
+    async def main_() -> None:
+        async with running_dataflow(make_config(dataset, tmp_path / "state")) as (server, _, _):
+            assert server.roles.enabled
+
+            def stub(who: str) -> df_grpc.DataflowServiceStub:
+                return df_grpc.DataflowServiceStub(channels[who])
+
+            channels = {w: channel(server.address, tmp_path / w) for w in ROLES}
+            channels["none"] = channel(server.address, ca)
+            channels["raas+trainer"] = channel(server.address, tmp_path / "raas+trainer")
+            fetch = df_pb.FetchBatchRequest(
+                policy_id="policy", num_groups=1, request_id="f1", max_wait=Duration(nanos=10**6)
+            )
+            announce = df_pb.AnnounceVersionRequest()
+            try:
+                register = stub("raas").RegisterInstance(register_request(instance_id="r1"))
+                assert await outcome(register) is grpc.StatusCode.OK
+                for who in ("trainer", "dataflow", "weights"):
+                    got = await outcome(
+                        stub(who).RegisterInstance(register_request(instance_id=who))
+                    )
+                    assert got is DENIED, who
+                for who in ("raas", "dataflow", "weights"):
+                    assert await outcome(stub(who).FetchBatch(fetch)) is DENIED, who
+                    assert await outcome(stub(who).AnnounceVersion(announce)) is DENIED
+                # What they may call gets past the check (to whatever the call itself answers).
+                for who in ("trainer", "admin", "none", "raas+trainer"):
+                    assert await outcome(stub(who).FetchBatch(fetch)) is not DENIED
+                    if who != "trainer":
+                        req = register_request(instance_id=f"r-{who}")
+                        assert await outcome(stub(who).RegisterInstance(req)) is grpc.StatusCode.OK
+                for who in channels:  # reads and health: every certificate
+                    get = stub(who).GetStatus(df_pb.GetStatusRequest())
+                    assert await outcome(get) is grpc.StatusCode.OK, who
+                    check = health_pb2_grpc.HealthStub(channels[who]).Check
+                    assert (await check(health_pb2.HealthCheckRequest())).status == 1
+                # Nothing a refused call carried was taken; the server kept serving.
+                status = await stub("none").GetStatus(df_pb.GetStatusRequest())
+                ids = sorted(i.instance_id for i in status.instances)
+                assert ids == ["r-admin", "r-none", "r-raas+trainer", "r1"], ids
+                assert server.roles.refused >= 9
+            finally:
+                for c in channels.values():
+                    await c.close()
+
+    with caplog.at_level(logging.WARNING, logger="astra.servers.authz"):
+        asyncio.run(asyncio.wait_for(main_(), 60))
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    fetches = [m for m in refusals if "FetchBatch" in m and "(raas)" in m]
+    assert len(fetches) == 1, refusals  # once per method and roles, not per call
+
+
+def test_weights_publish_is_the_trainers_and_fetch_the_receivers(tmp_path, ca) -> None:
+    """PublishVersion (a client stream) and FetchVersion (a bidirectional stream)."""
+
+    async def one(request_type):
+        yield request_type()
+
+    async def main_() -> None:
+        async with serving(tmp_path / "store") as server:
+            for who, publish, fetch in [
+                ("raas", True, False),
+                ("weights", True, False),
+                ("dataflow", True, True),
+                ("trainer", False, False),
+                ("admin", False, False),
+            ]:
+                async with channel(server.address, tmp_path / who) as ch:
+                    stub = w_grpc.WeightServiceStub(ch)
+                    got = await outcome(stub.PublishVersion(one(w_pb.PublishVersionRequest)))
+                    assert (got is DENIED) is publish, (who, got)
+                    got = await outcome(stub.FetchVersion(one(w_pb.FetchVersionRequest)))
+                    assert (got is DENIED) is fetch, (who, got)
+                    listed = stub.ListVersions(w_pb.ListVersionsRequest(policy_id="p"))
+                    assert await outcome(listed) is not DENIED
+
+    asyncio.run(asyncio.wait_for(main_(), 60))
+
+
+def test_only_dataflow_drives_a_raas(tmp_path, ca) -> None:
+    async def main_() -> None:
+        async with raas() as (client, _):
+            address = client.address
+            for who, allowed in [("dataflow", True), ("trainer", False), ("raas", False)]:
+                async with channel(address, tmp_path / who) as ch:
+                    stub = raas_grpc.RolloutServiceStub(ch)
+                    submit = stub.SubmitGroups(raas_pb.SubmitGroupsRequest())
+                    assert (await outcome(submit) is DENIED) is not allowed, who
+                    collect = stub.CollectResults(
+                        raas_pb.CollectResultsRequest(max_groups=1, max_wait=Duration(nanos=10**6))
+                    )
+                    assert (await outcome(collect) is DENIED) is not allowed, who
+                    caps = stub.GetCapabilities(raas_pb.GetCapabilitiesRequest())
+                    assert await outcome(caps) is grpc.StatusCode.OK
+
+    asyncio.run(asyncio.wait_for(main_(), 60))
+
+
+def test_issue_names_roles_and_show_prints_them(tmp_path) -> None:
+    import json
+
+    d = tmp_path / "ca"
+    assert CliRunner().invoke(main, ["tls", "init", str(d)]).exit_code == 0
+    out = tmp_path / "node"
+    res = CliRunner().invoke(main, ["tls", "issue", str(d), str(out), "--role", "raas"])
+    assert res.exit_code == 0, res.output
+    shown = json.loads(CliRunner().invoke(main, ["tls", "show", str(out)]).output)
+    assert (
+        shown["roles"] == ["raas"]
+        and shown["usable"]
+        and shown["hosts"] == ["127.0.0.1", "localhost"]
+    )
+    assert json.loads(CliRunner().invoke(main, ["tls", "show", str(d)]).output)["roles"] == []
+    res = CliRunner().invoke(main, ["tls", "issue", str(d), str(tmp_path / "x"), "--role", "root"])
+    assert res.exit_code == 2 and "root" in res.output
+    with pytest.raises(TlsConfigError, match="unknown role 'root'"):
+        issue(d, tmp_path / "y", roles=["root"])
+
+
+def test_child_credentials_name_the_childs_role(tmp_path) -> None:
+    d = tmp_path / "tls"
+    init_ca(d)
+    raas_dir = child_credential(d, "raas")
+    assert raas_dir == d / "nodes" / "loopback" / "raas"
+    assert cert_roles((raas_dir / "cert.pem").read_bytes()) == ("raas",)
+    placed = child_credential(d, "trainer", "10.1.2.3")
+    assert cert_roles((placed / "cert.pem").read_bytes()) == ("trainer",)
+    warmup = child_credential(d, "warmup")  # not a role of astra.authz: no roles
+    assert warmup.name == "operator" and cert_roles((warmup / "cert.pem").read_bytes()) == ()
+    before = (raas_dir / "cert.pem").read_bytes()
+    assert child_credential(d, "raas") == raas_dir
+    assert (raas_dir / "cert.pem").read_bytes() == before  # issued once, not per start
