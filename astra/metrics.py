@@ -74,6 +74,11 @@ class Metrics:
         self._server: object | None = None
         self.port: int | None = None
 
+    def also(self, snapshot: Snapshot) -> None:
+        """Adds another snapshot to this registry (the server's own figures, beside the
+        service's: astra.servers.authz's refused calls)."""
+        self.registry.register(SnapshotCollector(snapshot))
+
     def histogram(
         self, name: str, doc: str, buckets: Iterable[float], labels: Iterable[str] = ()
     ) -> Histogram:

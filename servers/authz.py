@@ -4,15 +4,18 @@
 nothing to check (a plaintext server, health and reflection). The check reads the roles from
 the peer's URI subjectAltNames in gRPC's auth context (``peer_uri``), so it costs a dict
 lookup per call, and raises astra.authz's PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for
-the ErrorInterceptor to map. Each refused (method, roles) pair is logged once.
+the ErrorInterceptor to map. Each refused (method, roles) pair is logged once and counted
+(`metrics`: astra_rpc_refused_total on the service's Prometheus port).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 import grpc
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from astra.authz import OPEN_SERVICES, denied, permitted, roles_of_uris
 
@@ -26,6 +29,8 @@ class RoleGuard:
     def __init__(self) -> None:
         self.enabled = False
         self.refused = 0
+        # refused calls by (method, roles); bounded: past MAX_LOGGED pairs, under "other"
+        self.by_caller: Counter[tuple[str, str]] = Counter()
         self._logged: set[tuple[str, frozenset[str]]] = set()
 
     def guard(self, method: str) -> Callable[[grpc.aio.ServicerContext], None] | None:
@@ -39,7 +44,8 @@ class RoleGuard:
                 return
             self.refused += 1
             key = (method, roles)
-            if key not in self._logged and len(self._logged) < MAX_LOGGED:
+            known = key in self._logged
+            if not known and len(self._logged) < MAX_LOGGED:
                 self._logged.add(key)
                 log.warning(
                     "refused %s to %s: its certificate's roles (%s) may not call it",
@@ -47,6 +53,20 @@ class RoleGuard:
                     context.peer(),
                     ", ".join(sorted(roles)),
                 )
+                known = True
+            label = (method, ",".join(sorted(roles))) if known else ("other", "other")
+            self.by_caller[label] += 1
             raise denied(method, roles)
 
         return check
+
+    def metrics(self) -> Iterator[Metric]:
+        """astra_rpc_refused_total{method, roles}: calls refused for their certificate's roles."""
+        family = CounterMetricFamily(
+            "astra_rpc_refused",
+            "Calls refused because the caller's certificate roles do not permit the method",
+            labels=["method", "roles"],
+        )
+        for (method, roles), n in sorted(self.by_caller.items()):
+            family.add_metric([method, roles], n)
+        yield family

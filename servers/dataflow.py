@@ -264,5 +264,6 @@ async def start_dataflow(config, connector=None):
     metrics = None
     if config.metrics_port is not None:
         metrics, bound = serve_metrics(df.status, config.host, config.metrics_port)
+        metrics.also(server.roles.metrics)
         df.metrics_port = bound
     return server, df, metrics

@@ -82,6 +82,7 @@ async def serve_raas(opts: RaasOptions) -> None:
         from astra.raas.metrics import RaasMetrics
 
         metrics = servicer.metrics = RaasMetrics(servicer)
+        metrics.also(server.roles.metrics)
         metrics.serve(opts.host, opts.metrics_port)
     line = {"service": "raas", "address": server.address, "instance_id": servicer.instance_id}
     line["metrics_port"] = metrics.port if metrics is not None else None

@@ -164,6 +164,8 @@ async def serve_trainer(config: TrainerConfig) -> None:
         from astra.trainer.metrics import TrainerMetrics
 
         metrics = TrainerMetrics(trainer)
+        if server is not None:
+            metrics.also(server.roles.metrics)
         metrics.serve(config.host, config.metrics_port)
     line = {"service": "trainer", "address": address}
     line["metrics_port"] = metrics.port if metrics is not None else None

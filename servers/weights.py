@@ -253,6 +253,7 @@ async def serve_weights(
         from astra.weights.metrics import WeightMetrics
 
         metrics = server.servicer.metrics = WeightMetrics(server.servicer)
+        metrics.also(server.roles.metrics)
         metrics.serve(host, metrics_port)
     line = {"service": "weights", "address": server.address}
     line["metrics_port"] = metrics.port if metrics is not None else None

@@ -80,6 +80,24 @@ async def outcome(result) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+def scrape_refused(port: int, credential: Path) -> dict[tuple[str, str], float]:
+    import ssl
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ctx = ssl.create_default_context(cafile=str(credential / "ca.pem"))
+    ctx.load_cert_chain(str(credential / "cert.pem"), str(credential / "key.pem"))
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", timeout=5, context=ctx) as r:
+        text = r.read().decode()
+    return {
+        (m.labels["method"], m.labels["roles"]): m.value
+        for family in text_string_to_metric_families(text)
+        for m in family.samples
+        if m.name == "astra_rpc_refused_total"
+    }
+
+
 def test_every_rpc_of_the_four_services_has_an_entry_and_no_entry_is_stale() -> None:
     methods = {
         f"/{svc.full_name}/{m.name}"
@@ -117,7 +135,8 @@ def test_what_each_kind_of_certificate_may_call() -> None:
 
 def test_dataflow_confines_raas_and_trainer_certificates(dataset, tmp_path, ca, caplog) -> None:
     async def main_() -> None:
-        async with running_dataflow(make_config(dataset, tmp_path / "state")) as (server, _, _):
+        config = make_config(dataset, tmp_path / "state", metrics_port=0)
+        async with running_dataflow(config) as (server, df, _):
             assert server.roles.enabled
 
             def stub(who: str) -> df_grpc.DataflowServiceStub:
@@ -157,6 +176,11 @@ def test_dataflow_confines_raas_and_trainer_certificates(dataset, tmp_path, ca, 
                 ids = sorted(i.instance_id for i in status.instances)
                 assert ids == ["r-admin", "r-none", "r-raas+trainer", "r1"], ids
                 assert server.roles.refused >= 9
+                # Counted on the Prometheus port (HTTPS under the run's TLS), by method and roles.
+                refused = scrape_refused(df.metrics_port, ca)
+                fetch_name = "/astra.dataflow.v1.DataflowService/FetchBatch"
+                assert refused[(fetch_name, "raas")] == 1 and refused[(fetch_name, "weights")] == 1
+                assert sum(refused.values()) == server.roles.refused
             finally:
                 for c in channels.values():
                     await c.close()
