@@ -200,3 +200,25 @@ def test_a_run_whose_groups_are_all_dropped_ends_as_stalled(runs, tmp_path, monk
     assert s["groups_trained"] == 0 and s["groups_lost"] == 0
     text = (run.run_dir / "logs" / "dataflow.log").read_text()
     assert "groups were all dropped (the newest: filtered_equal_reward)" in text
+
+
+def test_logs_are_kept_small_and_the_trainers_steps_are_still_read(runs) -> None:
+    """supervision.max_log_bytes: every child's log and the supervisor's own are rotated
+    while the run goes on, and the observer, which reads the trainer's step lines from its
+    log, still sees every step."""
+    run = runs(
+        "--set", "trainer.num_steps=8", "--set", "eval.every_steps=0",
+        "--set", "supervision.max_log_bytes=256", "--set", "supervision.log_backups=2",
+    )  # fmt: skip
+    assert run.wait(120) == 0, run.output()
+    s = run.summary()
+    assert s["status"] == "completed" and s["steps"] == 8
+    assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+    rows = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    logs = run.run_dir / "logs"
+    rotated = {p.name.removesuffix(".log.1") for p in logs.glob("*.log.1")}
+    assert {"trainer-policy", "supervisor"} <= rotated, sorted(rotated)
+    assert not list(logs.glob("*.log.3"))  # two copies kept
+    for copy in logs.glob("*.log.[12]"):
+        assert b"\0" not in copy.read_bytes(), copy

@@ -492,3 +492,31 @@ def test_a_run_is_stalled_only_while_its_buffer_cannot_make_a_batch() -> None:
     assert view(250, 0, obs=resumed) is not None
     assert view(5, 0, obs=resumed) is None  # a group kept since: a new run, from 0
     assert view(100, 0, obs=resumed) is not None
+
+
+def test_observer_reads_on_from_the_top_after_its_log_was_rotated(tmp_path: Path) -> None:
+    """astra.run.logrotate copies a trainer's log aside and empties it: the observer, which
+    reads the step lines from an offset, starts again at the top (with a partial line
+    dropped), called just before the truncation so nothing read-worthy is left behind."""
+    from astra.run.logrotate import rotate
+
+    async def go() -> Observer:
+        obs = make_observer(tmp_path)
+        log = tmp_path / "trainer.log"
+        step = "x INFO astra.servers.trainer: step {0} version {0} loss 0.{0}\n"
+        with log.open("ab") as f:  # one writer, appending, as a child does
+            f.write(("padding " * 40 + "\n").encode() + step.format(1).encode())
+            f.flush()
+            obs.read_logs()
+            f.write(step.format(2).encode() + b"x INFO astra.servers.tr")  # a line half-written
+            f.flush()
+            assert rotate(log, 100, 1, lambda _p: obs.read_logs())
+            f.write(step.format(3).encode())
+            f.flush()
+            obs.read_logs()
+        await obs.close()
+        await obs.finish()
+        return obs
+
+    obs = asyncio.run(go())
+    assert [p[1] for p in obs.pending] == [1, 2, 3]

@@ -52,6 +52,7 @@ class ChildFailed(RuntimeError):
 
 class Child:
     restartable = True  # astra.run.restarts may spawn it again after it died
+    rotatable = True  # its log is written on this machine: astra.run.logrotate may rotate it
 
     def __init__(
         self, name: str, role: str, args: list[str], log_path: Path, env: dict[str, str]

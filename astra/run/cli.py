@@ -19,8 +19,12 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from astra.run.sections import SupervisionSpec
 
 
 @click.command("run")
@@ -88,7 +92,7 @@ def run_command(
     if log_format is not None:  # children inherit the environment
         os.environ["ASTRA_LOG_FORMAT"] = log_format
     _tls(resolved.tls, rd.root)
-    _logging(log_level, rd.log("supervisor"))
+    _logging(log_level, rd.log("supervisor"), resolved.supervision)
     from astra.run.supervisor import Supervisor
 
     resume = resume_dir is not None
@@ -141,14 +145,21 @@ def _tls(wanted: bool, root: Path) -> None:
     os.environ[ENV_NODE_CA] = str(directory.resolve())
 
 
-def _logging(level: str, path: Path) -> None:
+def _logging(level: str, path: Path, supervision: SupervisionSpec) -> None:
+    """The supervisor's log: stderr, and `path`, rolled over past supervision.max_log_bytes
+    (keeping at least one copy: the supervisor owns its file, so nothing is lost)."""
+    from logging.handlers import RotatingFileHandler
+
     from astra.logs import formatter
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fmt = formatter()
     root = logging.getLogger()
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(path)):
+    to_file = RotatingFileHandler(
+        path, maxBytes=supervision.max_log_bytes, backupCount=max(1, supervision.log_backups)
+    )
+    for handler in (logging.StreamHandler(sys.stderr), to_file):
         handler.setFormatter(fmt)
         root.addHandler(handler)
 

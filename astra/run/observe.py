@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -115,6 +116,8 @@ class Observer(StatusPoller):
             if not path.exists():
                 continue
             with path.open("rb") as f:
+                if f.seek(0, os.SEEK_END) < offset:  # truncated (astra.run.logrotate)
+                    offset, partial = 0, b""
                 f.seek(offset)
                 data = partial + f.read()
                 entry[1] = f.tell()

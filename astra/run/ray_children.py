@@ -115,6 +115,10 @@ class RemoteProcess:
 class RayChild(Child):
     """A `Child` whose process a Ray actor starts and watches on the node Ray placed it on."""
 
+    # Its log is written by a process on another node, through the shared filesystem, where
+    # truncating under an appending writer is not safe on every filesystem (NFS): not rotated.
+    rotatable = False
+
     def __init__(
         self,
         name: str,

@@ -239,6 +239,20 @@ class SupervisionSpec(_Strict):
         description="End the run as stalled once a trainer has taken no step for this long "
         "(not while it is paused); 0: wait forever.",
     )
+    max_log_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="A log in RUN_DIR/logs past this size is copied to <name>.log.1 and "
+        "emptied (astra.run.logrotate; the supervisor's own log rolls over the same way); "
+        "0: logs grow without bound. Not for children placed by Ray.",
+    )
+    log_backups: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="Rotated copies kept of each log (<name>.log.1 the newest); 0: a full log "
+        "is emptied, nothing kept.",
+    )
 
 
 class ObserveSpec(_Strict):

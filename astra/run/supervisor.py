@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from astra.run import control, layout
@@ -38,6 +39,7 @@ from astra.run.elastic import Elastic
 from astra.run.ending import shutdown
 from astra.run.evals import EvalLog
 from astra.run.layout import RunDir
+from astra.run.logrotate import keep_logs_small
 from astra.run.observe import Observer
 from astra.run.recipe import RaasSpec, Recipe
 from astra.run.restarts import Restarts
@@ -233,6 +235,27 @@ class Supervisor:
             ]
         )
 
+    def _rotate_logs(self) -> asyncio.Task[None] | None:
+        """Keeps the children's logs under supervision.max_log_bytes (astra.run.logrotate);
+        the observer reads the trainers' step lines up to the end before each truncation."""
+        spec = self.recipe.supervision
+        if spec.max_log_bytes <= 0:
+            return None
+
+        def logs() -> list[Path]:
+            mine = [c for g in self.children.values() for c in g if c.rotatable]
+            # and what an engine server a RaaS started writes (vLLM logs every request)
+            engines = [p for c in mine for p in (self.rd.state / c.name).glob("*-server.log")]
+            return sorted({*(c.log_path for c in mine), *engines})
+
+        def before_truncate(_path: Path) -> None:
+            if self.observer is not None:
+                self.observer.read_logs()
+
+        return asyncio.create_task(
+            keep_logs_small(logs, spec.max_log_bytes, spec.log_backups, before_truncate)
+        )
+
     async def _watch(self) -> tuple[str, int]:
         """Until every trainer finished, a fatal death, or a signal: (status, exit code).
 
@@ -312,6 +335,7 @@ class Supervisor:
             return EXIT_OK
         observing: asyncio.Task[None] | None = None
         elastic: asyncio.Task[None] | None = None
+        rotating: asyncio.Task[None] | None = None
         status, code = "failed: startup", EXIT_FAILED
         # Read before run.json is written again: on --resume the WeightService takes its port.
         previous = layout.previous_run(self.rd) if self.resume else {}
@@ -354,6 +378,7 @@ class Supervisor:
                 else None,
             )
             observing = asyncio.create_task(self.observer.run())
+            rotating = self._rotate_logs()
             self.elastic = Elastic(self)
             await self.elastic.restore(restore)
             self.state = "running"
@@ -366,7 +391,7 @@ class Supervisor:
             log.error("%s", exc)
         finally:
             self.state = "stopping"
-            for task in (elastic, observing):
+            for task in (elastic, observing, rotating):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

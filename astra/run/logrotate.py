@@ -1,0 +1,117 @@
+"""Child logs kept to a size over a run of weeks: copied aside, then truncated in place.
+
+A child writes its log through a file descriptor the supervisor opened for it with O_APPEND
+(astra.run.children), and so do its own helpers (an engine server, torchrun's ranks). Renaming
+the file would leave them writing to the renamed one, so a log that passed
+`supervision.max_log_bytes` is copied to ``<name>.log.1`` (older copies shift to ``.2`` ... up to
+`supervision.log_backups`, the oldest dropped) and then truncated to nothing: with O_APPEND
+each writer's next line lands at the new end, the start of the file. This is logrotate's
+"copytruncate". Lines written in the instant between the last copy and the truncation are
+lost; what was written while the bulk was copied is copied after it. A reader that follows the
+log (the observer, for the trainers' step lines) is called just before the truncation and
+starts again from the top after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+CHECK_EVERY_S = 2.0  # how often the logs' sizes are looked at (a stat each)
+
+
+def backup(path: Path, n: int) -> Path:
+    return path.with_name(f"{path.name}.{n}")
+
+
+def _copy_rest(src: int, dst: int, offset: int) -> int:
+    """Copies `src` from `offset` to its current end into `dst`; returns the new offset."""
+    while True:
+        sent = os.sendfile(dst, src, offset, 1 << 24)
+        if sent == 0:
+            return offset
+        offset += sent
+
+
+def _bulk(path: Path, tmp: Path) -> int:
+    """Copies `path` as it is now into `tmp`; returns how much (the slow part, on a thread)."""
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        return _copy_rest(src.fileno(), dst.fileno(), 0)
+
+
+def _finish(
+    path: Path,
+    tmp: Path | None,
+    offset: int,
+    backups: int,
+    before_truncate: Callable[[Path], None] | None,
+) -> None:
+    """Copies what came after `offset` into `tmp`, truncates `path`, shifts the backups."""
+    with open(path, "rb") as src:
+        if before_truncate is not None:
+            before_truncate(path)
+        if tmp is not None:
+            with open(tmp, "r+b") as dst:  # not "ab": sendfile refuses an O_APPEND target
+                dst.seek(0, os.SEEK_END)
+                _copy_rest(src.fileno(), dst.fileno(), offset)
+        os.truncate(path, 0)
+    if tmp is not None:
+        for n in range(backups - 1, 0, -1):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(backup(path, n), backup(path, n + 1))
+        os.replace(tmp, backup(path, 1))
+
+
+def _due(path: Path, max_bytes: int) -> bool:
+    try:
+        return path.stat().st_size > max_bytes
+    except FileNotFoundError:
+        return False
+
+
+def _tmp(path: Path, backups: int) -> Path | None:
+    return path.with_name(f".{path.name}.rotating") if backups > 0 else None
+
+
+def rotate(
+    path: Path,
+    max_bytes: int,
+    backups: int,
+    before_truncate: Callable[[Path], None] | None = None,
+) -> bool:
+    """Rotates `path` when it holds more than `max_bytes`; returns whether it did. With
+    `backups` 0 the log is truncated without a copy."""
+    if not _due(path, max_bytes):
+        return False
+    tmp = _tmp(path, backups)
+    offset = _bulk(path, tmp) if tmp is not None else 0
+    _finish(path, tmp, offset, backups, before_truncate)
+    return True
+
+
+async def keep_logs_small(
+    logs: Callable[[], Iterable[Path]],
+    max_bytes: int,
+    backups: int,
+    before_truncate: Callable[[Path], None] | None = None,
+    every_s: float = CHECK_EVERY_S,
+) -> None:
+    """Until cancelled: every `every_s`, rotates each of `logs()` that passed `max_bytes`. The
+    bulk copy runs on a thread; the rest (the reader's call, the truncation) on the loop."""
+    while True:
+        await asyncio.sleep(every_s)
+        for path in list(logs()):
+            try:
+                if not _due(path, max_bytes):
+                    continue
+                tmp = _tmp(path, backups)
+                offset = await asyncio.to_thread(_bulk, path, tmp) if tmp is not None else 0
+                _finish(path, tmp, offset, backups, before_truncate)
+                log.info("%s passed %d bytes: rotated (%d kept)", path, max_bytes, backups)
+            except OSError as exc:  # a full disk, say: the log grows on, the run goes on
+                log.warning("could not rotate %s: %s", path, exc)
