@@ -4,12 +4,17 @@ Retries are declared in the gRPC service config, per method, so only the
 RPCs a contract marks idempotent are retried (on UNAVAILABLE), by gRPC
 itself, with exponential backoff. Every client call also carries a deadline.
 Channels use mutual TLS when the process's environment names the run's
-credentials (astra.tls), plaintext otherwise.
+credentials (astra.tls), plaintext otherwise. A client whose credential files
+are renewed dials again with the new ones at its next call (`BaseClient`), so
+processes that hold a channel for their whole life (Dataflow's to each RaaS,
+a trainer's to Dataflow) follow a renewal without a restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -18,6 +23,7 @@ import grpc
 
 from astra.tls import TlsMaterial, current_tls
 
+log = logging.getLogger(__name__)
 MiB = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
 
@@ -54,7 +60,10 @@ def open_channel(
     service_config: str,
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    tls: TlsMaterial | None = None,
 ) -> grpc.aio.Channel:
+    """A channel to `address`: mutual TLS with `tls` (default: this process's credentials
+    now), plaintext when there are none."""
     options: list[tuple[str, Any]] = [
         ("grpc.service_config", service_config),
         ("grpc.enable_retries", 1),
@@ -62,7 +71,7 @@ def open_channel(
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
     ]
-    tls = current_tls()
+    tls = current_tls() if tls is None else tls
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
     if tls.server_name:
@@ -90,19 +99,64 @@ class BaseClient:
 
     Subclasses set SERVICE, IDEMPOTENT, STUB (the generated stub class) and PB
     (the service's generated message module): every Astra service has GetStatus
-    and GetCapabilities, so those two calls live here.
+    and GetCapabilities, so those two calls live here. A subclass that builds more
+    callables on the channel does it in `_bind`.
+
+    Under mutual TLS, `channel` and `stub` look at the credential files first (astra.tls:
+    a stat a second at most): once they were renewed into a usable set, a new channel with
+    the new certificate replaces the old one, and the old one closes after its calls in
+    flight, given RENEW_GRACE_S at most (a weight fetch cut then resumes from its last
+    acknowledged tensor).
     """
 
     SERVICE = ""
     IDEMPOTENT: tuple[str, ...] = ()
     STUB: Callable[[grpc.aio.Channel], Any]
     PB: ModuleType
+    RENEW_GRACE_S = 120.0
 
     def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = open_channel(address, retry_service_config(self.SERVICE, self.IDEMPOTENT))
-        self.stub = self.STUB(self.channel)
+        self._config = retry_service_config(self.SERVICE, self.IDEMPOTENT)
+        self._tls = current_tls()
+        self._channel = open_channel(address, self._config, tls=self._tls)
+        self._retired: dict[grpc.aio.Channel, asyncio.Task[None] | None] = {}
+        self.redials = 0  # channels opened again for renewed credentials
+        self._bind(self._channel)
+
+    def _bind(self, channel: grpc.aio.Channel) -> None:
+        """Builds what calls go through on `channel` (again after a renewal)."""
+        self._stub = self.STUB(channel)
+
+    def _follow_renewal(self) -> None:
+        if self._tls is None:
+            return  # plaintext stays plaintext
+        now = current_tls()
+        if now is None or now is self._tls:
+            return
+        old, self._tls = self._channel, now
+        self._channel = open_channel(self.address, self._config, tls=now)
+        self._bind(self._channel)
+        self.redials += 1
+        log.info("%s: TLS credentials renewed: a new channel to %s", self.SERVICE, self.address)
+        try:
+            closing = asyncio.get_running_loop().create_task(old.close(self.RENEW_GRACE_S))
+        except RuntimeError:  # no loop: closed by close()
+            closing = None
+        self._retired[old] = closing
+        if closing is not None:
+            closing.add_done_callback(lambda _t, ch=old: self._retired.pop(ch, None))
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        self._follow_renewal()
+        return self._channel
+
+    @property
+    def stub(self) -> Any:
+        self._follow_renewal()
+        return self._stub
 
     def _timeout(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
@@ -120,8 +174,10 @@ class BaseClient:
         )
 
     async def close(self, grace_s: float | None = None) -> None:
-        """Closes the channel; calls in flight get `grace_s` to finish (None: cancelled now)."""
-        await self.channel.close(grace_s)
+        """Closes the channel (and any a renewal left closing); calls in flight get `grace_s`
+        to finish (None: cancelled now)."""
+        retired, self._retired = list(self._retired), {}
+        await asyncio.gather(*(ch.close(grace_s) for ch in [*retired, self._channel]))
 
     async def __aenter__(self):
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from astra.clients.channel import BaseClient
@@ -27,14 +28,19 @@ class RolloutClient(BaseClient):
     STUB = pb_grpc.RolloutServiceStub
     PB = pb
 
-    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
-        super().__init__(address, timeout_s=timeout_s)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-        self._collect_raw = self.channel.unary_stream(
+    def _bind(self, channel: grpc.aio.Channel) -> None:
+        super()._bind(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+        self._collect_raw = channel.unary_stream(
             f"/{self.SERVICE}/CollectResults",
             request_serializer=pb.CollectResultsRequest.SerializeToString,
             response_deserializer=None,
         )
+
+    @property
+    def health(self) -> health_pb2_grpc.HealthStub:
+        self._follow_renewal()
+        return self._health
 
     async def submit_groups(
         self, groups: Sequence[rollout_pb2.PromptGroup], *, timeout_s: float | None = None
@@ -60,6 +66,7 @@ class RolloutClient(BaseClient):
         """
         req = pb.CollectResultsRequest(max_groups=max_groups)
         req.max_wait.FromNanoseconds(int(max_wait_s * 1e9))
+        self._follow_renewal()
         call = self._collect_raw(req, timeout=self._timeout(timeout_s) + max_wait_s)
         return [msg async for msg in call]
 

@@ -272,3 +272,48 @@ def test_child_credentials_name_the_childs_role(tmp_path) -> None:
     before = (raas_dir / "cert.pem").read_bytes()
     assert child_credential(d, "raas") == raas_dir
     assert (raas_dir / "cert.pem").read_bytes() == before  # issued once, not per start
+
+
+def test_a_long_lived_client_dials_again_with_renewed_credentials(
+    dataset, tmp_path, monkeypatch
+) -> None:
+    """A client that holds its channel for its whole life (Dataflow's to each RaaS, the
+    trainer's to Dataflow) follows a renewal of its credential at its next call: the server's
+    role check sees the new certificate. A call in flight on the old channel ends as it
+    would have, not cancelled; then the old channel closes."""
+    from astra import tls
+    from astra.clients.dataflow import DataflowClient
+
+    d = tmp_path / "node"
+    init_ca(d)
+    issue(d, d, ["127.0.0.1"], roles=["trainer"])
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(d))
+    monkeypatch.setattr(tls, "RECHECK_S", 0.0)
+
+    async def main_() -> None:
+        async with running_dataflow(make_config(dataset, tmp_path / "state")) as (server, _, _):
+            client = DataflowClient(server.address, timeout_s=5.0)
+            try:
+                register = register_request(instance_id="r1")
+                assert await outcome(client.stub.RegisterInstance(register)) is DENIED
+                waiting = df_pb.FetchBatchRequest(
+                    policy_id="policy", num_groups=1, request_id="w", max_wait=Duration(seconds=2)
+                )
+                in_flight = asyncio.ensure_future(outcome(client.stub.FetchBatch(waiting)))
+                await asyncio.sleep(0.3)
+                issue(d, d, ["127.0.0.1"], roles=["raas"])  # renewed in place
+                assert await outcome(client.stub.RegisterInstance(register)) is grpc.StatusCode.OK
+                assert client.redials == 1
+                old_ending = await in_flight
+                assert old_ending not in (grpc.StatusCode.CANCELLED, DENIED), old_ending
+                for _ in range(50):  # the old channel closes once its call is done
+                    if not client._retired:
+                        break
+                    await asyncio.sleep(0.1)
+                assert not client._retired
+                assert (await client.get_status()).instances[0].instance_id == "r1"
+                assert client.redials == 1  # nothing changed since: the same channel
+            finally:
+                await client.close()
+
+    asyncio.run(asyncio.wait_for(main_(), 60))
