@@ -12,8 +12,8 @@ Helpers turn plain values into families: `gauge`, `counter` (name, help, value o
 
 With the process's mutual TLS on (astra.tls), /metrics is HTTPS and asks for a client
 certificate of the run's CA too, like every gRPC port: scrape it with Prometheus's
-`tls_config` (ca_file, cert_file, key_file). Its files are read when the endpoint starts; each
-connection's handshake runs on that connection's own thread, with a timeout.
+`tls_config` (ca_file, cert_file, key_file). Its files are read again once renewed (astra.tls);
+each connection's handshake runs on that connection's own thread, with a timeout.
 """
 
 from __future__ import annotations
@@ -118,10 +118,31 @@ def _https_server(host: str, port: int, registry: CollectorRegistry, paths: Mapp
 
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(str(paths["cert"]), str(paths["key"]))
-    ctx.load_verify_locations(cafile=str(paths["ca"]))
-    ctx.verify_mode = ssl.CERT_REQUIRED
+    from astra.tls import tls_files
+
+    def context() -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(paths["cert"]), str(paths["key"]))
+        ctx.load_verify_locations(cafile=str(paths["ca"]))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    files = tls_files()
+    lock = threading.Lock()
+    state: dict[str, Any] = {"ctx": context(), "from": files.material if files else None}
+
+    def current() -> ssl.SSLContext:
+        """The context of the files now: made again once they were renewed (astra.tls)."""
+        now = files.refresh() if files is not None else None
+        with lock:
+            if now is not None and now is not state["from"]:
+                try:
+                    state["ctx"] = context()
+                except (ssl.SSLError, OSError) as exc:  # changed again meanwhile: next time
+                    log.warning("/metrics: renewed TLS files not loaded yet: %s", exc)
+                else:
+                    state["from"] = now
+            return state["ctx"]
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -144,7 +165,7 @@ def _https_server(host: str, port: int, registry: CollectorRegistry, paths: Mapp
         def finish_request(self, request, client_address) -> None:  # the connection's thread
             request.settimeout(HANDSHAKE_TIMEOUT_S)
             try:
-                conn = ctx.wrap_socket(request, server_side=True)
+                conn = current().wrap_socket(request, server_side=True)
             except (ssl.SSLError, OSError):
                 return  # no certificate of the run's CA, plaintext, or silence: refused
             try:

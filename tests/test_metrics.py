@@ -213,3 +213,40 @@ def test_metrics_are_https_with_client_certificates_under_mutual_tls(tmp_path, m
         assert b"astra_test_ok 1.0" in get(ca)  # still serving
     finally:
         metrics.shutdown()
+
+
+def test_metrics_over_tls_take_renewed_certificates_without_a_restart(tmp_path, monkeypatch):
+    import socket
+
+    from cryptography import x509
+
+    from astra import tls
+
+    ca = tmp_path / "tls"
+    init_ca(ca)
+    issue(ca, ca, ["127.0.0.1"])
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(ca))
+    monkeypatch.setattr(tls, "RECHECK_S", 0.0)
+    metrics = Metrics(lambda: [gauge("astra_test_ok", "fine", 1.0)])
+    port = metrics.serve("127.0.0.1", 0)
+
+    def shown_serial() -> int:
+        ctx = ssl.create_default_context(cafile=str(ca / "ca.pem"))
+        ctx.load_cert_chain(str(ca / "cert.pem"), str(ca / "key.pem"))
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=5) as sock,
+            ctx.wrap_socket(sock, server_hostname="127.0.0.1") as conn,
+        ):
+            der = conn.getpeercert(binary_form=True)
+        return x509.load_der_x509_certificate(der).serial_number
+
+    def serial_on_disk() -> int:
+        return x509.load_pem_x509_certificate((ca / "cert.pem").read_bytes()).serial_number
+
+    try:
+        first = shown_serial()
+        assert first == serial_on_disk()
+        issue(ca, ca, ["127.0.0.1"])  # renewed in place
+        assert shown_serial() == serial_on_disk() != first
+    finally:
+        metrics.shutdown()
