@@ -2,8 +2,8 @@
 
 `RoleGuard.guard(method)` gives the check one call of `method` needs, or None when there is
 nothing to check (a plaintext server, health and reflection). The check reads the roles from
-the peer's URI subjectAltNames in gRPC's auth context (``peer_uri``), so it costs a dict
-lookup per call, and raises astra.authz's PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for
+the peer's URI subjectAltNames in gRPC's auth context (``peer_uri`` and
+``x509_subject_alternative_name``), a few microseconds per call, and raises astra.authz's PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for
 the ErrorInterceptor to map. Each refused (method, roles) pair is logged once and counted
 (`metrics`: astra_rpc_refused_total on the service's Prometheus port).
 """
@@ -38,7 +38,10 @@ class RoleGuard:
             return None
 
         def check(context: grpc.aio.ServicerContext) -> None:
-            uris = context.auth_context().get("peer_uri", ())
+            auth = context.auth_context()
+            # Both properties carry the URI SANs in gRPC's core; read both, so that a version
+            # of gRPC without one of them does not make a confined certificate an operator's.
+            uris = [*auth.get("peer_uri", ()), *auth.get("x509_subject_alternative_name", ())]
             roles = roles_of_uris(u.decode(errors="replace") for u in uris)
             if permitted(method, roles):
                 return
