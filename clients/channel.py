@@ -176,7 +176,10 @@ class BaseClient:
     async def close(self, grace_s: float | None = None) -> None:
         """Closes the channel (and any a renewal left closing); calls in flight get `grace_s`
         to finish (None: cancelled now)."""
-        retired, self._retired = list(self._retired), {}
+        retired, self._retired = self._retired, {}
+        for closing in retired.values():
+            if closing is not None:
+                closing.cancel()  # closed here instead, with this grace
         await asyncio.gather(*(ch.close(grace_s) for ch in [*retired, self._channel]))
 
     async def __aenter__(self):

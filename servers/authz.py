@@ -3,8 +3,8 @@
 `RoleGuard.guard(method)` gives the check one call of `method` needs, or None when there is
 nothing to check (a plaintext server, health and reflection). The check reads the roles from
 the peer's URI subjectAltNames in gRPC's auth context (``peer_uri`` and
-``x509_subject_alternative_name``), a few microseconds per call, and raises astra.authz's PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for
-the ErrorInterceptor to map. Each refused (method, roles) pair is logged once and counted
+``x509_subject_alternative_name``), a few microseconds per call, and raises astra.authz's
+PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for the ErrorInterceptor to map. Each refused (method, roles) pair is logged once and counted
 (`metrics`: astra_rpc_refused_total on the service's Prometheus port).
 """
 
