@@ -130,6 +130,38 @@ def test_full_every_k_and_plans_cross_missed_versions_and_roots(tmp_path: Path) 
     src = open_source(store, "p", "v10", ["v0"])  # 10 deltas away, max_chain is 9
     assert src.plan.kind == "full" and same(src.version.path, models[10])
     src.close()
+    # Every cache entry above was built under its own lock; none is left once built, so the
+    # table does not grow with the versions of a long run.
+    assert store.cache._locks == {}
+
+
+def test_the_cache_lock_of_a_key_excludes_and_goes_once_unused(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    cache = Store(tmp_path, StoreConfig(**FAST)).cache
+    inside, order = threading.Event(), []
+
+    def hold() -> None:
+        with cache._lock("k"):
+            inside.set()
+            time.sleep(0.2)
+            order.append("first out")
+
+    def wait() -> None:
+        inside.wait(5)
+        with cache._lock("k"):
+            order.append("second in")
+
+    threads = [threading.Thread(target=hold), threading.Thread(target=wait)]
+    for t in threads:
+        t.start()
+    with cache._lock("other"):  # another key is not held up meanwhile
+        assert inside.wait(5)
+        assert set(cache._locks) == {"k", "other"}
+    for t in threads:
+        t.join(5)
+    assert order == ["first out", "second in"] and cache._locks == {}
 
 
 class _closing:

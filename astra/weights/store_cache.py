@@ -11,13 +11,15 @@ that already opened it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from astra.errors import FailedPrecondition
 from astra.weights.checkpoint import apply_delta, write_full
@@ -47,12 +49,25 @@ class VersionCache:
 
     def __init__(self, store: object) -> None:
         self.store = store
-        self._locks: dict[str, threading.Lock] = {}
+        # key -> [its lock, holders and waiters]: an entry lives while someone uses it, so
+        # the table does not grow with every version ever cached (tools/bench/soak.py).
+        self._locks: dict[str, list[Any]] = {}
         self._guard = threading.Lock()
 
-    def _lock(self, key: str) -> threading.Lock:
+    @contextlib.contextmanager
+    def _lock(self, key: str) -> Iterator[None]:
+        """Holds the lock of `key` (one builder of a cache entry at a time)."""
         with self._guard:
-            return self._locks.setdefault(key, threading.Lock())
+            entry = self._locks.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._guard:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._locks[key]
 
     def _root(self, policy: str) -> Path:
         return self.store.policy_dir(policy) / "cache"
