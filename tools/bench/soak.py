@@ -126,7 +126,9 @@ def slope_per_1000(points: list[tuple[float, float]]) -> float | None:
 
 
 def analyse(samples: list[dict[str, Any]], steps: int) -> dict[str, list[dict[str, Any]]]:
-    steady = [s for s in samples if s["step"] >= STEADY_FROM * steps]
+    # From the steady state's start to the last sample before the trainer's last step (after
+    # it, services begin to stop: their threads and descriptors go).
+    steady = [s for s in samples if STEADY_FROM * steps <= s["step"] < steps]
     out: dict[str, list[dict[str, Any]]] = {"procs": [], "disk": []}
     if len(steady) < 2:
         return out
@@ -174,8 +176,10 @@ def section(result: dict[str, Any], steps: int, total_s: float, load: str) -> st
         f"published, held-out evaluations every 500 versions; status {s.get('status')}, "
         f"{s.get('groups_lost')} groups lost, {s.get('groups_duplicated')} duplicated), "
         f"sampled every {SAMPLE_EVERY_S:.0f} s ({result['samples']} samples). 'start' is the "
-        f"first sample past {STEADY_FROM:.0%} of the steps, 'end' the last one; 'per 1,000 "
-        "steps' is the slope of a least-squares line over the samples in between.",
+        f"first sample past {STEADY_FROM:.0%} of the steps, 'end' the last one before the last "
+        "step; 'per 1,000 steps' is the slope of a least-squares line over the samples in "
+        "between. Dataflow's state grows by 256 MB blob segments, each deleted once nothing "
+        "points into it, so its slope is a saw's.",
         "",
         "| process | RSS MB start → end | RSS MB per 1,000 steps | threads | open fds "
         "| fds per 1,000 steps | grows? |",
