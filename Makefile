@@ -24,13 +24,14 @@ lint: $(VENV)/.installed
 generate: $(VENV)/.installed
 	$(PY) tools/codegen.py
 
-bench: $(VENV)/.installed  ## every benchmark in turn (~50 min); each rewrites its BENCHMARKS.md section
+bench: $(VENV)/.installed  ## every benchmark in turn (~70 min); each rewrites its BENCHMARKS.md section
 	$(PY) tools/bench/control_plane.py
 	$(PY) tools/bench/weights.py
 	$(PY) tools/bench/trainer.py
 	$(PY) tools/bench/async_sync.py
 	$(PY) tools/bench/default_run.py
 	$(PY) tools/bench/tls.py
+	$(PY) tools/bench/soak.py
 	$(PY) tools/bench/engine.py  # needs: pip install -e ".[bench]"
 
 clean:
