@@ -17,7 +17,8 @@ of the four services (a test holds it to the protos):
 Reads (GetStatus, GetCapabilities, ListVersions, GetVersion), health checking and reflection
 are open to every certificate of the CA. A method this table does not know is refused to
 every role but ``admin`` (fail closed). Plaintext servers check nothing: without TLS there is
-no identity to check. Never touches gRPC.
+no identity to check. Which policies a certificate may act on is astra.scopes. Never touches
+gRPC.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from astra.authz import ROLE_URI_PREFIX, ROLES, RoleError, check_roles
+from astra.scopes import policies_of_uris, policy_uri
 from astra.tls import DIR_FILES, TlsConfigError, expires_in_s
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
@@ -126,9 +127,11 @@ def issue(
     name: str = "",
     days: int = 365,
     roles: Sequence[str] = (),
+    policies: Sequence[str] = (),
 ) -> Path:
     """Writes a node credential signed by the CA in `ca_dir` into `out_dir`, naming `roles`
-    (none: it may call every RPC); returns out_dir."""
+    (none: it may call every RPC) and `policies` (none: any policy, astra.scopes); returns
+    out_dir."""
     x509, hashes, serialization, ec, EKU, NameOID = _x509()
     if not hosts:
         raise TlsConfigError("a node certificate needs at least one host")
@@ -136,7 +139,10 @@ def issue(
         role_names = [
             x509.UniformResourceIdentifier(ROLE_URI_PREFIX + r) for r in check_roles(roles)
         ]
-    except RoleError as exc:
+        role_names += [
+            x509.UniformResourceIdentifier(policy_uri(p)) for p in dict.fromkeys(policies)
+        ]
+    except (RoleError, ValueError) as exc:
         raise TlsConfigError(str(exc)) from exc
     try:
         ca_pem = (ca_dir / CA_CERT).read_bytes()
@@ -192,16 +198,25 @@ def expiring(cert_path: Path, within_s: float = RENEW_WITHIN_S) -> bool:
         return True
 
 
-def cert_roles(cert_pem: bytes) -> tuple[str, ...]:
-    """The roles a PEM certificate names (its ``urn:astra:role:`` URIs), in its order."""
+def _uris(cert_pem: bytes) -> list[str]:
     x509 = _x509()[0]
     cert = x509.load_pem_x509_certificate(cert_pem)
     try:
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
-        return ()
-    uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+        return []
+    return sans.get_values_for_type(x509.UniformResourceIdentifier)
+
+
+def cert_roles(cert_pem: bytes) -> tuple[str, ...]:
+    """The roles a PEM certificate names (its ``urn:astra:role:`` URIs), in its order."""
+    uris = _uris(cert_pem)
     return tuple(u[len(ROLE_URI_PREFIX) :] for u in uris if u.startswith(ROLE_URI_PREFIX))
+
+
+def cert_policies(cert_pem: bytes) -> list[str]:
+    """The policies a PEM certificate is confined to (astra.scopes), sorted; [] for any."""
+    return sorted(policies_of_uris(_uris(cert_pem)))
 
 
 def child_credential(ca_dir: Path, role: str, host: str = "") -> Path:

@@ -57,6 +57,14 @@ def init_command(directory: Path, hosts: tuple[str, ...], days: int) -> None:
     help="What the holder may call (repeat for several; see astra.authz): raas, dataflow, "
     "trainer, weights, admin. Without --role it may call every RPC, as an operator.",
 )
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    help="Confine the holder to this policy (repeat for several; see astra.scopes): it may "
+    "register, fetch batches, announce, publish, fetch and roll back weights for these alone. "
+    "Without --policy: any policy.",
+)
 def issue_command(
     ca_dir: Path,
     out_dir: Path,
@@ -64,13 +72,22 @@ def issue_command(
     name: str,
     days: int,
     roles: tuple[str, ...],
+    policies: tuple[str, ...],
 ) -> None:
     """Write a node credential signed by the CA in CA_DIR into OUT_DIR (ca.pem, cert.pem,
     key.pem: what ASTRA_TLS_DIR names on that node)."""
     from astra.tls_certs import DEFAULT_HOSTS, issue
 
     try:
-        issue(ca_dir, out_dir, list(hosts or DEFAULT_HOSTS), name=name, days=days, roles=roles)
+        issue(
+            ca_dir,
+            out_dir,
+            list(hosts or DEFAULT_HOSTS),
+            name=name,
+            days=days,
+            roles=roles,
+            policies=policies,
+        )
     except TlsConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(json.dumps({ENV_DIR: str(out_dir)}))
@@ -85,7 +102,7 @@ def show_command(directory: Path) -> None:
     from cryptography import x509
 
     from astra.tls import chains_to_ca, expires_in_s, load_tls
-    from astra.tls_certs import cert_roles
+    from astra.tls_certs import cert_policies, cert_roles
 
     paths = {k: directory / name for k, name in DIR_FILES.items()}
     try:
@@ -111,6 +128,7 @@ def show_command(directory: Path) -> None:
         "hosts": hosts,
         # What the holder may call (astra.authz); [] = every RPC, as an operator.
         "roles": list(cert_roles(pem["cert"])),
+        "policies": cert_policies(pem["cert"]),  # [] = any policy (astra.scopes)
         "not_after": cert.not_valid_after_utc.isoformat(),
         "expires_in_days": round(expires_in_s(pem["cert"]) / 86400, 1),
         "signed_by_ca": signed,

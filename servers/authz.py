@@ -4,8 +4,10 @@
 nothing to check (a plaintext server, health and reflection). The check reads the roles from
 the peer's URI subjectAltNames in gRPC's auth context (``peer_uri`` and
 ``x509_subject_alternative_name``), a few microseconds per call, and raises astra.authz's
-PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for the ErrorInterceptor to map. Each refused (method, roles) pair is logged once and counted
-(`metrics`: astra_rpc_refused_total on the service's Prometheus port).
+PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for the ErrorInterceptor to map. A certificate with a policy scope (astra.scopes) also gets a check
+of the request, or of a stream's first message, before the handler sees it. Each refused
+(method, roles) pair is logged once and counted (`metrics`: astra_rpc_refused_total on the
+service's Prometheus port; a scope refusal under roles "policy scope").
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import grpc
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from astra.authz import OPEN_SERVICES, denied, permitted, roles_of_uris
+from astra.errors import PermissionDenied
+from astra.scopes import POLICY_FIELDS, check_scope, policies_of_uris
 
 log = logging.getLogger(__name__)
+Scope = Callable[[object], None] | None  # a check of the request: the caller's policy scope
 MAX_LOGGED = 1024  # refused (method, roles) pairs logged, at most
 
 
@@ -33,18 +38,25 @@ class RoleGuard:
         self.by_caller: Counter[tuple[str, str]] = Counter()
         self._logged: set[tuple[str, frozenset[str]]] = set()
 
-    def guard(self, method: str) -> Callable[[grpc.aio.ServicerContext], None] | None:
+    def guard(self, method: str) -> Callable[[grpc.aio.ServicerContext], Scope] | None:
         if not self.enabled or method.startswith(OPEN_SERVICES):
             return None
+        scoped = method in POLICY_FIELDS
 
-        def check(context: grpc.aio.ServicerContext) -> None:
+        def check(context: grpc.aio.ServicerContext) -> Scope:
             auth = context.auth_context()
             # Both properties carry the URI SANs in gRPC's core; read both, so that a version
             # of gRPC without one of them does not make a confined certificate an operator's.
-            uris = [*auth.get("peer_uri", ()), *auth.get("x509_subject_alternative_name", ())]
-            roles = roles_of_uris(u.decode(errors="replace") for u in uris)
+            uris = [
+                u.decode(errors="replace")
+                for u in (*auth.get("peer_uri", ()), *auth.get("x509_subject_alternative_name", ()))
+            ]
+            roles = roles_of_uris(uris)
             if permitted(method, roles):
-                return
+                policies = policies_of_uris(uris) if scoped else frozenset()
+                if not policies:
+                    return None
+                return lambda message: self._in_scope(method, policies, message)
             self.refused += 1
             key = (method, roles)
             known = key in self._logged
@@ -62,6 +74,16 @@ class RoleGuard:
             raise denied(method, roles)
 
         return check
+
+    def _in_scope(self, method: str, policies: frozenset[str], message: object) -> None:
+        try:
+            check_scope(method, policies, message)
+        except PermissionDenied as exc:
+            self.refused += 1
+            self.by_caller[(method, "policy scope")] += 1
+            if self.by_caller[(method, "policy scope")] == 1:
+                log.warning("refused %s: %s", method, exc.message)
+            raise
 
     def metrics(self) -> Iterator[Metric]:
         """astra_rpc_refused_total{method, roles}: calls refused for their certificate's roles."""

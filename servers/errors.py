@@ -121,9 +121,10 @@ class _ParsedRequests:
     Iterating it again continues the same stream, as gRPC's request iterator does.
     """
 
-    def __init__(self, requests: Any) -> None:
+    def __init__(self, requests: Any, first: Callable[[Any], None] | None = None) -> None:
         self._requests = requests
         self._it: Any = None
+        self._first = first  # a check of the first message (its policy scope), then none
 
     def __aiter__(self) -> _ParsedRequests:
         return self
@@ -131,7 +132,11 @@ class _ParsedRequests:
     async def __anext__(self) -> Any:
         if self._it is None:
             self._it = aiter(self._requests)
-        return _parsed(await anext(self._it))
+        message = _parsed(await anext(self._it))
+        if self._first is not None:
+            check, self._first = self._first, None
+            check(message)
+        return message
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -139,12 +144,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     `guard_of(method)`, where given, returns a check to run on the call's context before the
     handler (servers.authz: the caller's roles), or None; what it raises is mapped the same way.
+    The check may return a check of the request (of a stream's first message: the caller's
+    policy scope), run before the handler sees it.
     """
 
     def __init__(
         self,
         domain_of: Callable[[str], str],
-        guard_of: Callable[[str], Callable[[Any], None] | None] | None = None,
+        guard_of: Callable[[str], Callable[[Any], Callable[[Any], None] | None] | None]
+        | None = None,
     ) -> None:
         self._domain_of = domain_of
         self._guard_of = guard_of
@@ -169,9 +177,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_unary(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    if guard is not None:
-                        guard(context)
-                    request = _ParsedRequests(request) if stream_in else _parsed(request)
+                    inspect = guard(context) if guard is not None else None
+                    if stream_in:
+                        request = _ParsedRequests(request, inspect)
+                    else:
+                        request = _parsed(request)
+                        if inspect is not None:
+                            inspect(request)
                     return await behavior(request, context)
                 except Exception as exc:
                     if _is_abort(exc):
@@ -183,9 +195,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_stream(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    if guard is not None:
-                        guard(context)
-                    request = _ParsedRequests(request) if stream_in else _parsed(request)
+                    inspect = guard(context) if guard is not None else None
+                    if stream_in:
+                        request = _ParsedRequests(request, inspect)
+                    else:
+                        request = _parsed(request)
+                        if inspect is not None:
+                            inspect(request)
                     async for item in behavior(request, context):
                         yield item
                 except Exception as exc:

@@ -317,3 +317,116 @@ def test_a_long_lived_client_dials_again_with_renewed_credentials(
                 await client.close()
 
     asyncio.run(asyncio.wait_for(main_(), 60))
+
+
+def test_every_policy_scoped_method_names_a_policy_field_of_its_request() -> None:
+    from astra.scopes import POLICY_FIELDS
+
+    methods = {
+        f"/{svc.full_name}/{m.name}": m
+        for module in SERVICES
+        for svc in module.DESCRIPTOR.services_by_name.values()
+        for m in svc.methods
+    }
+    for method, path in POLICY_FIELDS.items():
+        assert method in PERMITTED and method in methods, method
+        message = methods[method].input_type
+        for name in path[:-1]:
+            field = message.fields_by_name[name]
+            assert field.message_type is not None, (method, name)
+            message = field.message_type
+        assert message.fields_by_name[path[-1]].type == 9, (method, path)  # TYPE_STRING
+
+
+def test_a_certificate_scoped_to_policies_acts_on_those_alone(dataset, tmp_path, ca) -> None:
+    """`--policy`: a trainer's certificate for one policy fetches that policy's batches and
+    publishes its weights, not another's; a RaaS's registers for its policies only. Every
+    refusal is PERMISSION_DENIED with POLICY_NOT_PERMITTED, before the handler runs."""
+    for who, role, policies in [
+        ("trainer-policy", "trainer", ["policy"]),
+        ("trainer-other", "trainer", ["other", "third"]),
+        ("raas-policy", "raas", ["policy"]),
+        ("raas-other", "raas", ["other"]),
+    ]:
+        issue(ca, tmp_path / who, ["127.0.0.1"], roles=[role], policies=policies)
+
+    async def scoped(call) -> str:
+        try:
+            result = call
+            if hasattr(result, "__aiter__"):
+                async for _ in result:
+                    pass
+            else:
+                await result
+        except grpc.aio.AioRpcError as exc:
+            info, _ = error_info(exc)
+            return info.reason if exc.code() is DENIED and info is not None else "other"
+        return "ok"
+
+    async def one(message):
+        yield message
+
+    async def main_() -> None:
+        fetch = df_pb.FetchBatchRequest(
+            policy_id="policy", num_groups=1, request_id="f", max_wait=Duration(nanos=10**6)
+        )
+        config = make_config(dataset, tmp_path / "state")
+        async with running_dataflow(config) as (server, _, _):
+            for who, want in [
+                ("trainer-policy", "other"),
+                ("trainer-other", "POLICY_NOT_PERMITTED"),
+            ]:
+                async with channel(server.address, tmp_path / who) as ch:
+                    got = await scoped(df_grpc.DataflowServiceStub(ch).FetchBatch(fetch))
+                    assert (got == "POLICY_NOT_PERMITTED") is (want == "POLICY_NOT_PERMITTED"), who
+            for who, want in [("raas-policy", "ok"), ("raas-other", "POLICY_NOT_PERMITTED")]:
+                async with channel(server.address, tmp_path / who) as ch:
+                    req = register_request(instance_id=who, policy_ids=["policy"])
+                    got = await scoped(df_grpc.DataflowServiceStub(ch).RegisterInstance(req))
+                    assert got == want, (who, got)
+            assert (
+                server.roles.by_caller[
+                    ("/astra.dataflow.v1.DataflowService/FetchBatch", "policy scope")
+                ]
+                == 1
+            )
+        async with serving(tmp_path / "store") as server:
+            for who, policy, want in [
+                ("trainer-other", "policy", True),
+                ("trainer-other", "third", False),
+                ("trainer-policy", "policy", False),
+            ]:
+                async with channel(server.address, tmp_path / who) as ch:
+                    stub = w_grpc.WeightServiceStub(ch)
+                    header = w_pb.PublishHeader(policy_id=policy, version_id="v1", version=1)
+                    got = await scoped(
+                        stub.PublishVersion(one(w_pb.PublishVersionRequest(header=header)))
+                    )
+                    assert (got == "POLICY_NOT_PERMITTED") is want, (who, policy, got)
+                    start = w_pb.FetchStart(policy_id=policy)
+                    got = await scoped(
+                        stub.FetchVersion(one(w_pb.FetchVersionRequest(start=start)))
+                    )
+                    assert (got == "POLICY_NOT_PERMITTED") is want, (who, policy, got)
+
+    asyncio.run(asyncio.wait_for(main_(), 60))
+
+
+def test_policy_scopes_are_shown_and_odd_policy_ids_round_trip(tmp_path) -> None:
+    import json
+
+    d = tmp_path / "ca"
+    init_ca(d)
+    out = tmp_path / "node"
+    odd = "team a/π:1"
+    args = ["tls", "issue", str(d), str(out), "--role", "trainer", "--policy", odd]
+    assert CliRunner().invoke(main, [*args, "--policy", "b"]).exit_code == 0
+    shown = json.loads(CliRunner().invoke(main, ["tls", "show", str(out)]).output)
+    assert shown["roles"] == ["trainer"] and shown["policies"] == sorted([odd, "b"])
+    issue(d, tmp_path / "any", ["127.0.0.1"])
+    assert (
+        json.loads(CliRunner().invoke(main, ["tls", "show", str(tmp_path / "any")]).output)[
+            "policies"
+        ]
+        == []
+    )

@@ -53,7 +53,12 @@ class DataflowServiceStub:
     and reflection are open to every certificate of the run's CA. Here:
     role "raas" may call RegisterInstance, HeartbeatInstance and
     DeregisterInstance; role "trainer" FetchBatch, AckBatch, ExtendBatchLease
-    and AnnounceVersion; every role GetStatus and GetCapabilities.
+    and AnnounceVersion; every role GetStatus and GetCapabilities. A certificate
+    may also name policies (URI "urn:astra:policy:<percent-encoded id>"): its
+    holder may then register for, fetch batches of and announce versions of
+    those policies alone (RegisterInstance.policy_ids, FetchBatch.policy_id,
+    AnnounceVersion.version.policy_id), and gets PERMISSION_DENIED (reason
+    POLICY_NOT_PERMITTED) otherwise.
     """
 
     def __init__(self, channel):
@@ -137,7 +142,12 @@ class DataflowServiceServicer:
     and reflection are open to every certificate of the run's CA. Here:
     role "raas" may call RegisterInstance, HeartbeatInstance and
     DeregisterInstance; role "trainer" FetchBatch, AckBatch, ExtendBatchLease
-    and AnnounceVersion; every role GetStatus and GetCapabilities.
+    and AnnounceVersion; every role GetStatus and GetCapabilities. A certificate
+    may also name policies (URI "urn:astra:policy:<percent-encoded id>"): its
+    holder may then register for, fetch batches of and announce versions of
+    those policies alone (RegisterInstance.policy_ids, FetchBatch.policy_id,
+    AnnounceVersion.version.policy_id), and gets PERMISSION_DENIED (reason
+    POLICY_NOT_PERMITTED) otherwise.
     """
 
     def RegisterInstance(self, request, context):
@@ -360,7 +370,12 @@ class DataflowService:
     and reflection are open to every certificate of the run's CA. Here:
     role "raas" may call RegisterInstance, HeartbeatInstance and
     DeregisterInstance; role "trainer" FetchBatch, AckBatch, ExtendBatchLease
-    and AnnounceVersion; every role GetStatus and GetCapabilities.
+    and AnnounceVersion; every role GetStatus and GetCapabilities. A certificate
+    may also name policies (URI "urn:astra:policy:<percent-encoded id>"): its
+    holder may then register for, fetch batches of and announce versions of
+    those policies alone (RegisterInstance.policy_ids, FetchBatch.policy_id,
+    AnnounceVersion.version.policy_id), and gets PERMISSION_DENIED (reason
+    POLICY_NOT_PERMITTED) otherwise.
     """
 
     @staticmethod

@@ -61,7 +61,12 @@ class WeightServiceStub:
     and reflection are open to every certificate of the run's CA. Here:
     role "trainer" may call PublishVersion, RollbackVersion and FetchVersion;
     roles "raas" and "weights" (a relay) FetchVersion; every role
-    ListVersions, GetVersion, GetStatus and GetCapabilities.
+    ListVersions, GetVersion, GetStatus and GetCapabilities. A certificate
+    may also name policies (URI "urn:astra:policy:<percent-encoded id>"): its
+    holder may then publish, fetch and roll back those policies alone
+    (PublishHeader.policy_id and FetchStart.policy_id of a stream's first
+    message, RollbackVersionRequest.policy_id), and gets PERMISSION_DENIED
+    (reason POLICY_NOT_PERMITTED) otherwise.
     """
 
     def __init__(self, channel):
@@ -143,7 +148,12 @@ class WeightServiceServicer:
     and reflection are open to every certificate of the run's CA. Here:
     role "trainer" may call PublishVersion, RollbackVersion and FetchVersion;
     roles "raas" and "weights" (a relay) FetchVersion; every role
-    ListVersions, GetVersion, GetStatus and GetCapabilities.
+    ListVersions, GetVersion, GetStatus and GetCapabilities. A certificate
+    may also name policies (URI "urn:astra:policy:<percent-encoded id>"): its
+    holder may then publish, fetch and roll back those policies alone
+    (PublishHeader.policy_id and FetchStart.policy_id of a stream's first
+    message, RollbackVersionRequest.policy_id), and gets PERMISSION_DENIED
+    (reason POLICY_NOT_PERMITTED) otherwise.
     """
 
     def PublishVersion(self, request_iterator, context):
@@ -344,7 +354,12 @@ class WeightService:
     and reflection are open to every certificate of the run's CA. Here:
     role "trainer" may call PublishVersion, RollbackVersion and FetchVersion;
     roles "raas" and "weights" (a relay) FetchVersion; every role
-    ListVersions, GetVersion, GetStatus and GetCapabilities.
+    ListVersions, GetVersion, GetStatus and GetCapabilities. A certificate
+    may also name policies (URI "urn:astra:policy:<percent-encoded id>"): its
+    holder may then publish, fetch and roll back those policies alone
+    (PublishHeader.policy_id and FetchStart.policy_id of a stream's first
+    message, RollbackVersionRequest.policy_id), and gets PERMISSION_DENIED
+    (reason POLICY_NOT_PERMITTED) otherwise.
     """
 
     @staticmethod
