@@ -174,16 +174,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             log.exception("unhandled error in %s", handler_call_details.method)
             await context.abort_with_status(_internal(domain, exc))
 
+        def prepare(request: Any, context: grpc.aio.ServicerContext, stream_in: bool) -> Any:
+            """The caller's roles checked, the request parsed (and its policy scope checked:
+            a stream's as its first message comes)."""
+            inspect = guard(context) if guard is not None else None
+            if stream_in:
+                return _ParsedRequests(request, inspect)
+            request = _parsed(request)
+            if inspect is not None:
+                inspect(request)
+            return request
+
         def wrap_unary(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    inspect = guard(context) if guard is not None else None
-                    if stream_in:
-                        request = _ParsedRequests(request, inspect)
-                    else:
-                        request = _parsed(request)
-                        if inspect is not None:
-                            inspect(request)
+                    request = prepare(request, context, stream_in)
                     return await behavior(request, context)
                 except Exception as exc:
                     if _is_abort(exc):
@@ -195,13 +200,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_stream(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    inspect = guard(context) if guard is not None else None
-                    if stream_in:
-                        request = _ParsedRequests(request, inspect)
-                    else:
-                        request = _parsed(request)
-                        if inspect is not None:
-                            inspect(request)
+                    request = prepare(request, context, stream_in)
                     async for item in behavior(request, context):
                         yield item
                 except Exception as exc:

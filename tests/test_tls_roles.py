@@ -62,8 +62,8 @@ def channel(address: str, credential: Path) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, creds)
 
 
-async def outcome(result) -> grpc.StatusCode:
-    """The status code a call ends with (OK when it succeeds): a stream is read to its end."""
+async def ended(result) -> grpc.aio.AioRpcError | None:
+    """How a call ends: its error, or None when it succeeds (a stream is read to its end)."""
     try:
         if hasattr(result, "__aiter__"):
             async for _ in result:
@@ -71,13 +71,22 @@ async def outcome(result) -> grpc.StatusCode:
         else:
             await result
     except grpc.aio.AioRpcError as exc:
-        if exc.code() is DENIED:
-            info, _ = error_info(exc)
-            assert info is not None and info.reason == "ROLE_NOT_PERMITTED", exc
-            assert info.metadata["method"] in exc.details()
-            assert info.metadata["roles"] and "admin" in info.metadata["permitted"]
-        return exc.code()
-    return grpc.StatusCode.OK
+        return exc
+    return None
+
+
+async def outcome(result) -> grpc.StatusCode:
+    """The status code a call ends with (OK when it succeeds); a role refusal is checked to
+    carry its ErrorInfo."""
+    exc = await ended(result)
+    if exc is None:
+        return grpc.StatusCode.OK
+    if exc.code() is DENIED:
+        info, _ = error_info(exc)
+        assert info is not None and info.reason == "ROLE_NOT_PERMITTED", exc
+        assert info.metadata["method"] in exc.details()
+        assert info.metadata["roles"] and "admin" in info.metadata["permitted"]
+    return exc.code()
 
 
 def scrape_refused(port: int, credential: Path) -> dict[tuple[str, str], float]:
@@ -351,17 +360,11 @@ def test_a_certificate_scoped_to_policies_acts_on_those_alone(dataset, tmp_path,
         issue(ca, tmp_path / who, ["127.0.0.1"], roles=[role], policies=policies)
 
     async def scoped(call) -> str:
-        try:
-            result = call
-            if hasattr(result, "__aiter__"):
-                async for _ in result:
-                    pass
-            else:
-                await result
-        except grpc.aio.AioRpcError as exc:
-            info, _ = error_info(exc)
-            return info.reason if exc.code() is DENIED and info is not None else "other"
-        return "ok"
+        exc = await ended(call)
+        if exc is None:
+            return "ok"
+        info, _ = error_info(exc)
+        return info.reason if exc.code() is DENIED and info is not None else "other"
 
     async def one(message):
         yield message
