@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from astra.authz import ROLE_URI_PREFIX, ROLES, RoleError, check_roles
+from astra.authz import ROLE_URI_PREFIX, ROLES, RoleError, check_roles, roles_of_uris
 from astra.scopes import policies_of_uris, policy_uri
 from astra.tls import DIR_FILES, TlsConfigError, expires_in_s
 
@@ -136,12 +136,8 @@ def issue(
     if not hosts:
         raise TlsConfigError("a node certificate needs at least one host")
     try:
-        role_names = [
-            x509.UniformResourceIdentifier(ROLE_URI_PREFIX + r) for r in check_roles(roles)
-        ]
-        role_names += [
-            x509.UniformResourceIdentifier(policy_uri(p)) for p in dict.fromkeys(policies)
-        ]
+        uris = [x509.UniformResourceIdentifier(ROLE_URI_PREFIX + r) for r in check_roles(roles)]
+        uris += [x509.UniformResourceIdentifier(policy_uri(p)) for p in dict.fromkeys(policies)]
     except (RoleError, ValueError) as exc:
         raise TlsConfigError(str(exc)) from exc
     try:
@@ -161,7 +157,7 @@ def issue(
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName(_names(hosts) + role_names), critical=False)
+        .add_extension(x509.SubjectAlternativeName(_names(hosts) + uris), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([EKU.SERVER_AUTH, EKU.CLIENT_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
@@ -209,9 +205,8 @@ def _uris(cert_pem: bytes) -> list[str]:
 
 
 def cert_roles(cert_pem: bytes) -> tuple[str, ...]:
-    """The roles a PEM certificate names (its ``urn:astra:role:`` URIs), in its order."""
-    uris = _uris(cert_pem)
-    return tuple(u[len(ROLE_URI_PREFIX) :] for u in uris if u.startswith(ROLE_URI_PREFIX))
+    """The roles a PEM certificate names (astra.authz), sorted; () for none."""
+    return tuple(sorted(roles_of_uris(_uris(cert_pem))))
 
 
 def cert_policies(cert_pem: bytes) -> list[str]:

@@ -15,6 +15,7 @@ from astra import errors
 from astra.clients.channel import BaseClient
 from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.v1 import weight_service_pb2_grpc as pb_grpc
+from astra.weights.wire import deserializer
 
 log = logging.getLogger(__name__)
 # Just under 4 MiB (gRPC's default receive limit; the contract allows 8 MiB): chunks go out as
@@ -30,6 +31,21 @@ class WeightClient(BaseClient):
 
     def __init__(self, address: str, *, timeout_s: float = 30.0) -> None:
         super().__init__(address, timeout_s=timeout_s)
+
+    def _bind(self, channel: grpc.aio.Channel) -> None:
+        super()._bind(channel)
+        # FetchVersion with chunks read as views into the received bytes (astra.weights.wire).
+        self._fetch_raw = channel.stream_stream(
+            f"/{self.SERVICE}/FetchVersion",
+            request_serializer=pb.FetchVersionRequest.SerializeToString,
+            response_deserializer=deserializer(pb.FetchVersionResponse.FromString),
+        )
+
+    def fetch_version_raw(self, *, timeout_s: float) -> grpc.aio.StreamStreamCall:
+        """Opens a FetchVersion stream whose chunk messages hold views into the received bytes
+        (for the Receiver), on the channel of now (a new one after a TLS renewal)."""
+        self._follow_renewal()
+        return self._fetch_raw(timeout=timeout_s)
 
     async def list_versions(
         self,

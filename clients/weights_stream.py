@@ -43,7 +43,6 @@ from astra.weights.local import LocalVersions, identity_of
 from astra.weights.malloc import keep_freed_memory
 from astra.weights.memory import MemoryVersion, MemoryVersions
 from astra.weights.v1 import weight_service_pb2 as pb
-from astra.weights.wire import deserializer
 
 __all__ = ["FetchResult", "PublishResult", "Receiver", "publish_version"]
 
@@ -118,21 +117,6 @@ class Receiver:
         self.backoff_s, self.timeout_s, self.idle_timeout_s = backoff_s, timeout_s, idle_timeout_s
         keep_freed_memory()  # chunk buffers come back from the heap, not as fresh pages
         self.client = WeightClient(address, timeout_s=min(timeout_s, UNARY_TIMEOUT_S))
-        self._fetch_on: object = None  # the channel _fetch_version was built on
-        self._fetch_version: Any = None
-
-    def _fetch_call(self) -> Any:
-        """FetchVersion with chunks read as views into the received bytes (astra.weights.wire),
-        on the client's channel of now (a new one after a TLS renewal)."""
-        channel = self.client.channel
-        if channel is not self._fetch_on:
-            self._fetch_on = channel
-            self._fetch_version = channel.stream_stream(
-                "/astra.weights.v1.WeightService/FetchVersion",
-                request_serializer=pb.FetchVersionRequest.SerializeToString,
-                response_deserializer=deserializer(pb.FetchVersionResponse.FromString),
-            )
-        return self._fetch_version
 
     @property
     def current_path(self) -> Path | None:
@@ -291,7 +275,7 @@ class Receiver:
         started = time.monotonic()
         # The call's deadline is what is left of the fetch's: every write, read and
         # acknowledgement on it ends by then.
-        call = self._fetch_call()(timeout=self._left(deadline))
+        call = self.client.fetch_version_raw(timeout_s=self._left(deadline))
         start = pb.FetchStart(policy_id=self.policy, target_version_id=target)
         start.held_version_ids.extend(sorted(held))
         start.receiver_id, start.max_bytes_per_second = self.receiver_id, self.max_bytes_per_second

@@ -4,8 +4,9 @@
 nothing to check (a plaintext server, health and reflection). The check reads the roles from
 the peer's URI subjectAltNames in gRPC's auth context (``peer_uri`` and
 ``x509_subject_alternative_name``), a few microseconds per call, and raises astra.authz's
-PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for the ErrorInterceptor to map. A certificate with a policy scope (astra.scopes) also gets a check
-of the request, or of a stream's first message, before the handler sees it. Each refused
+PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for the ErrorInterceptor to map. A certificate
+with a policy scope (astra.scopes) also gets a check of the request, or of a stream's first
+message, before the handler sees it. Each refused
 (method, roles) pair is logged once and counted (`metrics`: astra_rpc_refused_total on the
 service's Prometheus port; a scope refusal under roles "policy scope").
 """
@@ -33,10 +34,14 @@ class RoleGuard:
 
     def __init__(self) -> None:
         self.enabled = False
-        self.refused = 0
         # refused calls by (method, roles); bounded: past MAX_LOGGED pairs, under "other"
         self.by_caller: Counter[tuple[str, str]] = Counter()
         self._logged: set[tuple[str, frozenset[str]]] = set()
+
+    @property
+    def refused(self) -> int:
+        """Calls refused so far, for their roles or their policy scope."""
+        return sum(self.by_caller.values())
 
     def guard(self, method: str) -> Callable[[grpc.aio.ServicerContext], Scope] | None:
         if not self.enabled or method.startswith(OPEN_SERVICES):
@@ -57,7 +62,6 @@ class RoleGuard:
                 if not policies:
                     return None
                 return lambda message: self._in_scope(method, policies, message)
-            self.refused += 1
             key = (method, roles)
             known = key in self._logged
             if not known and len(self._logged) < MAX_LOGGED:
@@ -79,7 +83,6 @@ class RoleGuard:
         try:
             check_scope(method, policies, message)
         except PermissionDenied as exc:
-            self.refused += 1
             self.by_caller[(method, "policy scope")] += 1
             if self.by_caller[(method, "policy scope")] == 1:
                 log.warning("refused %s: %s", method, exc.message)
