@@ -67,6 +67,10 @@ class PermissionDenied(AstraError):
     code = "PERMISSION_DENIED"
 
 
+class Unauthenticated(AstraError):
+    code = "UNAUTHENTICATED"
+
+
 def invalid_field(
     field: str, description: str, *, reason: str = "INVALID_FIELD"
 ) -> InvalidArgument:

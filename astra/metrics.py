@@ -13,7 +13,8 @@ Helpers turn plain values into families: `gauge`, `counter` (name, help, value o
 With the process's mutual TLS on (astra.tls), /metrics is HTTPS and asks for a client
 certificate of the run's CA too, like every gRPC port: scrape it with Prometheus's
 `tls_config` (ca_file, cert_file, key_file). Its files are read again once renewed (astra.tls);
-each connection's handshake runs on that connection's own thread, with a timeout.
+each connection's handshake runs on that connection's own thread, with a timeout. A client
+whose certificate the CA's revocation list names is closed on after the handshake.
 """
 
 from __future__ import annotations
@@ -159,6 +160,17 @@ def _https_server(host: str, port: int, registry: CollectorRegistry, paths: Mapp
         def log_message(self, format: str, *args: Any) -> None:
             pass  # scrapes are not worth a log line each
 
+    def _revoked(conn: ssl.SSLSocket) -> bool:
+        material = files.material if files is not None else None
+        if material is None or not material.revoked:
+            return False
+        from cryptography import x509
+
+        der = conn.getpeercert(binary_form=True)
+        return der is not None and x509.load_der_x509_certificate(der).serial_number in (
+            material.revoked
+        )
+
     class Server(ThreadingHTTPServer):
         daemon_threads = True
 
@@ -168,6 +180,9 @@ def _https_server(host: str, port: int, registry: CollectorRegistry, paths: Mapp
                 conn = current().wrap_socket(request, server_side=True)
             except (ssl.SSLError, OSError):
                 return  # no certificate of the run's CA, plaintext, or silence: refused
+            if _revoked(conn):  # listed by the CA's revocation list (astra.tls_crl)
+                conn.close()
+                return
             try:
                 Handler(conn, client_address, self)
             except OSError:

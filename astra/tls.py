@@ -14,6 +14,10 @@ its subjectAltName). ``ASTRA_TLS_SERVER_NAME`` makes clients check that name ins
 dialled host (a certificate issued for a DNS name, dialled by IP). The same files serve both
 ends, so one credential per node is enough. Never touches gRPC.
 
+A certificate revocation list signed by the CA (astra.tls_crl), ``crl.pem`` in ASTRA_TLS_DIR
+where there is one or the file ``ASTRA_TLS_CRL`` names, lists the certificates servers refuse
+(`TlsMaterial.revoked`, enforced per call by servers.authz).
+
 The files are read again when they change (`TlsFiles.refresh`, at most once a second): a
 server's next handshake shows the new certificate and checks clients against the new CA file,
 and channels opened after it use the new files. Files that changed into something unusable (a
@@ -29,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +44,8 @@ ENV_SERVER_NAME = "ASTRA_TLS_SERVER_NAME"
 # a credential naming its role, for its node's address under --ray
 # (astra.tls_certs.child_credential). Children never see it.
 ENV_NODE_CA = "ASTRA_TLS_NODE_CA"
+ENV_CRL = "ASTRA_TLS_CRL"  # a revocation list's path (default: crl.pem in ASTRA_TLS_DIR, if any)
+CRL_FILE = "crl.pem"
 DIR_FILES = {"ca": "ca.pem", "cert": "cert.pem", "key": "key.pem"}
 MAX_PEM_BYTES = 1 << 20
 RECHECK_S = 1.0  # how often the files' stat is looked at again, at most
@@ -61,6 +67,8 @@ class TlsMaterial:
     key: bytes
     server_name: str = ""
     source: str = ""  # where they came from, for messages and logs
+    revoked: frozenset[int] = frozenset()  # serial numbers the CA's revocation list names
+    crl: str = ""  # the revocation list's path, where one was read
 
 
 def tls_paths(env: Mapping[str, str] | None = None) -> dict[str, Path] | None:
@@ -83,6 +91,17 @@ def tls_paths(env: Mapping[str, str] | None = None) -> dict[str, Path] | None:
     return {k: Path(v) for k, v in named.items()}
 
 
+def crl_path(env: Mapping[str, str] | None = None) -> tuple[Path | None, bool]:
+    """The revocation list `env` names, and whether it must exist: ASTRA_TLS_CRL (must),
+    else crl.pem in ASTRA_TLS_DIR (where there is one); (None, False) for none."""
+    env = os.environ if env is None else env
+    if env.get(ENV_CRL):
+        return Path(env[ENV_CRL]), True
+    if env.get(ENV_DIR):
+        return Path(env[ENV_DIR]) / CRL_FILE, False
+    return None, False
+
+
 def load_tls(env: Mapping[str, str] | None = None) -> TlsMaterial | None:
     """This process's TLS material, None when its environment asks for plaintext."""
     env = os.environ if env is None else env
@@ -93,7 +112,21 @@ def load_tls(env: Mapping[str, str] | None = None) -> TlsMaterial | None:
     pem = {k: _read_pem(k, p, via[k]) for k, p in paths.items()}
     _check(pem, paths)
     source = env.get(ENV_DIR) or ", ".join(str(p) for p in paths.values())
-    return TlsMaterial(**pem, server_name=env.get(ENV_SERVER_NAME, ""), source=source)
+    revoked, crl = _read_crl(env, pem["ca"])
+    return TlsMaterial(
+        **pem, server_name=env.get(ENV_SERVER_NAME, ""), source=source, revoked=revoked, crl=crl
+    )
+
+
+def _read_crl(env: Mapping[str, str], ca_pem: bytes) -> tuple[frozenset[int], str]:
+    """The serials the revocation list of `env` revokes, and its path ('' for none)."""
+    path, required = crl_path(env)
+    if path is None or not (required or path.exists()):
+        return frozenset(), ""
+    from astra.tls_crl import revoked_serials
+
+    var = ENV_CRL if required else ENV_DIR
+    return revoked_serials(_read_pem("revocation list", path, var), ca_pem, str(path)), str(path)
 
 
 def _read_pem(kind: str, path: Path, var: str) -> bytes:
@@ -193,10 +226,10 @@ def expires_in_s(cert_pem: bytes) -> float:
     return (end - datetime.datetime.now(datetime.UTC)).total_seconds()
 
 
-def _stamp(paths: dict[str, Path]) -> tuple[tuple[int, int, int] | None, ...]:
+def _stamp(paths: Iterable[Path]) -> tuple[tuple[int, int, int] | None, ...]:
     """What tells a file changed: inode (a file renamed over it), size and mtime."""
     out: list[tuple[int, int, int] | None] = []
-    for path in paths.values():
+    for path in paths:
         try:
             st = path.stat()
         except OSError:
@@ -215,8 +248,15 @@ class TlsFiles:
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self.env = dict(os.environ if env is None else env)
         self.paths = tls_paths(self.env)
-        self.stamp = _stamp(self.paths) if self.paths else ()
+        crl = crl_path(self.env)[0] if self.paths else None
+        self.watched = [*(self.paths or {}).values(), *([crl] if crl else [])]
+        self.stamp = _stamp(self.watched)
         self.material = load_tls(self.env)
+        if self.material is not None and _own_revoked(self.material):
+            raise TlsConfigError(
+                f"the certificate of {self.material.source} is revoked by {self.material.crl}: "
+                "issue this node a new one (astra tls issue)"
+            )
         self.reloads = 0
         self._checked = time.monotonic()
         self._refused: tuple = ()
@@ -248,7 +288,7 @@ class TlsFiles:
                 return self.material
             self._checked = now
             self._warn_expiry(now)
-            stamp = _stamp(self.paths)
+            stamp = _stamp(self.watched)
             if stamp == self.stamp:
                 return self.material
             try:
@@ -261,10 +301,22 @@ class TlsFiles:
                 return self.material
             self.stamp, self.material = stamp, material
             self.reloads += 1
-            log.info("TLS credentials read again from %s", material.source)
+            log.info("TLS credentials read again from %s (%d revoked)", material.source,
+                     len(material.revoked))  # fmt: skip
+            if _own_revoked(material):  # its callers refuse it; its own checks still hold
+                log.error("the certificate of %s is revoked by %s: issue this node a new one "
+                          "(astra tls issue)", material.source, material.crl)  # fmt: skip
             self._expiry_checked = -float("inf")  # the new certificate's own end
             self._warn_expiry(now)
             return material
+
+
+def _own_revoked(material: TlsMaterial) -> bool:
+    if not material.revoked:
+        return False
+    from astra.tls_crl import serial_of
+
+    return serial_of(material.cert) in material.revoked
 
 
 _cache: dict[tuple[str, ...], TlsFiles] = {}
@@ -273,7 +325,7 @@ _cache: dict[tuple[str, ...], TlsFiles] = {}
 def tls_files() -> TlsFiles | None:
     """The TlsFiles of this process's environment (one per distinct setting), None for
     plaintext."""
-    names = (ENV_DIR, *ENV_FILES.values(), ENV_SERVER_NAME)
+    names = (ENV_DIR, *ENV_FILES.values(), ENV_SERVER_NAME, ENV_CRL)
     key = tuple(os.environ.get(n, "") for n in names)
     if key not in _cache:
         _cache[key] = TlsFiles()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from astra.authz import ROLE_URI_PREFIX, ROLES, RoleError, check_roles, roles_of_uris
 from astra.scopes import policies_of_uris, policy_uri
-from astra.tls import DIR_FILES, TlsConfigError, expires_in_s
+from astra.tls import CRL_FILE, DIR_FILES, TlsConfigError, expires_in_s
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
@@ -179,6 +179,8 @@ def issue(
     )
     if (out_dir / DIR_FILES["ca"]).resolve() != (ca_dir / CA_CERT).resolve():
         _write(out_dir / DIR_FILES["ca"], ca_pem, private=False)
+        if (ca_dir / CRL_FILE).exists():  # the node starts with the CA's revocation list
+            _write(out_dir / CRL_FILE, (ca_dir / CRL_FILE).read_bytes(), private=False)
     return out_dir
 
 
@@ -218,8 +220,9 @@ def child_credential(ca_dir: Path, role: str, host: str = "") -> Path:
     """The credential of a child of `role` on the node dialled as `host` (loopback when
     empty): issued by the CA in `ca_dir` into ca_dir/nodes/<host or loopback>/<role>, naming
     that role (astra.authz), and again when it is about to end. A role astra.authz does not
-    know (a warm-up step) gets a credential without roles, in .../operator. What a supervisor
-    hands each child it starts. Returns its directory."""
+    know (a warm-up step) gets a credential without roles, in .../operator. Its crl.pem links
+    to the CA's, so `astra tls revoke CA_DIR` reaches the run's servers at once. What a
+    supervisor hands each child it starts. Returns its directory."""
     if host and ("/" in host or host.startswith(".")):
         raise TlsConfigError(f"not a host name or address: {host!r}")
     roles = [role] if role in ROLES else []
@@ -228,4 +231,8 @@ def child_credential(ca_dir: Path, role: str, host: str = "") -> Path:
     if expiring(out / DIR_FILES["cert"]):  # none yet, or about to end: (re)issued
         name = f"{roles[0] if roles else 'operator'}@{host or 'loopback'}"
         issue(ca_dir, out, hosts, name=name, roles=roles)
+    crl = out / CRL_FILE
+    if not crl.is_symlink():  # the run's revocation list, as `astra tls revoke` writes it
+        crl.unlink(missing_ok=True)
+        crl.symlink_to(os.path.relpath(ca_dir / CRL_FILE, out))
     return out

@@ -1,4 +1,5 @@
-"""`astra tls init|issue|show`: the run's CA and node credentials for mutual TLS."""
+"""`astra tls init|issue|revoke|show`: the run's CA, node credentials and the revocation list
+for mutual TLS."""
 
 from __future__ import annotations
 
@@ -93,6 +94,42 @@ def issue_command(
     click.echo(json.dumps({ENV_DIR: str(out_dir)}))
 
 
+@tls.command("revoke")
+@click.argument("ca_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("certs", nargs=-1, type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option(
+    "--serial",
+    "serials",
+    multiple=True,
+    help="Serial number (hex, as `astra tls show` and `openssl x509 -serial` print it) of a "
+    "certificate to revoke whose file is gone (repeat).",
+)
+@click.option(
+    "--days",
+    type=click.IntRange(1, 3650),
+    default=30,
+    show_default=True,
+    help="The list's nextUpdate: revoke again (any serial already listed) before it passes.",
+)
+def revoke_command(
+    ca_dir: Path, certs: tuple[Path, ...], serials: tuple[str, ...], days: int
+) -> None:
+    """Add certificates (CERTS, files the CA in CA_DIR issued) to CA_DIR/crl.pem, the CA's
+    signed revocation list. Copy crl.pem into each node's ASTRA_TLS_DIR (or point ASTRA_TLS_CRL
+    at it): servers read it again within a second and refuse those certificates from then on
+    (UNAUTHENTICATED, CERTIFICATE_REVOKED); nothing restarts."""
+    from astra.tls_crl import revoke
+
+    try:
+        numbers = [int(s.replace(":", ""), 16) for s in serials]
+    except ValueError as exc:
+        raise click.UsageError(f"--serial: not a hexadecimal serial number: {exc}") from exc
+    try:
+        click.echo(json.dumps(revoke(ca_dir, certs=certs, serials=numbers, days=days)))
+    except TlsConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
 @tls.command("show")
 @click.argument("directory", type=click.Path(file_okay=False, exists=True, path_type=Path))
 def show_command(directory: Path) -> None:
@@ -118,8 +155,10 @@ def show_command(directory: Path) -> None:
     except x509.ExtensionNotFound:
         hosts = []
     try:
-        load_tls({ENV_DIR: str(directory)})
+        material = load_tls({ENV_DIR: str(directory)})
         problem = ""
+        if material is not None and cert.serial_number in material.revoked:
+            problem = f"revoked by {material.crl}: issue a new one (astra tls issue)"
     except TlsConfigError as exc:
         problem = str(exc)
     out = {
@@ -129,6 +168,7 @@ def show_command(directory: Path) -> None:
         # What the holder may call (astra.authz); [] = every RPC, as an operator.
         "roles": list(cert_roles(pem["cert"])),
         "policies": cert_policies(pem["cert"]),  # [] = any policy (astra.scopes)
+        "serial": f"{cert.serial_number:x}",
         "not_after": cert.not_valid_after_utc.isoformat(),
         "expires_in_days": round(expires_in_s(pem["cert"]) / 86400, 1),
         "signed_by_ca": signed,

@@ -6,9 +6,11 @@ the peer's URI subjectAltNames in gRPC's auth context (``peer_uri`` and
 ``x509_subject_alternative_name``), a few microseconds per call, and raises astra.authz's
 PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for the ErrorInterceptor to map. A certificate
 with a policy scope (astra.scopes) also gets a check of the request, or of a stream's first
-message, before the handler sees it. Each refused
-(method, roles) pair is logged once and counted (`metrics`: astra_rpc_refused_total on the
-service's Prometheus port; a scope refusal under roles "policy scope").
+message, before the handler sees it. A certificate the CA's revocation list names
+(astra.tls_crl; the list is read again when its file changes) gets UNAUTHENTICATED, reason
+CERTIFICATE_REVOKED, whatever its roles. Each refused (method, roles) pair is logged once and
+counted (`metrics`: astra_rpc_refused_total on the service's Prometheus port; a scope refusal
+under roles "policy scope", a revoked certificate's under "revoked").
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import grpc
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from astra.authz import OPEN_SERVICES, denied, permitted, roles_of_uris
-from astra.errors import PermissionDenied
+from astra.errors import PermissionDenied, Unauthenticated
 from astra.scopes import POLICY_FIELDS, check_scope, policies_of_uris
+from astra.tls import TlsFiles
+from astra.tls_crl import serial_of
 
 log = logging.getLogger(__name__)
 Scope = Callable[[object], None] | None  # a check of the request: the caller's policy scope
 MAX_LOGGED = 1024  # refused (method, roles) pairs logged, at most
+MAX_SERIALS = 4096  # callers' certificates whose serial number is kept parsed
 
 
 class RoleGuard:
@@ -34,9 +39,15 @@ class RoleGuard:
 
     def __init__(self) -> None:
         self.enabled = False
+        self.files: TlsFiles | None = None  # the revocation list's source, once enabled
         # refused calls by (method, roles); bounded: past MAX_LOGGED pairs, under "other"
         self.by_caller: Counter[tuple[str, str]] = Counter()
         self._logged: set[tuple[str, frozenset[str]]] = set()
+        self._serials: dict[bytes, int] = {}  # a caller's PEM certificate -> its serial
+
+    def enable(self, files: TlsFiles | None) -> None:
+        """On for a mutual-TLS port (`files`: its credentials and revocation list)."""
+        self.enabled, self.files = files is not None, files
 
     @property
     def refused(self) -> int:
@@ -50,6 +61,9 @@ class RoleGuard:
 
         def check(context: grpc.aio.ServicerContext) -> Scope:
             auth = context.auth_context()
+            material = self.files.refresh() if self.files is not None else None
+            if material is not None and material.revoked:
+                self._check_revoked(method, auth, material.revoked, context)
             # Both properties carry the URI SANs in gRPC's core; read both, so that a version
             # of gRPC without one of them does not make a confined certificate an operator's.
             uris = [
@@ -78,6 +92,36 @@ class RoleGuard:
             raise denied(method, roles)
 
         return check
+
+    def _check_revoked(
+        self,
+        method: str,
+        auth: dict[str, list[bytes]],
+        revoked: frozenset[int],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        pem = next(iter(auth.get("x509_pem_cert", ())), b"")
+        serial = self._serials.get(pem)
+        if serial is None:
+            try:
+                serial = serial_of(pem)
+            except ValueError:
+                serial = -1  # no certificate to read: the handshake let it in, roles decide
+            if len(self._serials) >= MAX_SERIALS:
+                self._serials.clear()
+            self._serials[pem] = serial
+        if serial not in revoked:
+            return
+        self.by_caller[(method, "revoked")] += 1
+        if self.by_caller[(method, "revoked")] == 1:
+            log.warning("refused %s to %s: its certificate (serial %x) is revoked",
+                        method, context.peer(), serial)  # fmt: skip
+        raise Unauthenticated(
+            f"{method}: the caller's certificate (serial {serial:x}) is revoked by the CA's "
+            "revocation list: its holder needs a new one (astra tls issue)",
+            reason="CERTIFICATE_REVOKED",
+            metadata={"method": method, "serial": f"{serial:x}"},
+        )
 
     def _in_scope(self, method: str, policies: frozenset[str], message: object) -> None:
         try:

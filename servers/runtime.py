@@ -161,7 +161,8 @@ class GrpcServer:
             self.port = self._server.add_secure_port(where, server_credentials(files))
             source = files.material.source if files.material is not None else ""
             log.info("mutual TLS on %s (%s)", where, source)
-        self.tls = self.roles.enabled = files is not None
+        self.tls = files is not None
+        self.roles.enable(files)
         if self.port == 0:
             raise OSError(f"cannot bind {self.host}:{self.requested_port}")
         await self._server.start()

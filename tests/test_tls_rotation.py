@@ -139,7 +139,7 @@ def test_tls_files_read_again_only_when_changed_and_usable(node: Path, tmp_path:
     for name in ("key.pem", "cert.pem"):  # a whole credential, but of another CA
         (node / name).write_bytes((stranger / name).read_bytes())
     assert files.refresh() is again
-    assert files._refused == tls._stamp(files.paths)  # seen, and refused
+    assert files._refused == tls._stamp(files.watched)  # seen, and refused
     with pytest.raises(tls.TlsConfigError, match="was not issued by the CA"):
         tls.load_tls()
 

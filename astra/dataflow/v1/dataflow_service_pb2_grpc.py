@@ -59,6 +59,12 @@ class DataflowServiceStub:
     those policies alone (RegisterInstance.policy_ids, FetchBatch.policy_id,
     AnnounceVersion.version.policy_id), and gets PERMISSION_DENIED (reason
     POLICY_NOT_PERMITTED) otherwise.
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     def __init__(self, channel):
@@ -148,6 +154,12 @@ class DataflowServiceServicer:
     those policies alone (RegisterInstance.policy_ids, FetchBatch.policy_id,
     AnnounceVersion.version.policy_id), and gets PERMISSION_DENIED (reason
     POLICY_NOT_PERMITTED) otherwise.
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     def RegisterInstance(self, request, context):
@@ -376,6 +388,12 @@ class DataflowService:
     those policies alone (RegisterInstance.policy_ids, FetchBatch.policy_id,
     AnnounceVersion.version.policy_id), and gets PERMISSION_DENIED (reason
     POLICY_NOT_PERMITTED) otherwise.
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     @staticmethod

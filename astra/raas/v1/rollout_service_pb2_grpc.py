@@ -53,6 +53,12 @@ class RolloutServiceStub:
     and reflection are open to every certificate of the run's CA. Here:
     role "dataflow" may call SubmitGroups, CollectResults, AckResults,
     CancelGroups and LoadWeights; every role GetStatus and GetCapabilities.
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     def __init__(self, channel):
@@ -126,6 +132,12 @@ class RolloutServiceServicer:
     and reflection are open to every certificate of the run's CA. Here:
     role "dataflow" may call SubmitGroups, CollectResults, AckResults,
     CancelGroups and LoadWeights; every role GetStatus and GetCapabilities.
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     def SubmitGroups(self, request, context):
@@ -309,6 +321,12 @@ class RolloutService:
     and reflection are open to every certificate of the run's CA. Here:
     role "dataflow" may call SubmitGroups, CollectResults, AckResults,
     CancelGroups and LoadWeights; every role GetStatus and GetCapabilities.
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     @staticmethod

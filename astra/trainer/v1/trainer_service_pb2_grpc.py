@@ -41,6 +41,12 @@ class TrainerServiceStub:
     and reflection are open to every certificate of the run's CA. Here:
     every role may call GetStatus and GetCapabilities; SaveCheckpoint, Pause
     and Resume are an operator's alone (no role but "admin").
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     def __init__(self, channel):
@@ -92,6 +98,12 @@ class TrainerServiceServicer:
     and reflection are open to every certificate of the run's CA. Here:
     every role may call GetStatus and GetCapabilities; SaveCheckpoint, Pause
     and Resume are an operator's alone (no role but "admin").
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     def GetStatus(self, request, context):
@@ -198,6 +210,12 @@ class TrainerService:
     and reflection are open to every certificate of the run's CA. Here:
     every role may call GetStatus and GetCapabilities; SaveCheckpoint, Pause
     and Resume are an operator's alone (no role but "admin").
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     @staticmethod

@@ -67,6 +67,12 @@ class WeightServiceStub:
     (PublishHeader.policy_id and FetchStart.policy_id of a stream's first
     message, RollbackVersionRequest.policy_id), and gets PERMISSION_DENIED
     (reason POLICY_NOT_PERMITTED) otherwise.
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     def __init__(self, channel):
@@ -154,6 +160,12 @@ class WeightServiceServicer:
     (PublishHeader.policy_id and FetchStart.policy_id of a stream's first
     message, RollbackVersionRequest.policy_id), and gets PERMISSION_DENIED
     (reason POLICY_NOT_PERMITTED) otherwise.
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     def PublishVersion(self, request_iterator, context):
@@ -360,6 +372,12 @@ class WeightService:
     (PublishHeader.policy_id and FetchStart.policy_id of a stream's first
     message, RollbackVersionRequest.policy_id), and gets PERMISSION_DENIED
     (reason POLICY_NOT_PERMITTED) otherwise.
+
+    Revocation: a client whose certificate the run CA's revocation list names
+    (an X.509 CRL the CA signed, read again when it changes) gets
+    UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
+    "serial") for every RPC, whatever its roles; health checking and reflection
+    stay open. Not retryable: its holder needs a new certificate.
     """
 
     @staticmethod

@@ -1,0 +1,148 @@
+"""Certificate revocation: the CA's list of node certificates it no longer vouches for.
+
+`revoke` adds certificates (by file or serial number) to the X.509 CRL ``crl.pem`` of a CA
+directory, signed by the CA's key: a standard CRL that `openssl crl -text` reads. Nodes find it
+as ``crl.pem`` in their ASTRA_TLS_DIR (or at ASTRA_TLS_CRL); `revoked_serials` checks that the
+CA of the node's ca.pem signed it and gives the serial numbers it lists, which servers then
+refuse (servers.authz: UNAUTHENTICATED, reason CERTIFICATE_REVOKED). Never touches gRPC.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from pathlib import Path
+
+from astra.tls import CRL_FILE, TlsConfigError
+
+DEFAULT_DAYS = 30  # a CRL's nextUpdate: when its issuer promises a newer one, at the latest
+
+
+def _pems(data: bytes, kind: str) -> list[bytes]:
+    """Each PEM block of `kind` (CERTIFICATE, X509 CRL) in `data`."""
+    begin, end = f"-----BEGIN {kind}-----".encode(), f"-----END {kind}-----".encode()
+    out, at = [], 0
+    while (start := data.find(begin, at)) >= 0:
+        stop = data.find(end, start)
+        if stop < 0:
+            break
+        out.append(data[start : stop + len(end)] + b"\n")
+        at = stop + len(end)
+    return out
+
+
+def _load(crl_pem: bytes, ca_pem: bytes, where: str):
+    """The CRL in `crl_pem`, checked to be signed by a certificate of `ca_pem`."""
+    from cryptography import x509
+
+    blocks = _pems(crl_pem, "X509 CRL")
+    if len(blocks) != 1:
+        raise TlsConfigError(f"{where}: holds {len(blocks)} CRLs, not one (X509 CRL PEM)")
+    try:
+        crl = x509.load_pem_x509_crl(blocks[0])
+        cas = [x509.load_pem_x509_certificate(c) for c in _pems(ca_pem, "CERTIFICATE")]
+    except ValueError as exc:
+        raise TlsConfigError(f"{where}: {exc}") from exc
+    for ca in cas:
+        if ca.subject == crl.issuer:
+            try:
+                if crl.is_signature_valid(ca.public_key()):  # type: ignore[arg-type]
+                    return crl
+            except TypeError:  # a key type CRLs cannot be signed with
+                continue
+    raise TlsConfigError(
+        f"{where}: not signed by the CA of ca.pem (issuer {crl.issuer.rfc4514_string()}): "
+        "a revocation list counts only from the CA that issued the certificates"
+    )
+
+
+def revoked_serials(crl_pem: bytes, ca_pem: bytes, where: str = CRL_FILE) -> frozenset[int]:
+    """The serial numbers a CRL signed by the CA of `ca_pem` revokes (TlsConfigError when it
+    is not a CRL or another CA signed it)."""
+    return frozenset(entry.serial_number for entry in _load(crl_pem, ca_pem, where))
+
+
+def next_update(crl_pem: bytes, ca_pem: bytes) -> datetime.datetime | None:
+    """When the CRL's issuer promised a newer one (None: no promise)."""
+    return _load(crl_pem, ca_pem, CRL_FILE).next_update_utc
+
+
+def serial_of(cert_pem: bytes) -> int:
+    """The serial number of a PEM certificate (ValueError when it is not one)."""
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(cert_pem).serial_number
+
+
+def revoke(
+    ca_dir: Path,
+    *,
+    certs: Iterable[Path] = (),
+    serials: Iterable[int] = (),
+    days: int = DEFAULT_DAYS,
+) -> dict[str, object]:
+    """Adds the certificates at `certs` and the `serials` to CA_DIR/crl.pem (made if missing),
+    a new CRL number each time, signed by the CA; already listed ones stay as they were.
+    Returns what the list now holds. Certificates another CA issued are refused."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    from astra.tls import chains_to_ca
+    from astra.tls_certs import CA_CERT, CA_KEY, _write
+
+    try:
+        ca_pem = (ca_dir / CA_CERT).read_bytes()
+        ca = x509.load_pem_x509_certificate(ca_pem)
+        key = serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise TlsConfigError(f"{ca_dir}: no readable CA ({CA_CERT}, {CA_KEY}): {exc}") from exc
+    wanted = dict.fromkeys(serials)
+    for path in certs:
+        try:
+            pem = path.read_bytes()
+            chained = chains_to_ca(pem, ca_pem)
+            serial = serial_of(pem)
+        except (OSError, ValueError) as exc:
+            raise TlsConfigError(f"{path}: not a readable certificate: {exc}") from exc
+        if not chained:
+            raise TlsConfigError(f"{path} was not issued by the CA in {ca_dir}")
+        wanted[serial] = None
+    if not wanted:
+        raise TlsConfigError("nothing to revoke: name a certificate file or a serial number")
+    for serial in wanted:
+        if not 0 < serial < 1 << 160:
+            raise TlsConfigError(f"serial {serial:#x}: not a certificate serial number")
+    path = ca_dir / CRL_FILE
+    entries: dict[int, x509.RevokedCertificate] = {}
+    number = 0
+    if path.exists():
+        old = _load(path.read_bytes(), ca_pem, str(path))
+        entries = {e.serial_number: e for e in old}
+        try:
+            number = old.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+        except x509.ExtensionNotFound:
+            number = 0
+    now = datetime.datetime.now(datetime.UTC)
+    added = [s for s in wanted if s not in entries]
+    for serial in added:
+        entries[serial] = (
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build()
+        )
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca.subject)
+        .last_update(now)
+        .next_update(now + datetime.timedelta(days=days))
+        .add_extension(x509.CRLNumber(number + 1), critical=False)
+    )
+    for entry in entries.values():
+        builder = builder.add_revoked_certificate(entry)
+    crl = builder.sign(key, hashes.SHA256())  # type: ignore[arg-type]
+    _write(path, crl.public_bytes(serialization.Encoding.PEM), private=False)
+    return {
+        "crl": str(path),
+        "crl_number": number + 1,
+        "added": [f"{s:x}" for s in added],
+        "revoked": [f"{s:x}" for s in sorted(entries)],
+        "next_update": (now + datetime.timedelta(days=days)).isoformat(),
+    }
