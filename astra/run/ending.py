@@ -99,7 +99,7 @@ async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> N
         wall_seconds=wall,
         dataflow=obs.last_dataflow if obs is not None else {},
         state=read_state(sup.rd.dataflow_state),
-        rows=obs.rows if obs is not None else {},
+        history=obs.history if obs is not None else {},
         final_steps={
             c.name.removeprefix("trainer-"): trainer_final_step(c.log_path)
             for c in sup.children["trainer"]

@@ -11,6 +11,10 @@ that step from GetStatus (grad norm, staleness, timings, and `accuracy` /
 be much shorter than a poll), and the latest Dataflow snapshot (gate, buffer,
 pool, counters).
 
+metrics.jsonl is the only complete record of the rows: in memory the observer keeps
+of each policy's rows only what summary.json and the elastic schedule read, a few
+bytes per step (astra.run.history's `StepHistory`).
+
 Each row also goes to TensorBoard event files (astra.run.tboard) and, at the end,
 metrics.jsonl is drawn to plot.png (astra.run.plot). On a terminal the status is a
 live frame redrawn in place (astra.run.view); elsewhere (CI, pipes) a compact line
@@ -36,6 +40,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from astra.run.history import StepHistory
 from astra.run.poller import StatusPoller
 from astra.run.progress import ProgressWatch
 
@@ -89,7 +94,7 @@ class Observer(StatusPoller):
         self.batch_groups = batch_groups or {}
         self.metrics_path, self.out = metrics_path, out
         self.poll_interval_s, self.status_every_s = poll_interval_s, status_every_s
-        self.rows: dict[str, list[dict[str, Any]]] = {p: [] for p in trainers}
+        self.history = {p: StepHistory() for p in trainers}  # in the order of `trainers`
         # policy -> [log path, offset read up to, partial last line]
         self.logs: dict[str, list[Any]] = {p: [*where, b""] for p, where in trainer_logs.items()}
         self.pending: list[tuple[str, int, int, float, str]] = []  # step lines not yet rows
@@ -158,12 +163,8 @@ class Observer(StatusPoller):
             "trainer": metrics,
             "dataflow": self.last_dataflow,
         }
-        rows = self.rows[policy]
-        if rows and rows[-1]["step"] >= step:  # a restarted trainer runs again from its checkpoint
-            row["rerun"] = True
-            while rows and rows[-1]["step"] >= step:
-                rows.pop()
-        rows.append(row)
+        if self.history[policy].add(step, accuracy):  # a restarted trainer runs again
+            row["rerun"] = True  # from its checkpoint: the later steps are dropped
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tensorboard is not None:

@@ -6,7 +6,8 @@ Sources, read after every child has stopped:
 - Dataflow's SQLite state (read-only): the work table (one row per group ever pulled:
   pending / leased / done, with its dispatch attempts) and the batches table (the
   group keys of every batch a trainer acknowledged; the newest 4096 are kept).
-- The observer's metrics rows (trainer GetStatus per step).
+- What the observer kept of its metrics rows (trainer GetStatus per step): each policy's
+  last step and its per-step accuracies (astra.run.history).
 - The trainers' own last log line ("trainer stopped at step N").
 """
 
@@ -17,7 +18,10 @@ import re
 import sqlite3
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from astra.run.history import StepHistory
 
 _STOPPED = re.compile(rb"trainer stopped at step (\d+), version (\d+)")
 WINDOW = 10
@@ -69,43 +73,45 @@ def build_summary(
     wall_seconds: float,
     dataflow: dict[str, Any],
     state: dict[str, Any],
-    rows: dict[str, list[dict[str, Any]]],
+    history: dict[str, StepHistory],
     final_steps: dict[str, int | None],
     baseline: dict[str, Any],
 ) -> dict[str, Any]:
     counters: dict[str, int] = dataflow.get("counters", {})
     outcomes = sum(counters.get(k, 0) for k in ("completed_groups", "failed_groups"))
     outcomes += counters.get("malformed_results", 0) + counters.get("eval_groups", 0)
-    steps = {
-        p: max(final_steps.get(p) or 0, max((r["step"] for r in rs), default=0))
-        for p, rs in rows.items()
-    }
-    accuracy = [r["accuracy"] for rs in rows.values() for r in rs if r["accuracy"] is not None]
+    steps = {p: max(final_steps.get(p) or 0, h.last_step or 0) for p, h in history.items()}
+    # Over all policies, in the order of `history`: the first policy's accuracies come first.
+    # A policy's first (last) WINDOW hold every one of its values among the first (last)
+    # WINDOW of them all.
+    first = [a for h in history.values() for a in h.first_accuracies(WINDOW)][:WINDOW]
+    last = [a for h in history.values() for a in h.last_accuracies(WINDOW)][-WINDOW:]
+    observed = sum(h.accuracy_steps for h in history.values())
     lost = None
     if state:
         lost = state["dispatched"] - outcomes - state["unfinished"]
     notes = []
-    if not accuracy:
+    if not observed:
         notes.append(
             "accuracy_first10/last10 are null: the trainers report no per-step reward "
             "('accuracy' or 'reward_mean' in TrainerService GetStatus metrics)"
         )
-    per_policy_accuracy = {
-        p: [r["accuracy"] for r in rs if r["accuracy"] is not None] for p, rs in rows.items()
-    }
     return {
         "status": status,
         "steps": min(steps.values(), default=0),
         "steps_per_policy": steps,
         "groups_trained_per_policy": state.get("trained_per_policy"),
         "accuracy_per_policy": {
-            p: {"first10": _mean(a[:WINDOW]), "last10": _mean(a[-WINDOW:])}
-            for p, a in sorted(per_policy_accuracy.items())
+            p: {
+                "first10": _mean(h.first_accuracies(WINDOW)),
+                "last10": _mean(h.last_accuracies(WINDOW)),
+            }
+            for p, h in sorted(history.items())
         },
         "wall_seconds": round(wall_seconds, 2),
-        "accuracy_first10": _mean(accuracy[:WINDOW]),
-        "accuracy_last10": _mean(accuracy[-WINDOW:]),
-        "accuracy_steps_observed": len(accuracy),
+        "accuracy_first10": _mean(first),
+        "accuracy_last10": _mean(last),
+        "accuracy_steps_observed": observed,
         "random_baseline_accuracy": baseline.get("accuracy"),
         "random_baseline": baseline,
         "groups_dispatched": state.get("dispatched"),
