@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import ipaddress
 import os
 import tempfile
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -216,21 +218,29 @@ def cert_policies(cert_pem: bytes) -> list[str]:
     return sorted(policies_of_uris(_uris(cert_pem)))
 
 
-def child_credential(ca_dir: Path, role: str, host: str = "") -> Path:
+def child_credential(ca_dir: Path, role: str, host: str = "", policies: Sequence[str] = ()) -> Path:
     """The credential of a child of `role` on the node dialled as `host` (loopback when
     empty): issued by the CA in `ca_dir` into ca_dir/nodes/<host or loopback>/<role>, naming
-    that role (astra.authz), and again when it is about to end. A role astra.authz does not
-    know (a warm-up step) gets a credential without roles, in .../operator. Its crl.pem links
-    to the CA's, so `astra tls revoke CA_DIR` reaches the run's servers at once. What a
-    supervisor hands each child it starts. Returns its directory."""
+    that role (astra.authz) and confined to `policies` where given (astra.scopes; the
+    directory is then <role>.<the policies>), and again when it is about to end. A role
+    astra.authz does not know (a warm-up step) gets a credential without roles or policies, in
+    .../operator. Its crl.pem links to the CA's, so `astra tls revoke CA_DIR` reaches the run's
+    servers at once. What a supervisor hands each child it starts. Returns its directory."""
     if host and ("/" in host or host.startswith(".")):
         raise TlsConfigError(f"not a host name or address: {host!r}")
     roles = [role] if role in ROLES else []
-    out = ca_dir / "nodes" / (host or "loopback") / (role if roles else "operator")
+    policies = sorted(dict.fromkeys(policies)) if roles else []
+    leaf = role if roles else "operator"
+    if policies:
+        leaf += "." + "+".join(urllib.parse.quote(p, safe="") for p in policies)
+        if len(leaf) > 200:  # a path segment stays short; the certificate names them all
+            digest = hashlib.sha256("\0".join(policies).encode()).hexdigest()[:16]
+            leaf = f"{role}.{digest}"
+    out = ca_dir / "nodes" / (host or "loopback") / leaf
     hosts = [host, *(h for h in DEFAULT_HOSTS if h != host)] if host else list(DEFAULT_HOSTS)
     if expiring(out / DIR_FILES["cert"]):  # none yet, or about to end: (re)issued
         name = f"{roles[0] if roles else 'operator'}@{host or 'loopback'}"
-        issue(ca_dir, out, hosts, name=name, roles=roles)
+        issue(ca_dir, out, hosts, name=name, roles=roles, policies=policies)
     crl = out / CRL_FILE
     if not crl.is_symlink():  # the run's revocation list, as `astra tls revoke` writes it
         crl.unlink(missing_ok=True)

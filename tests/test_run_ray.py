@@ -122,7 +122,8 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
             log_text = (run_dir / "logs" / f"{c['name']}.log").read_text(errors="replace")
             assert "mutual TLS on" in log_text, c["name"]
             # Its credential: for its node's IP, naming its role (astra.authz).
-            node_cert = run_dir / "tls" / "nodes" / placed["node_ip"] / c["role"] / "cert.pem"
+            node_cert = Path(c["tls_dir"]) / "cert.pem"
+            assert node_cert.parent.parent == run_dir / "tls" / "nodes" / placed["node_ip"], c
             assert cert_roles(node_cert.read_bytes()) == (c["role"],), c
         assert len({c["ray"]["node_id"] for c in children}) == 1  # one local node
         assert len({c["ray"]["actor_id"] for c in children}) == len(NAMES)

@@ -25,7 +25,7 @@ from astra.clients.dataflow import DataflowClient
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
 from astra.tls import TlsConfigError, load_tls, tls_paths
-from astra.tls_certs import cert_roles, init_ca, issue
+from astra.tls_certs import cert_policies, cert_roles, init_ca, issue
 from tests.conftest import make_config
 from tests.procs import start_dataflow, start_scripted_raas
 
@@ -294,7 +294,11 @@ def test_astra_run_with_tls_true(runs, monkeypatch):
     for c in run.children():
         text = (run.run_dir / "logs" / f"{c['name']}.log").read_text()
         assert "mutual TLS on" in text, c["name"]
-        # Each child had a credential naming its role (astra.authz), not the run's own.
-        own = credential / "nodes" / "loopback" / c["role"] / "cert.pem"
+        # Each child had a credential naming its role (astra.authz), not the run's own, and
+        # its trainer's or RaaS's policies (astra.scopes).
+        own = Path(c["tls_dir"]) / "cert.pem"
+        assert own.parent.parent == credential / "nodes" / "loopback", c
         assert cert_roles(own.read_bytes()) == (c["role"],), c["name"]
+        scoped = ["policy"] if c["role"] in ("trainer", "raas") else []
+        assert cert_policies(own.read_bytes()) == scoped, c["name"]
     assert (credential / "ca.key").stat().st_mode & 0o077 == 0

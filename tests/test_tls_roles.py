@@ -27,7 +27,7 @@ from astra.dataflow.v1 import dataflow_service_pb2_grpc as df_grpc
 from astra.raas.v1 import rollout_service_pb2 as raas_pb
 from astra.raas.v1 import rollout_service_pb2_grpc as raas_grpc
 from astra.tls import TlsConfigError
-from astra.tls_certs import cert_roles, child_credential, init_ca, issue
+from astra.tls_certs import cert_policies, cert_roles, child_credential, init_ca, issue
 from astra.trainer.v1 import trainer_service_pb2 as trainer_pb
 from astra.weights.v1 import weight_service_pb2 as w_pb
 from astra.weights.v1 import weight_service_pb2_grpc as w_grpc
@@ -281,6 +281,14 @@ def test_child_credentials_name_the_childs_role(tmp_path) -> None:
     before = (raas_dir / "cert.pem").read_bytes()
     assert child_credential(d, "raas") == raas_dir
     assert (raas_dir / "cert.pem").read_bytes() == before  # issued once, not per start
+    # A trainer's or RaaS's policies: a credential of their own, confined to them.
+    scoped = child_credential(d, "trainer", policies=["b/x", "a", "a"])
+    assert scoped.name == "trainer.a+b%2Fx" and scoped.parent == raas_dir.parent
+    assert cert_policies((scoped / "cert.pem").read_bytes()) == ["a", "b/x"]
+    assert cert_roles((scoped / "cert.pem").read_bytes()) == ("trainer",)
+    many = child_credential(d, "raas", policies=[f"policy-{i:03d}" for i in range(40)])
+    assert len(many.name) < 30 and len(cert_policies((many / "cert.pem").read_bytes())) == 40
+    assert child_credential(d, "warmup", policies=["a"]).name == "operator"  # no roles, no scope
 
 
 def test_a_long_lived_client_dials_again_with_renewed_credentials(

@@ -65,6 +65,9 @@ class Child:
         # neither spawn nor a restart clears it (astra.run.restarts checks it).
         self.retired = False
         self.extra: dict[str, Any] = {}  # more for run.json (a RaaS: capacity, labels, joined)
+        # What its TLS credential confines it to (astra.scopes): a trainer's policy, a RaaS's
+        self.policies: tuple[str, ...] = ()
+        self.credential = ""  # the TLS credential directory it was given, with `tls: true`
         self.log_offset = 0  # size of the log when this process started (logs are appended to)
         self._log: BinaryIO | None = None
         self._drain: asyncio.Task[None] | None = None
@@ -108,7 +111,8 @@ class Child:
         env = {**os.environ, **self.env}
         ca = env.pop(ENV_NODE_CA, "")
         if ca:
-            env[ENV_DIR] = str(child_credential(Path(ca), self.role))
+            self.credential = str(child_credential(Path(ca), self.role, policies=self.policies))
+            env[ENV_DIR] = self.credential
         return env
 
     async def read_address(self, timeout_s: float) -> dict[str, Any]:
@@ -224,6 +228,7 @@ class Child:
             "metrics_port": self.info.get("metrics_port"),
             "returncode": self.returncode,
             **self.extra,
+            **({"tls_dir": self.credential} if self.credential else {}),
             "log": str(self.log_path),
             "command": self.args,
         }

@@ -78,8 +78,8 @@ class Elastic:
         versions = obs.last_dataflow.get("versions") or {}
         done = []
         for p in self.sup.recipe.policies:
-            rows = obs.rows.get(p.id) or []
-            done.append(max(int(rows[-1]["step"]) if rows else 0, int(versions.get(p.id, 0))))
+            last = obs.history[p.id].last_step if p.id in obs.history else None
+            done.append(max(last or 0, int(versions.get(p.id, 0))))
         return min(done, default=0)
 
     def _record(self, event: dict[str, Any]) -> dict[str, Any]:
@@ -170,9 +170,8 @@ class Elastic:
         dataflow = sup.addresses["dataflow"]  # Dataflow's own is empty while it restarts
         # A RaaS of the same name that died or was removed before: its entry goes.
         sup.children["raas"] = [c for c in sup.children["raas"] if c.name != name]
-        child = sup._child(
-            name, "raas", layout.raas_spec_command(recipe, spec, name, sup.rd, dataflow)
-        )
+        command = layout.raas_spec_command(recipe, spec, name, sup.rd, dataflow)
+        child = sup._child(name, "raas", command, recipe.raas_policies(spec))
         child.extra = {"capacity": spec.capacity, "labels": dict(spec.labels), "joined": source}
         try:
             await sup.start_children([child])

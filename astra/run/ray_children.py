@@ -186,8 +186,10 @@ class RayChild(Child):
         env = {k: v for k, v in os.environ.items() if k.startswith("ASTRA_")}
         node_ca = env.pop(ENV_NODE_CA, "")
         if node_ca:  # `tls: true`: a credential for its role and the address it listens on
-            node = child_credential(Path(node_ca), self.role, self.placement["node_ip"])
-            env[ENV_DIR] = str(node)
+            node = child_credential(
+                Path(node_ca), self.role, self.placement["node_ip"], self.policies
+            )
+            env[ENV_DIR] = self.credential = str(node)
         own_python = self.args[0] == sys.executable
         started = await self._call(
             "start", self.args, {**env, **self.env}, str(self.log_path), os.getcwd(), own_python

@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +94,9 @@ class Supervisor:
     def spec_of(self, child: Child) -> RaasSpec:
         return self.raas_specs.get(child.name) or RaasSpec(name=child.name)
 
-    def _child(self, name: str, role: str, args: list[str]) -> Child:
+    def _child(self, name: str, role: str, args: list[str], policies: Sequence[str] = ()) -> Child:
         child = self.new_child(name, role, args, self.rd.log(name), self.recipe.env)
+        child.policies = tuple(policies)  # its credential's scope, with `tls: true`
         self.children["core" if role in ("dataflow", "weights") else role].append(child)
         return child
 
@@ -218,7 +220,8 @@ class Supervisor:
         raas = []
         for i, name in enumerate(r.raas_names):
             spec = self.raas_specs[name] = r.raas[i]
-            raas.append(self._child(name, "raas", layout.raas_command(r, i, rd, df.address)))
+            command = layout.raas_command(r, i, rd, df.address)
+            raas.append(self._child(name, "raas", command, r.raas_policies(spec)))
             raas[-1].extra = {"capacity": spec.capacity, "labels": spec.labels, "joined": "recipe"}
         await self.start_children(raas)
         await self.start_children(
@@ -229,6 +232,7 @@ class Supervisor:
                     layout.trainer_command(
                         r, p, rd, dataflow=df.address, weights=weights.address, resume=self.resume
                     ),
+                    [p.id],
                 )
                 for p in r.policies
                 if steps[p.id] > 0
