@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from astra.run.logrotate import backup, keep_logs_small, rotate
+from astra.run.logrotate import backup, keep_logs_small, missed_before_truncation, rotate
 
 WRITER = r"""
 import sys, time
@@ -108,3 +108,52 @@ def test_keep_logs_small_rotates_what_passed_the_size_and_goes_on_after_an_error
     assert calls == [big]
     assert big.read_bytes() == b"" and backup(big, 1).read_bytes() == b"x\n" * 5000
     assert small.read_bytes() == b"y\n" and not backup(small, 1).exists()
+
+
+def test_a_reader_finds_what_it_missed_in_the_copy_of_its_generation(tmp_path: Path) -> None:
+    """A reader that was not called before the truncation (the log rotated on another node,
+    by a Ray actor) reads the rest from the newest copy, and only from a copy of the file it
+    was reading (its first bytes match)."""
+    log = tmp_path / "trainer.log"
+    log.write_bytes(b"first line\nsecond\nthird line\n")
+    head, offset = log.read_bytes()[:256], len(b"first line\n")
+    assert rotate(log, 10, 2)
+    log.write_bytes(b"new generation\n")
+    assert missed_before_truncation(log, offset, head) == b"second\nthird line\n"
+    # Caught between the truncation and the rename: the copy still under its temporary name.
+    backup(log, 1).rename(tmp_path / ".trainer.log.rotating")
+    assert missed_before_truncation(log, offset, head) == b"second\nthird line\n"
+    (tmp_path / ".trainer.log.rotating").rename(backup(log, 1))
+    # Rotated again since: the newest copy is of another generation, so nothing from it.
+    assert rotate(log, 10, 2)
+    assert missed_before_truncation(log, offset, head) == b""
+    assert missed_before_truncation(log, offset, b"") == b""  # nothing known of the file
+    assert missed_before_truncation(tmp_path / "other.log", 0, head) == b""
+
+
+def test_a_ray_actor_keeps_its_childs_logs_small_on_its_node(tmp_path: Path) -> None:
+    """astra.run.ray_actor's process, without Ray: given `rotate`, the log the child writes
+    (and an engine server's log in its state directory) is rotated while it runs."""
+    from astra.run.ray_actor import _Process
+
+    state = tmp_path / "state"
+    state.mkdir()
+    engine = state / "vllm-server.log"
+    engine.write_bytes(b"engine\n" * 8000)
+    log = tmp_path / "raas-0.log"
+    proc = _Process()
+    rotate_spec = {"max_bytes": 32 << 10, "backups": 2, "state_dir": str(state), "every_s": 0.05}
+    started = proc.start(
+        [sys.executable, "-c", WRITER], {}, str(log), str(tmp_path), True, rotate_spec
+    )
+    assert "pid" in started, started
+    try:
+        deadline = time.monotonic() + 30
+        while not backup(log, 2).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proc.signal(9)
+        proc.wait()
+    older, newer = numbers(backup(log, 2)), numbers(backup(log, 1))
+    assert older[-1] < newer[0] and newer == list(range(newer[0], newer[-1] + 1))
+    assert backup(engine, 1).read_bytes() == b"engine\n" * 8000 and engine.read_bytes() == b""

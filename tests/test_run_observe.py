@@ -520,3 +520,36 @@ def test_observer_reads_on_from_the_top_after_its_log_was_rotated(tmp_path: Path
 
     obs = asyncio.run(go())
     assert [p[1] for p in obs.pending] == [1, 2, 3]
+
+
+def test_observer_reads_what_came_before_a_rotation_it_was_not_told_of(tmp_path: Path) -> None:
+    """A trainer placed by Ray: its actor rotates the log on the trainer's node without
+    telling the observer, which finds the lines it had not read in the copy."""
+    from astra.run.logrotate import rotate
+
+    async def go() -> Observer:
+        obs = make_observer(tmp_path)
+        log = tmp_path / "trainer.log"
+        step = "x INFO astra.servers.trainer: step {0} version {0} loss 0.{0}\n"
+        with log.open("ab") as f:
+            f.write(("padding " * 40 + "\n").encode() + step.format(1).encode())
+            f.flush()
+            obs.read_logs()
+            f.write(step.format(2).encode() + b"x INFO astra.servers.trainer: st")
+            f.flush()
+            assert rotate(log, 100, 1)  # no reader called
+            f.write(b"ep 3 version 3 loss 0.3\n")  # the rest of the half-written line
+            f.flush()
+            obs.read_logs()
+            f.write(step.format(4).encode())
+            f.flush()
+            assert rotate(log, 10, 0)  # no copies kept: what came before is gone
+            f.write(step.format(5).encode())
+            f.flush()
+            obs.read_logs()
+        await obs.close()
+        await obs.finish()
+        return obs
+
+    obs = asyncio.run(go())
+    assert [p[1] for p in obs.pending] == [1, 2, 3, 5]

@@ -82,6 +82,9 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
     cmd = [sys.executable, "-m", "astra.run", "--ray", "auto", "--run-dir", str(run_dir), *SMALL]
     cmd += ["--set", "trainer.num_steps=60", "--set", "supervision.restart_backoff_s=0.2"]
     cmd += ["--set", "tls=true"]  # each child with a credential for its node's IP
+    # Logs rotated by each child's actor on its node; the observer still reads every step.
+    # (Copies enough to keep every line: the first ones are looked for below.)
+    cmd += ["--set", "supervision.max_log_bytes=512", "--set", "supervision.log_backups=50"]
     with (tmp_path / "run.out").open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -110,6 +113,13 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
         assert "serving_after_s" in s["restarts"][0]
         assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0
         assert "ray: a local instance started for this run" in output
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, 61))
+        logs = run_dir / "logs"
+        rotated = {p.name.removesuffix(".log.1") for p in logs.glob("*.log.1")}
+        assert {"trainer-policy", "raas-1", "dataflow"} <= rotated, sorted(rotated)
+        for copy in logs.glob("*.log*"):
+            assert b"\0" not in copy.read_bytes(), copy
         children = json.loads((run_dir / "run.json").read_text())["children"]
         assert {c["name"] for c in children} == NAMES
         for c in children:
@@ -119,7 +129,9 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
             # A service placed by Ray listens on (and advertises) its node's IP.
             assert c["address"].rpartition(":")[0] == placed["node_ip"], c
             assert c["command"][-2:] == ["--host", placed["node_ip"]]
-            log_text = (run_dir / "logs" / f"{c['name']}.log").read_text(errors="replace")
+            log_text = "".join(
+                p.read_text(errors="replace") for p in logs.glob(f"{c['name']}.log*")
+            )
             assert "mutual TLS on" in log_text, c["name"]
             # Its credential: for its node's IP, naming its role (astra.authz).
             node_cert = Path(c["tls_dir"]) / "cert.pem"

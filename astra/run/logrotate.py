@@ -23,6 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 CHECK_EVERY_S = 2.0  # how often the logs' sizes are looked at (a stat each)
+HEAD_BYTES = 256  # what tells one generation of a log from another: its first bytes
 
 
 def backup(path: Path, n: int) -> Path:
@@ -67,6 +68,28 @@ def _finish(
         os.replace(tmp, backup(path, 1))
 
 
+def missed_before_truncation(path: Path, offset: int, head: bytes) -> bytes:
+    """What a reader that had read `path` up to `offset` before it was truncated did not
+    read: the rest of its newest copy, ``<name>.1`` (or the copy about to be renamed so, in
+    the instant after the truncation), where that copy starts with `head` (the file's first
+    bytes, as the reader saw them) and reaches `offset`; b"" otherwise (no copies kept, or the
+    file was rotated again since)."""
+    if not head:
+        return b""
+    for copy in (path.with_name(f".{path.name}.rotating"), backup(path, 1)):
+        try:
+            with open(copy, "rb") as f:
+                if os.pread(f.fileno(), len(head), 0) != head:
+                    continue
+                if f.seek(0, os.SEEK_END) < offset:
+                    continue
+                f.seek(offset)
+                return f.read()
+        except FileNotFoundError:
+            continue
+    return b""
+
+
 def _due(path: Path, max_bytes: int) -> bool:
     try:
         return path.stat().st_size > max_bytes
@@ -75,7 +98,7 @@ def _due(path: Path, max_bytes: int) -> bool:
 
 
 def _tmp(path: Path, backups: int) -> Path | None:
-    return path.with_name(f".{path.name}.rotating") if backups > 0 else None
+    return path.with_name(f".{path.name}.rotating") if backups > 0 else None  # see above
 
 
 def rotate(

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from astra.run.history import StepHistory
+from astra.run.logrotate import HEAD_BYTES, missed_before_truncation
 from astra.run.poller import StatusPoller
 from astra.run.progress import ProgressWatch
 
@@ -95,8 +96,10 @@ class Observer(StatusPoller):
         self.metrics_path, self.out = metrics_path, out
         self.poll_interval_s, self.status_every_s = poll_interval_s, status_every_s
         self.history = {p: StepHistory() for p in trainers}  # in the order of `trainers`
-        # policy -> [log path, offset read up to, partial last line]
-        self.logs: dict[str, list[Any]] = {p: [*where, b""] for p, where in trainer_logs.items()}
+        # policy -> [log path, offset read up to, partial last line, the file's first bytes]
+        self.logs: dict[str, list[Any]] = {
+            p: [*where, b"", b""] for p, where in trainer_logs.items()
+        }
         self.pending: list[tuple[str, int, int, float, str]] = []  # step lines not yet rows
         self.tty = out.isatty()
         self._last_print = 0.0
@@ -117,12 +120,19 @@ class Observer(StatusPoller):
     def read_logs(self) -> None:
         """Reads the trainers' new per-step log lines (rows once the next poll has been seen)."""
         for policy, entry in self.logs.items():
-            path, offset, partial = entry
+            path, offset, partial, head = entry
             if not path.exists():
                 continue
             with path.open("rb") as f:
-                if f.seek(0, os.SEEK_END) < offset:  # truncated (astra.run.logrotate)
-                    offset, partial = 0, b""
+                size = f.seek(0, os.SEEK_END)
+                # Truncated (astra.run.logrotate), and maybe written past `offset` again since,
+                # which its first bytes tell: what came after `offset` before it is in the
+                # copy, unless that is gone too.
+                if size < offset or (head and os.pread(f.fileno(), len(head), 0) != head):
+                    partial += missed_before_truncation(path, offset, head)
+                    offset = 0
+                if not head or offset == 0:
+                    entry[3] = os.pread(f.fileno(), HEAD_BYTES, 0)
                 f.seek(offset)
                 data = partial + f.read()
                 entry[1] = f.tell()

@@ -7,6 +7,11 @@ its stdout to the child's log, waits for it and signals its process group; the
 child gets SIGKILL when the actor's thread that started it goes
 (PR_SET_PDEATHSIG). After the process exits, `start` may run a new one (a
 restart). Runs on the Ray node; astra.run.ray_children drives it.
+
+Given `rotate`, the actor also keeps the child's log (and the engine servers' logs in its
+state directory) under a size while the child runs (astra.run.logrotate's copytruncate). It
+does so on the node whose processes write the log: truncating a file on a shared filesystem
+under a writer on another node is not safe on every filesystem (NFS), on the same node it is.
 """
 
 from __future__ import annotations
@@ -51,11 +56,19 @@ class _Process:
         }
 
     def start(
-        self, args: list[str], env: dict[str, str], log_path: str, cwd: str, own_python: bool
+        self,
+        args: list[str],
+        env: dict[str, str],
+        log_path: str,
+        cwd: str,
+        own_python: bool,
+        rotate: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Starts the command (`own_python`: with this node's interpreter); returns its pid and
         the size of the log before it (logs are appended to). Again after the last one exited
-        (a restart): the actor then stands for the new process."""
+        (a restart): the actor then stands for the new process. `rotate`: max_bytes,
+        backups and state_dir (where an engine server's ``*-server.log`` lands, or "") to keep
+        the logs small with while it runs."""
         if self.proc is not None:
             if not self.exited.is_set():
                 return {"error": f"process {self.proc.pid} is still running"}
@@ -75,7 +88,27 @@ class _Process:
         started.wait()
         if self.proc is None:
             return {"error": self.error or "not started"}
+        if rotate:
+            threading.Thread(
+                target=self._keep_logs_small, args=(Path(log_path), rotate), daemon=True
+            ).start()
         return {"pid": self.proc.pid, "log_offset": offset, "command": args}
+
+    def _keep_logs_small(self, log_path: Path, rotate: dict[str, Any]) -> None:
+        """Until the process exits: the logs it writes rotated past rotate["max_bytes"]."""
+        from astra.run.logrotate import CHECK_EVERY_S
+        from astra.run.logrotate import rotate as rotate_one
+
+        exited = self.exited
+        state = Path(rotate["state_dir"]) if rotate.get("state_dir") else None
+        every_s = float(rotate.get("every_s", CHECK_EVERY_S))
+        while not exited.wait(every_s):
+            engines = sorted(state.glob("*-server.log")) if state is not None else []
+            for path in (log_path, *engines):
+                try:
+                    rotate_one(path, int(rotate["max_bytes"]), int(rotate["backups"]))
+                except OSError as exc:  # a full disk, say: the log grows on, the child runs on
+                    print(f"could not rotate {path}: {exc}", file=sys.stderr)
 
     def _run(
         self,

@@ -25,6 +25,10 @@ With `tls: true` the supervisor issues each child a credential for its node's IP
 from the run's CA (RUN_DIR/tls/nodes/<ip>/<role>, astra.tls_certs.child_credential) as the
 child is placed.
 
+Logs: each child's actor keeps its log, and a RaaS's engine server logs, under
+`supervision.max_log_bytes` on the child's own node (astra.run.ray_actor); the supervisor,
+which reads them over the shared filesystem, never truncates them.
+
 The run directory must be on a filesystem every node shares, at the same path:
 children read their configs, the dataset and the model from it, write their
 state, checkpoints and logs to it, and the supervisor reads logs, metrics and
@@ -116,7 +120,8 @@ class RayChild(Child):
     """A `Child` whose process a Ray actor starts and watches on the node Ray placed it on."""
 
     # Its log is written by a process on another node, through the shared filesystem, where
-    # truncating under an appending writer is not safe on every filesystem (NFS): not rotated.
+    # truncating under an appending writer is not safe on every filesystem (NFS): its actor
+    # rotates it on that node (`rotation`, astra.run.ray_actor), not the supervisor.
     rotatable = False
 
     def __init__(
@@ -130,9 +135,11 @@ class RayChild(Child):
         resources: dict[str, float],
         driver_node: str | None = None,
         placement_timeout_s: float = 120.0,
+        rotation: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(name, role, args, log_path, env)
         self.resources = resources
+        self.rotation = rotation  # (max_bytes, backups) for its actor; None: never rotated
         self.driver_node = driver_node
         self.placement_timeout_s = placement_timeout_s
         self.placement: dict[str, Any] = {}
@@ -192,7 +199,13 @@ class RayChild(Child):
             env[ENV_DIR] = self.credential = str(node)
         own_python = self.args[0] == sys.executable
         started = await self._call(
-            "start", self.args, {**env, **self.env}, str(self.log_path), os.getcwd(), own_python
+            "start",
+            self.args,
+            {**env, **self.env},
+            str(self.log_path),
+            os.getcwd(),
+            own_python,
+            self._rotate(),
         )
         if "error" in started:
             self.close()
@@ -213,6 +226,15 @@ class RayChild(Child):
         if self._rc is None:
             self._rc = ACTOR_LOST if rc is None else int(rc)
         return self._rc
+
+    def _rotate(self) -> dict[str, Any] | None:
+        """What its actor keeps small: the log, and a RaaS's engine server logs."""
+        if self.rotation is None:
+            return None
+        args = self.args
+        state = args[args.index("--state-dir") + 1] if "--state-dir" in args[:-1] else ""
+        max_bytes, backups = self.rotation
+        return {"max_bytes": max_bytes, "backups": backups, "state_dir": state}
 
     async def _call(self, method: str, *args: Any) -> Any:
         import ray
@@ -307,6 +329,7 @@ class RayChildren:
     def __call__(
         self, name: str, role: str, args: list[str], log_path: Path, env: dict[str, str]
     ) -> RayChild:
+        s = self.recipe.supervision
         return RayChild(
             name,
             role,
@@ -316,6 +339,7 @@ class RayChildren:
             resources=resources(role, args, self.recipe.trainer.device),
             driver_node=self.driver_node,
             placement_timeout_s=self.recipe.supervision.startup_timeout_s,
+            rotation=(s.max_log_bytes, s.log_backups) if s.max_log_bytes > 0 else None,
         )
 
 
