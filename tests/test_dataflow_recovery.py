@@ -361,6 +361,15 @@ def test_the_run_summary_reads_the_batch_rows_of_schema_2(tmp_path):
     state = read_state(Path(cfg.state_dir))
     assert state["acked_batches"] == 2
     assert state["trained_keys"] == 3 and state["duplicated"] == 0  # the replayed copy: not
+    # The work counts (SQLite counts them) against the table's rows counted here.
+    import sqlite3
+
+    with sqlite3.connect(Path(cfg.state_dir) / "dataflow.sqlite") as conn:
+        rows = conn.execute("SELECT state, attempts FROM work").fetchall()
+    dispatched = [s for s, attempts in rows if attempts >= 1 or s == "done"]
+    assert state["with_outcome"] == dispatched.count("done") > 0
+    assert state["unfinished"] == len(dispatched) - dispatched.count("done")
+    assert state["dispatched"] == len(dispatched) <= len(rows)
 
 
 def test_replayed_copies_are_not_counted_as_consumed(tmp_path):

@@ -34,20 +34,25 @@ def read_state(state_dir: Path) -> dict[str, Any]:
         return {}
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        rows = conn.execute("SELECT state, attempts FROM work").fetchall()
+        # Counted by SQLite: the work table holds a row per group the run ever pulled.
+        dispatched = dict(
+            conn.execute(
+                "SELECT state = 'done', COUNT(*) FROM work WHERE attempts >= 1 OR state = 'done' "
+                "GROUP BY state = 'done'"
+            ).fetchall()
+        )
         batches = conn.execute("SELECT policy_id, state, groups FROM batches").fetchall()
     finally:
         conn.close()
-    dispatched = [(s, a) for s, a in rows if a >= 1 or s == "done"]
     trained: Counter[tuple[str, str]] = Counter()
     for policy_id, state, groups in batches:
         if state == "acked":
             # Entries are [group_id, replay] or, from schema 2, [group_id, replay, advantages].
             trained.update((policy_id, k[0]) for k in json.loads(groups) if not k[1])
     return {
-        "dispatched": len(dispatched),
-        "with_outcome": sum(1 for s, _ in dispatched if s == "done"),
-        "unfinished": sum(1 for s, _ in dispatched if s != "done"),
+        "dispatched": sum(dispatched.values()),
+        "with_outcome": dispatched.get(1, 0),
+        "unfinished": dispatched.get(0, 0),
         "acked_batches": sum(1 for _, s, _ in batches if s == "acked"),
         "trained_keys": sum(trained.values()),
         "trained_per_policy": dict(sorted(Counter(p for p, _ in trained.elements()).items())),
