@@ -69,6 +69,7 @@ class TlsMaterial:
     source: str = ""  # where they came from, for messages and logs
     revoked: frozenset[int] = frozenset()  # serial numbers the CA's revocation list names
     crl: str = ""  # the revocation list's path, where one was read
+    crl_next_update: float = 0.0  # when its CA promised a newer list (Unix time; 0: never)
 
 
 def tls_paths(env: Mapping[str, str] | None = None) -> dict[str, Path] | None:
@@ -112,21 +113,29 @@ def load_tls(env: Mapping[str, str] | None = None) -> TlsMaterial | None:
     pem = {k: _read_pem(k, p, via[k]) for k, p in paths.items()}
     _check(pem, paths)
     source = env.get(ENV_DIR) or ", ".join(str(p) for p in paths.values())
-    revoked, crl = _read_crl(env, pem["ca"])
+    revoked, crl, next_update = _read_crl(env, pem["ca"])
     return TlsMaterial(
-        **pem, server_name=env.get(ENV_SERVER_NAME, ""), source=source, revoked=revoked, crl=crl
+        **pem,
+        server_name=env.get(ENV_SERVER_NAME, ""),
+        source=source,
+        revoked=revoked,
+        crl=crl,
+        crl_next_update=next_update,
     )
 
 
-def _read_crl(env: Mapping[str, str], ca_pem: bytes) -> tuple[frozenset[int], str]:
-    """The serials the revocation list of `env` revokes, and its path ('' for none)."""
+def _read_crl(env: Mapping[str, str], ca_pem: bytes) -> tuple[frozenset[int], str, float]:
+    """The serials the revocation list of `env` revokes, its path ('' for none) and its
+    nextUpdate."""
     path, required = crl_path(env)
     if path is None or not (required or path.exists()):
-        return frozenset(), ""
-    from astra.tls_crl import revoked_serials
+        return frozenset(), "", 0.0
+    from astra.tls_crl import load_crl
 
     var = ENV_CRL if required else ENV_DIR
-    return revoked_serials(_read_pem("revocation list", path, var), ca_pem, str(path)), str(path)
+    crl = load_crl(_read_pem("revocation list", path, var), ca_pem, str(path))
+    when = crl.next_update_utc
+    return frozenset(e.serial_number for e in crl), str(path), when.timestamp() if when else 0.0
 
 
 def _read_pem(kind: str, path: Path, var: str) -> bytes:
@@ -276,6 +285,13 @@ class TlsFiles:
                 log.warning("the TLS certificate of %s expires in %.1f days: renew it in place "
                             "(astra tls issue), no restart needed", self.material.source,
                             left / 86400)  # fmt: skip
+            due = self.material.crl_next_update
+            if due and due < time.time():
+                log.warning("the revocation list %s is past its nextUpdate (%s UTC); what it "
+                            "revokes still holds: renew it (astra tls revoke CA_DIR) and copy "
+                            "it to the nodes", self.material.crl,
+                            datetime.datetime.fromtimestamp(due, datetime.UTC)
+                            .strftime("%Y-%m-%d %H:%M"))  # fmt: skip
 
     def refresh(self) -> TlsMaterial | None:
         """The material to use now: read again if the files changed (looked at once a

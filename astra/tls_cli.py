@@ -117,7 +117,8 @@ def revoke_command(
     """Add certificates (CERTS, files the CA in CA_DIR issued) to CA_DIR/crl.pem, the CA's
     signed revocation list. Copy crl.pem into each node's ASTRA_TLS_DIR (or point ASTRA_TLS_CRL
     at it): servers read it again within a second and refuse those certificates from then on
-    (UNAUTHENTICATED, CERTIFICATE_REVOKED); nothing restarts."""
+    (UNAUTHENTICATED, CERTIFICATE_REVOKED); nothing restarts. With nothing named, the list is
+    signed again with a new nextUpdate (processes warn once it has passed)."""
     from astra.tls_crl import revoke
 
     try:
@@ -154,6 +155,7 @@ def show_command(directory: Path) -> None:
         hosts += sans.get_values_for_type(x509.DNSName)
     except x509.ExtensionNotFound:
         hosts = []
+    material = None
     try:
         material = load_tls({ENV_DIR: str(directory)})
         problem = ""
@@ -169,6 +171,7 @@ def show_command(directory: Path) -> None:
         "roles": list(cert_roles(pem["cert"])),
         "policies": cert_policies(pem["cert"]),  # [] = any policy (astra.scopes)
         "serial": f"{cert.serial_number:x}",
+        **_revocation_list(material),
         "not_after": cert.not_valid_after_utc.isoformat(),
         "expires_in_days": round(expires_in_s(pem["cert"]) / 86400, 1),
         "signed_by_ca": signed,
@@ -179,3 +182,21 @@ def show_command(directory: Path) -> None:
     click.echo(json.dumps(out, indent=2))
     if problem:
         raise SystemExit(1)
+
+
+def _revocation_list(material) -> dict[str, object]:
+    """What `show` prints of the credential's revocation list, where it has one."""
+    if material is None or not material.crl:
+        return {}
+    import datetime
+
+    due = material.crl_next_update
+    return {
+        "revocation_list": {
+            "path": material.crl,
+            "revoked": len(material.revoked),
+            "next_update": datetime.datetime.fromtimestamp(due, datetime.UTC).isoformat()
+            if due
+            else None,
+        }
+    }

@@ -2,9 +2,9 @@
 
 `revoke` adds certificates (by file or serial number) to the X.509 CRL ``crl.pem`` of a CA
 directory, signed by the CA's key: a standard CRL that `openssl crl -text` reads. Nodes find it
-as ``crl.pem`` in their ASTRA_TLS_DIR (or at ASTRA_TLS_CRL); `revoked_serials` checks that the
-CA of the node's ca.pem signed it and gives the serial numbers it lists, which servers then
-refuse (servers.authz: UNAUTHENTICATED, reason CERTIFICATE_REVOKED). Never touches gRPC.
+as ``crl.pem`` in their ASTRA_TLS_DIR (or at ASTRA_TLS_CRL); `load_crl` checks that the CA of
+the node's ca.pem signed it; servers then refuse the serial numbers it lists (servers.authz:
+UNAUTHENTICATED, reason CERTIFICATE_REVOKED). Never touches gRPC.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def _pems(data: bytes, kind: str) -> list[bytes]:
     return out
 
 
-def _load(crl_pem: bytes, ca_pem: bytes, where: str):
-    """The CRL in `crl_pem`, checked to be signed by a certificate of `ca_pem`."""
+def load_crl(crl_pem: bytes, ca_pem: bytes, where: str = CRL_FILE):
+    """The CRL (cryptography's x509.CertificateRevocationList: its entries are the revoked
+    serials, `next_update_utc` when its CA promised a newer one) in `crl_pem`, signed by a
+    certificate of `ca_pem` (TlsConfigError when it is not one CRL or another CA signed it)."""
     from cryptography import x509
 
     blocks = _pems(crl_pem, "X509 CRL")
@@ -56,17 +58,6 @@ def _load(crl_pem: bytes, ca_pem: bytes, where: str):
     )
 
 
-def revoked_serials(crl_pem: bytes, ca_pem: bytes, where: str = CRL_FILE) -> frozenset[int]:
-    """The serial numbers a CRL signed by the CA of `ca_pem` revokes (TlsConfigError when it
-    is not a CRL or another CA signed it)."""
-    return frozenset(entry.serial_number for entry in _load(crl_pem, ca_pem, where))
-
-
-def next_update(crl_pem: bytes, ca_pem: bytes) -> datetime.datetime | None:
-    """When the CRL's issuer promised a newer one (None: no promise)."""
-    return _load(crl_pem, ca_pem, CRL_FILE).next_update_utc
-
-
 def serial_of(cert_pem: bytes) -> int:
     """The serial number of a PEM certificate (ValueError when it is not one)."""
     from cryptography import x509
@@ -82,8 +73,9 @@ def revoke(
     days: int = DEFAULT_DAYS,
 ) -> dict[str, object]:
     """Adds the certificates at `certs` and the `serials` to CA_DIR/crl.pem (made if missing),
-    a new CRL number each time, signed by the CA; already listed ones stay as they were.
-    Returns what the list now holds. Certificates another CA issued are refused."""
+    a new CRL number each time, signed by the CA; already listed ones stay as they were. With
+    nothing to add, an existing list is signed again with a new nextUpdate (renewed). Returns
+    what the list now holds. Certificates another CA issued are refused."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
 
@@ -107,16 +99,16 @@ def revoke(
         if not chained:
             raise TlsConfigError(f"{path} was not issued by the CA in {ca_dir}")
         wanted[serial] = None
-    if not wanted:
+    path = ca_dir / CRL_FILE
+    if not wanted and not path.exists():
         raise TlsConfigError("nothing to revoke: name a certificate file or a serial number")
     for serial in wanted:
         if not 0 < serial < 1 << 160:
             raise TlsConfigError(f"serial {serial:#x}: not a certificate serial number")
-    path = ca_dir / CRL_FILE
     entries: dict[int, x509.RevokedCertificate] = {}
     number = 0
     if path.exists():
-        old = _load(path.read_bytes(), ca_pem, str(path))
+        old = load_crl(path.read_bytes(), ca_pem, str(path))
         entries = {e.serial_number: e for e in old}
         try:
             number = old.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number

@@ -179,7 +179,17 @@ def test_revoke_cli_keeps_the_list_and_openssl_reads_it(tmp_path, ca) -> None:
     assert second["revoked"] == serials  # the one listed before stays listed, once
     assert second["added"] == [f"{serial_of(certs[1].read_bytes()):x}"]
     assert load_tls({"ASTRA_TLS_DIR": str(ca)}).revoked == {int(s, 16) for s in serials}
-    assert cli("revoke", str(ca)).exit_code == 2  # nothing named
+    # Nothing named: the list signed again (a new nextUpdate), what it revokes kept.
+    renewed = json.loads(cli("revoke", str(ca), "--days", "60").output)
+    assert renewed["crl_number"] == 3 and renewed["revoked"] == serials and not renewed["added"]
+    assert renewed["next_update"] > second["next_update"]
+    shown = json.loads(cli("show", str(ca)).output)["revocation_list"]
+    assert shown["path"] == str(ca / "crl.pem") and shown["revoked"] == 2
+    assert shown["next_update"][:19] == renewed["next_update"][:19]  # a CRL keeps seconds
+    assert "revocation_list" not in json.loads(cli("show", str(tmp_path / "operator")).output)
+    other = tmp_path / "fresh-ca"
+    init_ca(other)
+    assert cli("revoke", str(other)).exit_code == 2  # nothing named, and no list to renew
     assert cli("revoke", str(ca), "--serial", "xyz").exit_code == 2
     # A standard CRL: OpenSSL verifies its signature against the CA and lists the serials.
     if shutil.which("openssl") is None:
@@ -219,3 +229,32 @@ def test_a_runs_child_credentials_follow_the_runs_list(tmp_path, ca) -> None:
     assert files.refresh().revoked == {serial_of((trainer / "cert.pem").read_bytes())}
     assert child_credential(ca, "raas") == child  # called again: the link stays a link
     assert (child / "crl.pem").is_symlink()
+
+
+def test_a_list_past_its_next_update_still_revokes_and_is_warned_of(tmp_path, ca, caplog) -> None:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    serial = serial_of((tmp_path / "raas" / "cert.pem").read_bytes())
+    key = serialization.load_pem_private_key((ca / "ca.key").read_bytes(), None)
+    issuer = x509.load_pem_x509_certificate((ca / "ca.pem").read_bytes()).subject
+    now = datetime.datetime.now(datetime.UTC)
+    entry = x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build()
+    stale = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(issuer)
+        .last_update(now - datetime.timedelta(days=40))
+        .next_update(now - datetime.timedelta(days=10))
+        .add_revoked_certificate(entry)
+        .sign(key, hashes.SHA256())
+    )
+    (ca / "crl.pem").write_bytes(stale.public_bytes(serialization.Encoding.PEM))
+    with caplog.at_level("WARNING", logger="astra.tls"):
+        files = TlsFiles({"ASTRA_TLS_DIR": str(ca)})
+    assert files.material.revoked == {serial}  # still what it revokes
+    assert any("past its nextUpdate" in r.getMessage() for r in caplog.records), caplog.text
+    renewed = json.loads(cli("revoke", str(ca)).output)
+    assert renewed["revoked"] == [f"{serial:x}"]
+    assert files.refresh().crl_next_update > now.timestamp()
