@@ -214,3 +214,51 @@ def test_all_raas_dead_then_a_new_one_resumes_the_run(big_dataset, tmp_path):
             assert len(trainer.consumed) >= before + 4
 
     run_then_close(body(), procs)
+
+
+def test_epochs_folded_while_raas_and_dataflow_die_keep_exactly_once(big_dataset, tmp_path):
+    """Four epochs with every complete epoch folded into a count as soon as it may be
+    (storage.keep_done_epochs 0, looked for every 0.2 s): a RaaS SIGKILLed with groups in
+    flight, then Dataflow SIGKILLed and restarted; every group of every epoch reaches the
+    trainer exactly once, and the folded epochs stay done across the restart."""
+    epochs = 4
+    config = fault_config(big_dataset, tmp_path, port=free_port()).model_copy(
+        update={"storage": fault_config(big_dataset, tmp_path).storage.model_copy(
+            update={"keep_done_epochs": 0, "fold_interval_s": 0.2, "min_free_bytes": 0}
+        )}
+    )  # fmt: skip
+    config.streams[0].dataset.num_epochs = epochs
+    total = NUM_PROMPTS * epochs
+    df = start_dataflow(config, tmp_path, "dataflow-a")
+    raas = [
+        start_scripted_raas(df.address, tmp_path, f"raas-{i}", "--delay", "0.05", "--capacity", "8")
+        for i in range(2)
+    ]
+    procs = [*raas, df]
+
+    async def body():
+        nonlocal df
+        async with Trainer(df.address) as trainer:
+            await trainer.run_until(NUM_PROMPTS // 2, 30, num_groups=4)
+            raas[0].kill()  # with groups in flight: dispatched again, its results never come
+            procs.append(start_scripted_raas(df.address, tmp_path, "raas-2", "--delay", "0.05"))
+            await trainer.run_until(NUM_PROMPTS * 2 + 4, 60, num_groups=4)
+            folded = await trainer.wait_status(
+                lambda s: s.counters["groups_folded"] >= NUM_PROMPTS, 10, 0.1
+            )
+            df.kill()
+            df = start_dataflow(config, tmp_path, "dataflow-b")
+            procs.append(df)
+            await trainer.run_until(total, 90, num_groups=4)
+            status = await trainer.wait_status(
+                lambda s: s.counters["groups_folded"] >= total - NUM_PROMPTS, 10, 0.1
+            )
+        return trainer.consumed, folded, status
+
+    consumed, folded, status = run_then_close(body(), procs)
+    assert len(consumed) == len(set(consumed)), "a group reached the trainer twice"
+    every = {f"s/{e}/{i}" for e in range(epochs) for i in range(NUM_PROMPTS)}
+    assert set(consumed) == every, sorted(every - set(consumed))[:10]
+    assert folded.counters["groups_folded"] >= NUM_PROMPTS  # epoch 0 at least, before the kill
+    assert status.counters["groups_done"] == total
+    assert status.counters["groups_folded"] >= total - NUM_PROMPTS

@@ -138,6 +138,17 @@ class StorageSettings(_Strict):
         description="Size of the blob log's segment files: consumed groups give their bytes "
         "back as whole segments fall out of use.",
     )
+    keep_done_epochs: int | None = Field(
+        2,
+        ge=0,
+        description="Complete epochs of each training stream whose per-group work rows are "
+        "kept; the rows of older complete epochs fold into one count per epoch "
+        "(astra.dataflow.folding), so the state grows with the work in flight, not with the "
+        "run's length. None: every row kept.",
+    )
+    fold_interval_s: float = Field(
+        30.0, gt=0, description="How often complete epochs are looked for to fold."
+    )
 
     @model_validator(mode="after")
     def _resume_above_min(self) -> StorageSettings:

@@ -28,6 +28,7 @@ from astra.dataflow.config import DataflowConfig, StreamSettings
 from astra.dataflow.dataset import DatasetConfig, PromptSource
 from astra.dataflow.done import DoneGroups
 from astra.dataflow.evals import EvalDesk
+from astra.dataflow.folding import EpochFolder
 from astra.dataflow.gate import (
     GateConfig,
     GateMode,
@@ -186,6 +187,14 @@ class Dataflow(Ingesting, WeightSync):
         self._streaming = 0
         self._stopping = False
         self._recover()
+        # Complete epochs' work rows folded into counts (upkeep), past storage.keep_done_epochs.
+        self.folder = EpochFolder(
+            self.store,
+            [s for s in self.sources if not self.evals.is_eval(s)],
+            config.storage.keep_done_epochs,
+            in_flight=self._epoch_in_flight,
+            every_s=config.storage.fold_interval_s,
+        )
 
     # ----- recovery and persistence -------------------------------------------------------
 
@@ -979,9 +988,15 @@ class Dataflow(Ingesting, WeightSync):
             with contextlib.suppress(Exception):
                 await port.close()
         self._sync_weights()
+        if not paused and (folded := self.folder.maybe_fold()):
+            self.counters["groups_folded"] += folded
         if self._counter_state() != self._saved_counters:
             with self.store.tx() as tx:
                 self.persist_counters(tx)
+
+    def _epoch_in_flight(self, stream: str, epoch: int) -> bool:
+        """Whether a group of the stream's epoch is waiting or leased (in memory)."""
+        return any(w.stream == stream and w.item.epoch == epoch for w in self.work.values())
 
     async def _probe(self, inst: Instance) -> bool:
         try:

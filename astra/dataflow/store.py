@@ -31,7 +31,8 @@ from astra.dataflow.records import GroupRecord, TrajectoryRecord
 # 2: batch_replays; a batch row's groups carry their advantages. A schema-1 directory is
 # migrated on open (the new table is created; its batch rows are read without advantages).
 # 3: replay_memory (a schema-1 or -2 directory opens with it empty).
-SCHEMA_VERSION = 3
+# 4: folded_work (astra.dataflow.folding; an older directory opens with nothing folded).
+SCHEMA_VERSION = 4
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS work (
@@ -44,6 +45,12 @@ CREATE TABLE IF NOT EXISTS work (
     outcome TEXT
 );
 CREATE INDEX IF NOT EXISTS work_state ON work(state);
+CREATE TABLE IF NOT EXISTS folded_work (
+    stream TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    done INTEGER NOT NULL,
+    PRIMARY KEY (stream, epoch)
+);
 CREATE TABLE IF NOT EXISTS groups (
     group_id TEXT NOT NULL,
     policy_id TEXT NOT NULL,
@@ -213,6 +220,33 @@ class Tx:
             (group_id, stream, state, instance_id, lease_expire, attempts, outcome),
         )
 
+    def fold_epoch(self, stream: str, epoch: int, limit: int) -> int | None:
+        """Moves up to `limit` work rows of the stream's epoch (ids ``<stream>/<epoch>/<index>``)
+        into its folded_work count, all done; None, changing nothing, while one of them is
+        waiting or leased. Returns the rows folded (fewer than `limit`: the epoch is all
+        folded; astra.dataflow.folding)."""
+        # Ids with that prefix are exactly those in [prefix, prefix with "/" -> "0"): "0"
+        # follows "/" in SQLite's default (BINARY) collation. Not done: state below or above
+        # "done", which the work_state index finds among the few rows in flight.
+        span = (f"{stream}/{epoch}/", f"{stream}/{epoch}0", stream)
+        where = "group_id >= ? AND group_id < ? AND stream = ?"
+        open_ = self.c.execute(
+            f"SELECT 1 FROM work WHERE (state < 'done' OR state > 'done') AND {where} LIMIT 1",
+            span,
+        ).fetchone()
+        if open_ is not None:
+            return None
+        n = self.c.execute(
+            f"DELETE FROM work WHERE rowid IN (SELECT rowid FROM work WHERE {where} LIMIT ?)",
+            (*span, limit),
+        ).rowcount
+        self.c.execute(
+            "INSERT INTO folded_work(stream, epoch, done) VALUES(?, ?, ?) "
+            "ON CONFLICT(stream, epoch) DO UPDATE SET done = done + excluded.done",
+            (stream, epoch, n),
+        )
+        return n
+
     def add_groups(
         self, groups: Iterable[GroupRecord], staged: dict[tuple[str, str], Staged] | None = None
     ) -> None:
@@ -334,7 +368,7 @@ class StateStore:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, SCHEMA_VERSION):
+        if version not in (0, 1, 2, 3, SCHEMA_VERSION):
             raise RuntimeError(f"{self.path}: schema {version}, this build reads {SCHEMA_VERSION}")
         self.conn.executescript(SCHEMA)
         self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -422,7 +456,8 @@ class StateStore:
         return default if row is None else json.loads(row[0])
 
     def work_rows(self) -> list[WorkRow]:
-        """Every row, done ones included (the run's history: for accounting and tests)."""
+        """Every row, done ones included, but for the folded epochs' (`folded`): the run's
+        history, for accounting and tests."""
         return [WorkRow(*r) for r in self.conn.execute("SELECT * FROM work")]
 
     def unfinished_work(self) -> list[WorkRow]:
@@ -431,15 +466,40 @@ class StateStore:
         return [WorkRow(*r) for r in rows]
 
     def is_done(self, group_id: str) -> bool:
-        """True when the work table records the group as done (inside a transaction, its
-        writes so far count)."""
+        """True when the work table records the group as done, or its epoch was folded
+        (inside a transaction, its writes so far count)."""
         row = self.conn.execute(
             "SELECT 1 FROM work WHERE group_id=? AND state='done'", (group_id,)
+        ).fetchone()
+        if row is not None:
+            return True
+        stream, _, rest = group_id.rpartition("/")
+        stream, _, epoch = stream.rpartition("/")
+        canonical = epoch.isascii() and epoch.isdigit() and str(int(epoch)) == epoch
+        if not (stream and canonical and rest):  # not an id a dataset makes
+            return False
+        row = self.conn.execute(
+            "SELECT 1 FROM folded_work WHERE stream=? AND epoch=?", (stream, int(epoch))
         ).fetchone()
         return row is not None
 
     def done_count(self) -> int:
-        return self.conn.execute("SELECT COUNT(*) FROM work WHERE state='done'").fetchone()[0]
+        """Groups done: those of the work table and of its folded epochs."""
+        (rows,) = self.conn.execute("SELECT COUNT(*) FROM work WHERE state='done'").fetchone()
+        (folded,) = self.conn.execute("SELECT COALESCE(SUM(done), 0) FROM folded_work").fetchone()
+        return rows + folded
+
+    def newest_folded_epoch(self, stream: str) -> int | None:
+        """The stream's newest epoch with a folded count (it may still have rows: folding goes
+        a chunk per transaction), None when none has."""
+        (newest,) = self.conn.execute(
+            "SELECT MAX(epoch) FROM folded_work WHERE stream=?", (stream,)
+        ).fetchone()
+        return newest
+
+    def folded(self) -> dict[tuple[str, int], int]:
+        """(stream, epoch) -> groups done, of every folded epoch."""
+        return {(s, e): n for s, e, n in self.conn.execute("SELECT * FROM folded_work")}
 
     def groups(self) -> list[tuple[GroupRecord, str | None]]:
         """Every stored group with the batch it is leased in (None if buffered)."""

@@ -41,6 +41,11 @@ def read_state(state_dir: Path) -> dict[str, Any]:
                 "GROUP BY state = 'done'"
             ).fetchall()
         )
+        try:  # the epochs folded into counts (astra.dataflow.folding): all done
+            (folded,) = conn.execute("SELECT COALESCE(SUM(done), 0) FROM folded_work").fetchone()
+        except sqlite3.OperationalError:  # a state directory of before schema 4
+            folded = 0
+        dispatched[1] = dispatched.get(1, 0) + folded
         batches = conn.execute("SELECT policy_id, state, groups FROM batches").fetchall()
     finally:
         conn.close()
