@@ -194,6 +194,7 @@ class Dataflow(Ingesting, WeightSync):
             config.storage.keep_done_epochs,
             in_flight=self._epoch_in_flight,
             every_s=config.storage.fold_interval_s,
+            on_folded=self._count_folded,
         )
 
     # ----- recovery and persistence -------------------------------------------------------
@@ -988,11 +989,15 @@ class Dataflow(Ingesting, WeightSync):
             with contextlib.suppress(Exception):
                 await port.close()
         self._sync_weights()
-        if not paused and (folded := self.folder.maybe_fold()):
-            self.counters["groups_folded"] += folded
+        if not paused:
+            self.folder.maybe_fold()
         if self._counter_state() != self._saved_counters:
             with self.store.tx() as tx:
                 self.persist_counters(tx)
+
+    def _count_folded(self, tx, rows: int) -> None:
+        self.counters["groups_folded"] += rows  # with the rows it counts, in their transaction
+        self.persist_counters(tx)
 
     def _epoch_in_flight(self, stream: str, epoch: int) -> bool:
         """Whether a group of the stream's epoch is waiting or leased (in memory)."""

@@ -51,10 +51,13 @@ class EpochFolder:
         in_flight: Callable[[str, int], bool],
         every_s: float = FOLD_EVERY_S,
         chunk_rows: int = CHUNK_ROWS,
+        on_folded: Callable[[Any, int], None] | None = None,
     ) -> None:
         """`keep`: complete epochs whose rows stay (None: never fold); `in_flight(stream,
-        epoch)`: whether a group of that epoch is in flight in memory."""
+        epoch)`: whether a group of that epoch is in flight in memory; `on_folded(tx, rows)`:
+        called in each chunk's transaction (Dataflow counts the rows there)."""
         self.store, self.keep, self.in_flight, self.every_s = store, keep, in_flight, every_s
+        self.on_folded = on_folded
         self.chunk_rows = chunk_rows
         self.streams = list(streams)
         # Per stream, the epoch to fold next: the newest with a count is looked at again (a
@@ -94,6 +97,8 @@ class EpochFolder:
                 continue
             with self.store.tx() as tx:
                 folded = tx.fold_epoch(stream, epoch, self.chunk_rows)
+                if folded and self.on_folded is not None:
+                    self.on_folded(tx, folded)
             if folded is None:  # a row of it still waiting or leased
                 continue
             self.folded_groups += folded
