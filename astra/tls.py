@@ -70,6 +70,9 @@ class TlsMaterial:
     revoked: frozenset[int] = frozenset()  # serial numbers the CA's revocation list names
     crl: str = ""  # the revocation list's path, where one was read
     crl_next_update: float = 0.0  # when its CA promised a newer list (Unix time; 0: never)
+    crl_issuer: str = ""  # the CA whose list `revoked` is
+    crl_number: int = 0  # that list's CRLNumber
+    crl_note: str = ""  # why a list found is not used, or why the one before still is
 
 
 def tls_paths(env: Mapping[str, str] | None = None) -> dict[str, Path] | None:
@@ -103,8 +106,10 @@ def crl_path(env: Mapping[str, str] | None = None) -> tuple[Path | None, bool]:
     return None, False
 
 
-def load_tls(env: Mapping[str, str] | None = None) -> TlsMaterial | None:
-    """This process's TLS material, None when its environment asks for plaintext."""
+def load_tls(env: Mapping[str, str] | None = None, *, with_crl: bool = True) -> TlsMaterial | None:
+    """This process's TLS material, None when its environment asks for plaintext. A
+    revocation list that cannot be used raises astra.tls_crl.CrlError (a TlsConfigError);
+    `with_crl` False leaves it out."""
     env = os.environ if env is None else env
     paths = tls_paths(env)
     if paths is None:
@@ -113,29 +118,12 @@ def load_tls(env: Mapping[str, str] | None = None) -> TlsMaterial | None:
     pem = {k: _read_pem(k, p, via[k]) for k, p in paths.items()}
     _check(pem, paths)
     source = env.get(ENV_DIR) or ", ".join(str(p) for p in paths.values())
-    revoked, crl, next_update = _read_crl(env, pem["ca"])
-    return TlsMaterial(
-        **pem,
-        server_name=env.get(ENV_SERVER_NAME, ""),
-        source=source,
-        revoked=revoked,
-        crl=crl,
-        crl_next_update=next_update,
-    )
+    material = TlsMaterial(**pem, server_name=env.get(ENV_SERVER_NAME, ""), source=source)
+    if not with_crl:
+        return material
+    from astra.tls_crl import with_list
 
-
-def _read_crl(env: Mapping[str, str], ca_pem: bytes) -> tuple[frozenset[int], str, float]:
-    """The serials the revocation list of `env` revokes, its path ('' for none) and its
-    nextUpdate."""
-    path, required = crl_path(env)
-    if path is None or not (required or path.exists()):
-        return frozenset(), "", 0.0
-    from astra.tls_crl import load_crl
-
-    var = ENV_CRL if required else ENV_DIR
-    crl = load_crl(_read_pem("revocation list", path, var), ca_pem, str(path))
-    when = crl.next_update_utc
-    return frozenset(e.serial_number for e in crl), str(path), when.timestamp() if when else 0.0
+    return with_list(material, env)
 
 
 def _read_pem(kind: str, path: Path, var: str) -> bytes:
@@ -260,12 +248,16 @@ class TlsFiles:
         crl = crl_path(self.env)[0] if self.paths else None
         self.watched = [*(self.paths or {}).values(), *([crl] if crl else [])]
         self.stamp = _stamp(self.watched)
+        from astra.tls_crl import own_revoked
+
         self.material = load_tls(self.env)
-        if self.material is not None and _own_revoked(self.material):
+        if self.material is not None and own_revoked(self.material):
             raise TlsConfigError(
                 f"the certificate of {self.material.source} is revoked by {self.material.crl}: "
                 "issue this node a new one (astra tls issue)"
             )
+        if self.material is not None and self.material.crl_note:
+            log.warning("%s", self.material.crl_note)
         self.reloads = 0
         self._checked = time.monotonic()
         self._refused: tuple = ()
@@ -307,32 +299,34 @@ class TlsFiles:
             stamp = _stamp(self.watched)
             if stamp == self.stamp:
                 return self.material
+            from astra.tls_crl import CrlError, carried, kept, own_revoked
+
             try:
-                material = load_tls(self.env)
+                try:
+                    material = carried(load_tls(self.env), self.material)
+                except CrlError as exc:  # the rest may be fine: used, with the list in use
+                    why = f"{exc}; the revocations in use stay"
+                    material = load_tls(self.env, with_crl=False)
+                    if self.material is not None:
+                        material = kept(material, self.material, why)
             except TlsConfigError as exc:
                 if stamp != self._refused:  # once per state of the files
                     self._refused = stamp
                     log.warning("TLS files changed but cannot be used yet: %s; "
                                 "the credentials in use stay", exc)  # fmt: skip
                 return self.material
+            if material is not None and material.crl_note:
+                log.warning("%s", material.crl_note)
             self.stamp, self.material = stamp, material
             self.reloads += 1
             log.info("TLS credentials read again from %s (%d revoked)", material.source,
                      len(material.revoked))  # fmt: skip
-            if _own_revoked(material):  # its callers refuse it; its own checks still hold
+            if own_revoked(material):  # its callers refuse it; its own checks still hold
                 log.error("the certificate of %s is revoked by %s: issue this node a new one "
                           "(astra tls issue)", material.source, material.crl)  # fmt: skip
             self._expiry_checked = -float("inf")  # the new certificate's own end
             self._warn_expiry(now)
             return material
-
-
-def _own_revoked(material: TlsMaterial) -> bool:
-    if not material.revoked:
-        return False
-    from astra.tls_crl import serial_of
-
-    return serial_of(material.cert) in material.revoked
 
 
 _cache: dict[tuple[str, ...], TlsFiles] = {}

@@ -15,6 +15,7 @@ import datetime
 import hashlib
 import ipaddress
 import os
+import secrets
 import tempfile
 import urllib.parse
 from collections.abc import Sequence
@@ -89,9 +90,12 @@ def _ca_usage(x509):
     )
 
 
-def init_ca(directory: Path, *, name: str = "astra run CA", days: int = 365) -> Path:
-    """Writes a new CA into `directory` (refuses to overwrite one); returns ca.pem's path."""
+def init_ca(directory: Path, *, name: str = "", days: int = 365) -> Path:
+    """Writes a new CA into `directory` (refuses to overwrite one); returns ca.pem's path. Its
+    name (default: "astra run CA" and a random suffix) tells its revocation list from another
+    CA's (astra.tls_crl)."""
     x509, hashes, serialization, ec, _, NameOID = _x509()
+    name = name or f"astra run CA {secrets.token_hex(4)}"
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / CA_KEY).exists():
         raise TlsConfigError(f"{directory / CA_KEY} exists: a CA is there already")

@@ -10,12 +10,29 @@ UNAUTHENTICATED, reason CERTIFICATE_REVOKED). Never touches gRPC.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from astra.tls import CRL_FILE, TlsConfigError
+from astra.tls import CRL_FILE, ENV_CRL, MAX_PEM_BYTES, TlsConfigError, TlsMaterial, crl_path
 
 DEFAULT_DAYS = 30  # a CRL's nextUpdate: when its issuer promises a newer one, at the latest
+
+
+class CrlError(TlsConfigError):
+    """The revocation list alone cannot be used (the rest of the credentials may be fine)."""
+
+
+@dataclass(frozen=True)
+class RevocationList:
+    """What a node takes from its crl.pem (`read_list`)."""
+
+    serials: frozenset[int]
+    path: str
+    issuer: str = ""
+    number: int = 0  # its CRLNumber: a newer list of the same CA has a higher one
+    next_update: float = 0.0  # Unix time; 0: no promise
+    ignored: str = ""  # why the list found is not used (its CA is not one ca.pem trusts)
 
 
 def _pems(data: bytes, kind: str) -> list[bytes]:
@@ -31,31 +48,129 @@ def _pems(data: bytes, kind: str) -> list[bytes]:
     return out
 
 
-def load_crl(crl_pem: bytes, ca_pem: bytes, where: str = CRL_FILE):
-    """The CRL (cryptography's x509.CertificateRevocationList: its entries are the revoked
-    serials, `next_update_utc` when its CA promised a newer one) in `crl_pem`, signed by a
-    certificate of `ca_pem` (TlsConfigError when it is not one CRL or another CA signed it)."""
+def _parse(crl_pem: bytes, ca_pem: bytes, where: str):
+    """(the CRL in `crl_pem`, the certificates of `ca_pem` named as its issuer)."""
     from cryptography import x509
 
     blocks = _pems(crl_pem, "X509 CRL")
     if len(blocks) != 1:
-        raise TlsConfigError(f"{where}: holds {len(blocks)} CRLs, not one (X509 CRL PEM)")
+        raise CrlError(f"{where}: holds {len(blocks)} CRLs, not one (X509 CRL PEM)")
     try:
         crl = x509.load_pem_x509_crl(blocks[0])
         cas = [x509.load_pem_x509_certificate(c) for c in _pems(ca_pem, "CERTIFICATE")]
     except ValueError as exc:
-        raise TlsConfigError(f"{where}: {exc}") from exc
-    for ca in cas:
-        if ca.subject == crl.issuer:
-            try:
-                if crl.is_signature_valid(ca.public_key()):  # type: ignore[arg-type]
-                    return crl
-            except TypeError:  # a key type CRLs cannot be signed with
-                continue
-    raise TlsConfigError(
+        raise CrlError(f"{where}: {exc}") from exc
+    return crl, [ca for ca in cas if ca.subject == crl.issuer]
+
+
+def _signed(crl, issuers: list, where: str):
+    for ca in issuers:
+        try:
+            if crl.is_signature_valid(ca.public_key()):
+                return crl
+        except TypeError:  # a key type CRLs cannot be signed with
+            continue
+    raise CrlError(
         f"{where}: not signed by the CA of ca.pem (issuer {crl.issuer.rfc4514_string()}): "
         "a revocation list counts only from the CA that issued the certificates"
     )
+
+
+def load_crl(crl_pem: bytes, ca_pem: bytes, where: str = CRL_FILE):
+    """The CRL (cryptography's x509.CertificateRevocationList: its entries are the revoked
+    serials, `next_update_utc` when its CA promised a newer one) in `crl_pem`, signed by a
+    certificate of `ca_pem` (CrlError when it is not one CRL or another CA signed it)."""
+    crl, issuers = _parse(crl_pem, ca_pem, where)
+    return _signed(crl, issuers, where)
+
+
+def read_list(path: Path, ca_pem: bytes) -> RevocationList:
+    """A node's revocation list at `path` (CrlError when it cannot be read or is not one CRL,
+    or names a CA of ca.pem as its issuer that did not sign it). A list whose issuer is no CA
+    of ca.pem is not used (`ignored` says so): the certificates it lists chain to a CA the
+    node no longer trusts (after a move to a new CA), so they cannot connect anyway."""
+    from cryptography import x509
+
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_PEM_BYTES + 1)
+    except OSError as exc:
+        raise CrlError(f"cannot read the revocation list {path}: {exc.strerror}") from exc
+    if len(data) > MAX_PEM_BYTES:
+        raise CrlError(f"{path} is over {MAX_PEM_BYTES} bytes: not a revocation list")
+    crl, issuers = _parse(data, ca_pem, str(path))
+    issuer = crl.issuer.rfc4514_string()
+    if not issuers:
+        note = f"{path} is the list of {issuer}, a CA ca.pem does not trust: not used"
+        return RevocationList(frozenset(), str(path), issuer, ignored=note)
+    _signed(crl, issuers, str(path))
+    try:
+        number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+    except x509.ExtensionNotFound:
+        number = 0
+    due = crl.next_update_utc
+    return RevocationList(
+        frozenset(e.serial_number for e in crl),
+        str(path),
+        issuer,
+        number,
+        due.timestamp() if due else 0.0,
+    )
+
+
+def with_list(material: TlsMaterial, env: Mapping[str, str]) -> TlsMaterial:
+    """`material` with the revocation list `env` names, where there is one."""
+    path, required = crl_path(env)
+    if path is None or not (required or path.exists()):
+        return material
+    if required and not path.exists():
+        raise CrlError(f"{ENV_CRL}: no revocation list at {path}")
+    found = read_list(path, material.ca)
+    return replace(
+        material,
+        revoked=found.serials,
+        crl=found.path,
+        crl_next_update=found.next_update,
+        crl_issuer=found.issuer,
+        crl_number=found.number,
+        crl_note=found.ignored,
+    )
+
+
+def kept(new: TlsMaterial, old: TlsMaterial, why: str) -> TlsMaterial:
+    """The new credentials with the revocations in use before (fail closed)."""
+    return replace(
+        new,
+        revoked=old.revoked,
+        crl=old.crl,
+        crl_next_update=old.crl_next_update,
+        crl_issuer=old.crl_issuer,
+        crl_number=old.crl_number,
+        crl_note=why,
+    )
+
+
+def carried(new: TlsMaterial, old: TlsMaterial | None) -> TlsMaterial:
+    """What a refresh uses of the revocations: the new list, unless it would revoke less than
+    the one in use says without being newer (removed, not used, or an older list of the same
+    CA): then the list in use stays until a restart."""
+    if old is None or not old.revoked:
+        return new
+    if not new.crl:
+        return kept(new, old, f"{old.crl} was removed: its revocations stay")
+    if new.crl_note:
+        return kept(new, old, f"{new.crl_note}; the revocations before it stay")
+    if new.crl_issuer == old.crl_issuer and new.crl_number < old.crl_number:
+        why = (f"{new.crl} is an older list (number {new.crl_number} < {old.crl_number}): "
+               "the newer one's revocations stay")  # fmt: skip
+        return kept(new, old, why)
+    return new
+
+
+def own_revoked(material: TlsMaterial) -> bool:
+    if not material.revoked:
+        return False
+    return serial_of(material.cert) in material.revoked
 
 
 def serial_of(cert_pem: bytes) -> int:

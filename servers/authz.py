@@ -106,21 +106,23 @@ class RoleGuard:
             try:
                 serial = serial_of(pem)
             except ValueError:
-                serial = -1  # no certificate to read: the handshake let it in, roles decide
+                serial = -1  # no certificate to read: refused below, as if revoked (closed)
             if len(self._serials) >= MAX_SERIALS:
                 self._serials.clear()
             self._serials[pem] = serial
-        if serial not in revoked:
+        if serial not in revoked and serial >= 0:
             return
         self.by_caller[(method, "revoked")] += 1
         if self.by_caller[(method, "revoked")] == 1:
-            log.warning("refused %s to %s: its certificate (serial %x) is revoked",
-                        method, context.peer(), serial)  # fmt: skip
+            log.warning("refused %s to %s: its certificate (serial %s) is revoked",
+                        method, context.peer(), f"{serial:x}" if serial >= 0 else "unreadable")  # fmt: skip
+        shown = f"{serial:x}" if serial >= 0 else "unreadable"
         raise Unauthenticated(
-            f"{method}: the caller's certificate (serial {serial:x}) is revoked by the CA's "
-            "revocation list: its holder needs a new one (astra tls issue)",
+            f"{method}: the caller's certificate (serial {shown}) is revoked by the CA's "
+            "revocation list (or could not be read to tell): its holder needs a new one "
+            "(astra tls issue)",
             reason="CERTIFICATE_REVOKED",
-            metadata={"method": method, "serial": f"{serial:x}"},
+            metadata={"method": method, "serial": shown},
         )
 
     def _in_scope(self, method: str, policies: frozenset[str], message: object) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from astra.dataflow.folding import EpochFolder, durable_epoch
 from astra.dataflow.store import StateStore
 from astra.run.summary import read_state
@@ -153,3 +155,16 @@ def test_late_results_of_folded_epochs_are_dropped_and_the_accounting_counts_the
     state = read_state(Path(config.state_dir))
     assert state["dispatched"] == state["with_outcome"] == n * epochs
     assert state["unfinished"] == 0
+
+
+def test_the_open_rows_of_an_epoch_are_found_through_the_state_index(tmp_path: Path) -> None:
+    """The check a fold makes before each chunk reads the few rows in flight, not the epoch."""
+    from astra.dataflow.store import OPEN_ROW_IN_SPAN
+
+    store = StateStore(tmp_path)
+    query = OPEN_ROW_IN_SPAN.format(where="group_id >= ? AND group_id < ? AND stream = ?")
+    plan = store.conn.execute(f"EXPLAIN QUERY PLAN {query}", ("s/0/", "s/00", "s")).fetchall()
+    assert any("work_state" in str(step) for step in plan), plan
+    with pytest.raises(ValueError, match="work state"), store.tx() as tx:
+        tx.set_work("s/0/0", "s", "cancelled")  # a state the query would not see as open
+    store.close()

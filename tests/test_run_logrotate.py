@@ -126,9 +126,14 @@ def test_a_reader_finds_what_it_missed_in_the_copy_of_its_generation(tmp_path: P
     (tmp_path / ".trainer.log.rotating").rename(backup(log, 1))
     # Rotated again since: the newest copy is of another generation, so nothing from it.
     assert rotate(log, 10, 2)
-    assert missed_before_truncation(log, offset, head) == b""
-    assert missed_before_truncation(log, offset, b"") == b""  # nothing known of the file
-    assert missed_before_truncation(tmp_path / "other.log", 0, head) == b""
+    assert missed_before_truncation(log, offset, head) is None
+    assert missed_before_truncation(log, offset, b"") is None  # nothing known of the file
+    assert missed_before_truncation(tmp_path / "other.log", 0, head) is None
+    # Read up to the end before the truncation: the copy is found, nothing was missed.
+    log.write_bytes(b"third generation\n")
+    head3 = log.read_bytes()
+    assert rotate(log, 10, 2)
+    assert missed_before_truncation(log, len(head3), head3) == b""
 
 
 def test_a_ray_actor_keeps_its_childs_logs_small_on_its_node(tmp_path: Path) -> None:

@@ -542,14 +542,23 @@ def test_observer_reads_what_came_before_a_rotation_it_was_not_told_of(tmp_path:
             f.flush()
             obs.read_logs()
             f.write(step.format(4).encode())
-            f.flush()
-            assert rotate(log, 10, 0)  # no copies kept: what came before is gone
-            f.write(step.format(5).encode())
+            f.write(b"x INFO astra.servers.trainer: step 8")  # half a line, then lines lost:
             f.flush()
             obs.read_logs()
+            f.write(b" version 8 loss 0.8\n" + step.format(9).encode()[:-1])
+            f.flush()
+            assert rotate(log, 10, 0)  # no copies kept: what came before is gone
+            # Had the half line been kept, "step 8" + the rest of step 9 would be a row.
+            f.write(b" version 9 loss 0.9\n" + step.format(5).encode())
+            f.flush()
+            obs.read_logs()
+            for n in (6, 7):  # read on from there, each line once
+                f.write(step.format(n).encode())
+                f.flush()
+                obs.read_logs()
         await obs.close()
         await obs.finish()
         return obs
 
     obs = asyncio.run(go())
-    assert [p[1] for p in obs.pending] == [1, 2, 3, 5]
+    assert [p[1] for p in obs.pending] == [1, 2, 3, 4, 5, 6, 7]

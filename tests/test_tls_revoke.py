@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 from click.testing import CliRunner
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from astra import tls
@@ -135,26 +136,55 @@ def test_a_revoked_receiver_cannot_open_a_fetch_stream(tmp_path, ca) -> None:
     asyncio.run(asyncio.wait_for(main_(), 60))
 
 
-def test_a_list_another_ca_signed_is_never_used(tmp_path, ca, caplog) -> None:
-    other = tmp_path / "other"
-    init_ca(other)
+def test_a_list_is_used_only_from_the_ca_that_issued_the_certificates(tmp_path, ca) -> None:
+    """Its own CA's list is read, and read again; a forged one (the CA's name, another key)
+    is refused; the list of a CA ca.pem does not trust (after a move to a new CA) is not
+    used; none of them stops a renewed certificate from being taken up, and what the list in
+    use revokes stays revoked until a newer list of the same CA says otherwise."""
+    ca_name = x509.load_pem_x509_certificate((ca / "ca.pem").read_bytes()).subject
+    forger, other = tmp_path / "forger", tmp_path / "other"
+    init_ca(forger, name=ca_name.rfc4514_string().removeprefix("CN="))
+    init_ca(other)  # a name of its own
     raas_cert = tmp_path / "raas" / "cert.pem"
-    # Its own CA's list: read, and read again when it changes.
+    serial = serial_of(raas_cert.read_bytes())
     files = TlsFiles({"ASTRA_TLS_DIR": str(ca)})
     assert files.material is not None and files.material.revoked == frozenset()
     revoke(ca, certs=[raas_cert])
-    serial = serial_of(raas_cert.read_bytes())
     assert files.refresh().revoked == {serial}
-    # Another CA's list over it: refused at start, and on a refresh the list in use stays.
-    revoke(other, serials=[serial + 1])
-    shutil.copy(other / "crl.pem", ca / "crl.pem")
+    good = (ca / "crl.pem").read_bytes()
+    # A forged list: refused at start; on a refresh the list in use stays, and a certificate
+    # renewed meanwhile is still taken up.
+    revoke(forger, serials=[serial + 1])
+    shutil.copy(forger / "crl.pem", ca / "crl.pem")
     with pytest.raises(TlsConfigError, match="not signed by the CA"):
         load_tls({"ASTRA_TLS_DIR": str(ca)})
-    assert files.refresh().revoked == {serial}
+    before = files.material.cert
+    issue(ca, ca, ["127.0.0.1"], name="renewed")
+    renewed = files.refresh()
+    assert renewed.cert == (ca / "cert.pem").read_bytes() != before
+    assert renewed.revoked == {serial} and "not signed" in renewed.crl_note
+    # The list of a CA that ca.pem does not trust: not used (its certificates cannot connect).
+    revoke(other, serials=[serial + 2])
+    shutil.copy(other / "crl.pem", ca / "crl.pem")
+    fresh = load_tls({"ASTRA_TLS_DIR": str(ca)})
+    assert fresh.revoked == frozenset() and "does not trust" in fresh.crl_note
+    assert files.refresh().revoked == {serial}  # a running process keeps what it revoked
+    # An older list of the same CA, and no list at all: the newer revocations stay.
+    (ca / "crl.pem").write_bytes(good)  # number 1: the raas certificate alone
+    revoke(ca, serials=[serial + 3])  # number 2
+    older = good
+    assert files.refresh().revoked == {serial, serial + 3}
+    (ca / "crl.pem").write_bytes(older)
+    kept = files.refresh()
+    assert kept.revoked == {serial, serial + 3} and "older list" in kept.crl_note
+    (ca / "crl.pem").unlink()
+    assert files.refresh().revoked == {serial, serial + 3}
+    assert load_tls({"ASTRA_TLS_DIR": str(ca)}).revoked == frozenset()  # a restart: none
     # Nor can `revoke` add a certificate another CA issued, or extend another CA's list.
     issue(other, tmp_path / "stranger", ["127.0.0.1"])
     res = cli("revoke", str(ca), str(tmp_path / "stranger" / "cert.pem"))
     assert res.exit_code == 2 and "not issued by the CA" in res.output
+    shutil.copy(forger / "crl.pem", ca / "crl.pem")
     with pytest.raises(TlsConfigError, match="not signed by the CA"):
         revoke(ca, serials=[7])
     # A list that is not a CRL, and ASTRA_TLS_CRL naming a file that is not there.
@@ -164,6 +194,20 @@ def test_a_list_another_ca_signed_is_never_used(tmp_path, ca, caplog) -> None:
     missing = {"ASTRA_TLS_DIR": str(tmp_path / "raas"), "ASTRA_TLS_CRL": str(tmp_path / "no.pem")}
     with pytest.raises(TlsConfigError, match="ASTRA_TLS_CRL"):
         load_tls(missing)
+
+
+def test_a_caller_whose_certificate_cannot_be_read_is_refused_once_a_list_holds_any() -> None:
+    from astra.errors import Unauthenticated
+    from astra.servers.authz import RoleGuard
+
+    class Context:
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:1"
+
+    guard = RoleGuard()
+    with pytest.raises(Unauthenticated) as refused:
+        guard._check_revoked("/m", {}, frozenset({5}), Context())
+    assert refused.value.metadata["serial"] == "unreadable"
 
 
 def test_revoke_cli_keeps_the_list_and_openssl_reads_it(tmp_path, ca) -> None:

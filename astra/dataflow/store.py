@@ -33,6 +33,11 @@ from astra.dataflow.records import GroupRecord, TrajectoryRecord
 # 3: replay_memory (a schema-1 or -2 directory opens with it empty).
 # 4: folded_work (astra.dataflow.folding; an older directory opens with nothing folded).
 SCHEMA_VERSION = 4
+WORK_STATES = ("pending", "leased", "done")  # what `Tx.set_work` writes
+OPEN_ROW_IN_SPAN = (
+    "SELECT 1 FROM work INDEXED BY work_state WHERE state IN ('pending', 'leased') AND {where}"
+    " LIMIT 1"
+)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS work (
@@ -211,6 +216,8 @@ class Tx:
         attempts: int = 0,
         outcome: str | None = None,
     ) -> None:
+        if state not in WORK_STATES:  # the folding query reads the others as open
+            raise ValueError(f"work state {state!r} is not one of {WORK_STATES}")
         self.c.execute(
             "INSERT INTO work(group_id, stream, state, instance_id, lease_expire, attempts, outcome)"
             " VALUES(?, ?, ?, ?, ?, ?, ?) ON CONFLICT(group_id) DO UPDATE SET"
@@ -226,14 +233,12 @@ class Tx:
         waiting or leased. Returns the rows folded (fewer than `limit`: the epoch is all
         folded; astra.dataflow.folding)."""
         # Ids with that prefix are exactly those in [prefix, prefix with "/" -> "0"): "0"
-        # follows "/" in SQLite's default (BINARY) collation. Not done: state below or above
-        # "done", which the work_state index finds among the few rows in flight.
+        # follows "/" in SQLite's default (BINARY) collation. Not done: the states of
+        # WORK_STATES but "done", which the work_state index finds among the few rows in
+        # flight (tests/test_dataflow_folding.py holds the query plan to it).
         span = (f"{stream}/{epoch}/", f"{stream}/{epoch}0", stream)
         where = "group_id >= ? AND group_id < ? AND stream = ?"
-        open_ = self.c.execute(
-            f"SELECT 1 FROM work WHERE (state < 'done' OR state > 'done') AND {where} LIMIT 1",
-            span,
-        ).fetchone()
+        open_ = self.c.execute(OPEN_ROW_IN_SPAN.format(where=where), span).fetchone()
         if open_ is not None:
             return None
         n = self.c.execute(

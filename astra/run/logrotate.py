@@ -68,14 +68,14 @@ def _finish(
         os.replace(tmp, backup(path, 1))
 
 
-def missed_before_truncation(path: Path, offset: int, head: bytes) -> bytes:
+def missed_before_truncation(path: Path, offset: int, head: bytes) -> bytes | None:
     """What a reader that had read `path` up to `offset` before it was truncated did not
     read: the rest of its newest copy, ``<name>.1`` (or the copy about to be renamed so, in
     the instant after the truncation), where that copy starts with `head` (the file's first
-    bytes, as the reader saw them) and reaches `offset`; b"" otherwise (no copies kept, or the
-    file was rotated again since)."""
+    bytes, as the reader saw them) and reaches `offset`; None when there is no such copy (no
+    copies kept, or the file was rotated again since: what came after `offset` is lost)."""
     if not head:
-        return b""
+        return None
     for copy in (path.with_name(f".{path.name}.rotating"), backup(path, 1)):
         try:
             with open(copy, "rb") as f:
@@ -87,7 +87,7 @@ def missed_before_truncation(path: Path, offset: int, head: bytes) -> bytes:
                 return f.read()
         except FileNotFoundError:
             continue
-    return b""
+    return None
 
 
 def _due(path: Path, max_bytes: int) -> bool:

@@ -129,9 +129,12 @@ class Observer(StatusPoller):
                 # which its first bytes tell: what came after `offset` before it is in the
                 # copy, unless that is gone too.
                 if size < offset or (head and os.pread(f.fileno(), len(head), 0) != head):
-                    partial += missed_before_truncation(path, offset, head)
-                    offset = 0
-                if not head or offset == 0:
+                    missed = missed_before_truncation(path, offset, head)
+                    # Without the copy, lines were lost: a half line read before is no start
+                    # of what comes now.
+                    partial = b"" if missed is None else partial + missed
+                    offset, entry[3] = 0, b""  # a new file: its own first bytes, below
+                if len(entry[3]) < HEAD_BYTES:  # until it is whole: the same file, read on
                     entry[3] = os.pread(f.fileno(), HEAD_BYTES, 0)
                 f.seek(offset)
                 data = partial + f.read()

@@ -42,6 +42,7 @@ class _Process:
         self.exited = threading.Event()
         self.rc: int | None = None
         self.error: str | None = None
+        self.rotating: threading.Thread | None = None  # keeps the logs small (`rotate`)
 
     def placement(self) -> dict[str, Any]:
         import ray
@@ -72,6 +73,8 @@ class _Process:
         if self.proc is not None:
             if not self.exited.is_set():
                 return {"error": f"process {self.proc.pid} is still running"}
+            if self.rotating is not None:  # done with the last process's logs first
+                self.rotating.join()
             self.__init__()  # type: ignore[misc]
         if own_python:
             args = [sys.executable, *args[1:]]
@@ -89,9 +92,10 @@ class _Process:
         if self.proc is None:
             return {"error": self.error or "not started"}
         if rotate:
-            threading.Thread(
+            self.rotating = threading.Thread(
                 target=self._keep_logs_small, args=(Path(log_path), rotate), daemon=True
-            ).start()
+            )
+            self.rotating.start()
         return {"pid": self.proc.pid, "log_offset": offset, "command": args}
 
     def _keep_logs_small(self, log_path: Path, rotate: dict[str, Any]) -> None:
