@@ -57,8 +57,9 @@ class RolloutServiceStub:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles; health checking and reflection
-    stay open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts (a
+    stream opened before runs to its end); health checking and reflection stay
+    open. Not retryable: its holder needs a new certificate.
     """
 
     def __init__(self, channel):
@@ -136,8 +137,9 @@ class RolloutServiceServicer:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles; health checking and reflection
-    stay open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts (a
+    stream opened before runs to its end); health checking and reflection stay
+    open. Not retryable: its holder needs a new certificate.
     """
 
     def SubmitGroups(self, request, context):
@@ -325,8 +327,9 @@ class RolloutService:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles; health checking and reflection
-    stay open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts (a
+    stream opened before runs to its end); health checking and reflection stay
+    open. Not retryable: its holder needs a new certificate.
     """
 
     @staticmethod

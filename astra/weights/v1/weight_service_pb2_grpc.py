@@ -71,8 +71,9 @@ class WeightServiceStub:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles; health checking and reflection
-    stay open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts (a
+    stream opened before runs to its end); health checking and reflection stay
+    open. Not retryable: its holder needs a new certificate.
     """
 
     def __init__(self, channel):
@@ -164,8 +165,9 @@ class WeightServiceServicer:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles; health checking and reflection
-    stay open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts (a
+    stream opened before runs to its end); health checking and reflection stay
+    open. Not retryable: its holder needs a new certificate.
     """
 
     def PublishVersion(self, request_iterator, context):
@@ -376,8 +378,9 @@ class WeightService:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles; health checking and reflection
-    stay open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts (a
+    stream opened before runs to its end); health checking and reflection stay
+    open. Not retryable: its holder needs a new certificate.
     """
 
     @staticmethod
