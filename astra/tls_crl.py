@@ -14,7 +14,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from astra.tls import CRL_FILE, ENV_CRL, MAX_PEM_BYTES, TlsConfigError, TlsMaterial, crl_path
+from astra.tls import (
+    CRL_FILE,
+    ENV_CRL,
+    ENV_DIR,
+    TlsConfigError,
+    TlsMaterial,
+    _read_pem,
+    crl_path,
+)
 
 DEFAULT_DAYS = 30  # a CRL's nextUpdate: when its issuer promises a newer one, at the latest
 
@@ -84,7 +92,7 @@ def load_crl(crl_pem: bytes, ca_pem: bytes, where: str = CRL_FILE):
     return _signed(crl, issuers, where)
 
 
-def read_list(path: Path, ca_pem: bytes) -> RevocationList:
+def read_list(path: Path, ca_pem: bytes, var: str = ENV_CRL) -> RevocationList:
     """A node's revocation list at `path` (CrlError when it cannot be read or is not one CRL,
     or names a CA of ca.pem as its issuer that did not sign it). A list whose issuer is no CA
     of ca.pem is not used (`ignored` says so): the certificates it lists chain to a CA the
@@ -92,12 +100,9 @@ def read_list(path: Path, ca_pem: bytes) -> RevocationList:
     from cryptography import x509
 
     try:
-        with path.open("rb") as f:
-            data = f.read(MAX_PEM_BYTES + 1)
-    except OSError as exc:
-        raise CrlError(f"cannot read the revocation list {path}: {exc.strerror}") from exc
-    if len(data) > MAX_PEM_BYTES:
-        raise CrlError(f"{path} is over {MAX_PEM_BYTES} bytes: not a revocation list")
+        data = _read_pem("revocation list", path, var)
+    except TlsConfigError as exc:
+        raise CrlError(str(exc)) from exc
     crl, issuers = _parse(data, ca_pem, str(path))
     issuer = crl.issuer.rfc4514_string()
     if not issuers:
@@ -125,7 +130,10 @@ def with_list(material: TlsMaterial, env: Mapping[str, str]) -> TlsMaterial:
         return material
     if required and not path.exists():
         raise CrlError(f"{ENV_CRL}: no revocation list at {path}")
-    found = read_list(path, material.ca)
+    return _applied(material, read_list(path, material.ca, ENV_CRL if required else ENV_DIR))
+
+
+def _applied(material: TlsMaterial, found: RevocationList) -> TlsMaterial:
     return replace(
         material,
         revoked=found.serials,
@@ -139,15 +147,10 @@ def with_list(material: TlsMaterial, env: Mapping[str, str]) -> TlsMaterial:
 
 def kept(new: TlsMaterial, old: TlsMaterial, why: str) -> TlsMaterial:
     """The new credentials with the revocations in use before (fail closed)."""
-    return replace(
-        new,
-        revoked=old.revoked,
-        crl=old.crl,
-        crl_next_update=old.crl_next_update,
-        crl_issuer=old.crl_issuer,
-        crl_number=old.crl_number,
-        crl_note=why,
+    held = RevocationList(
+        old.revoked, old.crl, old.crl_issuer, old.crl_number, old.crl_next_update, why
     )
+    return _applied(new, held)
 
 
 def carried(new: TlsMaterial, old: TlsMaterial | None) -> TlsMaterial:
