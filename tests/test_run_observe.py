@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import itertools
 import json
 import logging
 import time
@@ -283,6 +284,25 @@ def test_plot_is_a_png_of_the_rows(tmp_path: Path) -> None:
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert plot.write_plot(empty, tmp_path / "empty.png").read_bytes().startswith(PNG)
+
+
+def test_a_long_runs_plot_reads_a_bounded_number_of_points(tmp_path: Path, monkeypatch) -> None:
+    """Past MAX_POINTS a series keeps every k-th point and its last, evenly spaced."""
+    monkeypatch.setattr(plot, "MAX_POINTS", 100)
+    metrics = tmp_path / "metrics.jsonl"
+    n = 1000
+    rows_ = ({"policy": "p", "step": i, "accuracy": i / n} for i in range(1, n + 1))
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    series, read = plot.read_series(metrics)
+    points = series["p"]["accuracy"]
+    assert read == n and 100 <= len(points) <= 201
+    steps = [s for s, _ in points]
+    assert steps[0] == 1 and steps[-1] == n  # the first and the last
+    gaps = {b - a for a, b in itertools.pairwise(steps[:-1])}  # but to the last
+    assert gaps == {8}, gaps  # every 8th (1000 rows, at most 200 kept)
+    assert all(v == s / n for s, v in points)  # the values of those rows
+    out = plot.write_plot(metrics, tmp_path / "plot.png")
+    assert out.read_bytes().startswith(PNG)
 
 
 def make_observer(tmp_path: Path, **kw) -> Observer:

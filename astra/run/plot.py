@@ -2,7 +2,8 @@
 
 Plots what metrics.jsonl holds and nothing else: every row, in file order, per
 policy (after a --resume the steps redone since the last checkpoint appear
-twice). Top panel: the row's `accuracy` and the trainer's `reward_mean` of that
+twice); past MAX_POINTS rows a series keeps every k-th point and its last (k a
+power of two, said in the title), so a run of weeks reads in bounded memory. Top panel: the row's `accuracy` and the trainer's `reward_mean` of that
 step (absent where no trainer poll saw the step), and the held-out evaluations of
 evals.jsonl beside it (mean reward at the version evaluated). Bottom panel: the Dataflow
 gate's smoothed staleness score at the last poll before the step, the trainer's
@@ -19,6 +20,31 @@ from pathlib import Path
 from typing import Any
 
 Series = dict[str, dict[str, list[tuple[int, float]]]]  # policy -> name -> [(step, value)]
+MAX_POINTS = 4096  # per series: more are thinned while read (see the module docstring)
+
+
+class _Thinned:
+    """A series read point by point, kept to at most 2 x MAX_POINTS: every `stride`-th."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[int, float]] = []
+        self.stride, self.seen = 1, 0
+        self.last: tuple[int, float] | None = None
+
+    def append(self, point: tuple[int, float]) -> None:
+        if self.seen % self.stride == 0:
+            self.points.append(point)
+            if len(self.points) > 2 * MAX_POINTS:
+                del self.points[1::2]
+                self.stride *= 2
+        self.seen += 1
+        self.last = point
+
+    def done(self) -> list[tuple[int, float]]:
+        if self.last is not None and (not self.points or self.points[-1] is not self.last):
+            self.points.append(self.last)
+        return self.points
+
 
 # name -> (where in a row, label)
 SERIES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -42,11 +68,18 @@ def _get(row: dict[str, Any], path: tuple[str, ...]) -> float | None:
 
 
 def read_series(metrics: Path) -> tuple[Series, int]:
-    """The plotted series of every row of `metrics`, and the number of rows read."""
-    series: Series = defaultdict(lambda: defaultdict(list))
+    """The plotted series of every row of `metrics` (thinned past MAX_POINTS), and the number
+    of rows read."""
+    series, rows, _ = _read(metrics)
+    return series, rows
+
+
+def _read(metrics: Path) -> tuple[Series, int, int]:
+    """(series, rows read, the largest stride a series was thinned to)."""
+    thinned: dict[str, dict[str, _Thinned]] = defaultdict(lambda: defaultdict(_Thinned))
     rows = 0
     if not metrics.is_file():
-        return series, 0
+        return defaultdict(lambda: defaultdict(list)), 0, 1
     with metrics.open() as f:
         for line in f:
             try:
@@ -58,8 +91,14 @@ def read_series(metrics: Path) -> tuple[Series, int]:
             policy = str(row.get("policy", "policy"))
             for name, (path, _) in SERIES.items():
                 if (v := _get(row, path)) is not None:
-                    series[policy][name].append((step, v))
-    return series, rows
+                    thinned[policy][name].append((step, v))
+    series: Series = defaultdict(lambda: defaultdict(list))
+    stride = 1
+    for policy, by_name in thinned.items():
+        for name, t in by_name.items():
+            series[policy][name] = t.done()
+            stride = max(stride, t.stride)
+    return series, rows, stride
 
 
 def read_evals(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -85,7 +124,7 @@ def write_plot(metrics: Path, out: Path, *, title: str = "") -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    series, rows = read_series(metrics)
+    series, rows, stride = _read(metrics)
     fig = Figure(figsize=(10, 7), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1, sharex=True)
@@ -128,7 +167,8 @@ def write_plot(metrics: Path, out: Path, *, title: str = "") -> Path:
                 transform=axis.transAxes, color="gray",
             )  # fmt: skip
         axis.grid(True, alpha=0.3)
-    fig.suptitle(f"{title} ({rows} rows of {metrics.name})".strip())
+    thinned = f"; every {stride}th point drawn" if stride > 1 else ""
+    fig.suptitle(f"{title} ({rows} rows of {metrics.name}{thinned})".strip())
     tmp = out.with_name(out.name + ".tmp")
     with tmp.open("wb") as f:
         fig.savefig(f, format="png")
