@@ -29,7 +29,9 @@ from astra.tls import TlsFiles
 from astra.tls_crl import serial_of
 
 log = logging.getLogger(__name__)
-Scope = Callable[[object], None] | None  # a check of the request: the caller's policy scope
+# (a check of the request or a stream's first message: the caller's policy scope; a check
+# before each later message of a stream: its certificate not revoked since the call began)
+Checks = tuple[Callable[[object], None] | None, Callable[[], None] | None]
 MAX_LOGGED = 1024  # refused (method, roles) pairs logged, at most
 MAX_SERIALS = 4096  # callers' certificates whose serial number is kept parsed
 
@@ -54,16 +56,17 @@ class RoleGuard:
         """Calls refused so far, for their roles or their policy scope."""
         return sum(self.by_caller.values())
 
-    def guard(self, method: str) -> Callable[[grpc.aio.ServicerContext], Scope] | None:
+    def guard(self, method: str) -> Callable[[grpc.aio.ServicerContext], Checks | None] | None:
         if not self.enabled or method.startswith(OPEN_SERVICES):
             return None
         scoped = method in POLICY_FIELDS
 
-        def check(context: grpc.aio.ServicerContext) -> Scope:
+        def check(context: grpc.aio.ServicerContext) -> Checks | None:
             auth = context.auth_context()
+            pem = next(iter(auth.get("x509_pem_cert", ())), b"")
             material = self.files.refresh() if self.files is not None else None
             if material is not None and material.revoked:
-                self._check_revoked(method, auth, material.revoked, context)
+                self._check_serial(method, self._serial(pem), material.revoked, context)
             # Both properties carry the URI SANs in gRPC's core; read both, so that a version
             # of gRPC without one of them does not make a confined certificate an operator's.
             uris = [
@@ -73,9 +76,14 @@ class RoleGuard:
             roles = roles_of_uris(uris)
             if permitted(method, roles):
                 policies = policies_of_uris(uris) if scoped else frozenset()
-                if not policies:
-                    return None
-                return lambda message: self._in_scope(method, policies, message)
+                first = (
+                    (lambda message: self._in_scope(method, policies, message))
+                    if policies
+                    else None
+                )
+                # Before each later message of a stream: revoked since the call began?
+                each = (lambda: self._recheck(method, pem, context)) if self.files else None
+                return (first, each) if first or each else None
             key = (method, roles)
             known = key in self._logged
             if not known and len(self._logged) < MAX_LOGGED:
@@ -93,30 +101,38 @@ class RoleGuard:
 
         return check
 
-    def _check_revoked(
-        self,
-        method: str,
-        auth: dict[str, list[bytes]],
-        revoked: frozenset[int],
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        pem = next(iter(auth.get("x509_pem_cert", ())), b"")
+    def _serial(self, pem: bytes) -> int:
+        """The serial number of a caller's PEM certificate (-1: unreadable), kept parsed."""
         serial = self._serials.get(pem)
         if serial is None:
             try:
                 serial = serial_of(pem)
             except ValueError:
-                serial = -1  # no certificate to read: refused below, as if revoked (closed)
+                serial = -1  # refused where a list holds any serial (closed)
             if len(self._serials) >= MAX_SERIALS:
                 self._serials.clear()
             self._serials[pem] = serial
+        return serial
+
+    def _recheck(self, method: str, pem: bytes, context: grpc.aio.ServicerContext) -> None:
+        material = self.files.refresh() if self.files is not None else None
+        if material is not None and material.revoked:
+            self._check_serial(method, self._serial(pem), material.revoked, context)
+
+    def _check_serial(
+        self,
+        method: str,
+        serial: int,
+        revoked: frozenset[int],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
         if serial not in revoked and serial >= 0:
             return
         self.by_caller[(method, "revoked")] += 1
+        shown = f"{serial:x}" if serial >= 0 else "unreadable"
         if self.by_caller[(method, "revoked")] == 1:
             log.warning("refused %s to %s: its certificate (serial %s) is revoked",
-                        method, context.peer(), f"{serial:x}" if serial >= 0 else "unreadable")  # fmt: skip
-        shown = f"{serial:x}" if serial >= 0 else "unreadable"
+                        method, context.peer(), shown)  # fmt: skip
         raise Unauthenticated(
             f"{method}: the caller's certificate (serial {shown}) is revoked by the CA's "
             "revocation list (or could not be read to tell): its holder needs a new one "

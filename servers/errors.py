@@ -121,10 +121,16 @@ class _ParsedRequests:
     Iterating it again continues the same stream, as gRPC's request iterator does.
     """
 
-    def __init__(self, requests: Any, first: Callable[[Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        requests: Any,
+        first: Callable[[Any], None] | None = None,
+        each: Callable[[], None] | None = None,
+    ) -> None:
         self._requests = requests
         self._it: Any = None
         self._first = first  # a check of the first message (its policy scope), then none
+        self._each = each  # a check before every later message (the caller still allowed)
 
     def __aiter__(self) -> _ParsedRequests:
         return self
@@ -136,6 +142,8 @@ class _ParsedRequests:
         if self._first is not None:
             check, self._first = self._first, None
             check(message)
+        elif self._each is not None:
+            self._each()
         return message
 
 
@@ -144,8 +152,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     `guard_of(method)`, where given, returns a check to run on the call's context before the
     handler (servers.authz: the caller's roles), or None; what it raises is mapped the same way.
-    The check may return a check of the request (of a stream's first message: the caller's
-    policy scope), run before the handler sees it.
+    The check may return (first, each): a check of the request (of a stream's first message:
+    the caller's policy scope), run before the handler sees it, and a check run before every
+    later message a stream reads or sends (the caller's certificate not revoked since), either
+    None.
     """
 
     def __init__(
@@ -174,21 +184,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             log.exception("unhandled error in %s", handler_call_details.method)
             await context.abort_with_status(_internal(domain, exc))
 
-        def prepare(request: Any, context: grpc.aio.ServicerContext, stream_in: bool) -> Any:
+        def prepare(
+            request: Any, context: grpc.aio.ServicerContext, stream_in: bool
+        ) -> tuple[Any, Callable[[], None] | None]:
             """The caller's roles checked, the request parsed (and its policy scope checked:
-            a stream's as its first message comes)."""
-            inspect = guard(context) if guard is not None else None
+            a stream's as its first message comes); and the check before each later message."""
+            first, each = (guard(context) if guard is not None else None) or (None, None)
             if stream_in:
-                return _ParsedRequests(request, inspect)
+                return _ParsedRequests(request, first, each), each
             request = _parsed(request)
-            if inspect is not None:
-                inspect(request)
-            return request
+            if first is not None:
+                first(request)
+            return request, each
 
         def wrap_unary(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    request = prepare(request, context, stream_in)
+                    request, _ = prepare(request, context, stream_in)
                     return await behavior(request, context)
                 except Exception as exc:
                     if _is_abort(exc):
@@ -200,9 +212,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_stream(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    request = prepare(request, context, stream_in)
+                    request, each = prepare(request, context, stream_in)
+                    sent = False
                     async for item in behavior(request, context):
+                        if sent and each is not None:
+                            each()
                         yield item
+                        sent = True
                 except Exception as exc:
                     if _is_abort(exc):
                         raise

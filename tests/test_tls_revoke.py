@@ -206,7 +206,7 @@ def test_a_caller_whose_certificate_cannot_be_read_is_refused_once_a_list_holds_
 
     guard = RoleGuard()
     with pytest.raises(Unauthenticated) as refused:
-        guard._check_revoked("/m", {}, frozenset({5}), Context())
+        guard._check_serial("/m", guard._serial(b""), frozenset({5}), Context())
     assert refused.value.metadata["serial"] == "unreadable"
 
 
@@ -302,3 +302,73 @@ def test_a_list_past_its_next_update_still_revokes_and_is_warned_of(tmp_path, ca
     renewed = json.loads(cli("revoke", str(ca)).output)
     assert renewed["revoked"] == [f"{serial:x}"]
     assert files.refresh().crl_next_update > now.timestamp()
+
+
+def test_a_stream_open_when_its_certificate_is_revoked_ends_at_its_next_message(
+    tmp_path, ca
+) -> None:
+    """A weight fetch under way (16 MB in 64 KiB chunks: far more than the stream's flow
+    control lets the service send ahead): after `revoke`, the next message the service sends
+    ends it with UNAUTHENTICATED; it never reaches its end."""
+    from astra.clients.weights_stream import publish_version
+    from astra.servers.weights_fetch import StreamSettings
+    from tests.test_weights_store import chain_of
+
+    (model,) = chain_of(1, seed=5, size=1 << 21)
+
+    async def main_() -> None:
+        async with serving(tmp_path / "store", StreamSettings(chunk_bytes=64 << 10)) as server:
+            await publish_version(server.address, "p", "v0", 0, model)
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def requests():
+                while (message := await queue.get()) is not None:
+                    yield message
+
+            async with channel(server.address, tmp_path / "raas") as ch:
+                call = w_grpc.WeightServiceStub(ch).FetchVersion(requests())
+                start = w_pb.FetchStart(policy_id="p", receiver_id="r")
+                await queue.put(w_pb.FetchVersionRequest(start=start))
+                first = await call.read()
+                assert first.WhichOneof("part") == "plan", first
+                revoke(ca, certs=[tmp_path / "raas" / "cert.pem"])
+                parts = []
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    while (message := await call.read()) is not grpc.aio.EOF:
+                        parts.append(message.WhichOneof("part"))
+                assert ended.value.code() is REVOKED, ended.value
+                assert error_info(ended.value)[0].reason == "CERTIFICATE_REVOKED"
+                assert "done" not in parts, parts  # cut, not finished
+                await queue.put(None)
+
+    asyncio.run(asyncio.wait_for(main_(), 60))
+
+
+def test_a_request_stream_checks_every_message_after_the_first() -> None:
+    """What the interceptor hands a client- or bidirectional-streaming handler: the first
+    message goes through the policy check, each later one through the revocation check."""
+    from astra.errors import Unauthenticated
+    from astra.servers.errors import _ParsedRequests
+
+    seen: list[str] = []
+    revoked = {"now": False}
+
+    def each() -> None:
+        seen.append("each")
+        if revoked["now"]:
+            raise Unauthenticated("revoked", reason="CERTIFICATE_REVOKED")
+
+    async def messages():
+        for m in ("a", "b", "c"):
+            yield m
+
+    async def main_() -> list[str]:
+        stream = _ParsedRequests(messages(), lambda m: seen.append(f"first {m}"), each)
+        got = [await anext(stream), await anext(stream)]
+        revoked["now"] = True
+        with pytest.raises(Unauthenticated):
+            await anext(stream)
+        return got
+
+    assert asyncio.run(main_()) == ["a", "b"]
+    assert seen == ["first a", "each", "each"]

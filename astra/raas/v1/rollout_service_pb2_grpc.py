@@ -57,9 +57,10 @@ class RolloutServiceStub:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles, checked as a call starts (a
-    stream opened before runs to its end); health checking and reflection stay
-    open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts and
+    before each later message a stream reads or sends (a stream under way ends
+    there); health checking and reflection stay open. Not retryable: its holder
+    needs a new certificate.
     """
 
     def __init__(self, channel):
@@ -137,9 +138,10 @@ class RolloutServiceServicer:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles, checked as a call starts (a
-    stream opened before runs to its end); health checking and reflection stay
-    open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts and
+    before each later message a stream reads or sends (a stream under way ends
+    there); health checking and reflection stay open. Not retryable: its holder
+    needs a new certificate.
     """
 
     def SubmitGroups(self, request, context):
@@ -327,9 +329,10 @@ class RolloutService:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles, checked as a call starts (a
-    stream opened before runs to its end); health checking and reflection stay
-    open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts and
+    before each later message a stream reads or sends (a stream under way ends
+    there); health checking and reflection stay open. Not retryable: its holder
+    needs a new certificate.
     """
 
     @staticmethod

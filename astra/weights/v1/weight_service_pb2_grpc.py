@@ -71,9 +71,10 @@ class WeightServiceStub:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles, checked as a call starts (a
-    stream opened before runs to its end); health checking and reflection stay
-    open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts and
+    before each later message a stream reads or sends (a stream under way ends
+    there); health checking and reflection stay open. Not retryable: its holder
+    needs a new certificate.
     """
 
     def __init__(self, channel):
@@ -165,9 +166,10 @@ class WeightServiceServicer:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles, checked as a call starts (a
-    stream opened before runs to its end); health checking and reflection stay
-    open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts and
+    before each later message a stream reads or sends (a stream under way ends
+    there); health checking and reflection stay open. Not retryable: its holder
+    needs a new certificate.
     """
 
     def PublishVersion(self, request_iterator, context):
@@ -378,9 +380,10 @@ class WeightService:
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
     UNAUTHENTICATED (reason CERTIFICATE_REVOKED, ErrorInfo metadata "method",
-    "serial") for every RPC, whatever its roles, checked as a call starts (a
-    stream opened before runs to its end); health checking and reflection stay
-    open. Not retryable: its holder needs a new certificate.
+    "serial") for every RPC, whatever its roles, checked as a call starts and
+    before each later message a stream reads or sends (a stream under way ends
+    there); health checking and reflection stay open. Not retryable: its holder
+    needs a new certificate.
     """
 
     @staticmethod
