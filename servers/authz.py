@@ -8,7 +8,8 @@ PERMISSION_DENIED (reason ROLE_NOT_PERMITTED) for the ErrorInterceptor to map. A
 with a policy scope (astra.scopes) also gets a check of the request, or of a stream's first
 message, before the handler sees it. A certificate the CA's revocation list names
 (astra.tls_crl; the list is read again when its file changes) gets UNAUTHENTICATED, reason
-CERTIFICATE_REVOKED, whatever its roles. Each refused (method, roles) pair is logged once and
+CERTIFICATE_REVOKED, whatever its roles, as a call starts and before each later message of a
+stream (one under way when the list changed ends there). Each refused (method, roles) pair is logged once and
 counted (`metrics`: astra_rpc_refused_total on the service's Prometheus port; a scope refusal
 under roles "policy scope", a revoked certificate's under "revoked").
 """
