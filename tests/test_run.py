@@ -209,6 +209,8 @@ def test_logs_are_kept_small_and_the_trainers_steps_are_still_read(runs) -> None
     run = runs(
         "--set", "trainer.num_steps=8", "--set", "eval.every_steps=0",
         "--set", "supervision.max_log_bytes=256", "--set", "supervision.log_backups=2",
+        # Looked at often: 8 steps take under 2 s on a quick machine.
+        "--set", "supervision.log_check_interval_s=0.1",
     )  # fmt: skip
     assert run.wait(120) == 0, run.output()
     s = run.summary()

@@ -112,8 +112,8 @@ def test_keep_logs_small_rotates_what_passed_the_size_and_goes_on_after_an_error
 
 def test_a_reader_finds_what_it_missed_in_the_copy_of_its_generation(tmp_path: Path) -> None:
     """A reader that was not called before the truncation (the log rotated on another node,
-    by a Ray actor) reads the rest from the newest copy, and only from a copy of the file it
-    was reading (its first bytes match)."""
+    by a Ray actor) reads the rest from the copy of the file it was reading (its first bytes
+    match), then every newer copy, oldest first; nothing when that copy is gone."""
     log = tmp_path / "trainer.log"
     log.write_bytes(b"first line\nsecond\nthird line\n")
     head, offset = log.read_bytes()[:256], len(b"first line\n")
@@ -124,7 +124,11 @@ def test_a_reader_finds_what_it_missed_in_the_copy_of_its_generation(tmp_path: P
     backup(log, 1).rename(tmp_path / ".trainer.log.rotating")
     assert missed_before_truncation(log, offset, head) == b"second\nthird line\n"
     (tmp_path / ".trainer.log.rotating").rename(backup(log, 1))
-    # Rotated again since: the newest copy is of another generation, so nothing from it.
+    # Rotated again since: its copy is now the second, and the newer one follows it.
+    assert rotate(log, 10, 2)
+    assert missed_before_truncation(log, offset, head) == b"second\nthird line\nnew generation\n"
+    # And again, with two copies kept: the reader's is dropped, what it missed is lost.
+    log.write_bytes(b"another one\n")
     assert rotate(log, 10, 2)
     assert missed_before_truncation(log, offset, head) is None
     assert missed_before_truncation(log, offset, b"") is None  # nothing known of the file

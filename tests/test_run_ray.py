@@ -85,6 +85,7 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
     # Logs rotated by each child's actor on its node; the observer still reads every step.
     # (Copies enough to keep every line: the first ones are looked for below.)
     cmd += ["--set", "supervision.max_log_bytes=512", "--set", "supervision.log_backups=50"]
+    cmd += ["--set", "supervision.log_check_interval_s=0.2"]
     with (tmp_path / "run.out").open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -153,7 +154,7 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
     finally:
         with contextlib.suppress(OSError, ValueError, KeyError):
             children = children or json.loads((run_dir / "run.json").read_text())["children"]
-        for pgid in [proc.pid, *(c["pid"] for c in children)]:
+        for pgid in [proc.pid, *(c["pid"] for c in children if c.get("pid"))]:  # started ones
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
         for worker in (c.get("ray", {}).get("worker_pid") for c in children):

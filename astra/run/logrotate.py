@@ -70,24 +70,42 @@ def _finish(
 
 def missed_before_truncation(path: Path, offset: int, head: bytes) -> bytes | None:
     """What a reader that had read `path` up to `offset` before it was truncated did not
-    read: the rest of its newest copy, ``<name>.1`` (or the copy about to be renamed so, in
-    the instant after the truncation), where that copy starts with `head` (the file's first
-    bytes, as the reader saw them) and reaches `offset`; None when there is no such copy (no
-    copies kept, or the file was rotated again since: what came after `offset` is lost)."""
+    read: the rest of the copy of the file it was reading (the copy that starts with `head`,
+    the file's first bytes as the reader saw them, and reaches `offset`), then every newer
+    copy whole, oldest first (rotated more than once since it read). The copy may still be
+    under its temporary name, in the instant after the truncation. None when no copy is that
+    file's (none kept, or it was dropped): what came after `offset` is lost."""
     if not head:
         return None
-    for copy in (path.with_name(f".{path.name}.rotating"), backup(path, 1)):
-        try:
-            with open(copy, "rb") as f:
-                if os.pread(f.fileno(), len(head), 0) != head:
-                    continue
-                if f.seek(0, os.SEEK_END) < offset:
-                    continue
-                f.seek(offset)
-                return f.read()
-        except FileNotFoundError:
+    tmp = path.with_name(f".{path.name}.rotating")
+    copies = [tmp]
+    while backup(path, len(copies)).exists():
+        copies.append(backup(path, len(copies)))
+    for k, copy in enumerate(copies):
+        rest = _rest(copy, offset, head)
+        if rest is None:
             continue
+        newer = reversed(copies[1:k]) if k else ()  # .k-1 ... .1, all after ours
+        parts = [rest]
+        for later in newer:
+            try:
+                parts.append(later.read_bytes())
+            except FileNotFoundError:  # rotated again meanwhile: what it held is lost
+                return None
+        return b"".join(parts)
     return None
+
+
+def _rest(copy: Path, offset: int, head: bytes) -> bytes | None:
+    """`copy` from `offset` on, where it starts with `head` and reaches `offset`."""
+    try:
+        with open(copy, "rb") as f:
+            if os.pread(f.fileno(), len(head), 0) != head or f.seek(0, os.SEEK_END) < offset:
+                return None
+            f.seek(offset)
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def _due(path: Path, max_bytes: int) -> bool:

@@ -135,11 +135,12 @@ class RayChild(Child):
         resources: dict[str, float],
         driver_node: str | None = None,
         placement_timeout_s: float = 120.0,
-        rotation: tuple[int, int] | None = None,
+        rotation: tuple[int, int, float] | None = None,
     ) -> None:
         super().__init__(name, role, args, log_path, env)
         self.resources = resources
-        self.rotation = rotation  # (max_bytes, backups) for its actor; None: never rotated
+        # (max_bytes, backups, check interval) for its actor; None: never rotated
+        self.rotation = rotation
         self.driver_node = driver_node
         self.placement_timeout_s = placement_timeout_s
         self.placement: dict[str, Any] = {}
@@ -233,8 +234,8 @@ class RayChild(Child):
             return None
         args = self.args
         state = args[args.index("--state-dir") + 1] if "--state-dir" in args[:-1] else ""
-        max_bytes, backups = self.rotation
-        return {"max_bytes": max_bytes, "backups": backups, "state_dir": state}
+        max_bytes, backups, every_s = self.rotation
+        return {"max_bytes": max_bytes, "backups": backups, "state_dir": state, "every_s": every_s}
 
     async def _call(self, method: str, *args: Any) -> Any:
         import ray
@@ -339,7 +340,9 @@ class RayChildren:
             resources=resources(role, args, self.recipe.trainer.device),
             driver_node=self.driver_node,
             placement_timeout_s=self.recipe.supervision.startup_timeout_s,
-            rotation=(s.max_log_bytes, s.log_backups) if s.max_log_bytes > 0 else None,
+            rotation=(s.max_log_bytes, s.log_backups, s.log_check_interval_s)
+            if s.max_log_bytes > 0
+            else None,
         )
 
 

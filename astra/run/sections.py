@@ -244,7 +244,8 @@ class SupervisionSpec(_Strict):
         ge=0,
         description="A log in RUN_DIR/logs past this size is copied to <name>.log.1 and "
         "emptied (astra.run.logrotate; the supervisor's own log rolls over the same way); "
-        "0: logs grow without bound. Not for children placed by Ray.",
+        "0: logs grow without bound. Children placed by Ray have theirs rotated by their "
+        "actor, on their node.",
     )
     log_backups: int = Field(
         3,
@@ -252,6 +253,9 @@ class SupervisionSpec(_Strict):
         le=100,
         description="Rotated copies kept of each log (<name>.log.1 the newest); 0: a full log "
         "is emptied, nothing kept.",
+    )
+    log_check_interval_s: float = Field(
+        2.0, gt=0, le=3600, description="How often the logs' sizes are looked at."
     )
 
 

@@ -257,7 +257,13 @@ class Supervisor:
                 self.observer.read_logs()
 
         return asyncio.create_task(
-            keep_logs_small(logs, spec.max_log_bytes, spec.log_backups, before_truncate)
+            keep_logs_small(
+                logs,
+                spec.max_log_bytes,
+                spec.log_backups,
+                before_truncate,
+                every_s=spec.log_check_interval_s,
+            )
         )
 
     async def _watch(self) -> tuple[str, int]:
