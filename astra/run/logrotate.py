@@ -116,7 +116,7 @@ def _due(path: Path, max_bytes: int) -> bool:
 
 
 def _tmp(path: Path, backups: int) -> Path | None:
-    return path.with_name(f".{path.name}.rotating") if backups > 0 else None  # see above
+    return path.with_name(f".{path.name}.rotating") if backups > 0 else None
 
 
 def rotate(
