@@ -32,6 +32,7 @@ bench: $(VENV)/.installed  ## every benchmark in turn (~70 min); each rewrites i
 	$(PY) tools/bench/default_run.py
 	$(PY) tools/bench/tls.py
 	$(PY) tools/bench/soak.py
+	$(PY) tools/bench/dataflow_state.py
 	$(PY) tools/bench/engine.py  # needs: pip install -e ".[bench]"
 
 clean:
