@@ -59,20 +59,45 @@ class TlsConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class RevocationList:
+    """What a node takes from its crl.pem (astra.tls_crl.read_list)."""
+
+    serials: frozenset[int]
+    path: str
+    issuer: str = ""
+    number: int = 0  # its CRLNumber: a newer list of the same CA has a higher one
+    next_update: float = 0.0  # Unix time; 0: no promise
+    note: str = ""  # why a list found is not used, or why the one before still is
+
+
+@dataclass(frozen=True)
 class TlsMaterial:
-    """The PEM bytes of one process's credentials."""
+    """The PEM bytes of one process's credentials, and the revocations it enforces."""
 
     ca: bytes
     cert: bytes
     key: bytes
     server_name: str = ""
     source: str = ""  # where they came from, for messages and logs
-    revoked: frozenset[int] = frozenset()  # serial numbers the CA's revocation list names
-    crl: str = ""  # the revocation list's path, where one was read
-    crl_next_update: float = 0.0  # when its CA promised a newer list (Unix time; 0: never)
-    crl_issuer: str = ""  # the CA whose list `revoked` is
-    crl_number: int = 0  # that list's CRLNumber
-    crl_note: str = ""  # why a list found is not used, or why the one before still is
+    revocations: RevocationList | None = None  # None: no revocation list
+
+    @property
+    def revoked(self) -> frozenset[int]:
+        """The serial numbers the CA's revocation list names."""
+        return self.revocations.serials if self.revocations is not None else frozenset()
+
+    @property
+    def crl(self) -> str:
+        """The revocation list's path, where one was read."""
+        return self.revocations.path if self.revocations is not None else ""
+
+    @property
+    def crl_next_update(self) -> float:
+        return self.revocations.next_update if self.revocations is not None else 0.0
+
+    @property
+    def crl_note(self) -> str:
+        return self.revocations.note if self.revocations is not None else ""
 
 
 def tls_paths(env: Mapping[str, str] | None = None) -> dict[str, Path] | None:

@@ -10,6 +10,7 @@ import click
 
 from astra.authz import ROLES
 from astra.tls import DIR_FILES, ENV_DIR, TlsConfigError
+from astra.tls_crl import DEFAULT_DAYS
 
 
 @click.group("tls")
@@ -107,9 +108,9 @@ def issue_command(
 @click.option(
     "--days",
     type=click.IntRange(1, 3650),
-    default=30,
+    default=DEFAULT_DAYS,
     show_default=True,
-    help="The list's nextUpdate: revoke again (any serial already listed) before it passes.",
+    help="The list's nextUpdate: sign it again (revoke with nothing named) before it passes.",
 )
 def revoke_command(
     ca_dir: Path, certs: tuple[Path, ...], serials: tuple[str, ...], days: int

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from astra.tls import (
     CRL_FILE,
     ENV_CRL,
     ENV_DIR,
+    RevocationList,
     TlsConfigError,
     TlsMaterial,
     _read_pem,
@@ -29,18 +30,6 @@ DEFAULT_DAYS = 30  # a CRL's nextUpdate: when its issuer promises a newer one, a
 
 class CrlError(TlsConfigError):
     """The revocation list alone cannot be used (the rest of the credentials may be fine)."""
-
-
-@dataclass(frozen=True)
-class RevocationList:
-    """What a node takes from its crl.pem (`read_list`)."""
-
-    serials: frozenset[int]
-    path: str
-    issuer: str = ""
-    number: int = 0  # its CRLNumber: a newer list of the same CA has a higher one
-    next_update: float = 0.0  # Unix time; 0: no promise
-    ignored: str = ""  # why the list found is not used (its CA is not one ca.pem trusts)
 
 
 def _pems(data: bytes, kind: str) -> list[bytes]:
@@ -95,7 +84,7 @@ def load_crl(crl_pem: bytes, ca_pem: bytes, where: str = CRL_FILE):
 def read_list(path: Path, ca_pem: bytes, var: str = ENV_CRL) -> RevocationList:
     """A node's revocation list at `path` (CrlError when it cannot be read or is not one CRL,
     or names a CA of ca.pem as its issuer that did not sign it). A list whose issuer is no CA
-    of ca.pem is not used (`ignored` says so): the certificates it lists chain to a CA the
+    of ca.pem is not used (`note` says so): the certificates it lists chain to a CA the
     node no longer trusts (after a move to a new CA), so they cannot connect anyway."""
     from cryptography import x509
 
@@ -107,7 +96,7 @@ def read_list(path: Path, ca_pem: bytes, var: str = ENV_CRL) -> RevocationList:
     issuer = crl.issuer.rfc4514_string()
     if not issuers:
         note = f"{path} is the list of {issuer}, a CA ca.pem does not trust: not used"
-        return RevocationList(frozenset(), str(path), issuer, ignored=note)
+        return RevocationList(frozenset(), str(path), issuer, note=note)
     _signed(crl, issuers, str(path))
     try:
         number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
@@ -130,41 +119,29 @@ def with_list(material: TlsMaterial, env: Mapping[str, str]) -> TlsMaterial:
         return material
     if required and not path.exists():
         raise CrlError(f"{ENV_CRL}: no revocation list at {path}")
-    return _applied(material, read_list(path, material.ca, ENV_CRL if required else ENV_DIR))
-
-
-def _applied(material: TlsMaterial, found: RevocationList) -> TlsMaterial:
-    return replace(
-        material,
-        revoked=found.serials,
-        crl=found.path,
-        crl_next_update=found.next_update,
-        crl_issuer=found.issuer,
-        crl_number=found.number,
-        crl_note=found.ignored,
-    )
+    found = read_list(path, material.ca, ENV_CRL if required else ENV_DIR)
+    return replace(material, revocations=found)
 
 
 def kept(new: TlsMaterial, old: TlsMaterial, why: str) -> TlsMaterial:
     """The new credentials with the revocations in use before (fail closed)."""
-    held = RevocationList(
-        old.revoked, old.crl, old.crl_issuer, old.crl_number, old.crl_next_update, why
-    )
-    return _applied(new, held)
+    held = old.revocations or RevocationList(frozenset(), "")
+    return replace(new, revocations=replace(held, note=why))
 
 
 def carried(new: TlsMaterial, old: TlsMaterial | None) -> TlsMaterial:
     """What a refresh uses of the revocations: the new list, unless it would revoke less than
     the one in use says without being newer (removed, not used, or an older list of the same
     CA): then the list in use stays until a restart."""
-    if old is None or not old.revoked:
+    if old is None or old.revocations is None or not old.revoked:
         return new
-    if not new.crl:
-        return kept(new, old, f"{old.crl} was removed: its revocations stay")
-    if new.crl_note:
-        return kept(new, old, f"{new.crl_note}; the revocations before it stay")
-    if new.crl_issuer == old.crl_issuer and new.crl_number < old.crl_number:
-        why = (f"{new.crl} is an older list (number {new.crl_number} < {old.crl_number}): "
+    was, now = old.revocations, new.revocations
+    if now is None:
+        return kept(new, old, f"{was.path} was removed: its revocations stay")
+    if now.note:
+        return kept(new, old, f"{now.note}; the revocations before it stay")
+    if now.issuer == was.issuer and now.number < was.number:
+        why = (f"{now.path} is an older list (number {now.number} < {was.number}): "
                "the newer one's revocations stay")  # fmt: skip
         return kept(new, old, why)
     return new

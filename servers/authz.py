@@ -9,9 +9,9 @@ with a policy scope (astra.scopes) also gets a check of the request, or of a str
 message, before the handler sees it. A certificate the CA's revocation list names
 (astra.tls_crl; the list is read again when its file changes) gets UNAUTHENTICATED, reason
 CERTIFICATE_REVOKED, whatever its roles, as a call starts and before each later message of a
-stream (one under way when the list changed ends there). Each refused (method, roles) pair is logged once and
-counted (`metrics`: astra_rpc_refused_total on the service's Prometheus port; a scope refusal
-under roles "policy scope", a revoked certificate's under "revoked").
+stream (one under way when the list changed ends there). Each refused (method, roles) pair
+is logged once and counted (`metrics`: astra_rpc_refused_total on the service's Prometheus
+port; a scope refusal under roles "policy scope", a revoked certificate's under "revoked").
 """
 
 from __future__ import annotations
@@ -65,9 +65,7 @@ class RoleGuard:
         def check(context: grpc.aio.ServicerContext) -> Checks | None:
             auth = context.auth_context()
             pem = next(iter(auth.get("x509_pem_cert", ())), b"")
-            material = self.files.refresh() if self.files is not None else None
-            if material is not None and material.revoked:
-                self._check_serial(method, self._serial(pem), material.revoked, context)
+            self._refuse_if_revoked(method, pem, context)
             # Both properties carry the URI SANs in gRPC's core; read both, so that a version
             # of gRPC without one of them does not make a confined certificate an operator's.
             uris = [
@@ -83,7 +81,9 @@ class RoleGuard:
                     else None
                 )
                 # Before each later message of a stream: revoked since the call began?
-                each = (lambda: self._recheck(method, pem, context)) if self.files else None
+                each = (
+                    (lambda: self._refuse_if_revoked(method, pem, context)) if self.files else None
+                )
                 return (first, each) if first or each else None
             key = (method, roles)
             known = key in self._logged
@@ -115,7 +115,11 @@ class RoleGuard:
             self._serials[pem] = serial
         return serial
 
-    def _recheck(self, method: str, pem: bytes, context: grpc.aio.ServicerContext) -> None:
+    def _refuse_if_revoked(
+        self, method: str, pem: bytes, context: grpc.aio.ServicerContext
+    ) -> None:
+        """UNAUTHENTICATED when the revocation list in force (read again if its file changed)
+        names the caller's certificate, or holds any serial and that one cannot be read."""
         material = self.files.refresh() if self.files is not None else None
         if material is not None and material.revoked:
             self._check_serial(method, self._serial(pem), material.revoked, context)

@@ -3,8 +3,9 @@
 Plots what metrics.jsonl holds and nothing else: every row, in file order, per
 policy (after a --resume the steps redone since the last checkpoint appear
 twice); past MAX_POINTS rows a series keeps every k-th point and its last (k a
-power of two, said in the title), so a run of weeks reads in bounded memory. Top panel: the row's `accuracy` and the trainer's `reward_mean` of that
-step (absent where no trainer poll saw the step), and the held-out evaluations of
+power of two, said in the title), so a run of weeks reads in bounded memory. Top
+panel: the row's `accuracy` and the trainer's `reward_mean` of that step (absent
+where no trainer poll saw the step), and the held-out evaluations of
 evals.jsonl beside it (mean reward at the version evaluated). Bottom panel: the Dataflow
 gate's smoothed staleness score at the last poll before the step, the trainer's
 staleness score of the batch, and (right axis) the trainer's mean version gap.

@@ -339,7 +339,7 @@ class RayChildren:
             env,
             resources=resources(role, args, self.recipe.trainer.device),
             driver_node=self.driver_node,
-            placement_timeout_s=self.recipe.supervision.startup_timeout_s,
+            placement_timeout_s=s.startup_timeout_s,
             rotation=(s.max_log_bytes, s.log_backups, s.log_check_interval_s)
             if s.max_log_bytes > 0
             else None,
