@@ -13,7 +13,17 @@ $(VENV)/.installed: pyproject.toml setup.py
 run: $(VENV)/.installed  ## the whole system on the embedded default recipe (tiny model, CPU)
 	$(VENV)/bin/astra run  # into runs/default-<UTC time>/
 
-test: $(VENV)/.installed
+# The RaaS in JavaScript (tools/raas-node) and its tests need Node.js: installed where npm is
+# (its tests are skipped elsewhere, never in CI); the google/rpc protos it loads come from
+# codegen --deps.
+NODE_DEPS := $(if $(shell command -v npm 2>/dev/null),tools/raas-node/node_modules/.installed)
+
+tools/raas-node/node_modules/.installed: tools/raas-node/package.json tools/raas-node/package-lock.json $(VENV)/.installed
+	$(PY) tools/codegen.py --deps
+	cd tools/raas-node && npm ci --silent --no-audit --no-fund
+	touch $@
+
+test: $(VENV)/.installed $(NODE_DEPS)
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed
@@ -36,4 +46,4 @@ bench: $(VENV)/.installed  ## every benchmark in turn (~70 min); each rewrites i
 	$(PY) tools/bench/engine.py  # needs: pip install -e ".[bench]"
 
 clean:
-	rm -rf $(VENV) build astra-state runs
+	rm -rf $(VENV) build astra-state runs tools/raas-node/node_modules

@@ -21,7 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO = ROOT / "proto"
 DEPS = ROOT / "build" / "protodeps"
-GOOGLE_DEPS = ("google/rpc/status.proto",)
+# status.proto for the contracts; error_details.proto for engines that load the protos at run
+# time and encode the ErrorInfo / BadRequest / RetryInfo details (tools/raas-node).
+GOOGLE_DEPS = ("google/rpc/status.proto", "google/rpc/error_details.proto")
 
 
 def _googleapis_root() -> Path:

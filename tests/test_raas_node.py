@@ -1,0 +1,164 @@
+"""A RaaS in another language joins Astra: tools/raas-node, JavaScript on @grpc/grpc-js, built
+from the .proto files alone (no Astra code), against the real Dataflow and WeightService.
+
+It passes every check of `astra raas check`, LoadWeights included (a real fetch from a
+WeightService, Adler-32 verified in JavaScript); in a run with real processes, where one of
+its instances is SIGKILLed and Dataflow itself is killed and restarted, every prompt group
+reaches the trainer exactly once; SIGTERM deregisters it and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from astra.clients.raas import RolloutClient
+from astra.clients.raas_check import CheckOptions, RaasChecker
+from astra.clients.raas_rules import summary
+from astra.clients.weights_publish import publish_version
+from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
+from astra.servers.weights import start_weights
+from astra.weights.store import StoreConfig
+from tests.conftest import free_port, make_config
+from tests.procs import Proc, start_dataflow
+from tests.test_faults import (
+    NUM_PROMPTS,
+    Trainer,
+    assert_exactly_once,
+    big_dataset,  # noqa: F401 (a fixture)
+    fault_config,
+    run_then_close,
+)
+from tests.test_tls import run_ca  # noqa: F401 (a fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+NODE_DIR = ROOT / "tools" / "raas-node"
+LEFT = df_pb.INSTANCE_STATE_LEFT
+
+
+def _missing() -> str:
+    if shutil.which("node") is None:
+        return "node is not installed"
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        return "tools/raas-node has no node_modules: `make test` installs them (npm ci)"
+    return ""
+
+
+# Skipped where Node.js is missing, never in CI, which installs it (`make test` runs npm ci).
+if (why := _missing()) and os.environ.get("CI") == "true":
+    raise RuntimeError(f"tests/test_raas_node.py cannot run in CI: {why}")
+pytestmark = pytest.mark.skipif(bool(why), reason=why)
+
+
+def start_node_raas(tmp: Path, name: str, *extra: str, dataflow: str = "") -> Proc:
+    args = ["node", str(NODE_DIR / "raas.js"), "--port", "0", "--instance-id", name, *extra]
+    if dataflow:
+        args += ["--dataflow", dataflow]
+    return Proc(args, log=tmp / f"{name}.log")
+
+
+def test_node_raas_passes_every_contract_check(tmp_path):
+    node = start_node_raas(tmp_path, "node-check", "--capacity", "4", "--delay-ms", "50")
+
+    async def body():
+        weights = await start_weights(tmp_path / "store", config=StoreConfig(durable=False))
+        try:
+            tensors = {
+                "w": ("F32", [4096], np.arange(4096, dtype=np.float32).tobytes()),
+                "b": ("BF16", [3], bytes(6)),
+                "empty": ("F32", [0], b""),
+            }
+            await publish_version(weights.address, "policy", "v3", 3, tensors)
+            options = replace(
+                CheckOptions(result_timeout_s=10.0), weights=weights.address, version_id="v3"
+            )
+            return await RaasChecker(node.address, options).run()
+        finally:
+            await weights.stop(0)
+
+    results = run_then_close(asyncio.wait_for(body(), 90), [node])
+    report = summary(results)
+    failed = {r.name: r.detail for r in results if r.status != "pass"}
+    assert report["pass"] == len(results), failed
+    load = next(r for r in results if r.name == "load_weights")
+    assert "16,390 bytes fetched" in load.detail  # 4096 x 4 + 3 x 2 + 0: the whole version
+
+
+@pytest.mark.slow
+def test_node_raas_in_a_run_with_kills_delivers_every_group_once(big_dataset, tmp_path):  # noqa: F811
+    port = free_port()
+    config = fault_config(big_dataset, tmp_path, port=port)
+    df = start_dataflow(config, tmp_path, "dataflow-a")
+    flags = ("--delay-ms", "200", "--capacity", "8", "--label", "lang=javascript")
+    node = [start_node_raas(tmp_path, f"node-{i}", *flags, dataflow=df.address) for i in range(2)]
+    procs = [*node, df]
+
+    def states(status) -> dict[str, int]:
+        return {i.instance_id: i.state for i in status.instances}
+
+    async def body():
+        nonlocal df
+        async with Trainer(df.address) as trainer:
+            status = await trainer.wait_status(lambda s: len(states(s)) == 2, 15, 0.1)
+            assert all(dict(i.labels) == {"lang": "javascript"} for i in status.instances)
+            await trainer.run_until(4, 30)
+            node[0].kill()  # with groups in flight
+            await trainer.run_until(8, 30)
+            df.kill()  # the node RaaS keep their results and register again by themselves
+            df = start_dataflow(config, tmp_path, "dataflow-b")
+            procs.append(df)
+            procs.append(
+                start_node_raas(tmp_path, "node-2", "--delay-ms", "50", dataflow=df.address)
+            )
+            await trainer.run_until(NUM_PROMPTS, 60)
+            status = await trainer.wait_status(
+                lambda s: {"node-1", "node-2"} <= set(states(s)), 15, 0.2
+            )
+            # A clean stop: the instance deregisters and exits 0.
+            node[1].signal(signal.SIGTERM)
+            code = await asyncio.to_thread(node[1].wait, 10)
+            left = await trainer.wait_status(lambda s: states(s)["node-1"] == LEFT, 10, 0.1)
+        return trainer.consumed, status, code, left
+
+    consumed, status, code, left = run_then_close(body(), procs)
+    assert_exactly_once(consumed)
+    assert {"node-1", "node-2"} <= set(states(status))
+    assert code == 0
+    assert states(left)["node-1"] == LEFT
+
+
+def test_node_raas_over_mutual_tls(dataset, tmp_path, run_ca, monkeypatch):  # noqa: F811
+    """Under ASTRA_TLS_DIR the node RaaS serves and dials with the run's certificates: it
+    registers with a TLS Dataflow, its groups reach a trainer, and it passes the contract
+    checks over TLS; a client without a certificate of the run CA is refused."""
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(run_ca))
+    df = start_dataflow(make_config(dataset, tmp_path / "state"), tmp_path)
+    node = start_node_raas(tmp_path, "node-tls", dataflow=df.address)
+    alone = start_node_raas(tmp_path, "node-tls-alone")  # checked: no Dataflow dispatches to it
+
+    async def body():
+        async with Trainer(df.address) as trainer:
+            await trainer.run_until(2, 30)
+        checks = await RaasChecker(alone.address, CheckOptions(result_timeout_s=10.0)).run()
+        monkeypatch.delenv("ASTRA_TLS_DIR")
+        async with RolloutClient(node.address, timeout_s=2.0) as plain:
+            try:
+                await plain.get_status()
+                refused = None
+            except grpc.aio.AioRpcError as exc:
+                refused = exc.code()
+        return trainer.consumed, checks, refused
+
+    consumed, checks, refused = run_then_close(body(), [node, alone, df])
+    assert len(consumed) >= 2 and len(set(consumed)) == len(consumed)
+    assert {r.status for r in checks} <= {"pass", "skip"}, [r for r in checks if r.status == "fail"]
+    assert refused is grpc.StatusCode.UNAVAILABLE
+    assert "mutual TLS" in node.log.read_text()
