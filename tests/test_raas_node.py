@@ -24,6 +24,7 @@ from astra.clients.raas import RolloutClient
 from astra.clients.raas_check import CheckOptions, RaasChecker
 from astra.clients.raas_rules import summary
 from astra.clients.weights_publish import publish_version
+from astra.common.v1 import version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
 from astra.servers.weights import start_weights
 from astra.weights.store import StoreConfig
@@ -80,16 +81,31 @@ def test_node_raas_passes_every_contract_check(tmp_path):
             options = replace(
                 CheckOptions(result_timeout_s=10.0), weights=weights.address, version_id="v3"
             )
-            return await RaasChecker(node.address, options).run()
+            results = await RaasChecker(node.address, options).run()
+            # The next version, a few elements changed: the store keeps it as a delta, and the
+            # JavaScript receiver, naming v3 as held, gets xor+zstd frames to decode against it.
+            w = np.arange(4096, dtype=np.float32)
+            w[::512] += 1.0
+            await publish_version(
+                weights.address, "policy", "v4", 4, {**tensors, "w": ("F32", [4096], w.tobytes())}
+            )
+            async with RolloutClient(node.address, timeout_s=10.0) as client:
+                want = version_pb2.PolicyVersion(policy_id="policy", version=4, version_id="v4")
+                loaded = await client.load_weights([want], weights.address, "next")
+                status = await client.get_status()
+            return results, loaded, status
         finally:
             await weights.stop(0)
 
-    results = run_then_close(asyncio.wait_for(body(), 90), [node])
+    results, loaded, status = run_then_close(asyncio.wait_for(body(), 90), [node])
     report = summary(results)
     failed = {r.name: r.detail for r in results if r.status != "pass"}
     assert report["pass"] == len(results), failed
     load = next(r for r in results if r.name == "load_weights")
     assert "16,390 bytes fetched" in load.detail  # 4096 x 4 + 3 x 2 + 0: the whole version
+    assert 0 < loaded.fetched_bytes < 1000  # one frame of w's change, not 16,390 bytes
+    assert [(v.version, v.version_id) for v in status.loaded_versions] == [(4, "v4")]
+    assert "policy@v4 (delta against v3)" in node.log.read_text()
 
 
 @pytest.mark.slow

@@ -222,9 +222,10 @@ class Raas {
       todo.map(async (v) => {
         const address = (req.policy_weights_addresses || {})[v.policy_id] || req.weights_address;
         try {
-          const got = await fetchVersion(this.proto, address, v.policy_id, v.version_id, this.instanceId, LOAD_TIMEOUT_S);
+          const held = this.versions.get(v.policy_id) || null; // a delta against it if it can
+          const got = await fetchVersion(this.proto, address, v.policy_id, v.version_id, this.instanceId, LOAD_TIMEOUT_S, held);
           fetched += got.bytes;
-          return [v, got.tensors];
+          return [v, got.tensors, got.base];
         } catch (err) {
           const code = err.code === grpc.status.DEADLINE_EXCEEDED ? err.code : err.code || grpc.status.UNAVAILABLE;
           throw this.rpcError(code, `${v.policy_id} ${v.version_id}: ${err.message}`, err.reason || 'FETCH_FAILED', { metadata: { policy_id: v.policy_id } });
@@ -237,7 +238,10 @@ class Raas {
     const response = { loaded_versions: this.loadedVersions(), fetched_bytes: fetched };
     this.loads.set(req.request_id, { key, response });
     while (this.loads.size > REMEMBERED_LOADS) this.loads.delete(this.loads.keys().next().value);
-    if (staged.length) this.log(`loaded ${staged.map(([v]) => `${v.policy_id}@${v.version_id}`).join(', ')} (${fetched} bytes)`);
+    if (staged.length) {
+      const what = staged.map(([v, , b]) => `${v.policy_id}@${v.version_id} (${b ? `delta against ${b}` : 'full copy'})`);
+      this.log(`loaded ${what.join(', ')}, ${fetched} bytes`);
+    }
     return response;
   }
 
