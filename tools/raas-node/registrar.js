@@ -85,7 +85,12 @@ class Registrar {
     } catch (err) {
       if (err.code === grpc.status.NOT_FOUND) {
         this.log('Dataflow no longer knows this instance: registering again');
-        await this.register();
+        try {
+          await this.register();
+        } catch (refused) {
+          this.log(refused.message); // a refusal that retrying cannot change
+          process.exit(1);
+        }
       } else {
         this.log(`heartbeat failed: ${err.details || err.message}`); // the next one follows
       }
