@@ -227,7 +227,7 @@ class Raas {
           fetched += got.bytes;
           return [v, got.tensors, got.base];
         } catch (err) {
-          const code = err.code === grpc.status.DEADLINE_EXCEEDED ? err.code : err.code || grpc.status.UNAVAILABLE;
+          const code = err.code || grpc.status.UNAVAILABLE;
           throw this.rpcError(code, `${v.policy_id} ${v.version_id}: ${err.message}`, err.reason || 'FETCH_FAILED', { metadata: { policy_id: v.policy_id } });
         }
       }),
