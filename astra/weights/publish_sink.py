@@ -1,8 +1,9 @@
 """One tensor of a publish as its bytes stream in: checked, hashed, staged, encoded or decoded.
 
 Raw bytes are written to the tensor's single-tensor shard as they arrive,
-with their Adler-32, their SHA-256 (on its own thread) and, given a base,
-their xor+zstd frame against it (on another) computed in the same pass. A
+with their Adler-32, their content digest (astra.weights.digest, on its own
+thread) and, given a base, their xor+zstd frame against it (on another)
+computed in the same pass. A
 sender's xor+zstd frame is collected and, at `finish`, decoded against the
 base (from RAM when the store holds it there, else from its file) into the
 shard, with the same hashes, and kept as the tensor's delta. Either way the
@@ -14,7 +15,6 @@ only once its Adler-32 matches. Never touches gRPC.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +26,7 @@ import numpy as np
 from astra.errors import DataLoss, InvalidArgument
 from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
 from astra.weights.delta import DeltaError, XorZstdChunks, XorZstdEncoder, frame_content_size
+from astra.weights.digest import DEFAULT, finish, hasher, kind_of
 from astra.weights.records import TensorRecord, disk_full
 from astra.weights.safetensors_io import METADATA_KEY, tensor_nbytes
 from astra.weights.tensor_files import ALIGN, ShardWriter, tensor_header
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from astra.weights.publish_stage import PublishStage
 
 log = logging.getLogger(__name__)
-_HASHERS = ThreadPoolExecutor(2, thread_name_prefix="publish-sha256")
+_HASHERS = ThreadPoolExecutor(2, thread_name_prefix="publish-digest")
 _ENCODERS = ThreadPoolExecutor(2, thread_name_prefix="publish-encode")
 MAX_TENSOR_NAME_CHARS = 1024
 
@@ -68,8 +69,11 @@ class TensorSink:
         # adler None: the caller's own bytes (an in-process publish), checksummed as they land;
         # the shard's header is written with a placeholder of the same length and fixed at the end.
         self.stage, self.name, self.dtype, self.shape, self.adler = stage, name, dtype, shape, adler
-        self.received, self._adler, self._sha = 0, 1, hashlib.sha256()
-        self._sha_pending: Future[None] | None = None
+        # Compared against an existing identity's record: hashed as that record was.
+        expected = stage.expected.get(name) if stage.expected is not None else None
+        self._kind = kind_of(expected.digest) if expected is not None else DEFAULT
+        self.received, self._adler, self._hash = 0, 1, hasher(self._kind)
+        self._hash_pending: Future[None] | None = None
         self._encoder_pending: Future[None] | None = None
         self.synced: Future[None] | None = None  # set once accepted: done when durable and listed
         self.file = stage.next_file()
@@ -125,11 +129,11 @@ class TensorSink:
             self._frame += view
             self.received += view.nbytes
             return
-        # SHA-256, the dearest pass, runs on its own thread beside the rest (hashlib releases the
+        # The digest, the dearest pass, runs on its own thread beside the rest (it releases the
         # GIL); one update in flight per tensor keeps them in order.
-        if self._sha_pending is not None:
-            self._sha_pending.result()
-        self._sha_pending = _HASHERS.submit(self._sha.update, view)
+        if self._hash_pending is not None:
+            self._hash_pending.result()
+        self._hash_pending = _HASHERS.submit(self._hash.update, view)
         self._adler = adler32(view, self._adler)
         if self._hot is not None:
             self._hot[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
@@ -150,7 +154,7 @@ class TensorSink:
             raise _bad_tensor(self.name, f"{self.received} of {self.expected_bytes} bytes")
         if self._frame is not None:
             self._decode()
-        self._wait_sha()
+        self._wait_hash()
         self._wait_encoder()
         got = format_adler32(self._adler)
         if self.adler is None:
@@ -167,13 +171,14 @@ class TensorSink:
                 reason="CHECKSUM_MISMATCH",
                 metadata={"tensor": self.name},
             )
-        record = TensorRecord(self.dtype, self.shape, self.size, got, self._sha.hexdigest())
+        digest = finish(self._kind, self._hash)
+        record = TensorRecord(self.dtype, self.shape, self.size, got, digest)
         self.stage.accept(self, record)
         return record
 
     def _decode(self) -> None:
-        """Decodes the sender's frame against the base into the shard: Adler-32 and SHA-256 of
-        the new bytes computed on the way (SHA-256 on its own thread), the frame kept as this
+        """Decodes the sender's frame against the base into the shard: Adler-32 and digest of
+        the new bytes computed on the way (the digest on its own thread), the frame kept as this
         tensor's delta (None when it changes nothing)."""
         frame, self._frame = bytes(self._frame), None
         try:
@@ -187,14 +192,14 @@ class TensorSink:
         try:
             chunks, pos = XorZstdChunks(frame, pieces, self.size), 0
             for chunk in chunks:
-                self._wait_sha()  # the buffer the next chunk is decoded into is hashed by now
-                self._sha_pending = _HASHERS.submit(self._sha.update, chunk)
+                self._wait_hash()  # the buffer the next chunk is decoded into is hashed by now
+                self._hash_pending = _HASHERS.submit(self._hash.update, chunk)
                 self._adler = adler32(chunk, self._adler)
                 if self._hot is not None:
                     self._hot[pos : pos + chunk.size] = chunk
                 pos += chunk.size
                 self._out.write(chunk)
-            self._wait_sha()
+            self._wait_hash()
         except DeltaError as exc:
             raise self._corrupt(exc) from exc
         except OSError as exc:
@@ -221,9 +226,9 @@ class TensorSink:
             except OSError as exc:
                 raise disk_full(exc, f"cannot encode {self.name}") from exc
 
-    def _wait_sha(self) -> None:
-        if self._sha_pending is not None:
-            pending, self._sha_pending = self._sha_pending, None
+    def _wait_hash(self) -> None:
+        if self._hash_pending is not None:
+            pending, self._hash_pending = self._hash_pending, None
             pending.result()
 
     def close_file(self) -> Path | None:
@@ -255,7 +260,7 @@ class TensorSink:
             self.stage.hot_new.forget(self.name)
             self._hot = None
         with contextlib.suppress(Exception):
-            self._wait_sha()  # the hasher and the encoder may still read the caller's buffer
+            self._wait_hash()  # the hasher and the encoder may still read the caller's buffer
         with contextlib.suppress(Exception):
             self._wait_encoder()
         if self._encoder is not None:

@@ -110,9 +110,7 @@ class PublishStage:
         for line in lines:
             try:
                 e = json.loads(line)
-                rec = TensorRecord(
-                    e["dtype"], tuple(e["shape"]), e["size"], e["adler32"], e["sha256"]
-                )
+                rec = TensorRecord.from_json(e)
             except (ValueError, KeyError, TypeError):
                 break  # a torn last line: everything before it is complete
             if (self.path / e["file"]).is_file():
@@ -208,7 +206,7 @@ class PublishStage:
         line = {"name": sink.name, "file": sink.file, "size": record.size_bytes}
         line["offset"] = sink.offset
         line.update(dtype=record.dtype, shape=list(record.shape))
-        line.update(adler32=record.adler32, sha256=record.sha256)
+        line.update(adler32=record.adler32, digest=record.digest)
         with self._lock:
             self.received[sink.name] = (sink.file, record)
             self.offsets[sink.name] = sink.offset

@@ -3,8 +3,8 @@
 A `VersionRecord` is written as record.json inside the version's directory,
 in the same atomic rename as the version itself, so a version on disk always
 has its record. It names the identity, the step counter, how the version is
-stored, every tensor (dtype, shape, Adler-32 and SHA-256 of its raw bytes),
-the SHA-256 of every stored file, and a digest of the content that decides
+stored, every tensor (dtype, shape, Adler-32 and content digest of its raw
+bytes: astra.weights.digest), the SHA-256 of every stored file, and a digest of the content that decides
 whether a repeated publish of the identity is the same. Never touches gRPC.
 """
 
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from astra.errors import InvalidArgument, ResourceExhausted
+from astra.weights.digest import digest_body, normalized
 
 RECORD_NAME = "record.json"
 _PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -98,7 +99,14 @@ class TensorRecord:
     shape: tuple[int, ...]
     size_bytes: int
     adler32: str
-    sha256: str
+    digest: str  # "blake3:<hex>" or "sha256:<hex>" (astra.weights.digest)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> TensorRecord:
+        """From a record or manifest line; one written before digests were tagged has `sha256`."""
+        digest = body["digest"] if "digest" in body else body["sha256"]
+        size = body["size_bytes"] if "size_bytes" in body else body["size"]
+        return cls(body["dtype"], tuple(body["shape"]), size, body["adler32"], normalized(digest))
 
 
 @dataclass
@@ -132,7 +140,9 @@ class VersionRecord:
         """SHA-256 of what the identity names: step counter, tensors, extra files, metadata."""
         body = {
             "version": self.version,
-            "tensors": {n: [t.dtype, list(t.shape), t.sha256] for n, t in self.tensors.items()},
+            "tensors": {
+                n: [t.dtype, list(t.shape), digest_body(t.digest)] for n, t in self.tensors.items()
+            },
             "files": self.files,
             "metadata": self.metadata,
         }
@@ -145,12 +155,7 @@ class VersionRecord:
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> VersionRecord:
-        tensors = {
-            n: TensorRecord(
-                t["dtype"], tuple(t["shape"]), t["size_bytes"], t["adler32"], t["sha256"]
-            )
-            for n, t in body["tensors"].items()
-        }
+        tensors = {n: TensorRecord.from_json(t) for n, t in body["tensors"].items()}
         return cls(**{**body, "tensors": tensors})
 
     @classmethod

@@ -18,17 +18,19 @@ everything else from disk. Blocking and thread-safe; never touches gRPC.
 from __future__ import annotations
 
 import collections
+import copy
 import json
 import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from astra.errors import FailedPrecondition, InvalidArgument, NotFound
 from astra.weights.chain import Chain
 from astra.weights.checkpoint import LayoutChanged, write_delta, write_full
+from astra.weights.digest import SHA256, digest_of, kind_of
 from astra.weights.hot import HotVersion
 from astra.weights.layout import Tensor
 from astra.weights.pool import BufferPool
@@ -77,6 +79,21 @@ class StoreConfig:
                 "max_chain and keep_versions must be >= 1, receiver_ttl_s > 0",
                 reason="INVALID_CONFIG",
             )
+
+
+def _sha256_digest(record: VersionRecord, tensors: Mapping[str, Tensor]) -> str:
+    """The content digest `record` would have with SHA-256 tensor digests, as a release before
+    BLAKE3 recorded them: a tombstone left then still names the same content. Hashes every
+    tensor again: only for an identity that was collected and is published once more."""
+    if all(kind_of(t.digest) == SHA256 for t in record.tensors.values()):
+        return record.content_digest()
+    if tensors.keys() != record.tensors.keys():
+        return ""
+    again = copy.copy(record)
+    again.tensors = {
+        n: replace(t, digest=digest_of(tensors[n].data, SHA256)) for n, t in record.tensors.items()
+    }
+    return again.content_digest()
 
 
 class Store(StorePublishing, StoreLifecycle):
@@ -193,7 +210,8 @@ class Store(StorePublishing, StoreLifecycle):
                 if existing.content_digest() != digest:
                     raise content_mismatch(identity, "a different version was published as it")
                 return existing, True
-            if self._tombstones(policy).get(identity, digest) != digest:
+            tombstone = self._tombstones(policy).get(identity, digest)
+            if tombstone != digest and tombstone != _sha256_digest(record, tensors):
                 raise content_mismatch(identity, "a collected version had other content")
             head = chain.head
             if head is not None and version <= head.version:

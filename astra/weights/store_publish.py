@@ -25,6 +25,7 @@ from astra.errors import (
 )
 from astra.weights.apply import worker_count
 from astra.weights.checksum import adler32_hex
+from astra.weights.digest import DEFAULT, digest_of, kind_of
 from astra.weights.hot import HotBuilder
 from astra.weights.layout import (
     INDEX_NAME,
@@ -42,7 +43,6 @@ from astra.weights.records import (
     TensorRecord,
     check_policy,
     dirname_for,
-    sha256_bytes,
 )
 from astra.weights.safetensors_io import tensor_nbytes
 from astra.weights.tensor_files import read_range
@@ -83,8 +83,12 @@ def check_files(files: Mapping[str, bytes]) -> None:
             )
 
 
-def hash_tensors(tensors: Mapping[str, Tensor]) -> dict[str, TensorRecord]:
-    """Adler-32 and SHA-256 of every tensor, in parallel threads (both release the GIL)."""
+def hash_tensors(
+    tensors: Mapping[str, Tensor], kinds: Mapping[str, str] | None = None
+) -> dict[str, TensorRecord]:
+    """Adler-32 and content digest of every tensor, in parallel threads (both release the
+    GIL); `kinds` names a tensor's digest kind where it is not the default (to compare it with
+    a record made by an earlier release)."""
 
     def one(item: tuple[str, Tensor]) -> tuple[str, TensorRecord]:
         name, t = item
@@ -102,8 +106,9 @@ def hash_tensors(tensors: Mapping[str, Tensor]) -> dict[str, TensorRecord]:
                 metadata={"tensor": name},
             )
         return name, TensorRecord(
-            t.dtype, tuple(t.shape), size, adler32_hex(view), sha256_bytes(view)
-        )
+            t.dtype, tuple(t.shape), size, adler32_hex(view),
+            digest_of(view, (kinds or {}).get(name, DEFAULT)),
+        )  # fmt: skip
 
     with ThreadPoolExecutor(worker_count(None)) as pool:
         return dict(pool.map(one, sorted(tensors.items())))
@@ -343,7 +348,7 @@ class StorePublishing:
     ) -> tuple[VersionRecord, bool]:
         """Writes each tensor once, as a single-tensor shard, through a publish session.
 
-        Adler-32, SHA-256 and the xor+zstd frame against the current version
+        Adler-32, content digest and the xor+zstd frame against the current version
         are computed as the bytes are written (one pass, several tensors at
         once); the commit then writes those frames as the delta and links the
         shards as the full copy: nothing is written, hashed or encoded twice.
@@ -360,7 +365,8 @@ class StorePublishing:
             if held:  # an interrupted publish of this identity: skip only what matches
                 staged = session.stage.records()
                 ours = hash_tensors(
-                    {n: _in_memory(t, sizes[n]) for n, t in tensors.items() if n in held}
+                    {n: _in_memory(t, sizes[n]) for n, t in tensors.items() if n in held},
+                    {n: kind_of(r.digest) for n, r in staged.items()},
                 )
                 if held - ours.keys() or any(staged[n] != r for n, r in ours.items()):
                     # Another content was staged under this identity and never committed.
