@@ -239,19 +239,35 @@ class XorZstdChunks:
 
     `old` is the base tensor as consecutive pieces. A yielded chunk stays
     valid until `buffers - 1` more chunks have been yielded, so a consumer
-    can hash one on another thread while the next is decoded. `changed` is
+    can hash one on another thread while the next is decoded. Given `out`
+    (a uint8 buffer of `expected` bytes), the frame is decoded into it whole
+    (zstd then writes straight into it, without a copy out of its window)
+    and the chunks are views of `out`, valid as long as it is. `changed` is
     True once any decoded XOR byte was non-zero. The same checks as
     decode_xor_zstd_into: one frame, of exactly `expected` bytes.
     """
 
-    def __init__(self, frame: Any, old: Iterable[Any], expected: int, buffers: int = 2) -> None:
+    def __init__(
+        self,
+        frame: Any,
+        old: Iterable[Any],
+        expected: int,
+        buffers: int = 2,
+        out: np.ndarray | None = None,
+    ) -> None:
         _check_frame(frame, expected)
-        self.frame, self.old, self.expected = frame, old, expected
+        if out is not None and out.size != expected:
+            raise ValueError(f"output holds {out.size} bytes, base tensor {expected}")
+        self.frame, self.old, self.expected, self.out = frame, old, expected, out
         n = max(1, min(_CHUNK, expected))
-        self._bufs = [np.empty(n, dtype=np.uint8) for _ in range(max(1, buffers))]
+        count = 0 if out is not None else max(1, buffers)
+        self._bufs = [np.empty(n, dtype=np.uint8) for _ in range(count)]
         self.changed = False
 
     def __iter__(self) -> Iterator[np.ndarray]:
+        if self.out is not None:
+            yield from self._into_out(self.out)
+            return
         pos, turn = 0, 0
         try:
             with zstandard.ZstdDecompressor().stream_reader(
@@ -290,6 +306,25 @@ class XorZstdChunks:
         except zstandard.ZstdError as exc:
             raise DeltaError(f"corrupt zstd frame: {exc}") from exc
 
+    def _into_out(self, out: np.ndarray) -> Iterator[np.ndarray]:
+        _decode_whole(self.frame, out)
+        pos = 0
+        for piece in self.old:
+            y = _u8(piece)
+            if pos + y.size > self.expected:
+                raise DeltaError(f"base tensor has more than {self.expected} bytes")
+            for k in range(0, y.size, _CHUNK):
+                n = min(_CHUNK, y.size - k)
+                chunk = out[pos : pos + n]
+                if not self.changed and chunk.any():
+                    self.changed = True
+                np.bitwise_xor(chunk, y[k : k + n], out=chunk)
+                yield chunk
+                pos += n
+            del y
+        if pos != self.expected:
+            raise DeltaError(f"base tensor has {pos} bytes, expected {self.expected}")
+
 
 def decode_xor_zstd_into(frame: Any, old: Any, out: Any) -> int:
     """Writes new = decode(frame) XOR old into `out` (len(old) bytes); returns Adler-32 of new.
@@ -303,26 +338,34 @@ def decode_xor_zstd_into(frame: Any, old: Any, out: Any) -> int:
     if dst.size != expected:
         raise ValueError(f"output holds {dst.size} bytes, base tensor {expected}")
     _check_frame(frame, expected)
-    target = memoryview(dst)
-    value, pos = 1, 0
+    _decode_whole(frame, dst)
+    value = 1
+    for pos in range(0, expected, _CHUNK):  # a cache-sized piece: XOR, then its Adler-32
+        end = min(expected, pos + _CHUNK)
+        np.bitwise_xor(dst[pos:end], y[pos:end], out=dst[pos:end])
+        value = adler32(dst[pos:end], value)
+    return value
+
+
+def _decode_whole(frame: Any, dst: np.ndarray) -> None:
+    """Decodes one frame of exactly dst.size bytes into dst.
+
+    One read into the whole buffer lets zstd write straight into it; reading
+    it a piece at a time makes zstd decode into its own window and copy out
+    (a quarter slower here).
+    """
+    target, filled, expected = memoryview(dst), 0, dst.size
     try:
         with zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False) as reader:
-            while pos < expected:
-                end = min(expected, pos + _CHUNK)
-                filled = pos
-                while filled < end:
-                    got = reader.readinto(target[filled:end])
-                    if not got:
-                        raise DeltaError(f"frame decodes to {filled} bytes, expected {expected}")
-                    filled += got
-                np.bitwise_xor(dst[pos:end], y[pos:end], out=dst[pos:end])
-                value = adler32(dst[pos:end], value)
-                pos = end
+            while filled < expected:
+                got = reader.readinto(target[filled:])
+                if not got:
+                    raise DeltaError(f"frame decodes to {filled} bytes, expected {expected}")
+                filled += got
             if reader.read(1):
                 raise DeltaError(f"frame decodes to more than {expected} bytes")
     except zstandard.ZstdError as exc:
         raise DeltaError(f"corrupt zstd frame: {exc}") from exc
-    return value
 
 
 def decode_xor_zstd(frame: Any, old: Any, expected_size: int) -> bytearray:

@@ -47,12 +47,19 @@ class HotVersion:
 
 
 class HotBuilder:
-    """Collects a publish's new tensor bytes as they pass, up to `max_bytes` in all."""
+    """Collects a publish's new tensor bytes as they pass, up to `max_bytes` in all.
+
+    A tensor's buffer is its sink's from `begin` until `end`: when the version
+    is dropped meanwhile (it does not fit, a tensor failed), a buffer still in
+    use goes back to the pool only at its `end`, so no other publish is handed
+    memory a sink still writes, hashes or stages from.
+    """
 
     def __init__(self, pool: BufferPool, max_bytes: int) -> None:
         self.pool, self.max_bytes = pool, max_bytes
         self.arrays: dict[str, np.ndarray] = {}
         self.nbytes, self.dropped = 0, False
+        self._busy: dict[str, np.ndarray] = {}  # begun, not ended
         self._lock = threading.Lock()
 
     def begin(self, name: str, size: int) -> np.ndarray | None:
@@ -69,8 +76,15 @@ class HotBuilder:
             if self.dropped:
                 self.pool.put(array)
                 return None
-            self.arrays[name] = array
+            self.arrays[name] = self._busy[name] = array
         return array
+
+    def end(self, name: str) -> None:
+        """The sink is done with the tensor's buffer (finished or failed); a second call is a no-op."""
+        with self._lock:
+            array = self._busy.pop(name, None)
+            if array is not None and self.dropped and self.arrays.get(name) is not array:
+                self.pool.put(array)  # its version was dropped while the sink used it
 
     def forget(self, name: str) -> None:
         """A tensor that failed: the version cannot be held whole any more."""
@@ -80,7 +94,10 @@ class HotBuilder:
 
     def _drop(self) -> None:
         self.dropped = True
-        _recycle(self.arrays, self.pool)
+        for name, array in self.arrays.items():
+            if self._busy.get(name) is not array:
+                self.pool.put(array)
+        self.arrays.clear()  # a busy buffer goes back at its `end`
         self.nbytes = 0
 
     def finish(self, identity: str, names: Iterable[str]) -> HotVersion | None:
@@ -90,6 +107,7 @@ class HotBuilder:
                 self._drop()
                 return None
             arrays, self.arrays = self.arrays, {}
+            self._busy.clear()  # the version's now, whatever a sink says later
             self.dropped = True  # handed over
         return HotVersion(identity, arrays, self.pool)
 

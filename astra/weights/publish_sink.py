@@ -174,7 +174,14 @@ class TensorSink:
         digest = finish(self._kind, self._hash)
         record = TensorRecord(self.dtype, self.shape, self.size, got, digest)
         self.stage.accept(self, record)
+        self._release_hot()
         return record
+
+    def _release_hot(self) -> None:
+        """Nothing of this sink reads or writes the RAM copy's buffer from here on."""
+        if self._hot is not None and self.stage.hot_new is not None:
+            self.stage.hot_new.end(self.name)
+        self._hot = None
 
     def _decode(self) -> None:
         """Decodes the sender's frame against the base into the shard: Adler-32 and digest of
@@ -190,14 +197,12 @@ class TensorSink:
             raise _bad_tensor(self.name, "the xor+zstd frame must declare its content size")
         pieces = self.stage.base_bytes(self.name, self.size) if self.size else iter([b""])
         try:
-            chunks, pos = XorZstdChunks(frame, pieces, self.size), 0
+            # Decoded straight into the RAM copy when it is kept, else a chunk at a time.
+            chunks = XorZstdChunks(frame, pieces, self.size, out=self._hot if self.size else None)
             for chunk in chunks:
                 self._wait_hash()  # the buffer the next chunk is decoded into is hashed by now
                 self._hash_pending = _HASHERS.submit(self._hash.update, chunk)
                 self._adler = adler32(chunk, self._adler)
-                if self._hot is not None:
-                    self._hot[pos : pos + chunk.size] = chunk
-                pos += chunk.size
                 self._out.write(chunk)
             self._wait_hash()
         except DeltaError as exc:
@@ -258,11 +263,11 @@ class TensorSink:
     def abort(self) -> None:
         if self._hot is not None and self.stage.hot_new is not None:
             self.stage.hot_new.forget(self.name)
-            self._hot = None
         with contextlib.suppress(Exception):
             self._wait_hash()  # the hasher and the encoder may still read the caller's buffer
         with contextlib.suppress(Exception):
             self._wait_encoder()
+        self._release_hot()  # only now may the pool hand the buffer to another publish
         if self._encoder is not None:
             self._encoder.close()
             self._encoder = None
