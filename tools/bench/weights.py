@@ -871,8 +871,8 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         f"nothing touches the disk.",
         f"- `Store.publish` of a delta version in process (fsync on): {sp_pub['total_s']:.1f} s "
         f"= {size / sp_pub['total_s'] / GB:.2f} model GB/s: writing each tensor once as a "
-        f"single-tensor shard with its Adler-32, SHA-256 and xor+zstd frame computed in the same "
-        f"pass (2 threads) {sp_pub.get('stage_s', 0):.1f} s, then the commit "
+        f"single-tensor shard with its Adler-32, BLAKE3 digest and xor+zstd frame computed in the "
+        f"same pass (2 threads) {sp_pub.get('stage_s', 0):.1f} s, then the commit "
         f"{sp_pub.get('commit_s', 0):.1f} s (of which `write_delta`, writing the frames, "
         f"{sp_pub.get('write_delta_s', 0):.1f} s; the cached full copy, links to the shards, "
         f"{sp_pub.get('full_copy_s', 0):.1f} s). "
@@ -881,9 +881,9 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         f"{full / MB:,.0f} MB), a publish took "
         f"{rng([d['publish_s'] for d in deltas + fulls + mdeltas + mfulls + [ld, lf, mld, mlf]])} s "
         "(the trainer's XOR, zstd and Adler-32 on 2 threads a few tensors ahead of the stream; the "
-        "service decodes each frame against its RAM copy of the current version, two tensors at "
-        "a time, checks the Adler-32, computes SHA-256, stages the tensor with O_DIRECT and keeps "
-        f"the new bytes in RAM for the next publish; the first version, sent raw, took "
+        "service decodes each frame against its RAM copy of the current version into the RAM copy "
+        "of the new one, two tensors at a time, checks the Adler-32, computes the BLAKE3 digest "
+        f"and stages the tensor with O_DIRECT; the first version, sent raw, took "
         f"{first['publish_s']:.1f} s).",
         f"- Disk: a delta fetch rewrites every tensor (every tensor changed), so each receiver "
         f"reads its base ({full / GB:.2f} GB) and writes the new version ({full / GB:.2f} GB): "
