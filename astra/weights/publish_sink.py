@@ -3,13 +3,13 @@
 Raw bytes are written to the tensor's single-tensor shard as they arrive,
 with their Adler-32, their content digest (astra.weights.digest, on its own
 thread) and, given a base, their xor+zstd frame against it (on another)
-computed in the same pass. A
-sender's xor+zstd frame is collected and, at `finish`, decoded against the
-base (from RAM when the store holds it there, else from its file) into the
-shard, with the same hashes, and kept as the tensor's delta. Either way the
-new bytes are also copied into the store's RAM copy of the version being
-built (astra.weights.hot), and the tensor is handed to its PublishStage
-only once its Adler-32 matches. Never touches gRPC.
+computed in the same pass. A sender's xor+zstd frame is collected and, at
+`finish`, decoded against the base (from RAM when the store holds it there,
+else from its file) into the shard, with the same hashes, and kept as the
+tensor's delta. Either way the new bytes also land in the store's RAM copy
+of the version being built (astra.weights.hot; a frame is decoded straight
+into it), and the tensor is handed to its PublishStage only once its
+Adler-32 matches. Never touches gRPC.
 """
 
 from __future__ import annotations
