@@ -533,6 +533,43 @@ class Bench:
         return out
 
 
+def run_deltas_only(p, tmp: Path) -> dict:
+    """In-memory receivers: one full copy, two deltas on loopback, then p.deltas_only deltas
+    through the link; the median end-to-end, publish, fetch and CPU of those."""
+    from astra.weights.checkpoint import write_full
+
+    model = make_model(model_shapes(p.layers, p.vocab), seed=1)
+    base_dir = tmp / "ckpt-v1"
+    write_full(base_dir, as_tensors(model), {"model_type": "llama"}, version="v1", durable=False)
+    shards = sorted(base_dir.glob("*.safetensors"))
+    b = Bench(p, tmp)
+    try:
+        b.start(shards, sum(f.stat().st_size for f in shards))
+        b.astra_trial(model, "full", memory=True)
+        trials, seed = [], 10
+        for i in range(2 + p.deltas_only):
+            seed += 1
+            update_model(model, seed, p.fraction)
+            r = b.astra_trial(model, "delta", link=i >= 2, memory=True)
+            if i >= 2:
+                trials.append(r)
+    finally:
+        b.stop()
+
+    def median_of(key) -> float:
+        return round(statistics.median(key(r) for r in trials), 3)
+
+    return {
+        "deltas": len(trials),
+        "e2e_s": [round(r["e2e_s"], 3) for r in trials],
+        "e2e_median_s": median_of(lambda r: r["e2e_s"]),
+        "publish_median_s": median_of(lambda r: r["publish_s"]),
+        "fetch_median_s": median_of(lambda r: r["fetch_s"]),
+        "service_cpu_median_s": median_of(lambda r: r["cpu"]["service"]),
+        "receivers_cpu_median_s": median_of(lambda r: r["cpu"]["receivers"]),
+    }
+
+
 def run(p, tmp: Path) -> dict:
     from astra.weights.checkpoint import write_full
 
@@ -943,6 +980,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default="", help="also write the raw figures here")
     ap.add_argument("--from-json", default="", help="render the report of a recorded --json run")
     ap.add_argument("--tmp", default="/tmp", help="where the temporary directory goes")
+    ap.add_argument(
+        "--deltas-only",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only N in-memory deltas through the 1 Gbit/s link (after one full copy and two\n"
+        "warm-up deltas); prints their median end-to-end and CPU as JSON, writes nothing:\n"
+        "for comparing two versions of the code back to back",
+    )
     p = ap.parse_args(argv)
     defaults = (
         {"layers": 2, "vocab": 8192, "reps": 1, "reps_format": 2, "reps_stream": 2}
@@ -972,6 +1018,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="astra-bench-weights-", dir=p.tmp) as d:
         tmp = Path(d)
         try:
+            if p.deltas_only:
+                print(json.dumps(run_deltas_only(p, tmp)))
+                return 0
             res = run(p, tmp)
         except Exception:
             for log in sorted((tmp / "logs").glob("*.log")) if (tmp / "logs").is_dir() else ():
