@@ -2,9 +2,10 @@
 from the .proto files alone (no Astra code), against the real Dataflow and WeightService.
 
 It passes every check of `astra raas check`, LoadWeights included (a real fetch from a
-WeightService, Adler-32 verified in JavaScript); in a run with real processes, where one of
-its instances is SIGKILLed and Dataflow itself is killed and restarted, every prompt group
-reaches the trainer exactly once; SIGTERM deregisters it and exits 0.
+WeightService, Adler-32 verified in JavaScript); a fetch broken on the way resumes after the
+tensors it verified; in a run with real processes, where one of its instances is SIGKILLed and
+Dataflow itself is killed and restarted, every prompt group reaches the trainer exactly once;
+SIGTERM deregisters it and exits 0.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from astra.common.v1 import version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
 from astra.servers.weights import start_weights
 from astra.weights.store import StoreConfig
+from astra.weights.store_fetch import FetchSource
 from tests.conftest import free_port, make_config
 from tests.procs import Proc, start_dataflow
 from tests.test_faults import (
@@ -106,6 +108,65 @@ def test_node_raas_passes_every_contract_check(tmp_path):
     assert 0 < loaded.fetched_bytes < 1000  # one frame of w's change, not 16,390 bytes
     assert [(v.version, v.version_id) for v in status.loaded_versions] == [(4, "v4")]
     assert "policy@v4 (delta against v3)" in node.log.read_text()
+
+
+def test_node_raas_resumes_a_fetch_after_the_tensors_it_verified(tmp_path, monkeypatch):
+    """A chunk damaged on the way, then a stream that breaks: each time the JavaScript receiver
+    opens a new stream naming the tensors it verified, and the service sends only the rest."""
+    node = start_node_raas(tmp_path, "node-resume")
+    size = 64 << 10
+    rng = np.random.default_rng(3)
+
+    def model() -> dict:
+        return {n: ("U8", [size], rng.bytes(size)) for n in ("a", "b", "c", "d")}
+
+    original = FetchSource.chunks
+    faults: dict[str, str] = {}  # tensor -> what happens to its next stream, once
+
+    def faulty(self, name, chunk_bytes, start=0):
+        fault = faults.pop(name, None)
+        if fault == "break":
+            raise ConnectionResetError(f"injected: the stream breaks before {name}")
+        for piece in original(self, name, chunk_bytes, start):
+            if fault == "flip":
+                damaged = bytearray(piece)
+                damaged[len(damaged) // 2] ^= 0x01
+                piece, fault = memoryview(bytes(damaged)), None
+            yield piece
+
+    monkeypatch.setattr(FetchSource, "chunks", faulty)
+
+    async def body():
+        weights = await start_weights(tmp_path / "store", config=StoreConfig(durable=False))
+        counters = weights.store.counters
+        try:
+            out = []
+            async with RolloutClient(node.address, timeout_s=30.0) as client:
+                for version, fault in ((1, ("b", "flip")), (2, ("c", "break"))):
+                    await publish_version(
+                        weights.address, "policy", f"v{version}", version, model()
+                    )
+                    faults.update([fault])
+                    before = counters["fetch_tensors_resumed"]
+                    want = version_pb2.PolicyVersion(
+                        policy_id="policy", version=version, version_id=f"v{version}"
+                    )
+                    loaded = await client.load_weights([want], weights.address, f"load-{version}")
+                    out.append((loaded.fetched_bytes, counters["fetch_tensors_resumed"] - before))
+                status = await client.get_status()
+            return out, status
+        finally:
+            await weights.stop(0)
+
+    (first, second), status = run_then_close(asyncio.wait_for(body(), 60), [node])
+    assert not faults, "both faults happened"
+    # v1, a full copy: a and the damaged b, then b, c and d again; never a a second time.
+    assert first == (5 * size, 1)
+    assert second[1] == 2, "the second stream skipped a and b"
+    assert [(v.version, v.version_id) for v in status.loaded_versions] == [(2, "v2")]
+    log = node.log.read_text()
+    assert "policy@v1: fetch attempt 1 failed" in log and "resuming after 1 verified" in log
+    assert "policy@v2: fetch attempt 1 failed" in log and "resuming after 2 verified" in log
 
 
 @pytest.mark.slow

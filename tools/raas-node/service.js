@@ -223,7 +223,9 @@ class Raas {
         const address = (req.policy_weights_addresses || {})[v.policy_id] || req.weights_address;
         try {
           const held = this.versions.get(v.policy_id) || null; // a delta against it if it can
-          const got = await fetchVersion(this.proto, address, v.policy_id, v.version_id, this.instanceId, LOAD_TIMEOUT_S, held);
+          const resumed = (err, attempt, verified) =>
+            this.log(`${v.policy_id}@${v.version_id}: fetch attempt ${attempt} failed (${err.message}); resuming after ${verified} verified tensors`);
+          const got = await fetchVersion(this.proto, address, v.policy_id, v.version_id, this.instanceId, LOAD_TIMEOUT_S, held, resumed);
           fetched += got.bytes;
           return [v, got.tensors, got.base];
         } catch (err) {

@@ -4,9 +4,10 @@
 // chunks, decodes it (raw bytes, or one zstd frame of new XOR base: the delta format of
 // weight_service.proto), checks the tensor's Adler-32, acknowledges it, and returns the new
 // version once FetchDone arrives: the tensors sent, and for a delta every other tensor of the
-// base unchanged. Nothing is kept from a stream that did not end with FetchDone, so a caller
-// swaps complete, verified versions only. A disconnect fails the fetch (the caller tries
-// again from the start) instead of resuming with acknowledged_tensors.
+// base unchanged. After a disconnect or a tensor that fails its checksum it opens a new
+// stream naming the tensors it has verified (acknowledged_tensors), and the service resumes
+// after them. Nothing is returned before a stream ends with FetchDone, so a caller swaps
+// complete, verified versions only.
 
 const grpc = require('@grpc/grpc-js');
 const fzstd = require('fzstd');
@@ -68,23 +69,33 @@ function decode(header, encoded, baseTensors) {
   return out;
 }
 
-// Fetches `versionId` of `policy` from the WeightService at `address`, naming `held`
-// ({ version_id, tensors }, or null) as the version this receiver has; resolves with
-// { tensors: Map(name -> Buffer), bytes, base } or rejects with a FetchError (a status code).
-function fetchVersion(proto, address, policy, versionId, receiverId, timeoutS, held) {
-  const client = new proto.WeightService(address, proto.clientCredentials(), {
-    'grpc.max_receive_message_length': 64 << 20,
-    'grpc.max_send_message_length': 64 << 20,
-  });
+const MAX_ATTEMPTS = 5;
+const BACKOFF_MS = 100;
+// What a new stream may cure: a dropped connection, a busy or restarting service, bytes
+// damaged on the way. Not a plan against a version this receiver does not hold.
+const RETRYABLE = new Set([
+  grpc.status.UNAVAILABLE,
+  grpc.status.DATA_LOSS,
+  grpc.status.INTERNAL,
+  grpc.status.UNKNOWN,
+  grpc.status.RESOURCE_EXHAUSTED,
+  grpc.status.ABORTED,
+]);
+
+// One FetchVersion stream. `verified` (name -> Buffer) holds the tensors earlier streams of
+// this fetch verified: they are named as acknowledged, and every tensor this stream verifies
+// is added to it as it is acknowledged. `state.target` is the identity asked for, set from the
+// plan when it was "". Resolves with { tensors, base } once FetchDone arrives; rejects with a
+// FetchError. `bytes.n` counts the chunk bytes received.
+function fetchOnce(client, policy, state, receiverId, deadline, held, verified, bytes) {
   return new Promise((resolve, reject) => {
-    const deadline = new Date(Date.now() + timeoutS * 1000);
     const call = client.FetchVersion({ deadline });
-    let tensors = new Map();
+    let tensors = null;
     let base = '';
+    const target = state.target;
     let current = null;
     let done = false;
     let failed = null;
-    let bytes = 0;
 
     const fail = (err) => {
       if (!failed) failed = err;
@@ -104,7 +115,7 @@ function fetchVersion(proto, address, policy, versionId, receiverId, timeoutS, h
         call.write({ ack: { name, status: { code: grpc.status.DATA_LOSS, message: why } } });
         return fail(lost(`tensor ${name}: ${why}`, 'CHECKSUM_MISMATCH'));
       }
-      tensors.set(name, data);
+      verified.set(name, data);
       current = null;
       call.write({ ack: { name, status: { code: grpc.status.OK } } });
     };
@@ -114,12 +125,14 @@ function fetchVersion(proto, address, policy, versionId, receiverId, timeoutS, h
       switch (msg.part) {
         case 'plan':
           base = msg.plan.base_version_id;
-          if (base) {
-            if (!held || base !== held.version_id) {
-              return fail(lost(`a delta against ${base}, which this receiver does not hold`, 'WRONG_BASE'));
-            }
-            tensors = new Map(held.tensors); // the unchanged tensors stay as they are
+          state.target = msg.plan.target.version_id; // "" resolved: a resume names it
+          if (base && (!held || base !== held.version_id)) {
+            const wrong = lost(`a delta against ${base}, which this receiver does not hold`, 'WRONG_BASE');
+            wrong.final = true;
+            return fail(wrong);
           }
+          // A delta leaves the base's other tensors as they are; a full copy sends them all.
+          tensors = base ? new Map(held.tensors) : new Map();
           break;
         case 'tensor': {
           const h = msg.tensor;
@@ -134,7 +147,7 @@ function fetchVersion(proto, address, policy, versionId, receiverId, timeoutS, h
           }
           current.parts.push(msg.chunk.data);
           current.got += msg.chunk.data.length;
-          bytes += msg.chunk.data.length;
+          bytes.n += msg.chunk.data.length;
           if (current.got >= current.size) finish(current); // more than announced: refused there
           break;
         case 'done':
@@ -147,27 +160,64 @@ function fetchVersion(proto, address, policy, versionId, receiverId, timeoutS, h
       }
     });
     call.on('error', (err) => {
-      client.close();
       if (failed) return reject(failed);
-      reject(new FetchError(err.code, `WeightService ${address}: ${err.details || err.message}`, 'FETCH_FAILED'));
+      reject(new FetchError(err.code, err.details || err.message, 'FETCH_FAILED'));
     });
     call.on('end', () => {
-      client.close();
       if (failed) return reject(failed);
-      if (!done) return reject(new FetchError(grpc.status.UNAVAILABLE, 'the fetch stream ended before FetchDone', 'FETCH_INCOMPLETE'));
-      resolve({ tensors, bytes, base });
+      if (!done || !tensors) {
+        return reject(new FetchError(grpc.status.UNAVAILABLE, 'the fetch stream ended before FetchDone', 'FETCH_INCOMPLETE'));
+      }
+      for (const [name, data] of verified) tensors.set(name, data);
+      resolve({ tensors, base });
     });
     call.write({
       start: {
         policy_id: policy,
-        target_version_id: versionId,
+        target_version_id: target,
         held_version_ids: held ? [held.version_id] : [],
         receiver_id: receiverId,
-        acknowledged_tensors: [],
+        // Honoured only with an explicit target; none is verified before the plan names it.
+        acknowledged_tensors: target ? [...verified.keys()] : [],
         max_bytes_per_second: 0,
       },
     });
   });
+}
+
+// Fetches `versionId` of `policy` from the WeightService at `address`, naming `held`
+// ({ version_id, tensors }, or null) as the version this receiver has; up to MAX_ATTEMPTS
+// streams within `timeoutS` in all, each resuming after the tensors verified before it.
+// `onRetry(err, attempt, verifiedCount)` is told of each new stream. Resolves with
+// { tensors: Map(name -> Buffer), bytes, base, attempts } or rejects with a FetchError.
+async function fetchVersion(proto, address, policy, versionId, receiverId, timeoutS, held, onRetry) {
+  const client = new proto.WeightService(address, proto.clientCredentials(), {
+    'grpc.max_receive_message_length': 64 << 20,
+    'grpc.max_send_message_length': 64 << 20,
+  });
+  const deadline = new Date(Date.now() + timeoutS * 1000);
+  const verified = new Map();
+  const bytes = { n: 0 };
+  const state = { target: versionId };
+  try {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        const got = await fetchOnce(client, policy, state, receiverId, deadline, held, verified, bytes);
+        return { tensors: got.tensors, bytes: bytes.n, base: got.base, attempts: attempt };
+      } catch (err) {
+        const wait = BACKOFF_MS * 2 ** (attempt - 1);
+        const final = err.final || !RETRYABLE.has(err.code) || attempt >= MAX_ATTEMPTS;
+        if (final || Date.now() + wait >= deadline.getTime()) {
+          err.message = `WeightService ${address}: ${err.message} (attempt ${attempt})`;
+          throw err;
+        }
+        if (onRetry) onRetry(err, attempt, verified.size);
+        await new Promise((r) => setTimeout(r, wait));
+      }
+    }
+  } finally {
+    client.close();
+  }
 }
 
 module.exports = { fetchVersion, adler32, FetchError };
