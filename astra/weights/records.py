@@ -4,8 +4,9 @@ A `VersionRecord` is written as record.json inside the version's directory,
 in the same atomic rename as the version itself, so a version on disk always
 has its record. It names the identity, the step counter, how the version is
 stored, every tensor (dtype, shape, Adler-32 and content digest of its raw
-bytes: astra.weights.digest), the SHA-256 of every stored file, and a digest of the content that decides
-whether a repeated publish of the identity is the same. Never touches gRPC.
+bytes: astra.weights.digest), the SHA-256 of every stored file, and a digest
+of the content that decides whether a repeated publish of the identity is
+the same. Never touches gRPC.
 """
 
 from __future__ import annotations
