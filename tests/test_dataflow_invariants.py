@@ -221,9 +221,14 @@ async def with_raas(
 
 
 async def in_flight_on(df: Dataflow, name: str, groups: int):
-    """The pool's instance `name` once it holds `groups` groups in flight."""
+    """The pool's instance `name` once it holds `groups` groups in flight, accepted.
+
+    Leased is not yet accepted: a RaaS killed while the submit is on the wire gives the
+    groups back as a failed submit, not as the orphans of a dead instance.
+    """
     inst = await until(lambda: df.pool.instances.get(name))
     await until(lambda: len(inst.in_flight) == groups)
+    await until(lambda: df.counters["groups_accepted"] >= groups, 5.0, "the submit's answer")
     return inst
 
 

@@ -893,6 +893,7 @@ class Dataflow(Ingesting, WeightSync):
             return
         self.pool.call_succeeded(instance_id)
         inst.free_slots = free
+        self.counters["groups_accepted"] += len(set(accepted) & set(gids))
         missing = set(gids) - set(accepted)
         if missing:
             self._requeue(missing & inst.in_flight, "submit_refused", count_attempt=False)
