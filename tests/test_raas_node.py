@@ -11,9 +11,12 @@ SIGTERM deregisters it and exits 0.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import shutil
 import signal
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -239,3 +242,46 @@ def test_node_raas_over_mutual_tls(dataset, tmp_path, run_ca, monkeypatch):  # n
     assert {r.status for r in checks} <= {"pass", "skip"}, [r for r in checks if r.status == "fail"]
     assert refused is grpc.StatusCode.UNAVAILABLE
     assert "mutual TLS" in node.log.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_astra_run_supervises_an_external_raas_from_its_command(runs) -> None:
+    """A recipe's `raas:` entry with `command:` puts the JavaScript RaaS in an `astra run` in
+    place of the built-in one: started with its placeholders filled in, registered under the
+    run's instance id, loading the trainer's versions, SIGKILLed and restarted by the
+    supervisor, and every group trained exactly once."""
+    command = [
+        "node", str(NODE_DIR / "raas.js"), "--dataflow", "{dataflow}",
+        "--instance-id", "{instance_id}", "--capacity", "{capacity}", "--policy", "{policy}",
+        "--workflow", "{workflow}", "--reward", "exact_match", "--delay-ms", "5", "--vocab", "100",
+        "--label", "engine=js",
+    ]  # fmt: skip
+    spec = {"name": "js", "capacity": 8, "labels": {"engine": "js"}, "command": command}
+    run = runs(
+        str(ROOT / "configs" / "recipes" / "smoke.yaml"),
+        *("--set", "warmup.steps=0", "--set", "eval.every_steps=0"),
+        *("--set", "trainer.num_steps=6", "--set", f"raas=[{json.dumps(spec)}]"),
+        *("--set", "on_raas_death=restart"),
+    )
+    children = run.wait_for_children({"raas", "trainer"}, 120)
+    js = next(c for c in children if c["name"] == "js")
+    assert js["command"][:2] == ["node", str(NODE_DIR / "raas.js")]
+    filled = dict(zip(js["command"][2::2], js["command"][3::2], strict=False))
+    assert filled["--instance-id"] == "js" and filled["--capacity"] == "8"
+    assert filled["--dataflow"].startswith("127.0.0.1:") and "{" not in " ".join(js["command"])
+    metrics, deadline = run.run_dir / "metrics.jsonl", time.monotonic() + 90
+    while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text()):
+        time.sleep(0.2)
+    assert metrics.is_file(), f"no step within 90 s: {run.output()}\n{run.log_tails()}"
+    os.kill(js["pid"], signal.SIGKILL)  # the supervisor restarts it (supervision.max_restarts)
+    assert run.wait(180) == 0, f"{run.output()}\n{run.log_tails()}"
+
+    s = run.summary()
+    assert s["steps"] == 6 and s["groups_lost"] == 0 and s["groups_duplicated"] == 0, s
+    assert s["raas"]["js"]["work"]["groups_finished"] > 0, s["raas"]
+    assert s["raas"]["js"]["labels"] == {"engine": "js"}
+    assert [e["child"] for e in s["restarts"]] == ["js"], s["restarts"]
+    log = (run.run_dir / "logs" / "js.log").read_text(errors="replace")
+    loaded = [int(v) for v in re.findall(r"loaded policy@(\d+)", log)]
+    assert loaded and max(loaded) >= 1, log[-2000:]  # the trainer's versions reached it

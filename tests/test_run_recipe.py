@@ -62,6 +62,15 @@ def test_dotted_overrides_apply_with_yaml_values_and_list_indexes(tmp_path: Path
         (["dataset.kind=file"], "", "path is required"),
         (["raas.0.policies=[ghost]"], "", "unknown policies ['ghost']"),
         (["streams.0.sampling.temperature=0.7"], "", "differs from trainer.loss.temperature"),
+        (["raas.0.command=[my-raas, '{nope}']"], "", "command[1] '{nope}': unknown placeholder"),
+        (["raas.0.command=[my-raas, '{dataflow']"], "", "command[1] '{dataflow': expected '}'"),
+        (["raas.0.command=[my-raas, '{capacity:4}']"], "", "takes no format or conversion"),
+        (["raas.0.command=['']"], "", "command: the first argument (the program) is empty"),
+        (
+            ["raas.0.command=[my-raas]", "raas.0.engine=vllm"],
+            "",
+            "command: ['engine'] are options of `astra serve raas`",
+        ),
     ],
 )
 def test_bad_recipes_name_the_key(
@@ -114,3 +123,19 @@ def test_resume_counts_the_steps_left(tmp_path: Path) -> None:
     assert layout.remaining_steps(r, rd) == {"policy": 6}
     trainer = layout.trainer_config(r, r.policies[0], rd, dataflow="a", weights="b", resume=True)
     assert trainer.checkpoint.resume and trainer.num_steps == 6
+
+
+def test_an_external_raas_command_is_filled_in_per_raas(tmp_path: Path) -> None:
+    """raas.N.command replaces `astra serve raas` with the user's program, its placeholders
+    filled in for that RaaS (astra.run.external); `{{` stays a literal brace."""
+    cmd = "[my-raas, --at, '{dataflow}', --id, '{instance_id}', '--cap={capacity}', '{state_dir}',"
+    cmd += " '{policy}', '{policies}', '{workflow}', '{workflows}', '{{x}}']"
+    r = load_recipe(None, [f"raas.1.command={cmd}", "raas.1.capacity=3"])
+    rd = RunDir(tmp_path / "run")
+    args = layout.raas_command(r, 1, rd, "h:1")
+    assert args == [
+        "my-raas", "--at", "h:1", "--id", "raas-1", "--cap=3", str(rd.state / "raas-1"),
+        "policy", "policy", "single_turn", "single_turn", "{x}",
+    ]  # fmt: skip
+    assert (rd.state / "raas-1").is_dir()
+    assert layout.raas_command(r, 0, rd, "h:1")[:4] == layout.serve_command("raas")[:4]

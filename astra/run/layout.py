@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from astra.dataflow.config import DataflowConfig
+from astra.run import external
 from astra.run.recipe import PolicySpec, RaasSpec, Recipe, dump_recipe
 from astra.trainer.config import TrainerConfig
 
@@ -353,6 +354,23 @@ def raas_spec_command(
 ) -> list[str]:
     """`astra serve raas` for one RaaS, of the recipe's `raas:` or added during the run."""
     policies = recipe.raas_policies(spec)
+    if spec.command:  # an external RaaS (astra.run.external)
+        workflows = recipe.raas_workflows(spec)
+        (rd.state / name).mkdir(parents=True, exist_ok=True)
+        return external.fill(
+            spec.command,
+            {
+                "dataflow": dataflow,
+                "instance_id": name,
+                "capacity": spec.capacity,
+                "state_dir": rd.state / name,
+                "run_dir": rd.root,
+                "policy": policies[0],
+                "policies": ",".join(policies),
+                "workflow": workflows[0] if workflows else "",
+                "workflows": ",".join(workflows),
+            },
+        )
     model = spec.model or next(p.model for p in recipe.policies if p.id == policies[0])
     args = ["--dataflow", dataflow, "--model", model, "--capacity", str(spec.capacity)]
     args += ["--instance-id", name, "--state-dir", str(rd.state / name), "--port", "0"]

@@ -19,6 +19,7 @@ from astra.dataflow.config import (
     DataflowConfig,
     SamplingSettings,
 )
+from astra.run.external import check_command
 from astra.trainer.config import LossConfig, OptimConfig, PublishConfig
 
 RUN_OWNED_DATAFLOW_FIELDS = frozenset({"host", "port", "state_dir", "policies", "streams"})
@@ -174,6 +175,29 @@ class RaasSpec(_Strict):
         "torch", description="Inference engine (vllm, sglang, openai: one policy per RaaS)."
     )
     engine_args: str = Field("", description="Extra arguments of a launched vLLM/SGLang server.")
+    command: list[str] = Field(
+        default_factory=list,
+        description="An external RaaS instead of `astra serve raas`: its command line, with "
+        "placeholders (astra.run.external); empty: the built-in one.",
+    )
+
+    @model_validator(mode="after")
+    def _external(self) -> RaasSpec:
+        if not self.command:
+            return self
+        check_command(self.command)
+        fields = type(self).model_fields
+        built_in = [
+            name
+            for name in ("model", "device", "on_swap", "engine", "engine_args")
+            if getattr(self, name) != fields[name].default
+        ]
+        if built_in:
+            raise ValueError(
+                f"command: {built_in} are options of `astra serve raas`; an external "
+                "RaaS takes its own in its command line"
+            )
+        return self
 
 
 class CheckpointSpec(_Strict):

@@ -7,7 +7,7 @@
 
 const crypto = require('crypto');
 
-const VOCAB = 256;
+const VOCAB = 256; // generated token ids are below this (--vocab: the model's vocabulary)
 const MAX_TOKENS = 16; // generated per sequence when --tokens is 0 (hashed lengths)
 
 // A xorshift32 stream seeded from a digest of `key`.
@@ -59,7 +59,7 @@ function promptTokens(prompt) {
 }
 
 // One sequence of `policy` for sample `index` of `group`, generated at weight `version`.
-function sequence(group, index, policy, agentId, version, fixedTokens) {
+function sequence(group, index, policy, agentId, version, fixedTokens, vocab = VOCAB) {
   const sp = group.sampling_params || {};
   const next = stream(`${group.group_id}/${index}/${policy}/${sp.seed || 0}`);
   const prompt = promptTokens(group.prompt);
@@ -73,7 +73,7 @@ function sequence(group, index, policy, agentId, version, fixedTokens) {
   const versions = new BigInt64Array(t).fill(-1n);
   tokens.set(prompt);
   for (let i = p; i < t; i++) {
-    tokens[i] = next() % VOCAB;
+    tokens[i] = next() % vocab;
     logprobs[i] = -(0.05 + (next() % 3000) / 1000); // negative and finite
     mask[i] = 1;
     versions[i] = BigInt(version);
@@ -98,7 +98,7 @@ function sequence(group, index, policy, agentId, version, fixedTokens) {
 // The GroupResult of `group`: one trajectory per sample, one sequence per policy of the group
 // (each tagged with its policy; agents named after them when there are several), the team
 // reward the mean of the agents'. `versionOf(policy)` is the version held now.
-function groupResult(group, instanceId, versionOf, fixedTokens) {
+function groupResult(group, instanceId, versionOf, fixedTokens, vocab = VOCAB) {
   const multi = group.policy_ids.length > 1;
   let bytes = 0;
   const trajectories = [];
@@ -107,7 +107,7 @@ function groupResult(group, instanceId, versionOf, fixedTokens) {
     const agentRewards = {};
     for (const policy of group.policy_ids) {
       const agent = multi ? policy : '';
-      const s = sequence(group, i, policy, agent, versionOf(policy), fixedTokens);
+      const s = sequence(group, i, policy, agent, versionOf(policy), fixedTokens, vocab);
       sequences.push(s.sequence);
       bytes += s.bytes;
       if (multi) agentRewards[agent] = s.sequence.reward;

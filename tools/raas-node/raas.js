@@ -24,7 +24,7 @@ const { Registrar } = require('./registrar');
 
 const SERVICE = 'astra.raas.v1.RolloutService';
 const USAGE = `usage: raas.js [--dataflow HOST:PORT] [--host H] [--port P] [--capacity N]
-  [--policy P]... [--workflow W]... [--reward R]... [--delay-ms MS] [--tokens N]
+  [--policy P]... [--workflow W]... [--reward R]... [--delay-ms MS] [--tokens N] [--vocab N]
   [--instance-id ID] [--label K=V]... [--include DIR]... [--grace-s S] [--tls-dir DIR]`;
 
 function options(argv) {
@@ -40,6 +40,7 @@ function options(argv) {
       reward: { type: 'string', multiple: true, default: [] },
       'delay-ms': { type: 'string', default: '50' },
       tokens: { type: 'string', default: '0' },
+      vocab: { type: 'string', default: '256' },
       'instance-id': { type: 'string', default: '' },
       label: { type: 'string', multiple: true, default: [] },
       include: { type: 'string', multiple: true, default: [] },
@@ -73,6 +74,7 @@ function options(argv) {
     rewards: values.reward,
     delayMs: int('delay-ms', 0),
     tokens: int('tokens', 0),
+    vocab: int('vocab', 1),
     instanceId: values['instance-id'],
     labels,
     include: values.include,

@@ -29,6 +29,7 @@ class Raas {
       labels: opts.labels,
       delayMs: opts.delayMs,
       tokens: opts.tokens,
+      vocab: opts.vocab || 256,
     });
     this.proto = proto;
     this.rpcError = proto.details;
@@ -89,7 +90,7 @@ class Raas {
     const timer = setTimeout(() => {
       this.running.delete(group.group_id);
       this.freeSlots += group.num_samples;
-      const { result, bytes } = groupResult(group, this.instanceId, (p) => this.versionOf(p), this.tokens);
+      const { result, bytes } = groupResult(group, this.instanceId, (p) => this.versionOf(p), this.tokens, this.vocab);
       if (bytes > MAX_RESULT_BYTES) {
         // Never deliverable in one message: delivered as the group's failure instead.
         this.pending.set(group.group_id, {
