@@ -82,10 +82,12 @@ class DataflowClient(BaseClient):
         return header, trajectories, footer
 
     async def ack_batch(
-        self, batch_id: str, *, timeout_s: float | None = None
+        self, batch_id: str, *, untrained_reason: str = "", timeout_s: float | None = None
     ) -> pb.AckBatchResponse:
+        """`untrained_reason`: why no step was taken on the batch (empty: it was trained)."""
         return await self.stub.AckBatch(
-            pb.AckBatchRequest(batch_id=batch_id), timeout=self._timeout(timeout_s)
+            pb.AckBatchRequest(batch_id=batch_id, untrained_reason=untrained_reason),
+            timeout=self._timeout(timeout_s),
         )
 
     async def extend_batch_lease(

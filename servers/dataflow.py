@@ -8,6 +8,7 @@ mapped to statuses by the server's interceptor.
 from __future__ import annotations
 
 import gc
+import re
 from collections.abc import AsyncIterator
 
 from google.protobuf import json_format
@@ -25,6 +26,8 @@ from astra.servers.weights_convert import identity
 CONTRACT_VERSION = "1.0.0"
 MAX_LIST = 256
 MAX_LABEL_VALUE = 1024
+MAX_UNTRAINED_REASON = 64
+UNTRAINED_REASON = re.compile(rf"[A-Za-z0-9_]{{0,{MAX_UNTRAINED_REASON}}}")
 CHUNK_BYTES = 8 << 20
 
 
@@ -179,7 +182,13 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
 
     async def AckBatch(self, request: pb.AckBatchRequest, context):
         check_id(request.batch_id, "batch_id")
-        return pb.AckBatchResponse(consumed_groups=self.df.batches.ack(request.batch_id))
+        if not UNTRAINED_REASON.fullmatch(request.untrained_reason):
+            raise invalid_field(
+                "untrained_reason",
+                f"at most {MAX_UNTRAINED_REASON} letters, digits and underscores",
+            )
+        consumed = self.df.batches.ack(request.batch_id, untrained=request.untrained_reason)
+        return pb.AckBatchResponse(consumed_groups=consumed)
 
     async def ExtendBatchLease(self, request: pb.ExtendBatchLeaseRequest, context):
         check_id(request.batch_id, "batch_id")

@@ -574,6 +574,84 @@ def test_eta_zero_dispatches_as_soon_as_the_new_version_is_loaded(tmp_path, monk
 # ----- 4. batch leases ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("untrained", ["", "TOKEN_OUT_OF_RANGE"])
+def test_a_batch_acknowledged_untrained_gives_its_slots_back(tmp_path, untrained):
+    """eta = 0 and no version announced: the first batch takes the version's whole budget.
+    Acknowledged as trained, nothing more is generated until a version comes (synchronous).
+    Acknowledged untrained (the trainer refused it), its groups give their slots back, so
+    another batch forms at the same version (else the run would wait for good for a version
+    that cannot come)."""
+    n = 12
+    config = dataflow_config(tmp_path, n, gate={"max_offpolicyness": 0})
+
+    async def body():
+        gen = ScriptedGenerator()
+        async with with_raas(config, gen, capacity=32, name="raas-a") as (df, client, _):
+            trainer = Trainer(client)
+            first = await trainer.fetch(2, max_wait_s=5.0)
+            assert first is not None
+            resp = await client.ack_batch(first.header.batch_id, untrained_reason=untrained)
+            assert resp.consumed_groups == 2
+            again = await client.ack_batch(first.header.batch_id)  # a repeat: idempotent
+            assert again.consumed_groups == 0
+            second = await trainer.fetch(2, max_wait_s=1.5)
+            return df.status()["counters"], first, second
+
+    counters, first, second = run(body())
+    assert counters["consumed_groups"] == 2
+    if untrained:
+        assert second is not None, "no batch after an untrained one: the off-policy bound stalled"
+        assert not set(second.group_ids) & set(first.group_ids)
+        assert second.header.policy_version == 0
+        assert counters["untrained_batches"] == 1 and counters["untrained_groups"] == 2
+        assert counters[f"untrained.{untrained}"] == 1
+    else:
+        assert second is None, "eta = 0 generated past the version's budget"
+        assert counters.get("untrained_batches", 0) == 0
+
+
+@pytest.mark.parametrize("untrained", ["", "NON_FINITE_LOSS"])
+def test_only_a_trained_batch_enters_replay_memory(tmp_path, untrained):
+    """Replay holds copies of groups the trainer trained on: an untrained batch's do not enter."""
+    pol = policy(replay_ratio=0.5, replay_capacity_groups=8)
+    config = dataflow_config(tmp_path, 8, policies=[pol], gate={"max_offpolicyness": None})
+
+    async def body():
+        async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (
+            df,
+            client,
+            _,
+        ):
+            first = await Trainer(client).fetch(2, max_wait_s=5.0)
+            await client.ack_batch(first.header.batch_id, untrained_reason=untrained)
+            return df.buffers[POLICY].replay_len, len(first.group_ids)
+
+    replay_len, fresh = run(body())
+    assert fresh == 2 and replay_len == (0 if untrained else 2)
+
+
+def test_an_untrained_reason_that_is_not_a_word_is_refused(tmp_path):
+    config = dataflow_config(tmp_path, 4)
+
+    async def body():
+        async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (
+            df,
+            client,
+            _,
+        ):
+            first = await Trainer(client).fetch(2, max_wait_s=5.0)
+            for bad in ("no spaces", "X" * 65):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.ack_batch(first.header.batch_id, untrained_reason=bad)
+                assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert "untrained_reason" in refused.value.details()
+            assert df.batches.batches[first.header.batch_id].state == "leased"  # still served
+            resp = await client.ack_batch(first.header.batch_id, untrained_reason="NAN_REWARD")
+            assert resp.consumed_groups == 2
+
+    run(body())
+
+
 def test_expired_batch_lease_puts_groups_back_and_refuses_the_late_ack(tmp_path):
     n = 8
     config = dataflow_config(tmp_path, n, leases={"batch_lease_s": 0.5})

@@ -74,6 +74,7 @@ def test_a_bad_batch_is_counted_acked_and_skipped_then_training_goes_on() -> Non
     assert [r.skipped for r in results] == ["", "NAN_LOGPROB", ""]
     assert results[1].training_result is None and results[1].version == 1
     assert source.acked == ["b-trainer-v1-a0", "b-trainer-v2-a0", "b-trainer-v2-a1"]
+    assert source.untrained == {"b-trainer-v2-a0": "NAN_LOGPROB"}  # Dataflow frees its slots
     assert t.counters["batches_rejected"] == 1 and t.counters["skipped_NAN_LOGPROB"] == 1
     assert sorted(sink.versions) == [0, 1, 2]
     t.close()
@@ -85,7 +86,7 @@ def test_a_non_finite_loss_applies_and_publishes_nothing() -> None:
             seq = trajectories[0].sequences[0]
             seq.logprobs.CopyFrom(to_array(np.full(seq.token_ids.shape[0], -3e38, np.float32)))
 
-    t, _, sink = trainer(config(loss={"kind": "ppo"}), mutate=overflow)
+    t, source, sink = trainer(config(loss={"kind": "ppo"}), mutate=overflow)
     first = next(iter(t.run_training(1)))
     before = as_bytes(full_state(t.model))
     second = next(iter(t.run_training(1)))
@@ -94,6 +95,7 @@ def test_a_non_finite_loss_applies_and_publishes_nothing() -> None:
     assert as_bytes(full_state(t.model)) == before
     third = next(iter(t.run_training(1)))
     assert third.version == 2 and not third.skipped and t.counters["skipped_NON_FINITE_LOSS"] == 1
+    assert source.untrained == {"b-trainer-v2-a0": "NON_FINITE_LOSS"}
     t.close()
 
 
@@ -237,7 +239,7 @@ class FlakyAcks(SyntheticSource):
         super().__init__(*args, **kw)
         self.down, self.refuse, self.ack_calls = down, refuse, 0
 
-    async def ack(self, batch_id: str) -> None:
+    async def ack(self, batch_id: str, untrained_reason: str = "") -> None:
         from astra.errors import FailedPrecondition, Unavailable
 
         self.ack_calls += 1

@@ -333,7 +333,13 @@ class BatchDesk:
         self.df.counters["batch_leases_extended"] += 1
         return batch.lease_expire
 
-    def ack(self, batch_id: str) -> int:
+    def ack(self, batch_id: str, *, untrained: str = "") -> int:
+        """Consumes a leased batch; returns its fresh groups (0 for a repeat).
+
+        `untrained`: why the trainer took no step on it (empty: trained). Its fresh groups
+        then leave without entering replay memory and give their slots in AReaL's bound
+        back, as groups let go untrained do (Dataflow.let_go): counted in `accepted` with no
+        version to come for them, they would otherwise stall dispatch for good."""
         batch = self._known(batch_id)
         if batch.state == "acked":
             return 0
@@ -354,9 +360,15 @@ class BatchDesk:
         df.counters["consumed_groups"] += consumed
         df.counters["consumed_trajectories"] += sum(len(g.trajectories) for g in fresh)
         df.counters["consumed_replay_groups"] += len(batch.groups) - consumed
-        # Trained now: the fresh groups enter replay (their rows become replay memory).
         buf = df.buffers[batch.policy_id]
-        entered = buf.remember(fresh)
+        if untrained:
+            df.counters["untrained_batches"] += 1
+            df.counters["untrained_groups"] += consumed
+            df.counters[f"untrained.{untrained}"] += 1
+            df.accepted[batch.policy_id] = max(0, df.accepted[batch.policy_id] - consumed)
+            entered = []
+        else:  # trained now: the fresh groups enter replay (their rows become replay memory)
+            entered = buf.remember(fresh)
         kept = set(entered)
         # any_failure: memory (the batch acknowledged, replay) is already ahead of the store.
         with df.store.tx(any_failure=True) as tx:

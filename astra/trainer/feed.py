@@ -112,8 +112,9 @@ class Feed:
         self.counters[f"skipped_{reason}"] += 1
         self.attempt += 1
 
-    async def ack(self, batch_id: str) -> None:
-        """AckBatch, retried while Dataflow cannot be reached (AckBatch is idempotent).
+    async def ack(self, batch_id: str, untrained_reason: str = "") -> None:
+        """AckBatch, retried while Dataflow cannot be reached (AckBatch is idempotent);
+        `untrained_reason`: why no step was taken on the batch (empty: it was trained).
 
         A lost acknowledgement is not harmless: when the batch's lease ends its groups go
         back to the buffer and would be trained a second time. So an unreachable Dataflow
@@ -127,7 +128,7 @@ class Feed:
         backoff = 0.2
         while True:
             try:
-                await self.source.ack(batch_id)
+                await self.source.ack(batch_id, untrained_reason)
                 return
             except Exception as exc:
                 retry = _unreachable(exc) and time.monotonic() + backoff < deadline

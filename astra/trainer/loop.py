@@ -230,14 +230,14 @@ class Trainer(StateMixin):
             log.warning("batch %s rejected: %s", fetched.batch_id, rejected)
             self.counters["batches_rejected"] += 1
             self.feed.consumed_without_update(rejected.reason)
-            await self.feed.ack(fetched.batch_id)
+            await self.feed.ack(fetched.batch_id, rejected.reason)
             ms = (time.perf_counter() - t0) * 1e3
             reason = rejected.reason
             return self._finish(
                 StepResult(self.step, None, None, 0, n_traj, ms, {}, self.version, reason)
             )
         t_step = time.perf_counter()
-        await self.feed.ack(fetched.batch_id)
+        await self.feed.ack(fetched.batch_id, "" if result.applied else "NON_FINITE_LOSS")
         skipped, blocked = "", copy_s
         if result.applied:
             self.step, self.version, self.attempt = self.step + 1, self.version + 1, 0

@@ -10,6 +10,7 @@ or `RequestIdSpent` (use a new one); every other error propagates.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -49,7 +50,7 @@ class BatchSource(Protocol):
         self, request_id: str, num_groups: int, trainer_version: int = 0
     ) -> FetchedBatch: ...
 
-    async def ack(self, batch_id: str) -> None: ...
+    async def ack(self, batch_id: str, untrained_reason: str = "") -> None: ...
 
     async def current_version(self) -> int | None: ...
 
@@ -144,9 +145,11 @@ class DataflowSource:
         resp = await _batch_call("ExtendBatchLease", self.client.extend_batch_lease, batch_id)
         return resp.lease_expire_time.ToNanoseconds() / 1e9
 
-    async def ack(self, batch_id: str) -> None:
-        """Raises Unavailable when Dataflow does not answer (worth retrying), else its error."""
-        await _batch_call("AckBatch", self.client.ack_batch, batch_id)
+    async def ack(self, batch_id: str, untrained_reason: str = "") -> None:
+        """Raises Unavailable when Dataflow does not answer (worth retrying), else its error.
+        `untrained_reason`: why no step was taken on the batch (empty: it was trained)."""
+        ack = functools.partial(self.client.ack_batch, untrained_reason=untrained_reason)
+        await _batch_call("AckBatch", ack, batch_id)
 
     async def current_version(self) -> int | None:
         status = await self.client.get_status()

@@ -113,6 +113,7 @@ class SyntheticSource:
         self.version = 0
         self.batches: dict[str, FetchedBatch] = {}
         self.acked: list[str] = []
+        self.untrained: dict[str, str] = {}  # batch id -> why no step was taken on it
         self.announced: list[tuple[int, str]] = []
         self.not_ready = 0  # answer BatchNotReady this many more times
 
@@ -144,8 +145,10 @@ class SyntheticSource:
             self.batches[request_id] = FetchedBatch(f"b-{request_id}", self.version, trajectories)
         return self.batches[request_id]
 
-    async def ack(self, batch_id: str) -> None:
+    async def ack(self, batch_id: str, untrained_reason: str = "") -> None:
         self.acked.append(batch_id)
+        if untrained_reason:
+            self.untrained[batch_id] = untrained_reason
 
     async def current_version(self) -> int | None:
         return self.version

@@ -208,7 +208,7 @@ class FixedSource:
                 )
         return FetchedBatch(f"b-{request_id}", self.version, trajectories)
 
-    async def ack(self, batch_id: str) -> None:
+    async def ack(self, batch_id: str, untrained_reason: str = "") -> None:
         pass
 
     async def current_version(self) -> int | None:

@@ -170,10 +170,12 @@ class FetchBatchResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[BatchHeader, _Mapping]] = ..., trajectories: _Optional[_Union[BatchTrajectories, _Mapping]] = ..., footer: _Optional[_Union[BatchFooter, _Mapping]] = ...) -> None: ...
 
 class AckBatchRequest(_message.Message):
-    __slots__ = ("batch_id",)
+    __slots__ = ("batch_id", "untrained_reason")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    UNTRAINED_REASON_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
-    def __init__(self, batch_id: _Optional[str] = ...) -> None: ...
+    untrained_reason: str
+    def __init__(self, batch_id: _Optional[str] = ..., untrained_reason: _Optional[str] = ...) -> None: ...
 
 class AckBatchResponse(_message.Message):
     __slots__ = ("consumed_groups",)

@@ -241,10 +241,13 @@ class DataflowServiceServicer:
         """Acknowledges a batch: its groups are consumed and leave Dataflow for
         good. Idempotent: acknowledging an acknowledged batch succeeds (for the
         4096 most recently finished batches; an older one is NOT_FOUND, reason
-        BATCH_NOT_FOUND). Called by a trainer after it has taken the batch into
-        its step.
+        BATCH_NOT_FOUND), whatever `untrained_reason` the repeat carries. Called
+        by a trainer after it has taken the batch into its step, or decided to
+        take no step on it (`untrained_reason`).
 
-        Errors: NOT_FOUND (unknown batch; reason BATCH_NOT_FOUND),
+        Errors: INVALID_ARGUMENT (missing batch_id, untrained_reason over 64
+        characters or not of letters, digits and underscores; reason
+        INVALID_FIELD), NOT_FOUND (unknown batch; reason BATCH_NOT_FOUND),
         FAILED_PRECONDITION (the lease expired and the groups went back to the
         buffer; reason BATCH_LEASE_EXPIRED).
         """
