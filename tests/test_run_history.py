@@ -206,3 +206,18 @@ def test_the_elastic_schedule_reads_each_policy_s_last_step() -> None:
     assert Elastic(sup).step() == 0  # no such policy in the history
     sup.recipe.policies = policies[:1]
     assert Elastic(sup).step() == 9
+
+
+def test_groups_the_trainer_took_no_step_on_are_not_counted_trained() -> None:
+    counters = {"consumed_groups": 10, "untrained_groups": 4}
+    s = build_summary(
+        status="completed",
+        wall_seconds=1.0,
+        dataflow={"counters": counters},
+        state={},
+        history={},
+        final_steps={},
+        baseline={},
+    )
+    assert s["groups_trained"] == 6 and s["groups_untrained"] == 4
+    assert s["counters"]["consumed_groups"] == 10 and s["counters"]["untrained_groups"] == 4

@@ -125,7 +125,8 @@ def build_summary(
         "random_baseline_accuracy": baseline.get("accuracy"),
         "random_baseline": baseline,
         "groups_dispatched": state.get("dispatched"),
-        "groups_trained": counters.get("consumed_groups", 0),
+        "groups_trained": counters.get("consumed_groups", 0) - counters.get("untrained_groups", 0),
+        "groups_untrained": counters.get("untrained_groups", 0),
         "groups_lost": lost,
         "groups_duplicated": state.get("duplicated"),
         "groups_unfinished_at_end": state.get("unfinished"),
@@ -144,6 +145,7 @@ def build_summary(
                 "duplicates_dropped",
                 "consumed_groups",
                 "consumed_trajectories",
+                "untrained_groups",
                 "batch_leases_expired",
                 "leases_expired",
                 "instances_confirmed_dead",
@@ -158,7 +160,10 @@ def build_summary(
             "accuracy_last10": "the same over the last 10 observed steps",
             "random_baseline_accuracy": baseline.get("method", ""),
             "groups_dispatched": "distinct groups handed to a RaaS at least once (work table)",
-            "groups_trained": "Dataflow counter consumed_groups: groups in acknowledged batches",
+            "groups_trained": "Dataflow counters consumed_groups - untrained_groups: groups in "
+            "acknowledged batches the trainer took a step on",
+            "groups_untrained": "Dataflow counter untrained_groups: groups in batches the trainer "
+            "acknowledged without a step (refused, non-finite loss; AckBatch untrained_reason)",
             "groups_trained_per_policy": "non-replay groups in each policy's acknowledged "
             "batches (batches table: the newest 4096 batches)",
             "accuracy_per_policy": "accuracy_first10/last10 over each policy's own steps",
