@@ -194,6 +194,28 @@ def test_raas_cli_usage_errors(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "not a run directory" in missing.stderr
 
 
+def test_raas_add_command_is_split_as_a_shell_would_and_validated_by_the_spec(
+    monkeypatch, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from astra.run import raas_cli
+
+    sent: list[dict] = []
+    monkeypatch.setattr(raas_cli, "_request", lambda run_dir, req, timeout_s: sent.append(req))
+    args = ["add", "--run-dir", str(tmp_path), "--name", "js", "--command"]
+    line = "node tools/raas-node/raas.js --dataflow {dataflow} --instance-id '{instance_id}'"
+    ok = CliRunner().invoke(raas_cli.raas, [*args, line])
+    assert ok.exit_code == 0, ok.output
+    command = sent[0]["spec"]["command"]
+    assert command[-4:] == ["--dataflow", "{dataflow}", "--instance-id", "{instance_id}"]
+    assert RaasSpec.model_validate(sent[0]["spec"]).command == command  # what the run checks
+    for bad in ("node 'unclosed", ""):
+        refused = CliRunner().invoke(raas_cli.raas, [*args, bad])
+        assert refused.exit_code == 2 and "--command" in refused.output
+    assert len(sent) == 1
+
+
 # ----- real runs ---------------------------------------------------------------------------------
 
 

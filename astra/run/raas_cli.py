@@ -10,6 +10,7 @@ RaaS that did not start), 2 usage.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -72,6 +73,11 @@ def _request(run_dir: str, request: dict, timeout_s: float) -> None:
 @click.option("--policy", "policies", multiple=True, help="Policies served; default: all.")
 @click.option("--model", help="Model; default: its first policy's (after the warm-up).")
 @click.option("--device", help="Torch device (default cpu).")
+@click.option(
+    "--command",
+    help="An external RaaS instead of `astra serve raas`: its command line, split as a shell "
+    "would, with placeholders such as {dataflow} and {instance_id} (README).",
+)
 @TIMEOUT
 def add(
     run_dir: str,
@@ -81,10 +87,18 @@ def add(
     policies: tuple[str, ...],
     model: str | None,
     device: str | None,
+    command: str | None,
     timeout_s: float,
 ) -> None:
     """Start one more RaaS in the run; it registers with Dataflow and gets work at once."""
     spec: dict = {"labels": labels, "policies": list(policies)}
+    if command is not None:
+        try:
+            spec["command"] = shlex.split(command)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--command") from None
+        if not spec["command"]:
+            raise click.BadParameter("empty", param_hint="--command")
     optional = {"name": name, "capacity": capacity, "model": model, "device": device}
     spec.update({k: v for k, v in optional.items() if v is not None})
     _request(run_dir, {"action": "add", "spec": spec}, timeout_s)
