@@ -130,9 +130,11 @@ def test_late_results_of_folded_epochs_are_dropped_and_the_accounting_counts_the
         ):
             trainer = Trainer(client)
             await trainer.drain(df)
-            assert set(rows_of(df.store)) == ids
+            # Upkeep may have folded an epoch already (a slow machine: its look came late).
+            rows, early = set(rows_of(df.store)), df.counters["groups_folded"]
+            assert rows <= ids and len(rows) + early == n * epochs
             df.done._limit = 1  # memory forgets; the store answers
-            assert df.folder.fold() == n * epochs
+            assert df.folder.fold() == n * epochs - early
             assert df.counters["groups_folded"] == n * epochs
             assert rows_of(df.store) == {} and len(df.done) == n * epochs
             assert sorted(df.store.folded()) == [("s", e) for e in range(epochs)]
