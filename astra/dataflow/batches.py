@@ -364,10 +364,12 @@ class BatchDesk:
         if untrained:
             df.counters["untrained_batches"] += 1
             df.counters["untrained_groups"] += consumed
+            df.counters[f"untrained_groups.{batch.policy_id}"] += consumed
             df.counters[f"untrained.{untrained}"] += 1
             df.accepted[batch.policy_id] = max(0, df.accepted[batch.policy_id] - consumed)
             entered = []
         else:  # trained now: the fresh groups enter replay (their rows become replay memory)
+            df.counters[f"trained_groups.{batch.policy_id}"] += consumed
             entered = buf.remember(fresh)
         kept = set(entered)
         # any_failure: memory (the batch acknowledged, replay) is already ahead of the store.

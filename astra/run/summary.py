@@ -77,6 +77,16 @@ def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
 
 
+def _trained_per_policy(state: dict[str, Any], counters: dict[str, int]) -> dict | None:
+    """Fresh groups each policy's trainer took a step on: Dataflow counters
+    `trained_groups.<policy>`; for a state directory from before them, the acknowledged
+    batches still in its table."""
+    counted = {
+        k.split(".", 1)[1]: n for k, n in counters.items() if k.startswith("trained_groups.")
+    }
+    return dict(sorted(counted.items())) if counted else state.get("trained_per_policy")
+
+
 def build_summary(
     *,
     status: str,
@@ -110,7 +120,7 @@ def build_summary(
         "status": status,
         "steps": min(steps.values(), default=0),
         "steps_per_policy": steps,
-        "groups_trained_per_policy": state.get("trained_per_policy"),
+        "groups_trained_per_policy": _trained_per_policy(state, counters),
         "accuracy_per_policy": {
             p: {
                 "first10": _mean(h.first_accuracies(WINDOW)),
@@ -164,8 +174,8 @@ def build_summary(
             "acknowledged batches the trainer took a step on",
             "groups_untrained": "Dataflow counter untrained_groups: groups in batches the trainer "
             "acknowledged without a step (refused, non-finite loss; AckBatch untrained_reason)",
-            "groups_trained_per_policy": "non-replay groups in each policy's acknowledged "
-            "batches (batches table: the newest 4096 batches)",
+            "groups_trained_per_policy": "Dataflow counters trained_groups.<policy>: fresh "
+            "groups in acknowledged batches the trainer took a step on",
             "accuracy_per_policy": "accuracy_first10/last10 over each policy's own steps",
             "groups_lost": "groups_dispatched - outcomes counted (completed + failed + malformed "
             "+ eval_groups counters) - dispatched groups still pending or leased at the end (kept durably, "
