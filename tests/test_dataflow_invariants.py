@@ -605,9 +605,12 @@ def test_a_batch_acknowledged_untrained_gives_its_slots_back(tmp_path, untrained
         assert second.header.policy_version == 0
         assert counters["untrained_batches"] == 1 and counters["untrained_groups"] == 2
         assert counters[f"untrained.{untrained}"] == 1
+        assert counters[f"untrained_groups.{POLICY}"] == 2
+        assert counters.get(f"trained_groups.{POLICY}", 0) == 0
     else:
         assert second is None, "eta = 0 generated past the version's budget"
         assert counters.get("untrained_batches", 0) == 0
+        assert counters[f"trained_groups.{POLICY}"] == 2
 
 
 @pytest.mark.parametrize("untrained", ["", "NON_FINITE_LOSS"])
