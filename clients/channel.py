@@ -7,7 +7,8 @@ Channels use mutual TLS when the process's environment names the run's
 credentials (astra.tls), plaintext otherwise. A client whose credential files
 are renewed dials again with the new ones at its next call (`BaseClient`), so
 processes that hold a channel for their whole life (Dataflow's to each RaaS,
-a trainer's to Dataflow) follow a renewal without a restart.
+a trainer's to Dataflow) follow a renewal without a restart. Under a revocation list
+that names anyone, a channel also looks up its server's certificate (clients.revocation).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any
 
 import grpc
 
+from astra.clients.revocation import check_server, peer_check, revocation_interceptors
 from astra.tls import TlsMaterial, current_tls
+from astra.tls_peer import PeerCheck
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -61,9 +64,11 @@ def open_channel(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     tls: TlsMaterial | None = None,
+    peer: PeerCheck | None = None,
 ) -> grpc.aio.Channel:
     """A channel to `address`: mutual TLS with `tls` (default: this process's credentials
-    now), plaintext when there are none."""
+    now), plaintext when there are none; its calls ask `peer` first (clients.revocation;
+    default: a check of its own where the list names anyone)."""
     options: list[tuple[str, Any]] = [
         ("grpc.service_config", service_config),
         ("grpc.enable_retries", 1),
@@ -76,7 +81,12 @@ def open_channel(
         return grpc.aio.insecure_channel(address, options=options)
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
-    return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
+    # A list that names anyone: the server's own certificate is looked up too (tls_peer).
+    peer = peer_check(address, tls) if peer is None else peer
+    interceptors = revocation_interceptors(peer) if peer is not None else None
+    return grpc.aio.secure_channel(
+        address, channel_credentials(tls), options=options, interceptors=interceptors
+    )
 
 
 def connect_hint(code: grpc.StatusCode) -> str:
@@ -120,7 +130,8 @@ class BaseClient:
         self.timeout_s = timeout_s
         self._config = retry_service_config(self.SERVICE, self.IDEMPOTENT)
         self._tls = current_tls()
-        self._channel = open_channel(address, self._config, tls=self._tls)
+        self._peer = peer_check(address, self._tls)
+        self._channel = open_channel(address, self._config, tls=self._tls, peer=self._peer)
         self._retired: dict[grpc.aio.Channel, asyncio.Task[None] | None] = {}
         self.redials = 0  # channels opened again for renewed credentials
         self._bind(self._channel)
@@ -136,7 +147,8 @@ class BaseClient:
         if now is None or now is self._tls:
             return
         old, self._tls = self._channel, now
-        self._channel = open_channel(self.address, self._config, tls=now)
+        self._peer = peer_check(self.address, now)
+        self._channel = open_channel(self.address, self._config, tls=now, peer=self._peer)
         self._bind(self._channel)
         self.redials += 1
         log.info("%s: TLS credentials renewed: a new channel to %s", self.SERVICE, self.address)
@@ -157,6 +169,13 @@ class BaseClient:
     def stub(self) -> Any:
         self._follow_renewal()
         return self._stub
+
+    async def check_server(self) -> None:
+        """Raises UNAUTHENTICATED (SERVER_CERTIFICATE_REVOKED) when the server shows a
+        certificate the revocation list names: for a call that writes its requests, before
+        it opens (clients.revocation); other calls are checked on their own."""
+        self._follow_renewal()
+        await check_server(self._peer)
 
     def _timeout(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s

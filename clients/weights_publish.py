@@ -286,6 +286,7 @@ async def _publish(
                 attempt += 1
                 call = publish(timeout=timeout_s)
                 try:
+                    await client.check_server()  # a revoked server: refused before a write
                     result = await _publish_once(
                         call, header, views, prepared, dict(files or {}), chunk_bytes, sent
                     )

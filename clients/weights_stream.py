@@ -275,6 +275,7 @@ class Receiver:
         started = time.monotonic()
         # The call's deadline is what is left of the fetch's: every write, read and
         # acknowledgement on it ends by then.
+        await self.client.check_server()  # a revoked server: refused before the stream opens
         call = self.client.fetch_version_raw(timeout_s=self._left(deadline))
         start = pb.FetchStart(policy_id=self.policy, target_version_id=target)
         start.held_version_ids.extend(sorted(held))

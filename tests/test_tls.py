@@ -271,7 +271,9 @@ def test_a_run_over_mutual_tls(dataset, tmp_path, run_ca, monkeypatch):
 def test_astra_run_with_tls_true(runs, monkeypatch):
     """`tls: true`: the run makes its CA, every child serves mutual TLS with a credential
     confined to its role, the run trains and accounts for every group as without TLS, and a
-    plaintext client is refused meanwhile."""
+    plaintext client is refused meanwhile. A revocation list that names a certificate none
+    of them holds is taken up mid-run: every client then checks its server's certificate
+    (clients.revocation), and the run goes on as before."""
     for var in ("ASTRA_TLS_DIR", "ASTRA_TLS_CA", "ASTRA_TLS_CERT", "ASTRA_TLS_KEY"):
         monkeypatch.delenv(var, raising=False)
     run = runs("--set", "tls=true", "--set", "trainer.num_steps=2", "--set", "eval.every_steps=0")
@@ -286,6 +288,8 @@ def test_astra_run_with_tls_true(runs, monkeypatch):
         assert (await _status_over(address, _creds(credential))).dataflow_id
 
     asyncio.run(probe())
+    revoked = _astra("tls", "revoke", str(credential), "--serial", "1badc0de")
+    assert revoked.returncode == 0, revoked.stderr
     assert run.wait(150) == 0, run.output()
     s = run.summary()
     assert s["status"] == "completed" and s["steps"] == 2
@@ -294,6 +298,9 @@ def test_astra_run_with_tls_true(runs, monkeypatch):
     for c in run.children():
         text = (run.run_dir / "logs" / f"{c['name']}.log").read_text()
         assert "mutual TLS on" in text, c["name"]
+        assert "revokes" not in text, c["name"]  # no server of the run was refused
+        if c["role"] == "dataflow":  # up all along: it took the list up while it ran
+            assert "(1 revoked)" in text
         # Each child had a credential naming its role (astra.authz), not the run's own, and
         # its trainer's or RaaS's policies (astra.scopes).
         own = Path(c["tls_dir"]) / "cert.pem"
