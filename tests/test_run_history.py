@@ -218,26 +218,21 @@ def test_groups_the_trainer_took_no_step_on_are_not_counted_trained() -> None:
         "trained_groups.a": 4,
     }
     state = {"dispatched": 10, "unfinished": 0, "trained_per_policy": {"a": 7, "b": 3}}
-    s = build_summary(
-        status="completed",
-        wall_seconds=1.0,
-        dataflow={"counters": counters},
-        state=state,
-        history={},
-        final_steps={},
-        baseline={},
-    )
+
+    def summary() -> dict:
+        return build_summary(
+            status="completed",
+            wall_seconds=1.0,
+            dataflow={"counters": counters},
+            state=state,
+            history={},
+            final_steps={},
+            baseline={},
+        )
+
+    s = summary()
     assert s["groups_trained"] == 6 and s["groups_untrained"] == 4
     assert s["groups_trained_per_policy"] == {"a": 4, "b": 2}
     del counters["trained_groups.a"], counters["trained_groups.b"]  # an older state directory
-    s = build_summary(
-        status="completed",
-        wall_seconds=1.0,
-        dataflow={"counters": counters},
-        state=state,
-        history={},
-        final_steps={},
-        baseline={},
-    )
-    assert s["groups_trained_per_policy"] == {"a": 7, "b": 3}
+    assert summary()["groups_trained_per_policy"] == {"a": 7, "b": 3}
     assert s["counters"]["consumed_groups"] == 10 and s["counters"]["untrained_groups"] == 4
