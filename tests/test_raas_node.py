@@ -5,7 +5,8 @@ It passes every check of `astra raas check`, LoadWeights included (a real fetch 
 WeightService, Adler-32 verified in JavaScript); a fetch broken on the way resumes after the
 tensors it verified; in a run with real processes, where one of its instances is SIGKILLed and
 Dataflow itself is killed and restarted, every prompt group reaches the trainer exactly once;
-SIGTERM deregisters it and exits 0.
+SIGTERM deregisters it and exits 0. Under mutual TLS it follows the CA's revocation list as
+the Python nodes do: listed callers refused at the call level, listed servers at the handshake.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from astra.clients.raas import RolloutClient
 from astra.clients.raas_check import CheckOptions, RaasChecker
@@ -30,10 +33,14 @@ from astra.clients.raas_rules import summary
 from astra.clients.weights_publish import publish_version
 from astra.common.v1 import version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
+from astra.raas.v1 import rollout_service_pb2 as rs_pb
+from astra.raas.v1 import rollout_service_pb2_grpc as rs_grpc
 from astra.servers.weights import start_weights
+from astra.tls_certs import init_ca, issue
+from astra.tls_crl import revoke, serial_of
 from astra.weights.store import StoreConfig
 from astra.weights.store_fetch import FetchSource
-from tests.conftest import free_port, make_config
+from tests.conftest import error_info, free_port, make_config
 from tests.procs import Proc, start_dataflow
 from tests.test_faults import (
     NUM_PROMPTS,
@@ -285,3 +292,215 @@ def test_astra_run_supervises_an_external_raas_from_its_command(runs) -> None:
     log = (run.run_dir / "logs" / "js.log").read_text(errors="replace")
     loaded = [int(v) for v in re.findall(r"loaded policy@(\d+)", log)]
     assert loaded and max(loaded) >= 1, log[-2000:]  # the trainer's versions reached it
+
+
+def _tls_channel(address: str, credential: Path) -> grpc.aio.Channel:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(credential / "ca.pem").read_bytes(),
+        private_key=(credential / "key.pem").read_bytes(),
+        certificate_chain=(credential / "cert.pem").read_bytes(),
+    )
+    return grpc.aio.secure_channel(address, creds)
+
+
+async def _get_status(address: str, credential: Path) -> grpc.aio.AioRpcError | None:
+    """How one GetStatus with `credential` ends: its error, or None when it is served."""
+    async with _tls_channel(address, credential) as channel:
+        try:
+            await rs_grpc.RolloutServiceStub(channel).GetStatus(rs_pb.GetStatusRequest(), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+    return None
+
+
+def _assert_revoked(exc: grpc.aio.AioRpcError | None, cert: Path, method: str) -> None:
+    assert exc is not None and exc.code() is grpc.StatusCode.UNAUTHENTICATED, exc
+    info, _ = error_info(exc)
+    serial = f"{serial_of(cert.read_bytes()):x}"
+    assert info is not None and info.reason == "CERTIFICATE_REVOKED", exc
+    assert info.domain == "astra.raas.v1"
+    assert dict(info.metadata) == {"serial": serial, "method": method}
+    assert serial in exc.details()
+
+
+async def _logged(node: Proc, line: str, timeout_s: float = 15.0) -> None:
+    """Returns once the node's log holds `line` (it looks at its list once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while line not in node.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"not logged: {line!r}"
+        await asyncio.sleep(0.2)
+
+
+def _credential(ca: Path, out: Path) -> Path:
+    return issue(ca, out, ["127.0.0.1"])
+
+
+def test_node_raas_refuses_revoked_callers_at_the_call_level(tmp_path, run_ca, monkeypatch):  # noqa: F811
+    """Under mutual TLS with the CA's revocation list, a listed client's calls end
+    UNAUTHENTICATED (CERTIFICATE_REVOKED, naming the serial) while others are served; health
+    checking stays open to it; a certificate revoked while the node runs is refused within a
+    few seconds, and stays so when the list is replaced by an older one or removed."""
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(run_ca))
+    revoked, kept, later = (_credential(run_ca, tmp_path / n) for n in ("revoked", "kept", "later"))
+    revoke(run_ca, certs=[revoked / "cert.pem"])
+    first = (run_ca / "crl.pem").read_bytes()
+    node = start_node_raas(tmp_path, "node-crl")
+
+    async def body():
+        status = "/astra.raas.v1.RolloutService/GetStatus"
+        _assert_revoked(await _get_status(node.address, revoked), revoked / "cert.pem", status)
+        async with _tls_channel(node.address, revoked) as channel:
+            try:
+                await rs_grpc.RolloutServiceStub(channel).GetCapabilities(
+                    rs_pb.GetCapabilitiesRequest(), timeout=5
+                )
+                caps = None
+            except grpc.aio.AioRpcError as exc:
+                caps = exc
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        method = "/astra.raas.v1.RolloutService/GetCapabilities"
+        _assert_revoked(caps, revoked / "cert.pem", method)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert await _get_status(node.address, kept) is None
+        assert await _get_status(node.address, later) is None
+        # Revoked while the node runs: refused within a few seconds, no restart.
+        revoke(run_ca, certs=[later / "cert.pem"])
+        deadline = time.monotonic() + 10
+        while (exc := await _get_status(node.address, later)) is None:
+            assert time.monotonic() < deadline, "a certificate revoked meanwhile is still served"
+            await asyncio.sleep(0.2)
+        _assert_revoked(exc, later / "cert.pem", status)
+        assert await _get_status(node.address, kept) is None
+        # An older list, then none: the revocations the node holds stay.
+        (run_ca / "crl.pem").write_bytes(first)
+        await _logged(node, "is an older list (number 1 < 2)")
+        _assert_revoked(await _get_status(node.address, later), later / "cert.pem", status)
+        (run_ca / "crl.pem").unlink()
+        await _logged(node, "was removed: its revocations stay")
+        _assert_revoked(await _get_status(node.address, later), later / "cert.pem", status)
+        assert await _get_status(node.address, kept) is None
+
+    run_then_close(asyncio.wait_for(body(), 60), [node])
+    assert "(1 revoked)" in node.log.read_text()
+
+
+def test_node_raas_does_not_start_on_an_unusable_list_or_its_own_revoked_certificate(
+    tmp_path,
+    run_ca,  # noqa: F811
+    monkeypatch,
+):
+    """A list bearing the CA's name that another key signed stops the node at start, naming
+    the file; so does a list naming the node's own certificate. The list of a CA that ca.pem
+    does not hold is not used, and the log says so."""
+    ca_name = x509.load_pem_x509_certificate((run_ca / "ca.pem").read_bytes()).subject
+    forger, other = tmp_path / "forger", tmp_path / "other"
+    init_ca(forger, name=ca_name.rfc4514_string().removeprefix("CN="))
+    init_ca(other)
+    revoke(forger, serials=[7])
+    revoke(other, serials=[7])
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(run_ca))
+    crl = run_ca / "crl.pem"
+    shutil.copy(forger / "crl.pem", crl)
+    with pytest.raises(RuntimeError, match=f"{re.escape(str(crl))}: not signed by the CA"):
+        start_node_raas(tmp_path, "node-forged")
+    shutil.copy(other / "crl.pem", crl)
+    node = start_node_raas(tmp_path, "node-other")
+    node.close()
+    assert "a CA ca.pem does not trust: not used" in node.log.read_text()
+    # Its own certificate listed: the node does not start.
+    own = _credential(run_ca, tmp_path / "own")
+    crl.unlink()
+    revoke(run_ca, certs=[own / "cert.pem"])
+    shutil.copy(crl, own / "crl.pem")
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(own))
+    with pytest.raises(RuntimeError, match=r"is revoked by .*crl\.pem"):
+        start_node_raas(tmp_path, "node-own")
+    # ASTRA_TLS_CRL names a list that is not there.
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(run_ca))
+    monkeypatch.setenv("ASTRA_TLS_CRL", str(tmp_path / "none.pem"))
+    with pytest.raises(RuntimeError, match="ASTRA_TLS_CRL: no revocation list"):
+        start_node_raas(tmp_path, "node-missing")
+
+
+def test_node_raas_refuses_a_server_whose_certificate_is_revoked(tmp_path, run_ca, monkeypatch):  # noqa: F811
+    """The node's channels check their server's certificate against the list too: a
+    LoadWeights from a WeightService address whose certificate is listed fails, naming the
+    serial, and nothing is loaded."""
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(run_ca))
+    listed = _credential(run_ca, tmp_path / "listed")
+    revoke(run_ca, certs=[listed / "cert.pem"])
+    serial = f"{serial_of((listed / 'cert.pem').read_bytes()):x}"
+    node = start_node_raas(tmp_path, "node-dials")
+
+    async def body():
+        # A bare TLS server with the listed certificate (an Astra server would not start on
+        # it): the node's handshake refuses it before any call is sent.
+        server = grpc.aio.server()
+        creds = grpc.ssl_server_credentials(
+            [((listed / "key.pem").read_bytes(), (listed / "cert.pem").read_bytes())],
+            (run_ca / "ca.pem").read_bytes(),
+            True,
+        )
+        port = server.add_secure_port("127.0.0.1:0", creds)
+        await server.start()
+        want = version_pb2.PolicyVersion(policy_id="policy", version=1, version_id="v1")
+        request = rs_pb.LoadWeightsRequest(
+            request_id="r1", versions=[want], weights_address=f"127.0.0.1:{port}"
+        )
+        try:
+            async with _tls_channel(node.address, run_ca) as channel:
+                stub = rs_grpc.RolloutServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.LoadWeights(request, timeout=20)
+                status = await stub.GetStatus(rs_pb.GetStatusRequest(), timeout=5)
+        finally:
+            await server.stop(0)
+        return refused.value, status
+
+    refused, status = run_then_close(asyncio.wait_for(body(), 60), [node])
+    assert refused.code() is grpc.StatusCode.UNAVAILABLE, refused
+    assert f"(serial {serial}) is revoked" in refused.details()
+    assert list(status.loaded_versions) == []
+
+
+def test_node_raas_warns_of_a_list_past_its_next_update_and_still_revokes(
+    tmp_path,
+    run_ca,  # noqa: F811
+    monkeypatch,
+):
+    """A list whose nextUpdate has passed (its CA promised a newer one by then) still
+    revokes, and the node warns of it."""
+    import datetime
+
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    listed = _credential(run_ca, tmp_path / "listed")
+    ca = x509.load_pem_x509_certificate((run_ca / "ca.pem").read_bytes())
+    key = serialization.load_pem_private_key((run_ca / "ca.key").read_bytes(), None)
+    now = datetime.datetime.now(datetime.UTC)
+    entry = (
+        x509.RevokedCertificateBuilder()
+        .serial_number(serial_of((listed / "cert.pem").read_bytes()))
+        .revocation_date(now - datetime.timedelta(days=2))
+        .build()
+    )
+    crl = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca.subject)
+        .last_update(now - datetime.timedelta(days=2))
+        .next_update(now - datetime.timedelta(days=1))
+        .add_revoked_certificate(entry)
+        .sign(key, hashes.SHA256())  # type: ignore[arg-type]
+    )
+    (run_ca / "crl.pem").write_bytes(crl.public_bytes(serialization.Encoding.PEM))
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(run_ca))
+    node = start_node_raas(tmp_path, "node-due")
+
+    async def body():
+        return await _get_status(node.address, listed)
+
+    exc = run_then_close(asyncio.wait_for(body(), 30), [node])
+    _assert_revoked(exc, listed / "cert.pem", "/astra.raas.v1.RolloutService/GetStatus")
+    assert "is past its nextUpdate" in node.log.read_text()

@@ -101,9 +101,10 @@ function bind(server, address, credentials) {
 async function main() {
   const opts = options(process.argv.slice(2));
   const proto = protos.load(opts.include);
-  const creds = tls.load(opts.tlsDir);
+  const creds = tls.load(opts.tlsDir, { rpcError: proto.details, log });
   proto.clientCredentials = creds.client;
   const server = new grpc.Server({
+    interceptors: creds.interceptors, // under mutual TLS: revoked callers refused
     'grpc.max_receive_message_length': 64 << 20,
     'grpc.max_send_message_length': 64 << 20,
   });
@@ -119,7 +120,8 @@ async function main() {
 
   const registrar = opts.dataflow ? new Registrar(proto, opts.dataflow, raas, log) : null;
   process.stdout.write(`${JSON.stringify({ service: 'raas', address: opts.address, instance_id: opts.instanceId })}\n`);
-  log(`serving ${SERVICE} on ${opts.address} as ${opts.instanceId}, capacity ${opts.capacity}${creds.on ? ', mutual TLS' : ''}`);
+  const tlsNote = creds.on ? `, mutual TLS (${creds.revocations.list.serials.size} revoked)` : '';
+  log(`serving ${SERVICE} on ${opts.address} as ${opts.instanceId}, capacity ${opts.capacity}${tlsNote}`);
 
   let stopping = false;
   const stop = async (signal) => {

@@ -3,15 +3,25 @@
 // ca.pem and this node's cert.pem and key.pem, from --tls-dir or ASTRA_TLS_DIR. The server
 // requires client certificates of that CA; the clients (Dataflow, WeightService) present the
 // same certificate and check their server's against ca.pem. Without a directory: plaintext.
-// Not here: the CA's revocation list (crl.pem) and the role rules of the certificates.
+// The CA's revocation list (revocations.js: ASTRA_TLS_CRL, else crl.pem in the directory) is
+// checked on both sides: a call from a listed client ends UNAUTHENTICATED (ErrorInfo reason
+// CERTIFICATE_REVOKED, naming the serial and the method) as it starts and at each message it
+// sends, health checking and reflection excepted; a connection to a listed server is refused
+// in the handshake (its calls end UNAVAILABLE, naming the serial). Not here: the role rules
+// of the certificates.
 
 const fs = require('fs');
+const nodeTls = require('tls');
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
+const { Revocations } = require('./revocations');
 
-function load(dir) {
+const OPEN = ['/grpc.health.v1.Health/', '/grpc.reflection.']; // open to any certificate
+
+// `rpcError`: protos.js's error builder (the refusal's ErrorInfo trailer); `log`: a line.
+function load(dir, { rpcError, log } = {}) {
   if (!dir) {
-    return { server: grpc.ServerCredentials.createInsecure(), client: () => grpc.credentials.createInsecure(), on: false };
+    return { server: grpc.ServerCredentials.createInsecure(), client: () => grpc.credentials.createInsecure(), interceptors: [], on: false };
   }
   const read = (name) => {
     const file = path.join(dir, name);
@@ -22,10 +32,58 @@ function load(dir) {
     }
   };
   const [ca, cert, key] = ['ca.pem', 'cert.pem', 'key.pem'].map(read);
+  const revocations = new Revocations(dir, ca, cert, log || (() => {})).watch();
   return {
     server: grpc.ServerCredentials.createSsl(ca, [{ private_key: key, cert_chain: cert }], true),
-    client: () => grpc.credentials.createSsl(ca, key, cert),
+    client: () => grpc.credentials.createSsl(ca, key, cert, { checkServerIdentity: serverCheck(revocations) }),
+    interceptors: [refuseRevoked(revocations, rpcError)],
+    revocations,
     on: true,
+  };
+}
+
+// A client's check of its server: the usual host name check, then the revocation list.
+function serverCheck(revocations) {
+  return (host, cert) => {
+    const err = nodeTls.checkServerIdentity(host, cert);
+    if (err) return err;
+    const serial = revocations.revoked(cert && cert.serialNumber);
+    if (!serial) return undefined;
+    return new Error(`the server's certificate at ${host} (serial ${serial}) is revoked by ${revocations.file}`);
+  };
+}
+
+// A server interceptor: each call of a revoked client ends UNAUTHENTICATED before its handler
+// sees it, or at its next message when the list names it later.
+function refuseRevoked(revocations, rpcError) {
+  const logged = new Set();
+  return (method, call) => {
+    if (OPEN.some((prefix) => method.path.startsWith(prefix))) return new grpc.ServerInterceptingCall(call);
+    const refusal = () => {
+      const peer = call.getAuthContext().sslPeerCertificate;
+      const serial = revocations.revoked(peer && peer.serialNumber);
+      if (!serial) return null;
+      if (!logged.has(method.path)) {
+        logged.add(method.path); // the first refusal of each method
+        revocations.log(`refused ${method.path} to ${call.getPeer()}: its certificate (serial ${serial}) is revoked`);
+      }
+      const message =
+        `${method.path}: the caller's certificate (serial ${serial}) is revoked by the CA's ` +
+        'revocation list (or could not be read to tell): its holder needs a new one (astra tls issue)';
+      const domain = method.path.replace(/^\//, '').split('/')[0].replace(/\.[^.]*$/, '');
+      return rpcError(grpc.status.UNAUTHENTICATED, message, 'CERTIFICATE_REVOKED', {
+        domain,
+        metadata: { method: method.path, serial },
+      });
+    };
+    const guarded = (value, pass) => {
+      const refused = refusal();
+      if (refused) call.sendStatus(refused);
+      else pass(value);
+    };
+    return new grpc.ServerInterceptingCall(call, {
+      start: (next) => next({ onReceiveMetadata: guarded, onReceiveMessage: guarded }),
+    });
   };
 }
 
