@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -504,3 +505,69 @@ def test_node_raas_warns_of_a_list_past_its_next_update_and_still_revokes(
     exc = run_then_close(asyncio.wait_for(body(), 30), [node])
     _assert_revoked(exc, listed / "cert.pem", "/astra.raas.v1.RolloutService/GetStatus")
     assert "is past its nextUpdate" in node.log.read_text()
+
+
+def test_node_raas_permits_calls_by_the_roles_of_the_callers_certificate(
+    tmp_path,
+    run_ca,  # noqa: F811
+    monkeypatch,
+):
+    """The roles a caller's certificate names decide its calls as in the Python servers
+    (astra.authz): a trainer's SubmitGroups ends PERMISSION_DENIED (ROLE_NOT_PERMITTED, naming
+    the method and the roles), its GetStatus and health checks are served; Dataflow's,
+    admin's and a role-less certificate's SubmitGroups reach the handler. The JavaScript table
+    is astra.authz's, method for method."""
+    from astra.authz import PERMITTED
+
+    js = subprocess.run(
+        ["node", "-e", "console.log(JSON.stringify(require('./roles').PERMITTED))"],
+        cwd=ROOT / "tools" / "raas-node",
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    raas = {m: sorted(r) for m, r in PERMITTED.items() if m.startswith("/astra.raas.v1.")}
+    assert {m: sorted(r) for m, r in json.loads(js.stdout).items()} == raas
+
+    monkeypatch.setenv("ASTRA_TLS_DIR", str(run_ca))
+    creds = {
+        role: issue(
+            run_ca, tmp_path / (role or "none"), ["127.0.0.1"], roles=[role] if role else []
+        )
+        for role in ("trainer", "dataflow", "admin", "")
+    }
+    node = start_node_raas(tmp_path, "node-roles")
+    submit = "/astra.raas.v1.RolloutService/SubmitGroups"
+
+    async def outcome(credential: Path) -> grpc.aio.AioRpcError | None:
+        async with _tls_channel(node.address, credential) as channel:
+            stub = rs_grpc.RolloutServiceStub(channel)
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            await stub.GetStatus(rs_pb.GetStatusRequest(), timeout=5)  # open to all
+            try:
+                await stub.SubmitGroups(rs_pb.SubmitGroupsRequest(), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                return exc
+        return None
+
+    async def body():
+        return {role: await outcome(c) for role, c in creds.items()}
+
+    ends = run_then_close(asyncio.wait_for(body(), 60), [node])
+    denied = ends["trainer"]
+    assert denied is not None and denied.code() is grpc.StatusCode.PERMISSION_DENIED, denied
+    info, _ = error_info(denied)
+    assert info.reason == "ROLE_NOT_PERMITTED" and info.domain == "astra.raas.v1"
+    assert dict(info.metadata) == {
+        "method": submit,
+        "roles": "trainer",
+        "permitted": "dataflow, admin",
+    }
+    for role in ("dataflow", "admin", ""):  # reached the handler: refused for the empty request
+        exc = ends[role]
+        assert exc is None or exc.code() is not grpc.StatusCode.PERMISSION_DENIED, (role, exc)
+        assert exc is None or error_info(exc)[0].reason != "ROLE_NOT_PERMITTED", (role, exc)

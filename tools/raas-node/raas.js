@@ -104,7 +104,7 @@ async function main() {
   const creds = tls.load(opts.tlsDir, { rpcError: proto.details, log });
   proto.clientCredentials = creds.client;
   const server = new grpc.Server({
-    interceptors: creds.interceptors, // under mutual TLS: revoked callers refused
+    interceptors: creds.interceptors, // under mutual TLS: revoked callers and roles refused
     'grpc.max_receive_message_length': 64 << 20,
     'grpc.max_send_message_length': 64 << 20,
   });

@@ -7,14 +7,17 @@
 // checked on both sides: a call from a listed client ends UNAUTHENTICATED (ErrorInfo reason
 // CERTIFICATE_REVOKED, naming the serial and the method) as it starts and at each message it
 // sends, health checking and reflection excepted; a connection to a listed server is refused
-// in the handshake (its calls end UNAVAILABLE, naming the serial). Not here: the role rules
-// of the certificates.
+// in the handshake (its calls end UNAVAILABLE, naming the serial). The roles a caller's
+// certificate names are checked as each call starts (roles.js): a call its roles do not permit
+// ends PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_PERMITTED, naming the method, the roles and
+// the roles that may).
 
 const fs = require('fs');
 const nodeTls = require('tls');
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const { Revocations } = require('./revocations');
+const { denial, rolesOf } = require('./roles');
 
 const OPEN = ['/grpc.health.v1.Health/', '/grpc.reflection.']; // open to any certificate
 
@@ -36,7 +39,7 @@ function load(dir, { rpcError, log } = {}) {
   return {
     server: grpc.ServerCredentials.createSsl(ca, [{ private_key: key, cert_chain: cert }], true),
     client: () => grpc.credentials.createSsl(ca, key, cert, { checkServerIdentity: serverCheck(revocations) }),
-    interceptors: [refuseRevoked(revocations, rpcError)],
+    interceptors: [guardCalls(revocations, rpcError)],
     revocations,
     on: true,
   };
@@ -54,8 +57,9 @@ function serverCheck(revocations) {
 }
 
 // A server interceptor: each call of a revoked client ends UNAUTHENTICATED before its handler
-// sees it, or at its next message when the list names it later.
-function refuseRevoked(revocations, rpcError) {
+// sees it, or at its next message when the list names it later; a call the caller's roles do
+// not permit ends PERMISSION_DENIED as it starts.
+function guardCalls(revocations, rpcError) {
   const logged = new Set();
   return (method, call) => {
     if (OPEN.some((prefix) => method.path.startsWith(prefix))) return new grpc.ServerInterceptingCall(call);
@@ -76,13 +80,24 @@ function refuseRevoked(revocations, rpcError) {
         metadata: { method: method.path, serial },
       });
     };
-    const guarded = (value, pass) => {
-      const refused = refusal();
+    // The roles the caller's certificate names, checked as the call starts (roles.js).
+    const forbidden = () => {
+      const denied = denial(method.path, rolesOf(call.getAuthContext().sslPeerCertificate));
+      if (!denied) return null;
+      const domain = method.path.replace(/^\//, '').split('/')[0].replace(/\.[^.]*$/, '');
+      return rpcError(grpc.status.PERMISSION_DENIED, denied.message, 'ROLE_NOT_PERMITTED', {
+        domain,
+        metadata: denied.metadata,
+      });
+    };
+    const guarded = (check) => (value, pass) => {
+      const refused = check();
       if (refused) call.sendStatus(refused);
       else pass(value);
     };
+    const atStart = guarded(() => refusal() || forbidden());
     return new grpc.ServerInterceptingCall(call, {
-      start: (next) => next({ onReceiveMetadata: guarded, onReceiveMessage: guarded }),
+      start: (next) => next({ onReceiveMetadata: atStart, onReceiveMessage: guarded(refusal) }),
     });
   };
 }
