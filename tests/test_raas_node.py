@@ -52,6 +52,7 @@ from tests.test_faults import (
     run_then_close,
 )
 from tests.test_tls import run_ca  # noqa: F401 (a fixture)
+from tests.test_tls_roles import channel as tls_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "tools" / "raas-node"
@@ -295,18 +296,9 @@ def test_astra_run_supervises_an_external_raas_from_its_command(runs) -> None:
     assert loaded and max(loaded) >= 1, log[-2000:]  # the trainer's versions reached it
 
 
-def _tls_channel(address: str, credential: Path) -> grpc.aio.Channel:
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=(credential / "ca.pem").read_bytes(),
-        private_key=(credential / "key.pem").read_bytes(),
-        certificate_chain=(credential / "cert.pem").read_bytes(),
-    )
-    return grpc.aio.secure_channel(address, creds)
-
-
 async def _get_status(address: str, credential: Path) -> grpc.aio.AioRpcError | None:
     """How one GetStatus with `credential` ends: its error, or None when it is served."""
-    async with _tls_channel(address, credential) as channel:
+    async with tls_channel(address, credential) as channel:
         try:
             await rs_grpc.RolloutServiceStub(channel).GetStatus(rs_pb.GetStatusRequest(), timeout=5)
         except grpc.aio.AioRpcError as exc:
@@ -350,7 +342,7 @@ def test_node_raas_refuses_revoked_callers_at_the_call_level(tmp_path, run_ca, m
     async def body():
         status = "/astra.raas.v1.RolloutService/GetStatus"
         _assert_revoked(await _get_status(node.address, revoked), revoked / "cert.pem", status)
-        async with _tls_channel(node.address, revoked) as channel:
+        async with tls_channel(node.address, revoked) as channel:
             try:
                 await rs_grpc.RolloutServiceStub(channel).GetCapabilities(
                     rs_pb.GetCapabilitiesRequest(), timeout=5
@@ -451,7 +443,7 @@ def test_node_raas_refuses_a_server_whose_certificate_is_revoked(tmp_path, run_c
             request_id="r1", versions=[want], weights_address=f"127.0.0.1:{port}"
         )
         try:
-            async with _tls_channel(node.address, run_ca) as channel:
+            async with tls_channel(node.address, run_ca) as channel:
                 stub = rs_grpc.RolloutServiceStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.LoadWeights(request, timeout=20)
@@ -541,7 +533,7 @@ def test_node_raas_permits_calls_by_the_roles_of_the_callers_certificate(
     submit = "/astra.raas.v1.RolloutService/SubmitGroups"
 
     async def outcome(credential: Path) -> grpc.aio.AioRpcError | None:
-        async with _tls_channel(node.address, credential) as channel:
+        async with tls_channel(node.address, credential) as channel:
             stub = rs_grpc.RolloutServiceStub(channel)
             health = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=5

@@ -28,6 +28,7 @@ from astra.tls_crl import revoke, serial_of
 from astra.tls_peer import PeerCheck, split_address
 from astra.weights.v1 import weight_service_pb2 as w_pb
 from tests.conftest import error_info
+from tests.test_tls_roles import ended
 from tests.test_weights_service import serving
 from tests.test_weights_store import chain_of, same
 
@@ -78,16 +79,9 @@ def revoke_server(nodes: Path, name: str) -> str:
 
 async def refused(call) -> grpc.aio.AioRpcError:
     """How a call (or a stream, read to its end) fails."""
-    try:
-        result = call()
-        if hasattr(result, "__aiter__"):
-            async for _ in result:
-                pass
-        else:
-            await result
-    except grpc.aio.AioRpcError as exc:
-        return exc
-    raise AssertionError("the call succeeded")
+    exc = await ended(call())
+    assert exc is not None, "the call succeeded"
+    return exc
 
 
 async def served(call) -> bool:
