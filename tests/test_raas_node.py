@@ -288,7 +288,9 @@ def test_astra_run_supervises_an_external_raas_from_its_command(runs) -> None:
 
     s = run.summary()
     assert s["steps"] == 6 and s["groups_lost"] == 0 and s["groups_duplicated"] == 0, s
-    assert s["raas"]["js"]["work"]["groups_finished"] > 0, s["raas"]
+    # The only RaaS of the run: every group trained came from it. Its `work` is the last
+    # incarnation's GetStatus, which may have finished nothing (the buffer held enough).
+    assert list(s["raas"]) == ["js"] and isinstance(s["raas"]["js"]["work"], dict), s["raas"]
     assert s["raas"]["js"]["labels"] == {"engine": "js"}
     assert [e["child"] for e in s["restarts"]] == ["js"], s["restarts"]
     log = (run.run_dir / "logs" / "js.log").read_text(errors="replace")
