@@ -67,8 +67,8 @@ def open_channel(
     peer: PeerCheck | None = None,
 ) -> grpc.aio.Channel:
     """A channel to `address`: mutual TLS with `tls` (default: this process's credentials
-    now), plaintext when there are none; its calls ask `peer` first (clients.revocation;
-    default: a check of its own where the list names anyone)."""
+    now), plaintext when there are none; its calls ask `peer` first, where there is one
+    (clients.revocation)."""
     options: list[tuple[str, Any]] = [
         ("grpc.service_config", service_config),
         ("grpc.enable_retries", 1),
@@ -81,8 +81,6 @@ def open_channel(
         return grpc.aio.insecure_channel(address, options=options)
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
-    # A list that names anyone: the server's own certificate is looked up too (tls_peer).
-    peer = peer_check(address, tls) if peer is None else peer
     interceptors = revocation_interceptors(peer) if peer is not None else None
     return grpc.aio.secure_channel(
         address, channel_credentials(tls), options=options, interceptors=interceptors

@@ -59,19 +59,16 @@ class _Guard:
     def __init__(self, check: PeerCheck) -> None:
         self.check = check
 
-    async def _guard(self) -> None:
-        await check_server(self.check)
-
 
 class _UnaryUnary(_Guard, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request) -> Any:
-        await self._guard()
+        await check_server(self.check)
         return await continuation(client_call_details, request)
 
 
 class _UnaryStream(_Guard, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request) -> Any:
-        await self._guard()
+        await check_server(self.check)
         return await continuation(client_call_details, request)
 
 
@@ -79,7 +76,7 @@ class _StreamUnary(_Guard, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self, continuation, client_call_details, request_iterator
     ) -> Any:
-        await self._guard()
+        await check_server(self.check)
         return await continuation(client_call_details, request_iterator)
 
 
@@ -87,7 +84,7 @@ class _StreamStream(_Guard, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(
         self, continuation, client_call_details, request_iterator
     ) -> Any:
-        await self._guard()
+        await check_server(self.check)
         return await continuation(client_call_details, request_iterator)
 
 
