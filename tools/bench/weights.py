@@ -570,6 +570,39 @@ def run_deltas_only(p, tmp: Path) -> dict:
     }
 
 
+def run_stream_only(p, tmp: Path) -> dict:
+    """One receiver fetching a stored full version: p.stream_only rounds of raw TCP, plain gRPC,
+    Astra in memory and the acknowledging receiver; their median GB/s and Astra's share of raw
+    TCP per round."""
+    from astra.weights.checkpoint import write_full
+
+    model = make_model(model_shapes(p.layers, p.vocab), seed=1)
+    base_dir = tmp / "ckpt-v1"
+    write_full(base_dir, as_tensors(model), {"model_type": "llama"}, version="v1", durable=False)
+    shards = sorted(base_dir.glob("*.safetensors"))
+    size = model_bytes(model)
+    b = Bench(p, tmp)
+    rounds: dict[str, list[float]] = {"tcp": [], "grpc": [], "astra_mem": [], "null": []}
+    try:
+        b.start(shards, sum(f.stat().st_size for f in shards))
+        b.astra_trial(model, "full", n=1)
+        expect, sizes = adlers(model), [a.nbytes for a in model.values()]
+        identity = f"v{b.version}"
+        for _ in range(p.stream_only):
+            rounds["tcp"].append(size / b.raw_tcp(1, False)["seconds"] / GB)
+            rounds["grpc"].append(size / b.plain_grpc(1)["seconds"] / GB)
+            mem = b.astra_single_full_mem(identity, expect, sizes)
+            rounds["astra_mem"].append(size / mem["seconds"] / GB)
+            rounds["null"].append(size / b.null_receiver(identity, size)["seconds"] / GB)
+    finally:
+        b.stop()
+    out: dict = {k: [round(v, 3) for v in vs] for k, vs in rounds.items()}
+    out |= {f"{k}_median": round(statistics.median(vs), 3) for k, vs in rounds.items()}
+    share = [m / t for m, t in zip(rounds["astra_mem"], rounds["tcp"], strict=True)]
+    out["astra_mem_share_of_tcp_median"] = round(statistics.median(share), 3)
+    return out
+
+
 def run(p, tmp: Path) -> dict:
     from astra.weights.checkpoint import write_full
 
@@ -989,6 +1022,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "warm-up deltas); prints their median end-to-end and CPU as JSON, writes nothing:\n"
         "for comparing two versions of the code back to back",
     )
+    ap.add_argument(
+        "--stream-only",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only N rounds of one receiver fetching a full version (raw TCP, plain gRPC, Astra\n"
+        "in memory, the acknowledging receiver); prints medians as JSON, writes nothing",
+    )
     p = ap.parse_args(argv)
     defaults = (
         {"layers": 2, "vocab": 8192, "reps": 1, "reps_format": 2, "reps_stream": 2}
@@ -1020,6 +1061,9 @@ def main(argv=None) -> int:
         try:
             if p.deltas_only:
                 print(json.dumps(run_deltas_only(p, tmp)))
+                return 0
+            if p.stream_only:
+                print(json.dumps(run_stream_only(p, tmp)))
                 return 0
             res = run(p, tmp)
         except Exception:
