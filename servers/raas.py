@@ -30,8 +30,9 @@ from astra.raas.results import ResultStore
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
 from astra.servers.convert import check_id
-from astra.servers.raas_convert import check_bounds, check_ids, group_result, group_spec
+from astra.servers.raas_convert import check_bounds, check_ids, group_spec
 from astra.servers.registrar import Registrar
+from astra.servers.result_wire import group_result_bytes
 from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, with_raw_responses
 from astra.servers.weights_convert import identity
 from astra.weights.deadline import DeadlineExceeded
@@ -114,19 +115,16 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         started, failed = time.perf_counter(), True
         try:
             trajectories = await self.backend.generate(spec, versions)
-            result = group_result(spec.group_id, self.instance_id, trajectories)
+            # Once: every CollectResults sends these bytes.
+            payload = group_result_bytes(spec.group_id, self.instance_id, trajectories)
             failed = False
         except Exception as exc:
             log.warning("group %s failed: %s: %s", spec.group_id, type(exc).__name__, exc)
             self.counters["groups_failed"] += 1
-            result = rollout_pb2.GroupResult(group_id=spec.group_id, instance_id=self.instance_id)
-            result.error.CopyFrom(
-                status_pb2.Status(code=code_pb2.INTERNAL, message=f"{type(exc).__name__}: {exc}")
-            )
+            payload = self._failed(spec, code_pb2.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
             if self._tasks.get(spec.group_id) is asyncio.current_task():
                 del self._tasks[spec.group_id]
-        payload = result.SerializeToString()  # once: every CollectResults sends these bytes
         if len(payload) > self.max_result_bytes:
             # Never deliverable (one group per CollectResults message): it would block every
             # result after it. Delivered as the group's failure instead, and counted.
@@ -134,19 +132,22 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                       spec.group_id, len(payload), self.max_result_bytes)  # fmt: skip
             self.counters["results_too_large"] += 1
             size, failed = len(payload), True
-            result = rollout_pb2.GroupResult(group_id=spec.group_id, instance_id=self.instance_id)
-            result.error.CopyFrom(
-                status_pb2.Status(
-                    code=code_pb2.RESOURCE_EXHAUSTED,
-                    message=f"result of {size} bytes exceeds the {self.max_result_bytes}-byte "
-                    "message limit: fewer samples or tokens per group",
-                )
+            payload = self._failed(
+                spec,
+                code_pb2.RESOURCE_EXHAUSTED,
+                f"result of {size} bytes exceeds the {self.max_result_bytes}-byte "
+                "message limit: fewer samples or tokens per group",
             )
-            payload = result.SerializeToString()
         if self.metrics is not None:
             self.metrics.observe_group(spec.workflow, time.perf_counter() - started, failed)
         # Held as the wire bytes of its CollectResultsResponse (field 1: result).
         self.store.finish(spec.group_id, RESULT_TAG + varint(len(payload)) + payload)
+
+    def _failed(self, spec: GroupSpec, code: int, message: str) -> bytes:
+        """The serialized GroupResult of a group that failed as a whole."""
+        result = rollout_pb2.GroupResult(group_id=spec.group_id, instance_id=self.instance_id)
+        result.error.CopyFrom(status_pb2.Status(code=code, message=message))
+        return result.SerializeToString()
 
     async def SubmitGroups(self, request: pb.SubmitGroupsRequest, context):
         if self.unavailable:

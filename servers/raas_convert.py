@@ -8,16 +8,14 @@ from __future__ import annotations
 import math
 
 from google.protobuf import json_format
-from google.rpc import code_pb2, status_pb2
 
 from astra.common.v1 import rollout_pb2
 from astra.engine.validate import MIN_TEMPERATURE
 from astra.errors import invalid_field
-from astra.raas.backend import GroupSpec, TrajectorySpec
-from astra.servers.convert import Malformed, from_array, to_array
+from astra.raas.backend import GroupSpec
+from astra.servers.convert import Malformed, from_array
 
 MAX_IDS = 4096
-_FINISH_PREFIX = "FINISH_REASON_"  # + "STOP", "LENGTH", "ABORTED", "ERROR"
 
 
 def check_ids(ids, field: str = "group_ids") -> None:
@@ -93,34 +91,3 @@ def group_spec(g: rollout_pb2.PromptGroup, where: str) -> GroupSpec:
         reward=g.reward,
         epoch=g.epoch,
     )
-
-
-def group_result(
-    group_id: str, instance_id: str, trajectories: list[TrajectorySpec]
-) -> rollout_pb2.GroupResult:
-    out = rollout_pb2.GroupResult(group_id=group_id, instance_id=instance_id)
-    for t in trajectories:
-        msg = out.trajectories.add(
-            trajectory_id=f"{group_id}/{t.sample_index}",
-            group_id=group_id,
-            sample_index=t.sample_index,
-            reward=t.reward,
-            agent_rewards=t.agent_rewards,
-        )
-        if t.metadata:
-            msg.metadata.update(t.metadata)
-        if t.error is not None:
-            msg.error.CopyFrom(status_pb2.Status(code=code_pb2.INTERNAL, message=t.error))
-        for s in t.sequences:
-            msg.sequences.add(
-                policy_id=s.policy_id,
-                agent_id=s.agent_id,
-                prompt_length=s.prompt_length,
-                token_ids=to_array(s.token_ids),
-                logprobs=to_array(s.logprobs),
-                loss_mask=to_array(s.loss_mask),
-                weight_versions=to_array(s.weight_versions),
-                finish_reason=_FINISH_PREFIX + s.finish_reason.upper(),
-                reward=s.reward,
-            )
-    return out

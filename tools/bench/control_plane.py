@@ -240,8 +240,12 @@ def baseline_trainer(client, log: FetchLog, num_groups: int) -> None:
             continue
         log.records.append((start, took, len(batch)))
         if not log.traj_bytes and batch:
-            log.traj_bytes = len(pickle.dumps(batch[0], protocol=pickle.HIGHEST_PROTOCOL))
-            log.traj_tokens = len(batch[0]["token_ids"])
+            if isinstance(batch[0], dict):
+                log.traj_bytes = len(pickle.dumps(batch[0], protocol=pickle.HIGHEST_PROTOCOL))
+                log.traj_tokens = len(batch[0]["token_ids"])
+            else:  # the floor moves protobuf trajectories, as Astra does
+                log.traj_bytes = batch[0].ByteSize()
+                log.traj_tokens = batch[0].sequences[0].token_ids.shape[0]
         if log.period_s:
             time.sleep(max(0.0, start + log.period_s - time.perf_counter()))
 
@@ -469,7 +473,11 @@ async def _astra_measure(p, label: str, address: str, pids: dict[str, int]) -> d
     return out
 
 
-BASELINE_SCRIPTS = {"baseline": "baseline_http", "baseline_af": "baseline_astraflow"}
+BASELINE_SCRIPTS = {
+    "baseline": "baseline_http",
+    "baseline_af": "baseline_astraflow",
+    "floor": "floor_grpc",
+}
 
 
 def _have_astraflow_stack() -> bool:
@@ -477,7 +485,8 @@ def _have_astraflow_stack() -> bool:
 
 
 def run_baseline(p, tmp: Path, key: str = "baseline") -> dict:
-    """One of the baselines: `baseline` (stdlib HTTP) or `baseline_af` (AstraFlow's stack)."""
+    """One of the baselines: `baseline` (stdlib HTTP), `baseline_af` (AstraFlow's stack), or
+    `floor` (Astra's messages over Python gRPC with no logic: tools/bench/floor_grpc.py)."""
     module = importlib.import_module(BASELINE_SCRIPTS[key])
     BatchClient = module.BatchClient
 
@@ -608,11 +617,12 @@ TITLES = {
     "astra_hb02": "Astra, heartbeat 0.2 s",
     "baseline": "baseline (pickle in JSON/HTTP)",
     "baseline_af": "baseline on AstraFlow's stack (Flask, FastAPI, cloudpickle)",
+    "floor": "floor: Astra's messages over Python gRPC, no logic",
 }
 
 
 def markdown(p, res: dict[str, dict], started: str, took_s: float) -> str:
-    cols = [k for k in ("astra", "astra_hb02", "baseline", "baseline_af") if k in res]
+    cols = [k for k in ("astra", "astra_hb02", "baseline", "baseline_af", "floor") if k in res]
     a, b, af = res.get("astra"), res.get("baseline"), res.get("baseline_af")
 
     def speedup(r, base=None):
@@ -840,9 +850,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="short windows, no variant (< 1 min)")
     ap.add_argument(
         "--only",
-        choices=["astra", "baseline", "baseline_af", "baselines", "both"],
+        choices=["astra", "baseline", "baseline_af", "baselines", "floor", "both"],
         default="both",
-        help="both: every system (default); baselines: the two baselines",
+        help="both: every system (default); baselines: the two baselines; floor: the gRPC floor",
     )
     ap.add_argument(
         "--variant",
@@ -899,11 +909,11 @@ def main(argv=None) -> int:
         results["generation_cpu_ms"] = measure_generation(p)
         say(f"generation alone: {results['generation_cpu_ms']:.3f} CPU-ms per trajectory")
         try:
-            for key in ("baseline", "baseline_af"):
+            for key in ("baseline", "baseline_af", "floor"):
                 if key == "baseline_af" and p.only == "both" and not _have_astraflow_stack():
                     say("baseline_af skipped: pip install -e '.[bench]' for Flask, FastAPI, ...")
                     continue
-                if p.only in (key, "both", "baselines"):
+                if p.only in (key, "both") or (p.only == "baselines" and key != "floor"):
                     results[key] = run_baseline(p, tmp, key)
                     print(json.dumps(results[key]), flush=True)
             if p.only in ("astra", "both"):
