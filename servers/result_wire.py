@@ -2,11 +2,11 @@
 
 What a RaaS does once per finished group. Building the message through the generated classes
 copies every array three times (`tobytes`, into the message, out of it on serialization) and
-makes a Python object per field; here each array's bytes are copied once, into the output, and
-the scalars are encoded with the varints of astra.protowire. The bytes parse to the message the
-generated classes build from the same arrays (tests/test_result_wire.py holds the two equal,
-byte for byte where no map is involved); the rarely set parts of a trajectory (agent rewards, metadata, error) are encoded
-by the generated classes and appended, which protobuf's merge-on-concatenation allows.
+makes a Python object per field; here each array's bytes are copied once, into the output, and the
+other fields are encoded with the varints of astra.protowire (12 against 26 us a trajectory
+of 1,032 tokens with metadata, measured). The bytes parse to the message the generated classes
+build from the same values (tests/test_result_wire.py holds the two equal, byte for byte where
+no map is involved); a metadata value of a type JSON does not have is left to them.
 
 Field numbers are rollout.proto's and array.proto's. proto3 leaves out a scalar equal to its
 default (0, 0.0, "") and writes -0.0, as the generated classes do.
@@ -19,7 +19,7 @@ import math
 import struct
 
 import numpy as np
-from google.rpc import code_pb2, status_pb2
+from google.rpc import code_pb2
 
 from astra.common.v1 import rollout_pb2
 from astra.protowire import varint
@@ -117,16 +117,63 @@ def _sequence(s: SequenceSpec) -> Encoded:
     return parts, size + len(tail)
 
 
+class _NotPlain(Exception):
+    """A metadata value of a type other than JSON's: left to the generated classes."""
+
+
+def _value(v) -> bytes:
+    """A google.protobuf.Value, chosen as `Struct.update` chooses (oneof fields are always
+    written): null_value 1, number_value 2, string_value 3, bool_value 4, struct_value 5,
+    list_value 6."""
+    if v is None:
+        return b"\x08\x00"
+    if isinstance(v, bool):
+        return b"\x20\x01" if v else b"\x20\x00"
+    if isinstance(v, str):
+        data = v.encode()
+        return b"\x1a" + varint(len(data)) + data
+    if isinstance(v, int | float):
+        return b"\x11" + _double(float(v))
+    if isinstance(v, dict):
+        inner = _struct(v)
+        return b"\x2a" + varint(len(inner)) + inner
+    if isinstance(v, list | tuple):
+        inner = b"".join(b"\x0a" + varint(len(x)) + x for x in map(_value, v))
+        return b"\x32" + varint(len(inner)) + inner
+    raise _NotPlain
+
+
+def _struct(d: dict) -> bytes:
+    """A google.protobuf.Struct: map<string, Value> fields = 1."""
+    out = []
+    for k, v in d.items():
+        if not isinstance(k, str):
+            raise _NotPlain
+        entry = _text(1, k) + _message(2, _value(v))
+        out.append(b"\x0a" + varint(len(entry)) + entry)
+    return b"".join(out)
+
+
+def _message(field: int, inner: bytes) -> bytes:
+    return _key(field, _LEN) + varint(len(inner)) + inner
+
+
 def _rare(t: TrajectorySpec) -> bytes:
-    """Fields 6-8 of a Trajectory (agent rewards, metadata, error), by the generated classes."""
-    if not (t.agent_rewards or t.metadata or t.error is not None):
-        return b""
-    msg = rollout_pb2.Trajectory(agent_rewards=t.agent_rewards)
+    """Fields 6-8 of a Trajectory: agent rewards (map<string, double>), metadata (Struct),
+    error (google.rpc.Status)."""
+    out = b""
+    for name, reward in t.agent_rewards.items():
+        out += _message(6, _text(1, name) + b"\x11" + _double(reward))
     if t.metadata:
-        msg.metadata.update(t.metadata)
+        try:
+            out += _message(7, _struct(t.metadata))
+        except _NotPlain:  # what Struct.update makes of it (or refuses, as before)
+            meta = rollout_pb2.Trajectory()
+            meta.metadata.update(t.metadata)
+            out += meta.SerializeToString()
     if t.error is not None:
-        msg.error.CopyFrom(status_pb2.Status(code=code_pb2.INTERNAL, message=t.error))
-    return msg.SerializeToString()
+        out += _message(8, _int_field(1, code_pb2.INTERNAL) + _text(2, t.error))
+    return out
 
 
 def _trajectory(group_field: bytes, group_id: str, t: TrajectorySpec) -> Encoded:

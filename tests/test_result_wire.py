@@ -19,7 +19,9 @@ def _array(values: np.ndarray) -> array_pb2.NDArray:
             "f4": "float32", "f8": "float64", "i1": "int8", "i2": "int16"}  # fmt: skip
     key = "b" if arr.dtype == np.bool_ else arr.dtype.str[1:]
     return array_pb2.NDArray(
-        dtype=name[key], shape=list(arr.shape), data=arr.astype(arr.dtype.newbyteorder("<")).tobytes()
+        dtype=name[key],
+        shape=list(arr.shape),
+        data=arr.astype(arr.dtype.newbyteorder("<")).tobytes(),
     )
 
 
@@ -118,4 +120,38 @@ def test_an_unsupported_dtype_is_refused():
     (traj,) = _trajectories(rng, 1)
     traj.sequences[0].logprobs = np.zeros(3, dtype=np.complex64)
     with pytest.raises(ValueError, match="unsupported dtype"):
+        group_result_bytes("g", "i", [traj])
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"engine": "scripted", "latency_s": 0.25},
+        {
+            "": "",
+            "zero": 0,
+            "neg": -0.0,
+            "big": 2**70,
+            "f": np.float64(1.5),
+            "t": (1, (2, [])),
+            "e": {},
+        },
+        {"flags": [True, False, None], "deep": {"a": {"b": {"c": [{"d": "é"}]}}}},
+    ],
+)
+def test_metadata_encodes_as_struct_update_does(metadata):
+    rng = np.random.default_rng(7)
+    (traj,) = _trajectories(rng, 1)
+    traj.metadata = metadata
+    got = rollout_pb2.GroupResult.FromString(group_result_bytes("g", "i", [traj]))
+    assert got == rollout_pb2.GroupResult.FromString(oracle("g", "i", [traj]))
+
+
+def test_metadata_of_other_types_goes_through_the_generated_classes():
+    rng = np.random.default_rng(8)
+    (traj,) = _trajectories(rng, 1)
+    traj.metadata = {"n": np.int64(3)}  # not an int: Struct.update refuses it, as before
+    with pytest.raises(ValueError, match="Unexpected type"):
+        oracle("g", "i", [traj])
+    with pytest.raises(ValueError, match="Unexpected type"):
         group_result_bytes("g", "i", [traj])
