@@ -24,7 +24,6 @@ from google.rpc import code_pb2, status_pb2
 from astra import __version__
 from astra.common.v1 import capabilities_pb2, rollout_pb2, version_pb2
 from astra.errors import FailedPrecondition, Unavailable, invalid_field
-from astra.protowire import varint
 from astra.raas.backend import GroupSpec, RolloutBackend, VersionSpec
 from astra.raas.results import ResultStore
 from astra.raas.v1 import rollout_service_pb2 as pb
@@ -37,7 +36,6 @@ from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, with_ra
 from astra.servers.weights_convert import identity
 from astra.weights.deadline import DeadlineExceeded
 
-RESULT_TAG = bytes([(1 << 3) | 2])  # CollectResultsResponse.result, length-delimited
 log = logging.getLogger(__name__)
 
 CONTRACT_VERSION = "1.0.0"
@@ -115,8 +113,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         started, failed = time.perf_counter(), True
         try:
             trajectories = await self.backend.generate(spec, versions)
-            # Once: every CollectResults sends these bytes.
-            payload = group_result_bytes(spec.group_id, self.instance_id, trajectories)
+            # Once, as the wire bytes of its CollectResultsResponse (field 1: result): every
+            # CollectResults sends these bytes.
+            payload = group_result_bytes(spec.group_id, self.instance_id, trajectories, field=1)
             failed = False
         except Exception as exc:
             log.warning("group %s failed: %s: %s", spec.group_id, type(exc).__name__, exc)
@@ -140,14 +139,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             )
         if self.metrics is not None:
             self.metrics.observe_group(spec.workflow, time.perf_counter() - started, failed)
-        # Held as the wire bytes of its CollectResultsResponse (field 1: result).
-        self.store.finish(spec.group_id, RESULT_TAG + varint(len(payload)) + payload)
+        self.store.finish(spec.group_id, payload)
 
     def _failed(self, spec: GroupSpec, code: int, message: str) -> bytes:
-        """The serialized GroupResult of a group that failed as a whole."""
+        """The CollectResultsResponse bytes of a group that failed as a whole."""
         result = rollout_pb2.GroupResult(group_id=spec.group_id, instance_id=self.instance_id)
         result.error.CopyFrom(status_pb2.Status(code=code, message=message))
-        return result.SerializeToString()
+        return pb.CollectResultsResponse(result=result).SerializeToString()
 
     async def SubmitGroups(self, request: pb.SubmitGroupsRequest, context):
         if self.unavailable:

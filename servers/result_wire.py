@@ -191,14 +191,20 @@ def _trajectory(group_field: bytes, group_id: str, t: TrajectorySpec) -> Encoded
 
 
 def group_result_bytes(
-    group_id: str, instance_id: str, trajectories: list[TrajectorySpec]
+    group_id: str, instance_id: str, trajectories: list[TrajectorySpec], *, field: int = 0
 ) -> bytes:
-    """The serialized GroupResult of a finished group."""
+    """The serialized GroupResult of a finished group. With `field`, as that length-delimited
+    field of an enclosing message (CollectResultsResponse.result = 1), with no second copy."""
     group_field = _text(2, group_id)  # Trajectory.group_id = 2
-    parts = [_text(1, group_id)]
+    parts = [b"", _text(1, group_id)]
+    size = len(parts[1])
     for t in trajectories:
         pieces, n = _trajectory(group_field, group_id, t)
-        parts.append(_TRAJECTORY_KEY + varint(n))
+        lead = _TRAJECTORY_KEY + varint(n)
+        parts.append(lead)
         parts += pieces
+        size += len(lead) + n
     parts.append(_name(4, instance_id))
+    if field:
+        parts[0] = _key(field, _LEN) + varint(size + len(parts[-1]))
     return b"".join(parts)

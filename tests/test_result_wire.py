@@ -155,3 +155,15 @@ def test_metadata_of_other_types_goes_through_the_generated_classes():
         oracle("g", "i", [traj])
     with pytest.raises(ValueError, match="Unexpected type"):
         group_result_bytes("g", "i", [traj])
+
+
+def test_wrapped_as_the_collect_response_field():
+    from astra.raas.v1 import rollout_service_pb2 as pb
+
+    rng = np.random.default_rng(9)
+    trajs = _trajectories(rng, 3)
+    wrapped = group_result_bytes("g", "inst", trajs, field=1)
+    assert pb.CollectResultsResponse.FromString(wrapped).result.SerializeToString() == oracle(
+        "g", "inst", trajs
+    )
+    assert wrapped.endswith(group_result_bytes("g", "inst", trajs))
