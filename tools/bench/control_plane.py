@@ -826,10 +826,11 @@ def floor_observation(a: dict, b: dict, fl: dict) -> str:
     ra, rf = _per_role(a), _per_role(fl)
     parts = ", ".join(f"{k} {ra[k]:.3f} against {rf[k]:.3f}" for k in ra)
     verdict = (
-        "3x is above what Python gRPC moves here with these messages and nothing else done: "
-        "no control plane built on it, Astra's included, can reach it on these cores"
+        "3x is above what Python gRPC moved here with these messages and nothing else done, so "
+        "a control plane on it, Astra's included, would have to cost less than moving them "
+        "and doing nothing else"
         if speed < TARGET_SPEEDUP
-        else "3x is within what the transport reaches here; the gap is Astra's own work"
+        else "3x is within what the transport reached here; the gap is Astra's own work"
     )
     return (
         f"The floor (tools/bench/floor_grpc.py: Astra's messages, written and parsed as Astra's "
