@@ -59,15 +59,21 @@ class Malformed(ValueError):
 _DTYPE_NAMES = {d: k for k, d in DTYPES.items()}
 
 
+def dtype_name(dtype: np.dtype) -> str:
+    """The NDArray dtype name of a numpy dtype of either byte order; ValueError if none."""
+    # A dict lookup for the usual (little-endian or native) dtypes: scanning DTYPES with
+    # newbyteorder() cost half of to_array.
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = next((k for k, d in DTYPES.items() if d == dtype.newbyteorder("<")), None)
+    if name is None:
+        raise ValueError(f"unsupported dtype {dtype}")
+    return name
+
+
 def to_array(values: np.ndarray) -> array_pb2.NDArray:
     arr = np.ascontiguousarray(values)
-    # A dict lookup for the usual (little-endian or native) dtypes: scanning DTYPES with
-    # newbyteorder() cost half of this function, four times per sequence on the RaaS.
-    name = _DTYPE_NAMES.get(arr.dtype)
-    if name is None:
-        name = next((k for k, d in DTYPES.items() if d == arr.dtype.newbyteorder("<")), None)
-    if name is None:
-        raise ValueError(f"unsupported dtype {arr.dtype}")
+    name = dtype_name(arr.dtype)
     return array_pb2.NDArray(
         dtype=name, shape=list(arr.shape), data=arr.astype(DTYPES[name], copy=False).tobytes()
     )

@@ -24,7 +24,7 @@ from google.rpc import code_pb2
 from astra.common.v1 import rollout_pb2
 from astra.protowire import varint
 from astra.raas.backend import SequenceSpec, TrajectorySpec
-from astra.servers.convert import _DTYPE_NAMES, DTYPES
+from astra.servers.convert import DTYPES, dtype_name
 
 _LEN, _VARINT, _I64 = 2, 0, 1
 _FINISH = {
@@ -85,11 +85,7 @@ def _array(values: np.ndarray) -> Encoded:
 def _any_array(values: np.ndarray) -> Encoded:
     """Any shape, order and byte order: converted to a contiguous little-endian copy."""
     arr = np.ascontiguousarray(values)
-    name = _DTYPE_NAMES.get(arr.dtype)
-    if name is None:
-        name = next((k for k, d in DTYPES.items() if d == arr.dtype.newbyteorder("<")), None)
-    if name is None:
-        raise ValueError(f"unsupported dtype {arr.dtype}")
+    name = dtype_name(arr.dtype)
     arr = arr.astype(DTYPES[name], copy=False)
     head = _name(1, name)
     if arr.ndim:

@@ -70,6 +70,28 @@ def _run_sync(coro):
     raise RuntimeError("coroutine suspended; use delay_s=0")
 
 
+def group_spec(g: dict) -> GroupSpec:
+    """The generator's spec of a prompt group as the coordinators send it (a JSON record)."""
+    return GroupSpec(
+        group_id=g["group_id"],
+        workflow="single_turn",
+        policy_ids=("policy",),
+        num_samples=g["num_samples"],
+        max_new_tokens=g["max_new_tokens"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        stop_strings=(),
+        stop_token_ids=(),
+        seed=g["seed"],
+        prompt_text=g["prompt"],
+        prompt_token_ids=None,
+        data=g.get("data", {}),
+        reward="",
+        epoch=g.get("epoch", 0),
+    )
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256
@@ -123,24 +145,7 @@ class Endpoint:
                     self.finished.append(result)
 
     def generate(self, g: dict) -> dict:
-        spec = GroupSpec(
-            group_id=g["group_id"],
-            workflow="single_turn",
-            policy_ids=("policy",),
-            num_samples=g["num_samples"],
-            max_new_tokens=g["max_new_tokens"],
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            stop_strings=(),
-            stop_token_ids=(),
-            seed=g["seed"],
-            prompt_text=g["prompt"],
-            prompt_token_ids=None,
-            data=g.get("data", {}),
-            reward="",
-            epoch=g.get("epoch", 0),
-        )
+        spec = group_spec(g)
         trajectories = _run_sync(self.generator.generate(spec, {"policy": 0}))
         out = []
         for t in trajectories:

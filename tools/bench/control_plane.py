@@ -129,39 +129,18 @@ def percentile(values: list[float], q: float) -> float:
 
 def measure_generation(p, groups: int = 32, repeats: int = 7) -> float:
     """CPU ms per trajectory of `ScriptedGenerator.generate` alone, in this process (the
-    rollouts of every system): the floor under any control plane's cost per trajectory.
+    rollouts of every system): a lower bound on any control plane's cost per trajectory.
     The least of several repeats, the one other jobs on the machine disturbed least."""
-    from astra.raas.backend import GroupSpec
+    from baseline_http import _run_sync as run_sync
+    from baseline_http import group_spec
+
     from astra.raas.scripted import ScriptedGenerator
 
     gen = ScriptedGenerator(["policy"], ["single_turn"], tokens_override=p.tokens)
 
-    def spec(i: int) -> GroupSpec:
-        return GroupSpec(
-            group_id=f"gen/{i}",
-            workflow="single_turn",
-            policy_ids=("policy",),
-            num_samples=p.group_size,
-            max_new_tokens=p.tokens,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            stop_strings=(),
-            stop_token_ids=(),
-            seed=i,
-            prompt_text=f"{i} + {i} =",
-            prompt_token_ids=None,
-            data={},
-            reward="",
-            epoch=0,
-        )
-
-    def run_sync(coro):  # generate() never suspends with no delay
-        try:
-            coro.send(None)
-        except StopIteration as stop:
-            return stop.value
-        raise RuntimeError("generate suspended")
+    def spec(i: int):
+        g = {"group_id": f"gen/{i}", "num_samples": p.group_size, "max_new_tokens": p.tokens}
+        return group_spec({**g, "seed": i, "prompt": f"{i} + {i} ="})
 
     best = float("inf")
     for r in range(repeats):

@@ -38,11 +38,11 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline_http import group_spec
 from baseline_http import main as baseline_main
 
 from astra.common.v1 import rollout_pb2
 from astra.protowire import read_varint, varint
-from astra.raas.backend import GroupSpec
 from astra.raas.scripted import ScriptedGenerator
 from astra.servers.result_wire import group_result_bytes
 
@@ -68,24 +68,7 @@ class Endpoint:
         self.tasks: set[asyncio.Future] = set()
 
     async def _generate(self, g: dict) -> None:
-        spec = GroupSpec(
-            group_id=g["group_id"],
-            workflow="single_turn",
-            policy_ids=("policy",),
-            num_samples=g["num_samples"],
-            max_new_tokens=g["max_new_tokens"],
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            stop_strings=(),
-            stop_token_ids=(),
-            seed=g["seed"],
-            prompt_text=g["prompt"],
-            prompt_token_ids=None,
-            data=g.get("data", {}),
-            reward="",
-            epoch=g.get("epoch", 0),
-        )
+        spec = group_spec(g)
         trajectories = await self.generator.generate(spec, {"policy": 0})
         self.finished.append(group_result_bytes(g["group_id"], self.name, trajectories))
         self.ready.set()
