@@ -11,9 +11,11 @@ in a request stream too, rather than gRPC's own UNKNOWN without details.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 # percent-encoded: up to 3 characters a byte). A metadata value keeps a 1024-character ASCII
 # name (a tensor's, at most 1024 characters).
 MAX_MESSAGE_BYTES = 512
+# A refused streaming request waits this long for the caller's first message (see `settle`).
+FIRST_MESSAGE_WAIT_S = 1.0
 MAX_VALUE_BYTES = 1024
 MAX_FIELD_BYTES = 256
 
@@ -178,11 +182,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         domain = self._domain_of(handler_call_details.method)
         guard = self._guard_of(handler_call_details.method) if self._guard_of else None
 
-        async def fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        async def fail(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
             if isinstance(exc, AstraError):
                 await context.abort_with_status(status_for(exc, domain))
             log.exception("unhandled error in %s", handler_call_details.method)
             await context.abort_with_status(_internal(domain, exc))
+
+        async def settle(request: Any, stream_in: bool) -> None:
+            """Before a streaming request is refused at its start, its first message is taken
+            (for at most FIRST_MESSAGE_WAIT_S; the handler never sees it). A refusal that
+            overtakes the caller's first write makes gRPC Python end the call with its own
+            INTERNAL at the caller, and the refusal's status and reason are lost to it."""
+            if stream_in:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(anext(aiter(request)), FIRST_MESSAGE_WAIT_S)
 
         def prepare(
             request: Any, context: grpc.aio.ServicerContext, stream_in: bool
@@ -200,8 +213,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_unary(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    request, _ = prepare(request, context, stream_in)
-                    return await behavior(request, context)
+                    parsed, _ = prepare(request, context, stream_in)
+                except Exception as exc:
+                    await settle(request, stream_in)
+                    await fail(context, exc)
+                try:
+                    return await behavior(parsed, context)
                 except Exception as exc:
                     if _is_abort(exc):
                         raise
@@ -212,9 +229,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_stream(behavior: Callable[..., Any], stream_in: bool) -> Callable[..., Any]:
             async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    request, each = prepare(request, context, stream_in)
+                    parsed, each = prepare(request, context, stream_in)
+                except Exception as exc:
+                    await settle(request, stream_in)
+                    await fail(context, exc)
+                try:
                     sent = False
-                    async for item in behavior(request, context):
+                    async for item in behavior(parsed, context):
                         if sent and each is not None:
                             each()
                         yield item

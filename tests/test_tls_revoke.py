@@ -116,7 +116,7 @@ def test_a_revoked_certificate_is_refused_at_its_next_call(dataset, tmp_path, ca
 
 
 def test_a_revoked_receiver_cannot_open_a_fetch_stream(tmp_path, ca) -> None:
-    """The bidirectional shape: refused before the stream's first message is read."""
+    """The bidirectional shape: refused before the handler reads the stream's first message."""
 
     async def one():
         yield w_pb.FetchVersionRequest()
@@ -132,6 +132,34 @@ def test_a_revoked_receiver_cannot_open_a_fetch_stream(tmp_path, ca) -> None:
             assert await code_of(stub.FetchVersion(one())) is REVOKED
             listed = stub.ListVersions(w_pb.ListVersionsRequest(policy_id="p"))
             assert await code_of(listed) is REVOKED
+
+    asyncio.run(asyncio.wait_for(main_(), 60))
+
+
+def test_a_refused_stream_ends_after_its_first_message_within_a_bound(tmp_path, ca) -> None:
+    """A refusal at a stream's start waits for the caller's first write (gRPC Python ends a
+    call whose write races its end with INTERNAL, losing the refusal: grpc/grpc#36066), for at
+    most FIRST_MESSAGE_WAIT_S: a caller that never writes is refused all the same."""
+    from astra.servers.errors import FIRST_MESSAGE_WAIT_S
+
+    async def main_() -> None:
+        async with (
+            serving(tmp_path / "store") as server,
+            channel(server.address, tmp_path / "raas") as ch,
+        ):
+            stub = w_grpc.WeightServiceStub(ch)
+            revoke(ca, certs=[tmp_path / "raas" / "cert.pem"])
+            call = stub.FetchVersion()
+            await asyncio.sleep(FIRST_MESSAGE_WAIT_S / 3)
+            assert not call.done()  # still waiting for the first message
+            await call.write(w_pb.FetchVersionRequest())
+            assert await code_of(call) is REVOKED
+
+            started = asyncio.get_running_loop().time()
+            silent = stub.FetchVersion()
+            assert await code_of(silent) is REVOKED
+            took = asyncio.get_running_loop().time() - started
+            assert FIRST_MESSAGE_WAIT_S * 0.9 <= took < FIRST_MESSAGE_WAIT_S + 5
 
     asyncio.run(asyncio.wait_for(main_(), 60))
 
