@@ -52,11 +52,12 @@ _name = functools.lru_cache(maxsize=1024)(_text)  # strings that repeat: policy,
 
 def _double_field(field: int, value: float) -> bytes:
     if value or math.copysign(1.0, value) < 0:  # -0.0 is not the default's bits
-        return _key(field, _I64) + _double(value)
+        return _key(field, _I64) + _double(float(value))
     return b""
 
 
 def _int_field(field: int, value: int) -> bytes:
+    value = int(value)  # a numpy integer too, as the generated classes take it
     return _key(field, _VARINT) + varint(value) if value else b""
 
 

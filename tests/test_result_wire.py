@@ -167,3 +167,17 @@ def test_wrapped_as_the_collect_response_field():
         "g", "inst", trajs
     )
     assert wrapped.endswith(group_result_bytes("g", "inst", trajs))
+
+
+def test_numpy_scalars_are_taken_as_the_generated_classes_take_them():
+    rng = np.random.default_rng(10)
+    (traj,) = _trajectories(rng, 1)
+    traj.sample_index = np.int64(3)
+    traj.reward = np.float32(0.5)
+    traj.agent_rewards = {"solver": np.float64(0.25)}
+    seq = traj.sequences[0]
+    seq.prompt_length = np.int32(min(2, len(seq.token_ids)))
+    seq.reward = np.float16(-1.0)
+    got = rollout_pb2.GroupResult.FromString(group_result_bytes("g", "i", [traj]))
+    assert got == rollout_pb2.GroupResult.FromString(oracle("g", "i", [traj]))
+    assert got.trajectories[0].sample_index == 3 and got.trajectories[0].reward == 0.5
