@@ -39,12 +39,14 @@ def _key(field: int, wire: int) -> bytes:
     return varint(field << 3 | wire)
 
 
+def _message(field: int, inner: bytes) -> bytes:
+    """A length-delimited field (a submessage, bytes or a string), written even when empty."""
+    return _key(field, _LEN) + varint(len(inner)) + inner
+
+
 def _text(field: int, text: str) -> bytes:
     """A string field, or nothing for ""."""
-    if not text:
-        return b""
-    data = text.encode()
-    return _key(field, _LEN) + varint(len(data)) + data
+    return _message(field, text.encode()) if text else b""
 
 
 _name = functools.lru_cache(maxsize=1024)(_text)  # strings that repeat: policy, agent ids
@@ -67,6 +69,15 @@ _SHAPE_KEY, _DATA_KEY = _key(2, _LEN), _key(3, _LEN)
 # Sequence fields 4-7 (the arrays) and Trajectory.sequences = 4, GroupResult.trajectories = 2.
 _ARRAY_KEYS = [_key(f, _LEN) for f in (4, 5, 6, 7)]
 _SEQUENCE_KEY, _TRAJECTORY_KEY = _key(4, _LEN), _key(2, _LEN)
+
+
+def _nest(parts: list, key: bytes, inner: Encoded) -> int:
+    """Appends a submessage (its key, length and pieces) to `parts`; returns the bytes added."""
+    pieces, n = inner
+    lead = key + varint(n)
+    parts.append(lead)
+    parts += pieces
+    return len(lead) + n
 
 
 def _array(values: np.ndarray) -> Encoded:
@@ -104,11 +115,7 @@ def _sequence(s: SequenceSpec) -> Encoded:
     for key, values in zip(
         _ARRAY_KEYS, (s.token_ids, s.logprobs, s.loss_mask, s.weight_versions), strict=True
     ):
-        pieces, n = _array(values)
-        lead = key + varint(n)
-        parts.append(lead)
-        parts += pieces
-        size += len(lead) + n
+        size += _nest(parts, key, _array(values))
     tail = _int_field(8, _FINISH[s.finish_reason.lower()]) + _double_field(9, s.reward)
     parts.append(tail)
     return parts, size + len(tail)
@@ -127,16 +134,13 @@ def _value(v) -> bytes:
     if isinstance(v, bool):
         return b"\x20\x01" if v else b"\x20\x00"
     if isinstance(v, str):
-        data = v.encode()
-        return b"\x1a" + varint(len(data)) + data
+        return _message(3, v.encode())
     if isinstance(v, int | float):
         return b"\x11" + _double(float(v))
     if isinstance(v, dict):
-        inner = _struct(v)
-        return b"\x2a" + varint(len(inner)) + inner
+        return _message(5, _struct(v))
     if isinstance(v, list | tuple):
-        inner = b"".join(b"\x0a" + varint(len(x)) + x for x in map(_value, v))
-        return b"\x32" + varint(len(inner)) + inner
+        return _message(6, b"".join(_message(1, _value(x)) for x in v))  # ListValue.values
     raise _NotPlain
 
 
@@ -146,13 +150,8 @@ def _struct(d: dict) -> bytes:
     for k, v in d.items():
         if not isinstance(k, str):
             raise _NotPlain
-        entry = _text(1, k) + _message(2, _value(v))
-        out.append(b"\x0a" + varint(len(entry)) + entry)
+        out.append(_message(1, _text(1, k) + _message(2, _value(v))))
     return b"".join(out)
-
-
-def _message(field: int, inner: bytes) -> bytes:
-    return _key(field, _LEN) + varint(len(inner)) + inner
 
 
 def _rare(t: TrajectorySpec) -> bytes:
@@ -177,11 +176,7 @@ def _trajectory(group_field: bytes, group_id: str, t: TrajectorySpec) -> Encoded
     head = _text(1, f"{group_id}/{t.sample_index}") + group_field + _int_field(3, t.sample_index)
     parts, size = [head], len(head)
     for s in t.sequences:
-        pieces, n = _sequence(s)
-        lead = _SEQUENCE_KEY + varint(n)
-        parts.append(lead)
-        parts += pieces
-        size += len(lead) + n
+        size += _nest(parts, _SEQUENCE_KEY, _sequence(s))
     tail = _double_field(5, t.reward) + _rare(t)
     parts.append(tail)
     return parts, size + len(tail)
@@ -196,11 +191,7 @@ def group_result_bytes(
     parts = [b"", _text(1, group_id)]
     size = len(parts[1])
     for t in trajectories:
-        pieces, n = _trajectory(group_field, group_id, t)
-        lead = _TRAJECTORY_KEY + varint(n)
-        parts.append(lead)
-        parts += pieces
-        size += len(lead) + n
+        size += _nest(parts, _TRAJECTORY_KEY, _trajectory(group_field, group_id, t))
     parts.append(_name(4, instance_id))
     if field:
         parts[0] = _key(field, _LEN) + varint(size + len(parts[-1]))
