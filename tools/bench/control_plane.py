@@ -731,12 +731,8 @@ def markdown(p, res: dict[str, dict], started: str, took_s: float) -> str:
         ceiling = cores / gen_ms * 1e3
 
         def per_process(r: dict) -> str:
-            n = r["ingest_traj_per_s"] * r["window_s"]
-            by: dict[str, float] = {}
-            for name, cpu in r["cpu_by_process_s"].items():
-                key = name.rstrip("0123456789")
-                by[key] = by.get(key, 0.0) + cpu
-            return ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in by.items())
+            by = _cpu_ms_by(r, lambda name: name.rstrip("0123456789"))
+            return ", ".join(f"{k} {v:.3f}" for k, v in by.items())
 
         observations.append(
             f"3x the baseline is {need:,.0f} trajectories/s. The benchmark is CPU-bound (all "
@@ -787,22 +783,25 @@ def markdown(p, res: dict[str, dict], started: str, took_s: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _per_role(r: dict) -> dict[str, float]:
-    """CPU-ms per ingested trajectory by role: coordinator, rollout hosts, trainer."""
+def _cpu_ms_by(r: dict, group) -> dict[str, float]:
+    """CPU-ms per ingested trajectory, summed over the processes `group(name)` puts together."""
     n = r["ingest_traj_per_s"] * r["window_s"]
-    by = {"coordinator": 0.0, "rollout hosts": 0.0, "trainer": 0.0}
+    by: dict[str, float] = {}
     for name, cpu in r["cpu_by_process_s"].items():
-        role = "trainer" if name == "trainer" else "coordinator"
-        if name.startswith(("raas_host", "endpoints")):
-            role = "rollout hosts"
-        by[role] += cpu / n * 1e3
+        by[group(name)] = by.get(group(name), 0.0) + cpu / n * 1e3
     return by
+
+
+def _role(name: str) -> str:
+    if name.startswith(("raas_host", "endpoints")):
+        return "rollout hosts"
+    return "trainer" if name == "trainer" else "coordinator"
 
 
 def floor_observation(a: dict, b: dict, fl: dict) -> str:
     """What the floor says about Astra's cost and the 3x target."""
     speed = fl["sustained_traj_per_s"] / b["sustained_traj_per_s"]
-    ra, rf = _per_role(a), _per_role(fl)
+    ra, rf = _cpu_ms_by(a, _role), _cpu_ms_by(fl, _role)
     parts = ", ".join(f"{k} {ra[k]:.3f} against {rf[k]:.3f}" for k in ra)
     verdict = (
         "3x is above what Python gRPC moved here with these messages and nothing else done, so "
