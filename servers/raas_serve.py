@@ -15,6 +15,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+ENGINE_DIED_EXIT = 3  # the exit status of a RaaS whose launched engine server died
+
 
 @dataclass
 class RaasOptions:
@@ -50,7 +52,7 @@ async def serve_raas(opts: RaasOptions) -> None:
     from astra.servers.raas_weights import ReceiverWeightLoader
     from astra.servers.runtime import serve_until_signal
 
-    if not opts.engine_python:
+    if not opts.engine_python and opts.engine != "vllm":
         import sys
 
         opts.engine_python = sys.executable
@@ -89,13 +91,30 @@ async def serve_raas(opts: RaasOptions) -> None:
     print(json.dumps(line), flush=True)
     log.info("raas %s serving %s on %s", servicer.instance_id, opts.policies, server.address)
 
+    engine_died = False
+
     async def watch_engine() -> None:
+        """An engine that fails makes the RaaS NOT_SERVING; a launched engine server that
+        exits also ends the RaaS (exit ENGINE_DIED_EXIT), so whoever supervises it (astra run,
+        systemd, Kubernetes) starts both again; it deregisters first, so Dataflow dispatches
+        what it held again at once."""
+        nonlocal engine_died
         while True:
             await asyncio.sleep(1.0)
             if not engine.healthy:
                 log.error("engine failed: serving NOT_SERVING so Dataflow routes away")
                 servicer.unavailable = "its engine failed"
                 await server.set_serving(False)
+                process = getattr(engine, "process", None)
+                if process is not None and not process.alive:
+                    log.error(
+                        "engine server exited (%s); stopping so the RaaS and its engine are "
+                        "started again. Its log: %s",
+                        process.proc.returncode,
+                        process.log_path,
+                    )
+                    engine_died = True
+                    await server.stop()
                 return
 
     watcher = asyncio.create_task(watch_engine())
@@ -111,3 +130,5 @@ async def serve_raas(opts: RaasOptions) -> None:
             metrics.shutdown()
 
     await serve_until_signal(server, on_stop=on_stop)
+    if engine_died:
+        raise SystemExit(ENGINE_DIED_EXIT)

@@ -7,6 +7,7 @@ checked against a full forward pass of the same weights (fp32 CPU, 1e-4 absolute
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -18,7 +19,7 @@ torch = pytest.importorskip("torch")
 from astra.engine.api import Generation, Sampling  # noqa: E402
 from astra.engine.http import OpenAIEngine, SGLangEngine, VLLMEngine, WeightsDir  # noqa: E402
 from astra.engine.http.base import HTTPEngine  # noqa: E402
-from astra.engine.http.launch import free_port  # noqa: E402
+from astra.engine.http.launch import ServerProcess, free_port  # noqa: E402
 from astra.engine.http.vllm import logprobs_mode_of  # noqa: E402
 from astra.engine.tiny import TINY_CONFIG, random_model, save_model, tiny_model  # noqa: E402
 from astra.engine.tokenizer import CharTokenizer  # noqa: E402
@@ -270,7 +271,7 @@ def test_swap_pauses_updates_resumes_and_relabels(
     else:
         assert update == {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
         pause = next(c for c in fake.calls if c.path == "/pause")
-        assert pause.query["mode"] == "abort" and pause.query["clear_cache"] == "true"
+        assert pause.query == {"mode": "abort"}  # vLLM 0.32: abort clears the caches itself
     # The in-flight generation was cut by the pause and carried on with the new weights.
     k = gen.versions.count(0)
     assert 0 < k < len(gen.token_ids) and gen.versions == [0] * k + [1] * (len(gen.versions) - k)
@@ -470,3 +471,15 @@ def test_serve_raas_options_reach_an_attached_engine(engine: str, tmp_path: Path
         on_swap, mode = run(body)
         assert mode == "processed_logprobs"
         assert on_swap == ("finish_old" if engine == "vllm" else "continue")  # openai: relabels
+
+
+def test_serverprocess_reports_the_error_line(tmp_path: Path) -> None:
+    """The launcher's message is the server's last error line and the log's path."""
+    proc = ServerProcess(
+        [sys.executable, "-c", "raise SystemExit('ValueError: the model is broken')"],
+        "http://127.0.0.1:9",
+        log_path=tmp_path / "x.log",
+    )
+    with pytest.raises(Unavailable, match=r"ValueError: the model is broken \(its log: "):
+        run(lambda: proc.wait_ready(30))
+    proc.stop()

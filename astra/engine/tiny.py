@@ -1,7 +1,7 @@
 """The `tiny` model, seeded random models, and `load_model` for `tiny` or a local directory.
 
-`tiny` is a 2-layer Qwen3-architecture decoder (hidden 64, 4 query heads, 2
-kv heads, tied embeddings) over the 100-id `CharTokenizer`. Its weights come
+`tiny` is a 2-layer Qwen3-architecture decoder (hidden 64, 4 query heads and
+2 kv heads of 32, tied embeddings) over the 100-id `CharTokenizer`. Its weights come
 from a CPU `torch.Generator` seeded with `TINY_SEED`, drawn in sorted
 parameter-name order in fp32, so every process on every machine builds the
 same bits (cast afterwards to the dtype asked for). `save_tiny` writes it as
@@ -34,7 +34,7 @@ TINY_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 16,
+    "head_dim": 32,  # vLLM's CPU attention runs head sizes 32, 64, 80, ... (not 16)
     "hidden_act": "silu",
     "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-6,

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from astra.engine.char_hf import char_tokenizer_files
+from astra.engine.tokenizer import CHAR_TOKENIZER
 from astra.errors import FailedPrecondition, InvalidArgument
 from astra.weights.checkpoint import load_tensors, write_full
 from astra.weights.layout import INDEX_NAME
@@ -122,8 +124,21 @@ def save_state(
     config: Mapping[str, Any],
     *,
     version: str | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> dict[str, Any]:
-    """Writes a full, checksummed version directory (config.json + shards + index)."""
+    """Writes a full, checksummed version directory (config.json + shards + index).
+
+    `files` are written beside them (tokenizer files, say). A model on the built-in
+    character tokenizer (config.json `astra_tokenizer: char`) also gets that tokenizer
+    as Hugging Face files (astra.engine.char_hf), so vLLM and transformers load it too.
+    """
+    extra = dict(files or {})
+    if config.get("astra_tokenizer") == CHAR_TOKENIZER:
+        extra = {**char_tokenizer_files(), **extra}
     return write_full(
-        directory, {name: to_raw(t) for name, t in state.items()}, config, version=version
+        directory,
+        {name: to_raw(t) for name, t in state.items()},
+        config,
+        version=version,
+        files=extra,
     )

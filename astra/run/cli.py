@@ -83,6 +83,12 @@ def run_command(
     if print_recipe:
         click.echo(dump_recipe(resolved), nl=False)
         return
+    from astra.run.preflight import PreflightError, check
+
+    try:
+        check(resolved)
+    except PreflightError as exc:
+        raise click.UsageError(str(exc)) from exc
     if run_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         run_dir = str(Path("runs") / f"{resolved.name}-{stamp}")

@@ -377,6 +377,7 @@ def raas_spec_command(
     args += ["--device", spec.device, "--on-swap", spec.on_swap]
     args += ["--engine", spec.engine]
     args += [f"--engine-args={spec.engine_args}"] if spec.engine_args else []
+    args += ["--engine-python", spec.engine_python] if spec.engine_python else []
     args += [a for p in policies for a in ("--policy", p)]
     args += [a for w in recipe.raas_workflows(spec) for a in ("--workflow", w)]
     args += [a for k, v in sorted(spec.labels.items()) for a in ("--label", f"{k}={v}")]

@@ -175,6 +175,11 @@ class RaasSpec(_Strict):
         "torch", description="Inference engine (vllm, sglang, openai: one policy per RaaS)."
     )
     engine_args: str = Field("", description="Extra arguments of a launched vLLM/SGLang server.")
+    engine_python: str = Field(
+        "",
+        description="Python that runs a launched vLLM/SGLang server; empty: for vLLM "
+        "$ASTRA_VLLM_PYTHON, else .venv-vllm (`make vllm`), else this Python.",
+    )
     command: list[str] = Field(
         default_factory=list,
         description="An external RaaS instead of `astra serve raas`: its command line, with "
@@ -189,7 +194,7 @@ class RaasSpec(_Strict):
         fields = type(self).model_fields
         built_in = [
             name
-            for name in ("model", "device", "on_swap", "engine", "engine_args")
+            for name in ("model", "device", "on_swap", "engine", "engine_args", "engine_python")
             if getattr(self, name) != fields[name].default
         ]
         if built_in:

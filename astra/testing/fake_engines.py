@@ -10,7 +10,7 @@ HF directory), so they can be checked against the built-in engine.
 
 Flavors and routes:
 - "openai": GET /health, GET /v1/models, POST /v1/completions.
-- "vllm": the above plus POST /pause (query mode=abort|wait|keep,
+- "vllm": the above plus POST /pause (query mode=abort|wait|keep, the deprecated
   clear_cache), POST /resume, GET /is_paused, POST /collective_rpc
   {method: "reload_weights", kwargs: {weights_path}}.
 - "sglang": GET /health, GET /v1/models, GET /get_model_info,

