@@ -323,3 +323,60 @@ def test_a_model_vllm_cannot_load_ends_the_raas_with_the_engines_error_line(
     assert proc.returncode != 0
     assert "engine server exited with" in out and "NoSuchModel" in out, out[-3000:]
     assert out.count("Traceback") <= 1  # the engine's own traceback stays in its log
+
+
+# -- astra run on vLLM ----------------------------------------------------------------------------
+
+
+def trained_in_dataflows_records(state: Path) -> list[str]:
+    """The group ids of every batch Dataflow's own database records as acknowledged by the
+    trainer, in batch order (read-only; summary.json is not consulted)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{state / 'dataflow.sqlite'}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT groups FROM batches WHERE state = 'acked'").fetchall()
+    finally:
+        db.close()
+    return [entry[0] for (groups,) in rows for entry in json.loads(groups) if not entry[1]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_on_vllm_survives_its_vllm_server_being_killed(runs) -> None:
+    """`astra run` on the vllm_cpu recipe, shortened: SIGKILL of the real vLLM server in the
+    middle makes its RaaS exit; the supervisor starts the RaaS (and so vLLM) again, Dataflow
+    dispatches what the dead one held again, and the run completes with every group trained
+    once, as summary.json and Dataflow's own records say."""
+    steps = 40
+    run = runs(
+        str(Path(__file__).resolve().parents[1] / "configs" / "recipes" / "vllm_cpu.yaml"),
+        *("--set", f"trainer.num_steps={steps}", "--set", "eval.every_steps=0"),
+        *("--set", "supervision.restart_backoff_s=0.2", "--set", "raas.0.capacity=16"),
+        *("--set", f"raas.0.engine_python={VLLM_PYTHON}"),
+        *("--set", "supervision.startup_timeout_s=300"),
+    )
+    run.wait_for_children({"dataflow", "weights", "raas", "trainer"}, 300)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        rows = (
+            (run.run_dir / "metrics.jsonl").read_text().splitlines()
+            if (run.run_dir / "metrics.jsonl").is_file()
+            else []
+        )
+        if len(rows) >= 8:
+            break
+        time.sleep(0.5)
+    model_dir = run.run_dir / "warmup" / "policy" / "model"
+    victim = vllm_server_pid(model_dir)
+    os.kill(victim, signal.SIGKILL)
+    assert run.wait(420) == 0, f"{run.output()}\n{run.log_tails()}"
+    s = run.summary()
+    assert s["status"] == "completed" and s["steps"] == steps, s
+    assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0, s
+    assert [(e["child"], e["exit"]) for e in s["restarts"]] == [("vllm-0", 3)], s["restarts"]
+    raas_log = (run.run_dir / "logs" / "vllm-0.log").read_text()
+    assert "engine server exited" in raas_log
+    trained = trained_in_dataflows_records(run.run_dir / "state" / "dataflow")
+    assert len(trained) == len(set(trained)), "a group trained twice (Dataflow's records)"
+    assert len(trained) >= steps * 4, len(trained)  # trainer.batch_groups=4 (tests.test_run)

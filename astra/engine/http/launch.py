@@ -37,15 +37,22 @@ from astra.errors import AstraError, Unavailable
 _ERROR = re.compile(r"\b([A-Za-z_][\w.]*(Error|Exception|Exit)): ")
 
 
-def error_line(log_text: str) -> str:
-    """The server's own last error line in `log_text` (`SomethingError: ...`, prefixes
-    such as `(EngineCore pid=1) ERROR ... [file.py:12]` cut off), else its last line."""
-    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        match = _ERROR.search(line)
+def error_line(log_text: str, limit: int = 400) -> str:
+    """The server's own last error in `log_text` (`SomethingError: ...`, prefixes such as
+    `(EngineCore pid=1) ERROR ... [file.py:12]` cut off, with the indented line after it
+    when the error goes on there, as pydantic's do), else its last line; at most `limit`
+    characters."""
+    lines = log_text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        match = _ERROR.search(lines[i])
         if match:
-            return line[match.start() :][:500]
-    return lines[-1][:500] if lines else "(its log is empty)"
+            found = lines[i][match.start() :].strip()
+            after = lines[i + 1] if i + 1 < len(lines) else ""
+            if after[:1].isspace() and after.strip():
+                found += " " + after.strip()
+            return found[:limit]
+    rest = [line.strip() for line in lines if line.strip()]
+    return rest[-1][:limit] if rest else "(its log is empty)"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
