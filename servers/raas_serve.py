@@ -94,10 +94,11 @@ async def serve_raas(opts: RaasOptions) -> None:
     engine_died = False
 
     async def watch_engine() -> None:
-        """An engine that fails makes the RaaS NOT_SERVING; a launched engine server that
-        exits also ends the RaaS (exit ENGINE_DIED_EXIT), so whoever supervises it (astra run,
-        systemd, Kubernetes) starts both again; it deregisters first, so Dataflow dispatches
-        what it held again at once."""
+        """An engine that fails makes the RaaS NOT_SERVING. One whose server the RaaS
+        launched (it exited, or failed a weight reload) also ends the RaaS (exit
+        ENGINE_DIED_EXIT), so whoever supervises it (astra run, systemd, Kubernetes) starts
+        both again; it deregisters first, so Dataflow dispatches what it held again at once.
+        An attached server's owner restarts it: the RaaS stays NOT_SERVING."""
         nonlocal engine_died
         while True:
             await asyncio.sleep(1.0)
@@ -106,11 +107,16 @@ async def serve_raas(opts: RaasOptions) -> None:
                 servicer.unavailable = "its engine failed"
                 await server.set_serving(False)
                 process = getattr(engine, "process", None)
-                if process is not None and not process.alive:
+                if process is not None:  # launched here: start both again
+                    why = (
+                        f"exited ({process.proc.returncode})"
+                        if not process.alive
+                        else f"failed ({getattr(engine, 'failure', None)})"
+                    )
                     log.error(
-                        "engine server exited (%s); stopping so the RaaS and its engine are "
-                        "started again. Its log: %s",
-                        process.proc.returncode,
+                        "engine server %s; stopping so the RaaS and its engine are started "
+                        "again. Its log: %s",
+                        why,
                         process.log_path,
                     )
                     engine_died = True

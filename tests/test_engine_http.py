@@ -483,3 +483,24 @@ def test_serverprocess_reports_the_error_line(tmp_path: Path) -> None:
     with pytest.raises(Unavailable, match=r"ValueError: the model is broken \(its log: "):
         run(lambda: proc.wait_ready(30))
     proc.stop()
+
+
+def test_a_vllm_reload_that_fails_on_the_server_takes_the_engine_out_of_service(
+    new_weights: tuple[Path, Any],
+) -> None:
+    """Real vLLM 0.32's engine dies when an in-place reload fails (tests/test_vllm_real.py):
+    the adapter reports WEIGHT_UPDATE_FAILED and stops serving from that server."""
+    path, _ = new_weights
+    with FakeEngineServer("vllm") as fake:
+
+        async def body(engine: HTTPEngine) -> None:
+            fake.fail("/collective_rpc", 500, "FAKE worker failed")
+            with pytest.raises(FailedPrecondition) as err:
+                await engine.swap_weights({"p": 1}, {"p": WeightsDir(path)})
+            assert err.value.reason == "WEIGHT_UPDATE_FAILED"
+            assert not engine.healthy and "FAKE worker failed" in str(engine.failure)
+            with pytest.raises(Unavailable) as gone:
+                await engine.swap_weights({"p": 1}, {"p": WeightsDir(path)})
+            assert gone.value.reason == "ENGINE_FAILED"
+
+        run(lambda: with_engine(fake, body))

@@ -250,6 +250,40 @@ def test_a_swap_mid_generation_splits_tokens_between_versions(
     assert swap_s < 60
 
 
+def test_a_failed_reload_keeps_the_version_and_the_server_serving(
+    server: str, tmp_path: Path
+) -> None:
+    """A directory vLLM cannot load: WEIGHT_UPDATE_FAILED, the version stays, generation
+    resumes on the weights it had (the engine is not left paused or dead)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=2)
+
+    async def body(engine: VLLMEngine) -> Generation:
+        with pytest.raises(AstraError) as err:
+            await engine.swap_weights({"p": 1}, {"p": WeightsDir(empty)})
+        assert err.value.reason == "WEIGHT_UPDATE_FAILED", err.value.message
+        assert engine.version("p") == 0 and engine.healthy
+        return await engine.generate("p", PROMPT, sampling)
+
+    gen = run(lambda: attached(server, body))
+    assert gen.versions == [0] * 6
+    assert max_diff(gen.logprobs, forward_logprobs(tiny_model(), PROMPT, gen, 1.0)) < TOL
+
+
+def test_an_unknown_model_name_is_invalid_argument(server: str) -> None:
+    async def body() -> None:
+        engine = OpenAIEngine(server, "no-such-model", "p", TOK, logprobs_mode="processed_logprobs")
+        try:
+            with pytest.raises(AstraError, match=r"HTTP 404.*no-such-model") as err:
+                await engine.generate("p", PROMPT, Sampling(max_new_tokens=2))
+            assert err.value.code == "INVALID_ARGUMENT"
+        finally:
+            await engine.close()
+
+    run(body)
+
+
 # -- a RaaS on vLLM -------------------------------------------------------------------------------
 
 

@@ -171,6 +171,11 @@ class HTTPEngine:
         }
 
     @property
+    def failure(self) -> str | None:
+        """Why this engine stopped serving (a failed resume or reload), or None."""
+        return self._failed
+
+    @property
     def healthy(self) -> bool:
         if self._failed is not None or self._closed:
             return False

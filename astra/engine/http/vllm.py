@@ -121,12 +121,23 @@ class VLLMEngine(CompletionsEngine):
         around it stay as they are. `version` is not sent: vLLM's reload has no
         version label, the adapter keeps it.
         """
+        if not any(path.glob("*.safetensors")):  # vLLM's engine dies on such a directory
+            raise FailedPrecondition(
+                f"{path} holds no *.safetensors: not loaded as version {version}",
+                reason="WEIGHT_UPDATE_FAILED",
+                metadata={"path": str(path)},
+            )
         body = {"method": self.reload_rpc_method, "kwargs": {"weights_path": str(path)}}
         try:
             await self._dev_call("/collective_rpc", body, timeout_s=self.update_timeout_s)
         except FailedPrecondition:
             raise
         except AstraError as exc:
+            # vLLM 0.32 reloads in place, layer by layer: a reload that failed half-way
+            # leaves the model in no known state, and its engine core exits (EngineDeadError
+            # on the next request). The adapter stops serving from it: a RaaS goes
+            # NOT_SERVING, and one that launched the server ends so that both start again.
+            self._failed = f"vLLM could not reload {path}: {exc.message}"
             raise FailedPrecondition(
                 f"vLLM could not reload {path} as version {version}: {exc.message}",
                 reason="WEIGHT_UPDATE_FAILED",
