@@ -276,6 +276,13 @@ def serve_raas(
     )
     from astra.errors import AstraError
 
+    if engine == "vllm" and not engine_url:  # before anything starts: exit 2, one line
+        from astra.engine.http.vllm_env import vllm_python
+
+        try:
+            opts.engine_python = vllm_python(engine_python)
+        except AstraError as exc:
+            raise click.UsageError(exc.message) from None
     try:
         asyncio_run(serve(opts))
     except AstraError as exc:  # at start-up: a model or engine that cannot start

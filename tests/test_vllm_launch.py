@@ -134,3 +134,17 @@ def test_error_line_finds_the_servers_own_error() -> None:
     assert error_line(log.split("\npydantic")[0]) == "RuntimeError: head_dim=16 unsupported"
     assert error_line("just a line\n") == "just a line"
     assert error_line("") == "(its log is empty)"
+
+
+def test_serve_raas_on_vllm_without_vllm_exits_2_with_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "astra.cli", "serve", "raas", "--engine", "vllm"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", PYTHON_ENV: sys.executable},
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "make vllm" in errors[0] and "Traceback" not in done.stderr
