@@ -219,34 +219,48 @@ def test_a_swap_mid_generation_splits_tokens_between_versions(
     server: str, models: dict[str, Path]
 ) -> None:
     """Pause (abort) -> reload from disk -> resume on the real server: the tokens before the
-    swap are version 0, those after are version 1 and carry the new weights' log-probs on
-    the whole context; then the server goes back to version 0's weights."""
-    new_model = random_model(TINY_CONFIG, 7)
+    swap are the old version's with the old weights' log-probs, those after are the new
+    version's with the new weights' log-probs on the whole context. How fast vLLM generates
+    depends on the machine's load, so the swap's delay adapts until one lands mid-way (a
+    generation that ended before the swap, or a swap before its first token, is tried again
+    with a shorter or longer delay); the server ends on version 0's weights."""
+    weights = {0: tiny_model(), 1: random_model(TINY_CONFIG, 7)}
+    dirs = {0: models["v0"], 1: models["v1"]}
 
-    async def body(engine: VLLMEngine) -> tuple[Generation, Generation, float]:
-        task = asyncio.create_task(
-            engine.generate("p", PROMPT, Sampling(max_new_tokens=1500, temperature=0))
-        )
-        await asyncio.sleep(0.5)  # well into the generation, far from its end
-        t0 = time.monotonic()
-        await engine.swap_weights({"p": 1}, {"p": WeightsDir(models["v1"])})
-        swap_s = time.monotonic() - t0
-        gen = await task
+    async def body(engine: VLLMEngine) -> tuple[Generation, Generation, int, float]:
+        delay, version, split = 0.3, 0, None
+        for _ in range(8):
+            task = asyncio.create_task(
+                engine.generate("p", PROMPT, Sampling(max_new_tokens=2000, temperature=0))
+            )
+            await asyncio.sleep(delay)
+            t0 = time.monotonic()
+            new = version + 1
+            await engine.swap_weights({"p": new}, {"p": WeightsDir(dirs[new % 2])})
+            swap_s = time.monotonic() - t0
+            gen = await task
+            k = gen.versions.count(version)
+            version = new
+            if 0 < k < len(gen.token_ids):
+                split = gen, k, version, swap_s
+                break
+            delay = delay / 4 if k == len(gen.token_ids) else delay * 2
+        assert split is not None, "no swap landed mid-generation in 8 tries"
+        gen, k, version, swap_s = split
         after = await engine.generate("p", PROMPT, Sampling(max_new_tokens=8, temperature=0))
-        await engine.swap_weights({"p": 2}, {"p": WeightsDir(models["v0"])})
-        return gen, after, swap_s
+        if version % 2:
+            await engine.swap_weights({"p": version + 1}, {"p": WeightsDir(dirs[0])})
+        return gen, after, version, swap_s
 
-    gen, after, swap_s = run(lambda: attached(server, body), timeout=240)
-    k = gen.versions.count(0)
-    assert 0 < k < len(gen.token_ids), (k, len(gen.token_ids), gen.finish_reason)
-    assert gen.versions == [0] * k + [1] * (len(gen.versions) - k)
+    gen, after, version, swap_s = run(lambda: attached(server, body), timeout=280)
+    k = gen.versions.count(version - 1)
+    assert gen.versions == [version - 1] * k + [version] * (len(gen.versions) - k)
     assert gen.meta["segments"] == 2
-    old_ref = forward_logprobs(tiny_model(), PROMPT, gen, 1.0)
-    new_ref = forward_logprobs(new_model, PROMPT, gen, 1.0)
-    assert max_diff(gen.logprobs[:k], old_ref[:k]) < TOL
-    assert max_diff(gen.logprobs[k:], new_ref[k:]) < TOL
-    assert after.versions == [1] * 8
-    assert max_diff(after.logprobs, forward_logprobs(new_model, PROMPT, after, 1.0)) < TOL
+    old, new = weights[(version - 1) % 2], weights[version % 2]
+    assert max_diff(gen.logprobs[:k], forward_logprobs(old, PROMPT, gen, 1.0)[:k]) < TOL
+    assert max_diff(gen.logprobs[k:], forward_logprobs(new, PROMPT, gen, 1.0)[k:]) < TOL
+    assert after.versions == [version] * 8
+    assert max_diff(after.logprobs, forward_logprobs(new, PROMPT, after, 1.0)) < TOL
     assert swap_s < 60
 
 
