@@ -56,6 +56,7 @@ bench: $(VENV)/.installed  ## every benchmark in turn (~70 min); each rewrites i
 	$(PY) tools/bench/soak.py
 	$(PY) tools/bench/dataflow_state.py
 	$(PY) tools/bench/engine.py  # needs: pip install -e ".[bench]"
+	$(PY) tools/bench/vllm_engine.py  # needs: make vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build astra-state runs tools/raas-node/node_modules
