@@ -80,7 +80,7 @@ class WarmupSpec(_Strict):
     the trainer starts from; summary.json reports the accuracy before and after.
     """
 
-    steps: int = Field(500, ge=0, le=10_000_000, description="SFT steps; 0: no warm-up.")
+    steps: int = Field(1000, ge=0, le=10_000_000, description="SFT steps; 0: no warm-up.")
     lr: float = Field(3e-3, gt=0, le=1, description="AdamW learning rate.")
     batch_size: int = Field(64, ge=1, le=65536, description="Records per step.")
     size: int = Field(4096, ge=1, le=10_000_000, description="Synthetic records generated.")
