@@ -100,16 +100,21 @@ def test_a_python_without_vllm_is_one_line_naming_make_vllm(
     assert sys.executable in info.value.message
 
 
-def test_astra_run_on_vllm_without_vllm_stops_at_start_up_with_exit_2(tmp_path: Path) -> None:
-    recipe = ROOT / "configs" / "recipes" / "vllm_cpu.yaml"
-    done = subprocess.run(
-        [sys.executable, "-m", "astra.run", str(recipe), "--run-dir", str(tmp_path / "run")],
+def without_vllm(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m ARGS` where the only Python offered for vLLM is this one, which lacks it."""
+    return subprocess.run(
+        [sys.executable, "-m", *args],
         capture_output=True,
         text=True,
         timeout=60,
         env={"PATH": "/usr/bin:/bin", PYTHON_ENV: sys.executable},
         check=False,
     )
+
+
+def test_astra_run_on_vllm_without_vllm_stops_at_start_up_with_exit_2(tmp_path: Path) -> None:
+    recipe = ROOT / "configs" / "recipes" / "vllm_cpu.yaml"
+    done = without_vllm("astra.run", str(recipe), "--run-dir", str(tmp_path / "run"))
     assert done.returncode == 2, done.stdout + done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert len(lines) == 1 and "raas.0.engine=vllm" in lines[0] and "make vllm" in lines[0]
@@ -137,14 +142,7 @@ def test_error_line_finds_the_servers_own_error() -> None:
 
 
 def test_serve_raas_on_vllm_without_vllm_exits_2_with_one_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "astra.cli", "serve", "raas", "--engine", "vllm"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": "/usr/bin:/bin", PYTHON_ENV: sys.executable},
-        check=False,
-    )
+    done = without_vllm("astra.cli", "serve", "raas", "--engine", "vllm")
     assert done.returncode == 2, done.stdout + done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "make vllm" in errors[0] and "Traceback" not in done.stderr

@@ -35,6 +35,7 @@ from astra.engine.tiny import TINY_CONFIG, random_model, save_model, save_tiny, 
 from astra.engine.tokenizer import CharTokenizer  # noqa: E402
 from astra.engine.torch_engine import TorchEngine  # noqa: E402
 from astra.errors import AstraError  # noqa: E402
+from tests.test_engine_http import reference_logprobs as forward_logprobs  # noqa: E402
 
 try:
     VLLM_PYTHON = vllm_python()
@@ -90,15 +91,6 @@ async def attached(url: str, fn: Callable[[VLLMEngine], Awaitable[Any]], **kw: A
         return await fn(engine)
     finally:
         await engine.close()
-
-
-def forward_logprobs(model: Any, prompt: list[int], gen: Generation, temperature: float) -> list:
-    ids = torch.tensor([prompt + gen.token_ids])
-    with torch.no_grad():
-        logits = model.forward_full(ids)[0].float()
-    n = len(prompt)
-    lp = torch.log_softmax(logits[n - 1 : n - 1 + len(gen.token_ids)] / temperature, -1)
-    return [float(lp[i, t]) for i, t in enumerate(gen.token_ids)]
 
 
 def max_diff(a: list[float], b: list[float]) -> float:
