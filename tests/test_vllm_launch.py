@@ -146,3 +146,14 @@ def test_serve_raas_on_vllm_without_vllm_exits_2_with_one_line() -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "make vllm" in errors[0] and "Traceback" not in done.stderr
+
+
+def test_generation_config_follows_the_models_own_ids(tmp_path: Path) -> None:
+    """A config without an eos (as the benchmarks write) gets a generation_config.json without
+    one: transformers and vLLM read it, and would otherwise stop at id 2."""
+    from astra.engine.tiny import random_model, save_model
+
+    config = {**TINY_CONFIG, "eos_token_id": None}
+    save_model(tmp_path / "m", random_model(config, 0), config)
+    generation = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "pad_token_id": 0}

@@ -10,7 +10,8 @@ Astra's own engine with `CharTokenizer`. vLLM and transformers read
   adds no BOS or EOS, as `CharTokenizer.encode` does), decoded by `Fuse`
   (characters joined with nothing between them);
 - `tokenizer_config.json` (`PreTrainedTokenizerFast`, the four special tokens);
-- `special_tokens_map.json` and `generation_config.json` (eos 2, bos 1, pad 0).
+- `special_tokens_map.json` and `generation_config.json` (the config's bos, eos and pad ids:
+  1, 2 and 0 for tiny; one the config sets to null is left out).
 
 The files are plain JSON built here, so writing them needs no `tokenizers` or
 `transformers`; tests/test_char_hf.py loads them with both (where installed)
@@ -20,6 +21,7 @@ and checks ids, EOS and decoding against `CharTokenizer`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from astra.engine.tokenizer import CharTokenizer
@@ -89,22 +91,29 @@ def tokenizer_config() -> dict[str, Any]:
     }
 
 
-def generation_config() -> dict[str, Any]:
-    return {
+def generation_config(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """bos, eos and pad ids as the model's config.json names them (the tokenizer's when no
+    config is given); an id the config sets to null is left out, so that nothing stops at
+    an eos the model does not have."""
+    ids = {
         "bos_token_id": CharTokenizer.bos_id,
         "eos_token_id": CharTokenizer.eos_id,
         "pad_token_id": CharTokenizer.pad_id,
     }
+    if config is not None:
+        ids = {k: config.get(k, v) for k, v in ids.items()}
+    return {k: v for k, v in ids.items() if v is not None}
 
 
-def char_tokenizer_files() -> dict[str, bytes]:
-    """File name -> bytes of every tokenizer file a char-tokenizer model directory carries."""
+def char_tokenizer_files(config: Mapping[str, Any] | None = None) -> dict[str, bytes]:
+    """File name -> bytes of every tokenizer file a char-tokenizer model directory carries
+    (`config`: the model's config.json, for generation_config.json's ids)."""
     pad, bos, eos, unk = CharTokenizer.specials
     specials = {"pad_token": pad, "bos_token": bos, "eos_token": eos, "unk_token": unk}
     docs = {
         "tokenizer.json": tokenizer_json(),
         "tokenizer_config.json": tokenizer_config(),
         "special_tokens_map.json": specials,
-        "generation_config.json": generation_config(),
+        "generation_config.json": generation_config(config),
     }
     return {name: (json.dumps(doc, indent=2) + "\n").encode() for name, doc in docs.items()}

@@ -134,7 +134,7 @@ def save_state(
     """
     extra = dict(files or {})
     if config.get("astra_tokenizer") == CHAR_TOKENIZER:
-        extra = {**char_tokenizer_files(), **extra}
+        extra = {**char_tokenizer_files(config), **extra}
     return write_full(
         directory,
         {name: to_raw(t) for name, t in state.items()},
