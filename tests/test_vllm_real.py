@@ -321,6 +321,18 @@ def read_until(proc: subprocess.Popen[str], needle: str, timeout_s: float) -> li
     raise AssertionError(f"no {needle!r} in:\n{''.join(lines)[-4000:]}")
 
 
+def group_gone(pgid: int, timeout_s: float) -> bool:
+    """Whether every process of the group `pgid` has exited within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def vllm_server_pid(state_dir: Path) -> int:
     """The launched server: the process whose command line is vLLM's, started by this RaaS."""
     out = subprocess.run(
@@ -341,10 +353,12 @@ def test_a_raas_whose_vllm_dies_exits_so_it_is_started_again(tmp_path: Path) -> 
     try:
         read_until(proc, '"service": "raas"', 240)
         assert (tmp_path / "raas" / "model-tiny" / "tokenizer.json").is_file()
-        os.kill(vllm_server_pid(tmp_path / "raas" / "model-tiny"), signal.SIGKILL)
+        victim = vllm_server_pid(tmp_path / "raas" / "model-tiny")
+        os.kill(victim, signal.SIGKILL)  # the server alone: its engine core and worker live on
         assert proc.wait(60) == 3
         assert proc.stdout is not None
         assert "engine server exited" in proc.stdout.read()
+        assert group_gone(victim, 30), "vLLM's engine core or worker outlived its RaaS"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -417,6 +431,7 @@ def test_a_run_on_vllm_survives_its_vllm_server_being_killed(runs) -> None:
     assert [(e["child"], e["exit"]) for e in s["restarts"]] == [("vllm-0", 3)], s["restarts"]
     raas_log = (run.run_dir / "logs" / "vllm-0.log").read_text()
     assert "engine server exited" in raas_log
+    assert group_gone(victim, 30), "the killed server's engine core or worker lived on"
     trained = trained_in_dataflows_records(run.run_dir / "state" / "dataflow")
     assert len(trained) == len(set(trained)), "a group trained twice (Dataflow's records)"
     assert len(trained) >= steps * 4, len(trained)  # trainer.batch_groups=4 (tests.test_run)
