@@ -12,7 +12,8 @@ Flavors and routes:
 - "openai": GET /health, GET /v1/models, POST /v1/completions.
 - "vllm": the above plus POST /pause (query mode=abort|wait|keep, the deprecated
   clear_cache), POST /resume, GET /is_paused, POST /collective_rpc
-  {method: "reload_weights", kwargs: {weights_path}}.
+  {method: "reload_weights" or "astra_reload_weights", kwargs: {weights_path}}; as real
+  vLLM 0.32, a reload that fails leaves the engine dead (every later completion: 500).
 - "sglang": GET /health, GET /v1/models, GET /get_model_info,
   GET /get_weight_version, POST /generate, POST /pause_generation {mode},
   POST /continue_generation, POST /flush_cache, POST /update_weights_from_disk
@@ -116,6 +117,7 @@ class FakeEngineServer:
         self.logprobs_mode = logprobs_mode
         self.model, self.tokenizer = load_model(model)
         self.served_model_name = served_model_name
+        self.engine_dead: str | None = None  # vllm: set by a reload that failed
         self.step_delay_s = step_delay_s
         self.token_ids_field = token_ids_field  # always put choices[0].token_ids in completions
         self.max_model_len = max_model_len or self.model.cfg.max_position_embeddings
@@ -346,6 +348,8 @@ class FakeEngineServer:
         return {"object": "list", "data": [card]}
 
     def _completions(self, q: dict[str, str], b: Any) -> Any:
+        if self.engine_dead is not None:
+            raise FakeHTTPError(500, "EngineCore encountered an issue (FAKE: a failed reload)")
         if not isinstance(b, dict):
             raise FakeHTTPError(400, "body must be a JSON object")
         if b.get("model") != self.served_model_name:
@@ -402,12 +406,18 @@ class FakeEngineServer:
         }
 
     def _collective_rpc(self, q: dict[str, str], b: Any) -> Any:
-        if not isinstance(b, dict) or b.get("method") != "reload_weights":
+        methods = ("reload_weights", "astra_reload_weights")  # the latter: Astra's extension
+        if not isinstance(b, dict) or b.get("method") not in methods:
             raise FakeHTTPError(500, f"FAKE vLLM worker has no method {b!r}")
         path = (b.get("kwargs") or {}).get("weights_path")
         if not path:
             raise FakeHTTPError(500, "reload_weights needs weights_path in this FAKE")
-        self.load_dir(path)
+        try:
+            self.load_dir(path)
+        except FakeHTTPError as exc:
+            # As vLLM 0.32: a reload that fails in the worker kills the engine core.
+            self.engine_dead = exc.message
+            raise FakeHTTPError(500, f"Worker failed with error '{exc.message}'") from exc
         return {"results": [None]}
 
     def _sglang_generate(self, q: dict[str, str], b: Any) -> Any:
