@@ -57,9 +57,10 @@ async def build_engine(opts: Any) -> Any:
         )
     elif opts.engine == "vllm":
         if not opts.engine_url:
-            from astra.engine.http.vllm_env import vllm_python
+            if not opts.engine_python:  # `astra serve raas` has resolved and checked it
+                from astra.engine.http.vllm_env import vllm_python
 
-            opts.engine_python = await asyncio.to_thread(vllm_python, opts.engine_python)
+                opts.engine_python = await asyncio.to_thread(vllm_python)
             model = await asyncio.to_thread(served_model_dir, opts.model, opts.state_dir)
         engine = (
             VLLMEngine(

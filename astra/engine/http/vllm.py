@@ -101,8 +101,7 @@ class VLLMEngine(CompletionsEngine):
             python=python,
         )
         kwargs["logprobs_mode"] = mode
-        if "--worker-extension-cls" not in _names(extra_args):
-            kwargs.setdefault("reload_rpc_method", EXTENSION_RELOAD)
+        kwargs.setdefault("reload_rpc_method", reload_method(extra_args))
         return cls(proc.url, served_model_name, policy_id, tokenizer, process=proc, **kwargs)
 
     async def _pause(self) -> None:
@@ -244,9 +243,17 @@ def launch_defaults(model_path: str | os.PathLike[str], extra_args: Sequence[str
                 out += ["--dtype", dtype]
     if not given & {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}:
         out.append("--no-enable-chunked-prefill")
-    if "--worker-extension-cls" not in given:
+    if reload_method(extra_args) == EXTENSION_RELOAD:
         out += ["--worker-extension-cls", EXTENSION_CLS]
     return out
+
+
+def reload_method(extra_args: Sequence[str]) -> str:
+    """The worker method a launched server reloads weights with: Astra's extension's,
+    unless `extra_args` load another extension (then vLLM's own `reload_weights`)."""
+    if "--worker-extension-cls" in _names(extra_args):
+        return "reload_weights"
+    return EXTENSION_RELOAD
 
 
 def launch_env(extra_args: Sequence[str]) -> dict[str, str]:
