@@ -112,7 +112,11 @@ def serve_dataflow(
         )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    from astra.statelock import acquire_or_exit
+
+    held = acquire_or_exit(config.state_dir, "Dataflow")  # one Dataflow per state, for life
     asyncio_run(_serve_dataflow(config))
+    held.release()
 
 
 async def _serve_dataflow(config) -> None:
@@ -356,7 +360,11 @@ def serve_weights(
 
         await serve(store_dir, host, port, config=config, metrics_port=metrics_port)
 
+    from astra.statelock import acquire_or_exit
+
+    held = acquire_or_exit(store_dir, "WeightService")  # one WeightService per store, for life
     asyncio_run(run())
+    held.release()
 
 
 @main.command("status")

@@ -10,6 +10,10 @@ which decides the order of shutdown, and a stop signals the whole group:
 SIGTERM, a grace period, then SIGKILL. A restart SIGKILLs the group of the
 process before it first, so helpers of a dead child do not pile up.
 
+Each child also gets the parent-death signal (SIGTERM, astra.parent_death): when the
+supervisor dies without stopping them (SIGKILL, the OOM killer), they stop as on a normal
+stop rather than train on alone beside a `--resume` (astra.run.ownership).
+
 What the group does not cover: descendants that start a session of their own.
 torchrun's ranks are such (a trainer with --nproc > 1: torchrun leads the group,
 each rank has a session of its own); torchrun stops them on SIGTERM, and when
@@ -37,6 +41,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from astra import parent_death
 from astra.tls import ENV_DIR, ENV_NODE_CA
 from astra.tls_certs import child_credential
 
@@ -103,6 +108,9 @@ class Child:
             stderr=self._log,
             env=self.environment(),
             start_new_session=True,
+            # The supervisor's death (SIGKILL, the OOM killer) ends it too: SIGTERM, so it
+            # stops as on a normal stop (a trainer checkpoints) instead of running on alone.
+            preexec_fn=parent_death.preexec(signal.SIGTERM),
         )
 
     def environment(self) -> dict[str, str]:

@@ -19,7 +19,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -95,10 +95,22 @@ def run_command(
     rd = RunDir(Path(run_dir))
     if resume_dir is None and rd.recipe.exists():
         raise click.UsageError(f"{rd.root} holds a run: use --resume DIR or another --run-dir")
+    from astra.run import ownership
+
+    try:
+        held = ownership.hold(rd)  # for this process's life: one supervisor per run
+    except ownership.RunBusy as exc:
+        _exit_2(str(exc))
     if log_format is not None:  # children inherit the environment
         os.environ["ASTRA_LOG_FORMAT"] = log_format
     _tls(resolved.tls, rd.root)
     _logging(log_level, rd.log("supervisor"), resolved.supervision)
+    if resume_dir is not None:
+        try:
+            ownership.before_resume(rd, resolved.supervision.stop_grace_s)
+        except ownership.RunBusy as exc:
+            held.release()
+            _exit_2(str(exc))
     from astra.run.supervisor import Supervisor
 
     resume = resume_dir is not None
@@ -119,6 +131,11 @@ def run_command(
     except RayUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     sys.exit(code)
+
+
+def _exit_2(message: str) -> NoReturn:
+    click.echo(f"Error: {message}", err=True)
+    sys.exit(2)
 
 
 def _tls(wanted: bool, root: Path) -> None:

@@ -12,8 +12,9 @@ ports, a trainer from its checkpoint, a RaaS under its name) until its
 death stops the run).
 run.json says who runs: the supervisor (pid, state starting / running /
 stopping / ended), every child, the RaaS removed and every elastic change.
-The run ends when every trainer exits 0 after its num_steps. SIGINT/SIGTERM (a
-second one: no more grace) stop everything. Shutdown goes trainers, RaaS (their
+The run ends when every trainer exits 0 after its num_steps. SIGINT/SIGTERM/SIGHUP/
+SIGQUIT (a second one: no more grace) stop everything; a SIGKILL of the supervisor
+ends each child by its parent-death signal (astra.run.children). Shutdown goes trainers, RaaS (their
 work counters asked first), then Dataflow and the WeightService, each group
 SIGTERM -> grace -> SIGKILL by process group, so no child outlives the run
 (descendants in sessions of their own aside: see astra.run.children).
@@ -332,7 +333,9 @@ class Supervisor:
     async def run(self) -> int:
         started = self.started_at = time.monotonic()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP (its terminal closed) and SIGQUIT stop the run like SIGTERM: never a
+        # supervisor gone with its children left behind.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         dataset = self.dataset = layout.prepare(self.recipe, self.rd)
         steps = (

@@ -85,6 +85,13 @@ def trainer_command(
     from astra.logs import configure
 
     configure(log_level)
+    held = None
+    if config.checkpoint.dir and os.environ.get("RANK", "0") == "0":  # rank 0 writes them
+        from astra.statelock import acquire_or_exit
+
+        held = acquire_or_exit(config.checkpoint.dir, "trainer")  # one writer per root
     from astra.servers.trainer import serve_trainer
 
     asyncio.run(serve_trainer(config))
+    if held is not None:
+        held.release()
