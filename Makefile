@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint generate bench clean vllm run-vllm
+.PHONY: run test lint generate bench clean vllm run-vllm chaos
 
 $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
@@ -45,6 +45,9 @@ lint: $(VENV)/.installed
 
 generate: $(VENV)/.installed
 	$(PY) tools/codegen.py
+
+chaos: $(VENV)/.installed  ## the fault campaign (tools/chaos): astra run under real faults, audited (~15 min)
+	$(PY) tools/chaos/campaign.py
 
 bench: $(VENV)/.installed  ## every benchmark in turn (~70 min); each rewrites its BENCHMARKS.md section
 	$(PY) tools/bench/control_plane.py

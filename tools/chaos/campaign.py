@@ -1,0 +1,289 @@
+"""The fault campaign: `astra run` under real faults, each run audited in Dataflow's own records.
+
+    python tools/chaos/campaign.py [--steps N] [--only NAME ...] [--out DIR] [--list]
+    make chaos
+
+Each scenario runs the embedded default recipe (shortened) in a directory of its own, does
+its faults with real signals to real processes, lets the run finish (with `--resume` where
+the fault ends the supervisor) and then checks, whatever the fault:
+
+- the run ended `completed` with every step trained (summary.json and exit 0);
+- summary.json: groups_lost 0, groups_duplicated 0;
+- Dataflow's own database (read-only, astra.run.summary.read_state): no group in two
+  acknowledged batches, at least one acknowledged batch per step;
+- no process left: nothing alive whose command line names the run directory.
+
+It prints one row per scenario (PASS/FAIL with the failed checks) and exits 1 when any
+failed. tests/test_chaos.py runs one short scenario so the tool keeps working; the whole
+campaign takes about 10 minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--set", "dataset.size=64", "--set", "observe.baseline_samples=8"]
+SMALL += ["--set", "warmup.steps=20", "--set", "trainer.batch_groups=4"]
+SMALL += ["--set", "supervision.stop_grace_s=10", "--set", "eval.every_steps=0"]
+SMALL += ["--set", "supervision.restart_backoff_s=0.2", "--set", "trainer.checkpoint.every_steps=3"]
+ROLES = {"dataflow", "weights", "raas", "trainer"}
+
+
+class Run:
+    """One `python -m astra.run` of the campaign (its output in RUN_DIR.out)."""
+
+    def __init__(self, run_dir: Path, steps: int) -> None:
+        self.run_dir, self.steps = run_dir.resolve(), steps
+        self.proc: subprocess.Popen | None = None
+        self.codes: list[int] = []
+        self.notes: list[str] = []
+
+    def start(self, *extra: str, resume: bool = False) -> None:
+        where = ["--resume", str(self.run_dir)] if resume else ["--run-dir", str(self.run_dir)]
+        cmd = [sys.executable, "-m", "astra.run", *where, *SMALL]
+        cmd += ["--set", f"trainer.num_steps={self.steps}", *extra]
+        out = (self.run_dir.parent / f"{self.run_dir.name}.out").open("ab")
+        self.proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+        )
+        out.close()
+
+    def wait(self, timeout_s: float) -> int:
+        assert self.proc is not None
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.notes.append(f"still running after {timeout_s:.0f}s: SIGKILL")
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            code = self.proc.wait(30)
+        self.codes.append(code)
+        return code
+
+    def children(self) -> dict[str, dict]:
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads((self.run_dir / "run.json").read_text())
+            return {c["name"]: c for c in data["children"]}
+        return {}
+
+    def wait_for(self, roles: set[str], timeout_s: float = 120) -> dict[str, dict]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            children = self.children()
+            if roles <= {c["role"] for c in children.values()} and all(
+                c["address"] for c in children.values()
+            ):
+                return children
+            time.sleep(0.2)
+        raise RuntimeError(f"children {sorted(roles)} did not start in {timeout_s:.0f}s")
+
+    def steps_done(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return 0
+        rows = path.read_text().splitlines()
+        return max((json.loads(r).get("step", 0) for r in rows if r.strip()), default=0)
+
+    def until_step(self, step: int, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.steps_done() < step:
+            if self.proc is not None and self.proc.poll() is not None:
+                return
+            time.sleep(0.3)
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Live processes (other than this one) whose command line names the run directory."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if str(run_dir) in cmd:
+                found.append(f"{entry.name}: {cmd[:120]}")
+    return found
+
+
+def audit(run: Run) -> list[str]:
+    """The checks every scenario ends with: what failed (empty: all held)."""
+    from astra.run.summary import read_state
+
+    failed = []
+    if not run.codes or run.codes[-1] != 0:
+        failed.append(f"exit codes {run.codes}")
+    try:
+        s = json.loads((run.run_dir / "summary.json").read_text())
+    except (OSError, ValueError) as exc:
+        return [*failed, f"summary.json: {exc}"]
+    if s.get("status") != "completed" or s.get("steps") != run.steps:
+        failed.append(f"status {s.get('status')!r} at step {s.get('steps')}")
+    for key in ("groups_lost", "groups_duplicated"):
+        if s.get(key) != 0:
+            failed.append(f"summary {key} = {s.get(key)}")
+    state = read_state(run.run_dir / "state" / "dataflow")
+    if state.get("duplicated", 0):
+        failed.append(f"Dataflow's records: {state['duplicated']} groups trained twice")
+    if state.get("acked_batches", 0) < run.steps:
+        failed.append(f"Dataflow's records: {state.get('acked_batches')} batches < steps")
+    deadline = time.monotonic() + 20
+    while (left := leftovers(run.run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        failed.append(f"left running: {left}")
+    return failed
+
+
+# -- scenarios: each does its faults; the run must end completed (audit) ---------------------
+
+
+def kill_each_service(run: Run) -> None:
+    """SIGKILL of each service in turn, a few steps apart (each is restarted)."""
+    run.start()
+    children = run.wait_for(ROLES)
+    for i, name in enumerate(["raas-1", "dataflow", "weights", "trainer-policy", "raas-0"]):
+        run.until_step(2 + 3 * i)
+        children = run.children()
+        if name in children and children[name]["pid"]:
+            os.kill(children[name]["pid"], signal.SIGKILL)
+            run.notes.append(f"killed {name}")
+        run.wait_for(ROLES)
+    run.wait(600)
+
+
+def random_kills(run: Run, seed: int = 7) -> None:
+    """SIGKILL of a random child every 8-12 s until the run ends."""
+    rng = random.Random(seed)
+    run.start()
+    run.wait_for(ROLES)
+    while run.proc is not None and run.proc.poll() is None:
+        time.sleep(rng.uniform(8, 12))
+        victims = [c for c in run.children().values() if c["pid"] and c["address"]]
+        if victims and run.proc.poll() is None:
+            victim = rng.choice(victims)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim["pid"], signal.SIGKILL)
+                run.notes.append(f"killed {victim['name']}")
+    run.wait(60)
+
+
+def hang_raas(run: Run) -> None:
+    """SIGSTOP of a RaaS for 20 s (a hung machine), then SIGCONT."""
+    run.start()
+    children = run.wait_for(ROLES)
+    run.until_step(2)
+    pid = children["raas-0"]["pid"]
+    os.killpg(pid, signal.SIGSTOP)
+    time.sleep(20)
+    os.killpg(pid, signal.SIGCONT)
+    run.wait(600)
+
+
+def kill_supervisor_then_resume(run: Run) -> None:
+    """SIGKILL of `astra run` itself (the OOM killer): every child goes with it; --resume
+    finishes the run."""
+    run.start()
+    children = run.wait_for(ROLES)
+    run.until_step(4)
+    assert run.proc is not None
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.wait(10)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and leftovers(run.run_dir):
+        time.sleep(0.5)
+    if left := leftovers(run.run_dir):
+        run.notes.append(f"orphans after the supervisor's death: {left}")
+    run.notes.append(f"{len(children)} children gone with the supervisor")
+    run.start(resume=True)
+    run.wait(600)
+
+
+def resume_while_live(run: Run) -> None:
+    """`--resume` beside the live run is refused (exit 2); the live run finishes alone."""
+    run.start()
+    run.wait_for(ROLES)
+    cmd = [sys.executable, "-m", "astra.run", "--resume", str(run.run_dir)]
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if second.returncode != 2:
+        run.notes.append(f"second --resume exited {second.returncode}: not refused")
+    run.wait(600)
+
+
+def stop_then_resume(run: Run, sig: int = signal.SIGTERM) -> None:
+    """SIGTERM (or SIGHUP) stops the run mid-way; --resume finishes it."""
+    run.start()
+    run.wait_for(ROLES)
+    run.until_step(5)
+    assert run.proc is not None
+    run.proc.send_signal(sig)
+    code = run.wait(120)
+    if code != 128 + sig:
+        run.notes.append(f"stop exited {code}")
+    run.codes.clear()
+    run.start(resume=True)
+    run.wait(600)
+
+
+def hangup_then_resume(run: Run) -> None:
+    stop_then_resume(run, signal.SIGHUP)
+
+
+SCENARIOS: dict[str, Callable[[Run], None]] = {
+    "kill-each-service": kill_each_service,
+    "random-kills": random_kills,
+    "hang-raas": hang_raas,
+    "kill-supervisor-then-resume": kill_supervisor_then_resume,
+    "resume-while-live": resume_while_live,
+    "sigterm-then-resume": stop_then_resume,
+    "sighup-then-resume": hangup_then_resume,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=24, help="trainer steps per run")
+    ap.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), help="these scenarios")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "chaos")
+    ap.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, fn in SCENARIOS.items():
+            print(f"{name:30s} {(fn.__doc__ or '').strip().splitlines()[0]}")
+        return 0
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    rows = []
+    for name in args.only or list(SCENARIOS):
+        run = Run(args.out / f"{stamp}-{name}", args.steps)
+        run.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        try:
+            SCENARIOS[name](run)
+            failed = audit(run)
+        except Exception as exc:  # a scenario that could not do its faults is a failure too
+            failed = [f"{type(exc).__name__}: {exc}"]
+            if run.proc is not None and run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+        rows.append((name, not failed, time.monotonic() - started, failed, run))
+        print(f"{name}: {'PASS' if not failed else 'FAIL'} {failed}", flush=True)
+    print("\n| scenario | result | seconds | faults | failed checks |\n|---|---|---|---|---|")
+    for name, ok, secs, failed, run in rows:
+        faults = "; ".join(run.notes) or "-"
+        print(
+            f"| {name} | {'PASS' if ok else 'FAIL'} | {secs:.0f} | {faults} | "
+            f"{'; '.join(failed) or '-'} |"
+        )
+    return 0 if all(ok for _, ok, *_ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
