@@ -87,8 +87,8 @@ def run_command(
 
     try:
         check(resolved)
-    except PreflightError as exc:
-        raise click.UsageError(str(exc)) from exc
+    except PreflightError as exc:  # before a run directory exists: nothing left behind
+        _exit_2(str(exc))
     if run_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         run_dir = str(Path("runs") / f"{resolved.name}-{stamp}")
