@@ -84,3 +84,19 @@ def test_the_command_ends_in_one_line_and_leaves_no_run_directory(tmp_path: Path
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "streams.0.reward=exact_mach" in lines[0], done.stderr
     assert not run_dir.exists()
+
+
+def test_recipes_are_found_by_name(tmp_path: Path, monkeypatch) -> None:
+    from astra.run.recipe import RecipeError, find_recipe
+
+    monkeypatch.chdir(tmp_path)  # by name from anywhere: the source tree's configs/recipes
+    assert find_recipe("smoke").parts[-3:] == ("configs", "recipes", "smoke.yaml")
+    with pytest.raises(RecipeError, match="Did you mean 'smoke'"):
+        find_recipe("smok")
+    (tmp_path / "configs" / "recipes").mkdir(parents=True)
+    (tmp_path / "configs" / "recipes" / "mine.yaml").write_text("name: mine\n")
+    assert find_recipe("mine") == tmp_path / "configs" / "recipes" / "mine.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "astra.run", "smok"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr

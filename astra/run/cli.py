@@ -1,5 +1,6 @@
 """`astra run [RECIPE] [--run-dir DIR] [--set KEY=VALUE ...] [--resume DIR]`.
 
+RECIPE: a YAML file, or the name of one in configs/recipes (`astra run smoke`).
 Without RECIPE: the embedded default (astra.run.recipe.Recipe()). The run
 directory defaults to runs/<recipe name>-<UTC time>; --resume DIR reads
 DIR/recipe.yaml back (overrides still apply), keeps Dataflow's state, the
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 
 @click.command("run")
-@click.argument("recipe", required=False, type=click.Path(dir_okay=False, exists=True))
+@click.argument("recipe", required=False)
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Where logs and outputs go.")
 @click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Dotted override (repeatable)."
@@ -76,6 +77,14 @@ def run_command(
         if not Path(recipe).is_file():
             raise click.UsageError(f"{recipe}: not found (not a run directory?)")
         run_dir = resume_dir
+    elif recipe is not None:
+        from astra.run.recipe import RecipeError as NotFound
+        from astra.run.recipe import find_recipe
+
+        try:
+            recipe = str(find_recipe(recipe))
+        except NotFound as exc:
+            _exit_2(str(exc))
     try:
         resolved = load_recipe(recipe, overrides)
     except RecipeError as exc:

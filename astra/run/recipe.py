@@ -13,6 +13,7 @@ The sections (astra.run.sections) reuse the Dataflow and trainer config models.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -259,6 +260,37 @@ class Recipe(_Strict):
 
     def stream_reward(self, stream: StreamSpec) -> str:
         return stream.reward or TASK_REWARDS.get(self.dataset.kind, "")
+
+
+RECIPES_DIR = Path("configs") / "recipes"
+
+
+def recipe_dirs() -> list[Path]:
+    """Where recipes are found by name: ./configs/recipes, then the source tree's."""
+    source = Path(__file__).resolve().parents[2] / RECIPES_DIR
+    return list(dict.fromkeys(p for p in (Path.cwd() / RECIPES_DIR, source) if p.is_dir()))
+
+
+def find_recipe(name: str) -> Path:
+    """A recipe file: `name` itself when it is a file, else configs/recipes/<name>.yaml;
+    RecipeError (naming the known recipes, and the near one) when neither exists."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise RecipeError(f"{name}: a directory, not a recipe file (--resume DIR resumes a run)")
+    stem = path.name.removesuffix(".yaml").removesuffix(".yml")
+    if path.parent == Path("."):
+        for directory in recipe_dirs():
+            if (directory / f"{stem}.yaml").is_file():
+                return directory / f"{stem}.yaml"
+    known = sorted({p.stem for d in recipe_dirs() for p in d.glob("*.yaml")})
+    close = difflib.get_close_matches(stem, known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise RecipeError(
+        f"recipe {name!r}: no such file, nor a recipe of that name in configs/recipes.{hint} "
+        f"Known: {', '.join(known) or 'none'}."
+    )
 
 
 def load_recipe(
