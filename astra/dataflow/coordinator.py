@@ -882,6 +882,8 @@ class Dataflow(Ingesting, WeightSync):
                 # counted failures after leases.max_dispatch_attempts instead of circling.
                 log.error("submit to %s refused: %s", instance_id, exc)
                 self.counters["submits_refused_invalid"] += 1
+                inst.refused_in_a_row += 1
+                inst.last_refusal = str(exc)[:512]
                 self._requeue(set(gids) & inst.in_flight, "submit_invalid")
                 return
             if exc.busy:
@@ -892,6 +894,7 @@ class Dataflow(Ingesting, WeightSync):
             self._requeue(set(gids) & inst.in_flight, "submit_failed", count_attempt=False)
             return
         self.pool.call_succeeded(instance_id)
+        inst.refused_in_a_row = 0
         inst.free_slots = free
         self.counters["groups_accepted"] += len(set(accepted) & set(gids))
         missing = set(gids) - set(accepted)

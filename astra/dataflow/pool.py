@@ -62,6 +62,9 @@ class Instance:
     load_error: str = ""
     load_retry_at: float = 0.0
     incarnation: str = ""  # the process behind the id (RegisterInstanceRequest.incarnation)
+    # Submits it refused as invalid in a row (0 after one it accepts), and the newest reason.
+    refused_in_a_row: int = 0
+    last_refusal: str = ""
 
     def serves(
         self, workflow: str, policy_ids: Iterable[str], labels: dict[str, str] | None = None

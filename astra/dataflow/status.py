@@ -42,6 +42,8 @@ def dataflow_status(df: Dataflow) -> dict:
                 "labels": i.labels,
                 "last_seen_time": _rfc3339(seen),
                 "policy_ids": sorted(i.policy_ids),
+                "submits_refused_in_a_row": i.refused_in_a_row,
+                "last_refusal": i.last_refusal,
             }
         )
     policies = []

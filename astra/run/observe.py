@@ -76,6 +76,7 @@ class Observer(StatusPoller):
         live: bool | None = None,
         evals: EvalLog | None = None,
         max_dropped_in_a_row: int = 0,
+        max_refused_in_a_row: int = 0,
         resumed: bool = False,
         batch_groups: dict[str, int] | None = None,
         on_stall: Callable[[str], None] | None = None,
@@ -87,6 +88,7 @@ class Observer(StatusPoller):
             trainers, warn_after_s=progress_warn_s, fail_after_s=max_idle_s, num_steps=num_steps
         )
         self.max_dropped_in_a_row, self.on_stall = max_dropped_in_a_row, on_stall
+        self.max_refused_in_a_row = max_refused_in_a_row
         # Per policy, the run of drops that does not count against this run: 0 in a new run;
         # in a resumed one (Dataflow keeps the run of drops durably, and the resume's overrides
         # may have fixed its cause) what the first poll finds.
@@ -200,8 +202,15 @@ class Observer(StatusPoller):
                 if tick % 4 == 0:
                     await self.poll_dataflow()
                     self.record_evals()
-                    why = self.stalled() or self.progress.check(
-                        self.trainer_status, self.last_dataflow, self.error
+                    why = (
+                        self.refused()
+                        or self.stalled()
+                        or self.progress.check(
+                            self.trainer_status,
+                            self.last_dataflow,
+                            self.error,
+                            refusal=refusal(self.last_detail),
+                        )
                     )
                     if self.on_stall is not None and why is not None:
                         log.error("%s", why)
@@ -220,6 +229,19 @@ class Observer(StatusPoller):
                     log.warning("observer tick failed (%d so far)", failures, exc_info=True)
             tick += 1
             await asyncio.sleep(self.poll_interval_s / 4)
+
+    def refused(self) -> str | None:
+        """Why the run cannot go on: every active RaaS refused the groups Dataflow sent it
+        (say, a reward it cannot import) max_refused_in_a_row times in a row, accepting none."""
+        limit = self.max_refused_in_a_row
+        active = [i for i in self.last_detail.get("instances") or [] if i.get("state") == "ACTIVE"]
+        if not limit or not active or any(i.get("refused_in_a_row", 0) < limit for i in active):
+            return None
+        return (
+            f"failed: every RaaS refuses the groups it is sent ({', '.join(i['id'] for i in active)}"
+            f", {limit} submits in a row or more; the newest: {refusal(self.last_detail)}) "
+            f"(supervision.max_refused_in_a_row: {limit})"
+        )
 
     def stalled(self) -> str | None:
         """Why the run cannot go on: a policy's run of dropped groups reached the bound (in a
@@ -337,3 +359,11 @@ def _failing_output(what: str) -> Iterator[_Failed]:
     except Exception:
         result.failed = True
         log.warning("%s failed; the run goes on without it", what, exc_info=True)
+
+
+def refusal(detail: dict[str, Any]) -> str:
+    """The newest refusal of a RaaS still refusing, as `<id>: <reason>`; empty when none."""
+    for i in detail.get("instances") or []:
+        if i.get("refused_in_a_row") and i.get("last_refusal"):
+            return f"{i['id']}: {i['last_refusal']}"
+    return ""

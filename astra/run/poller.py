@@ -91,6 +91,8 @@ def dataflow_detail(resp: dpb.GetStatusResponse) -> dict[str, Any]:
                 "free": i.free_slots,
                 "in_flight": i.in_flight_groups,
                 "failures": i.consecutive_failures,
+                "refused_in_a_row": i.submits_refused_in_a_row,
+                "last_refusal": i.last_refusal,
                 "versions": {v.policy_id: v.version for v in i.loaded_versions},
             }
             for i in resp.instances

@@ -48,6 +48,7 @@ class ProgressWatch:
         dataflow: dict[str, Any],
         dataflow_error: str | None,
         now: float | None = None,
+        refusal: str = "",
     ) -> str | None:
         """Warns while a policy takes no step (see the module docstring); the reason to end the
         run once that lasted fail_after_s, else None."""
@@ -67,6 +68,8 @@ class ProgressWatch:
             self.warned_at = None
             return None
         why = explain(policy, trainers, dataflow, dataflow_error)
+        if refusal:  # the likely cause, first
+            why = f"RaaS refuse the groups sent ({refusal}); {why}"
         if self.fail_after_s and idle >= self.fail_after_s:
             return (
                 f"stalled: policy {policy} took no step for {idle:.0f}s ({why}) "

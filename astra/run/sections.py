@@ -256,6 +256,13 @@ class SupervisionSpec(_Strict):
         "batch: no batch can form (say, every group equal-reward once the policy solves its "
         "data); 0: wait forever. Keep it above the groups one version can have in flight.",
     )
+    max_refused_in_a_row: int = Field(
+        20,
+        ge=0,
+        description="End the run as failed when every active RaaS refused this many submits "
+        "in a row as invalid (a reward or workflow it cannot resolve, say): Dataflow keeps "
+        "sending, nothing is ever accepted; 0: wait forever.",
+    )
     progress_warn_s: float = Field(
         300.0,
         ge=0,

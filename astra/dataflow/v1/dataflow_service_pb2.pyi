@@ -220,7 +220,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "address", "state", "capacity", "free_slots", "in_flight_groups", "consecutive_failures", "loaded_versions", "labels", "last_seen_time", "policy_ids")
+    __slots__ = ("instance_id", "address", "state", "capacity", "free_slots", "in_flight_groups", "consecutive_failures", "loaded_versions", "labels", "last_seen_time", "policy_ids", "submits_refused_in_a_row", "last_refusal")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,8 @@ class InstanceStatus(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_TIME_FIELD_NUMBER: _ClassVar[int]
     POLICY_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUBMITS_REFUSED_IN_A_ROW_FIELD_NUMBER: _ClassVar[int]
+    LAST_REFUSAL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     state: InstanceState
@@ -250,7 +252,9 @@ class InstanceStatus(_message.Message):
     labels: _containers.ScalarMap[str, str]
     last_seen_time: _timestamp_pb2.Timestamp
     policy_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., capacity: _Optional[int] = ..., free_slots: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., consecutive_failures: _Optional[int] = ..., loaded_versions: _Optional[_Iterable[_Union[_version_pb2.PolicyVersion, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    submits_refused_in_a_row: int
+    last_refusal: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., capacity: _Optional[int] = ..., free_slots: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., consecutive_failures: _Optional[int] = ..., loaded_versions: _Optional[_Iterable[_Union[_version_pb2.PolicyVersion, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_ids: _Optional[_Iterable[str]] = ..., submits_refused_in_a_row: _Optional[int] = ..., last_refusal: _Optional[str] = ...) -> None: ...
 
 class PolicyStatus(_message.Message):
     __slots__ = ("policy_id", "current_version", "buffered_groups", "buffer_capacity", "replay_groups", "leased_groups", "target_version", "weights_address", "groups_dropped_in_a_row", "last_drop_reason")
