@@ -395,10 +395,23 @@ def status(address: str, timeout_s: float) -> None:
 
 
 def asyncio_run(coro) -> None:
-    from astra.servers.runtime import install_event_loop_policy
+    """Runs a server until it stops; an address it cannot listen on ends it with exit 2 and
+    one line (not a traceback)."""
+    import errno
+
+    from astra.servers.runtime import PortUnavailable, install_event_loop_policy
 
     install_event_loop_policy()
-    asyncio.run(coro)
+    try:
+        asyncio.run(coro)
+    except PortUnavailable as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(2)
+    except OSError as exc:  # the metrics port (an HTTP server), say
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        click.echo(f"Error: {exc}: give another --metrics-port (0: any free one)", err=True)
+        sys.exit(2)
 
 
 _add_subcommands()

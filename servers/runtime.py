@@ -25,6 +25,39 @@ from astra.servers.authz import RoleGuard
 from astra.servers.errors import ErrorInterceptor, domain_from_method
 from astra.tls import TlsFiles, TlsMaterial, tls_files
 
+
+class PortUnavailable(OSError):
+    """The address cannot be listened on (in use, or not this machine's); one line says so."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(
+            f"cannot listen on {where}: the port is in use (or the host is not this machine's). "
+            f"Stop what holds it (ss -ltnp | grep :{where.rsplit(':', 1)[-1]}), or give "
+            "another --port (0: any free one)."
+        )
+
+
+def _in_use(host: str, port: int) -> bool:
+    """Whether binding `host:port` fails with EADDRINUSE (probed as gRPC binds: SO_REUSEADDR,
+    no SO_REUSEPORT); other failures are left for gRPC to report."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM
+        )[0]
+    except OSError:
+        return False
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -154,17 +187,22 @@ class GrpcServer:
             [*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
         where = f"{self.host}:{self.requested_port}"
+        if self.requested_port and _in_use(self.host, self.requested_port):
+            raise PortUnavailable(where)  # before gRPC's core logs its own lines about it
         files = tls_files()
-        if files is None:
-            self.port = self._server.add_insecure_port(where)
-        else:
-            self.port = self._server.add_secure_port(where, server_credentials(files))
-            source = files.material.source if files.material is not None else ""
-            log.info("mutual TLS on %s (%s)", where, source)
+        try:
+            if files is None:
+                self.port = self._server.add_insecure_port(where)
+            else:
+                self.port = self._server.add_secure_port(where, server_credentials(files))
+                source = files.material.source if files.material is not None else ""
+                log.info("mutual TLS on %s (%s)", where, source)
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            raise PortUnavailable(where) from exc
         self.tls = files is not None
         self.roles.enable(files)
         if self.port == 0:
-            raise OSError(f"cannot bind {self.host}:{self.requested_port}")
+            raise PortUnavailable(where)
         await self._server.start()
         await self.set_serving(serving)
         return self.port

@@ -68,3 +68,22 @@ def test_unknown_config_key_exits_2_naming_it(tmp_path):
     )
     assert out.returncode == 2
     assert "bogus_key" in out.stderr
+
+
+def test_a_port_in_use_ends_the_service_in_one_line(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "astra.cli", "serve", "weights", "--store", str(tmp_path)]
+            + ["--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}: the port is in use" in lines[0], lines
