@@ -77,9 +77,9 @@ def test_a_port_in_use_ends_the_service_in_one_line(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "astra.cli", "serve", "weights", "--store", str(tmp_path)]
         done = subprocess.run(
-            [sys.executable, "-m", "astra.cli", "serve", "weights", "--store", str(tmp_path)]
-            + ["--port", str(port)],
+            [*cmd, "--port", str(port)],
             capture_output=True,
             text=True,
             timeout=60,
