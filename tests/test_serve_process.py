@@ -49,7 +49,23 @@ def test_grpcurl_lists_describes_and_health_checks(config, tmp_path):
             timeout=30,
         )
         assert cli.returncode == 0, cli.stderr
-        assert json.loads(cli.stdout)["pool_empty"] is True
+        shown = json.loads(cli.stdout)
+        assert shown["pool_empty"] is True
+        # int64 fields as numbers (proto3 JSON writes them as strings), by their declared type
+        assert shown["counters"] and all(type(v) is int for v in shown["counters"].values())
+        assert all(type(p["current_version"]) is int for p in shown["policies"])
+        assert type(shown["storage"]["free_bytes"]) is int
+        # --run-dir: the Dataflow run.json names
+        record = {"supervisor": {"state": "running"}, "children": []}
+        record["children"].append({"role": "dataflow", "address": proc.address})
+        (tmp_path / "run.json").write_text(json.dumps(record))
+        by_run = subprocess.run(
+            [sys.executable, "-m", "astra.cli", "status", "--run-dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert by_run.returncode == 0 and json.loads(by_run.stdout)["counters"] == shown["counters"]
     finally:
         proc.signal(signal.SIGTERM)
         code = proc.wait(15)
