@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,19 @@ def test_diff_apply_inspect_succeed(tmp_path: Path, versions) -> None:
     assert report.exit_code == 0
     summary = json.loads(report.stdout)
     assert (summary["kind"], summary["base_version"]) == ("delta", "s1")
+
+
+def test_inspect_takes_a_stores_version_directory(tmp_path: Path, versions) -> None:
+    """STORE/policies/P/versions/N holds full/ and delta/: each is described."""
+    v1, v2 = versions
+    version = tmp_path / "store" / "versions" / "2"
+    diff = run("diff", "--base", v1, "--new", v2, "--out", version / "delta", "--no-fsync")
+    assert diff.exit_code == 0, diff.output
+    shutil.copytree(v2, version / "full")
+    report = run("inspect", version)
+    assert report.exit_code == 0, report.output
+    both = json.loads(report.stdout)
+    assert both["full"]["kind"] == "full" and both["delta"]["kind"] == "delta"
 
 
 def test_diff_defaults_identities_to_directory_names(tmp_path: Path, versions) -> None:

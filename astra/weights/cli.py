@@ -76,9 +76,16 @@ def weights(log_level: str) -> None:
 @weights.command("inspect")
 @click.argument("directory", type=_DIR)
 def inspect_command(directory: Path) -> None:
-    """Validate a full or delta version directory and describe it."""
+    """Validate a full or delta version directory and describe it.
+
+    A WeightService store's version directory (STORE/policies/P/versions/N, holding `full/`
+    and or `delta/`) is described part by part: {"full": ..., "delta": ...}."""
     from astra.weights.validate import inspect
 
+    parts = [p for p in ("full", "delta") if (directory / p).is_dir()]
+    if parts and not (directory / "model.safetensors.index.json").exists():
+        _emit(_run(lambda: {p: inspect(directory / p) for p in parts}))
+        return
     _emit(_run(lambda: inspect(directory)))
 
 
