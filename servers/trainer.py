@@ -133,12 +133,16 @@ async def _train(trainer: Trainer, num_steps: int, metrics: Any = None) -> None:
         async for result in steps:
             if metrics is not None:
                 metrics.observe_step(result)
+            # astra.run.observe reads this line: one metrics.jsonl row per step, with the
+            # step's accuracy even when no poll saw that step
+            acc = next((k for k in ("accuracy", "reward_mean") if k in result.metrics), None)
             log.info(
-                "step %d version %d loss %s %s",
+                "step %d version %d loss %s %s%s",
                 result.step,
                 result.version,
                 result.metrics.get("loss"),
                 result.skipped,
+                f" {acc}={result.metrics[acc]}" if acc else "",
             )
             if target is not None and trainer.step >= target:
                 break

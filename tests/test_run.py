@@ -94,6 +94,11 @@ def test_default_recipe_runs_end_to_end(runs) -> None:
     assert s["status"] == "completed" and s["steps"] == 3
     assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0
     assert s["versions_published"] >= 3
+    # The last line says what was learned; every step's row has its accuracy.
+    last = run.output().strip().splitlines()[-1]
+    assert ": completed (" in last and "accuracy " in last and "held-out " in last, last
+    rows = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["accuracy"] is not None for r in rows), rows
     assert s["groups_trained"] == 3 * 4 and s["groups_dispatched"] >= s["groups_trained"]
     assert s["wall_seconds"] > 0 and 0 <= s["random_baseline_accuracy"] <= 1
     assert s["warmup"]["steps"] == 20 and 0 <= s["warmup"]["accuracy_after"] <= 1

@@ -514,6 +514,32 @@ def test_a_run_is_stalled_only_while_its_buffer_cannot_make_a_batch() -> None:
     assert view(100, 0, obs=resumed) is not None
 
 
+def test_every_row_has_its_steps_accuracy_from_the_step_line(tmp_path: Path) -> None:
+    """Steps shorter than a poll: no GetStatus saw steps 1 and 3, their rows still carry the
+    accuracy the trainer logged with the step (text and JSON log lines, skipped or not)."""
+
+    async def go() -> None:
+        obs = make_observer(tmp_path)
+        obs.trainer_status["policy"] = {"step": 2, "version": 2, "metrics": {"accuracy": 0.5}}
+        lines = [
+            "x INFO astra.servers.trainer: step 1 version 1 loss 0.1  reward_mean=0.25\n",
+            "x INFO astra.servers.trainer: step 2 version 2 loss 0.2  reward_mean=0.5\n",
+            '{"logger": "astra.servers.trainer", "msg": "step 3 version 3 loss 0.3 '
+            'NONFINITE_LOSS accuracy=0.875"}\n',
+            "x INFO astra.servers.trainer: step 4 version 4 loss 0.4 \n",
+        ]
+        (tmp_path / "trainer.log").write_text("".join(lines))
+        obs.read_logs()
+        obs.flush()
+        await obs.close()
+        await obs.finish()
+
+    asyncio.run(go())
+    got = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["accuracy"]) for r in got] == [(1, 0.25), (2, 0.5), (3, 0.875), (4, None)]
+    assert got[2]["skipped"] == "NONFINITE_LOSS" and got[1]["trainer"] == {"accuracy": 0.5}
+
+
 def test_observer_reads_on_from_the_top_after_its_log_was_rotated(tmp_path: Path) -> None:
     """astra.run.logrotate copies a trainer's log aside and empties it: the observer, which
     reads the step lines from an offset, starts again at the top (with a partial line

@@ -139,4 +139,9 @@ async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> N
         summary["eval"] = obs.evals.summary()
     write_summary(sup.rd.summary, summary)
     keys = ("steps", "groups_trained", "groups_lost", "groups_duplicated", "versions_published")
-    log.info("summary %s: %s", sup.rd.summary, {k: summary[k] for k in keys})
+    keys += ("accuracy_first10", "accuracy_last10")  # what the run learned, in its last line
+    shown = {k: summary.get(k) for k in keys}
+    if summary.get("eval", {}).get("results"):
+        shown["held_out_first"] = summary["eval"]["results"][0].get("mean_reward")
+        shown["held_out_last"] = summary["eval"].get("last")
+    log.info("summary %s: %s", sup.rd.summary, shown)

@@ -3,13 +3,13 @@
 Every `poll_interval_s` the observer asks Dataflow for its status; every quarter
 of that it asks each trainer (TrainerService.GetStatus) and reads the new lines
 of each trainer's log. Every step becomes one row of metrics.jsonl: step,
-version, loss and skip reason from the trainer's per-step log line ("step N
-version V loss X [SKIPPED]", astra.servers.trainer), the trainer's figures of
-that step from GetStatus (grad norm, staleness, timings, and `accuracy` /
-`reward_mean` when the trainer reports them) when a poll saw that step (else
-`trainer` is null: GetStatus holds only the last step, and tiny-model steps can
-be much shorter than a poll), and the latest Dataflow snapshot (gate, buffer,
-pool, counters).
+version, loss, skip reason and accuracy from the trainer's per-step log line
+("step N version V loss X [SKIPPED] [accuracy|reward_mean=A]",
+astra.servers.trainer), so every row has its step's accuracy; the trainer's other
+figures of that step from GetStatus (grad norm, staleness, timings) when a poll
+saw that step (else `trainer` is null: GetStatus holds only the last step, and
+tiny-model steps can be much shorter than a poll); and the latest Dataflow
+snapshot (gate, buffer, pool, counters).
 
 metrics.jsonl is the only complete record of the rows: in memory the observer keeps
 of each policy's rows only what summary.json and the elastic schedule read, a few
@@ -55,6 +55,7 @@ ACCURACY_KEYS = ("accuracy", "reward_mean")  # binary rewards: the mean is the a
 # The trainer's per-step log line, as text or as a JSON log record (astra.logs).
 STEP_LINE = re.compile(
     rb'astra\.servers\.trainer(?::|", "msg":) "?step (\d+) version (-?\d+) loss ([^\s"]+) ?([^\s"]*)'
+    rb'(?: +(?:accuracy|reward_mean)=([^\s"]+))?'
 )
 
 
@@ -144,9 +145,16 @@ class Observer(StatusPoller):
             *lines, entry[2] = data.split(b"\n")
             for line in lines:
                 if m := STEP_LINE.search(line):
-                    step, version, loss, skipped = m.groups()
+                    step, version, loss, skipped, acc = m.groups()
                     self.pending.append(
-                        (policy, int(step), int(version), float(loss), skipped.decode())
+                        (
+                            policy,
+                            int(step),
+                            int(version),
+                            float(loss),
+                            skipped.decode(),
+                            None if acc is None else float(acc),
+                        )
                     )
                     self.progress.stepped(policy)
 
@@ -160,12 +168,22 @@ class Observer(StatusPoller):
         for item in pending:  # a row that fails to write is not tried again
             self._record(*item)
 
-    def _record(self, policy: str, step: int, version: int, loss: float, skipped: str) -> None:
+    def _record(
+        self,
+        policy: str,
+        step: int,
+        version: int,
+        loss: float,
+        skipped: str,
+        logged_accuracy: float | None = None,
+    ) -> None:
         status = self.trainer_status.get(policy, {})
         metrics = status.get("metrics") if status.get("step") == step else None
         accuracy = (
             next((metrics[k] for k in ACCURACY_KEYS if k in metrics), None) if metrics else None
         )
+        if accuracy is None and logged_accuracy is not None and math.isfinite(logged_accuracy):
+            accuracy = logged_accuracy  # the step's own line: no poll saw that step
         row = {
             "time": round(time.time(), 3),
             "elapsed_s": round(time.monotonic() - self.started, 3),

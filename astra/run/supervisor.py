@@ -420,5 +420,25 @@ class Supervisor:
             finally:
                 self.state = "ended"
                 self.write_run_json()
-        log.info("run %s: %s (%s)", self.recipe.name, status, self.rd.root)
+        log.info("run %s: %s (%s)%s", self.recipe.name, status, self.rd.root, self._learned())
         return code
+
+    def _learned(self) -> str:
+        """What the run learned, for its last line: training accuracy over the first and last
+        ten steps, and the held-out score before and after (from summary.json)."""
+        try:
+            s = json.loads(self.rd.summary.read_text())
+        except (OSError, ValueError):
+            return ""
+        parts = []
+        first, last = s.get("accuracy_first10"), s.get("accuracy_last10")
+        if first is not None and last is not None:
+            parts.append(f"accuracy {first:.2f} -> {last:.2f}")
+        results = (s.get("eval") or {}).get("results") or []
+        if (
+            results
+            and results[0].get("mean_reward") is not None
+            and s["eval"].get("last") is not None
+        ):
+            parts.append(f"held-out {results[0]['mean_reward']:.2f} -> {s['eval']['last']:.2f}")
+        return f": {', '.join(parts)}" if parts else ""
