@@ -261,13 +261,22 @@ class Ingesting:
         n, batch = buf.dropped_in_a_row, self.config.policy(policy_id).batch_groups
         batches, rest = divmod(n, 8 * batch)
         if rest == 0 and batches and batches & (batches - 1) == 0:
+            hint = (
+                "; every sample of a group scored the same: a model that never (or always) "
+                "solves the task, say an untrained one. Start from a warmed-up model "
+                "(`astra sft`, or `astra run`'s warmup), or set "
+                f"policies.{policy_id}.buffer.drop_equal_rewards: false"
+                if buf.last_drop == "filtered_equal_reward"
+                else ""
+            )
             log.warning(
                 "policy %s: the last %d finished groups were all dropped (the newest: %s); "
-                "no batch of %d forms until one is kept",
+                "no batch of %d forms until one is kept%s",
                 policy_id,
                 n,
                 buf.last_drop,
                 batch,
+                hint,
             )
 
     def _take_eval(self: Dataflow, w: Work, r: IncomingGroup) -> str:
