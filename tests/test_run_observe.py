@@ -527,6 +527,8 @@ def test_every_row_has_its_steps_accuracy_from_the_step_line(tmp_path: Path) -> 
             '{"logger": "astra.servers.trainer", "msg": "step 3 version 3 loss 0.3 '
             'NONFINITE_LOSS accuracy=0.875"}\n',
             "x INFO astra.servers.trainer: step 4 version 4 loss 0.4 \n",
+            # a refused batch: no loss (the supervisor used to fail on every tick on it)
+            "x INFO astra.servers.trainer: step 5 version 4 loss None TOKEN_OUT_OF_RANGE\n",
         ]
         (tmp_path / "trainer.log").write_text("".join(lines))
         obs.read_logs()
@@ -536,7 +538,10 @@ def test_every_row_has_its_steps_accuracy_from_the_step_line(tmp_path: Path) -> 
 
     asyncio.run(go())
     got = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["accuracy"]) for r in got] == [(1, 0.25), (2, 0.5), (3, 0.875), (4, None)]
+    assert [(r["step"], r["accuracy"]) for r in got][:4] == [
+        (1, 0.25), (2, 0.5), (3, 0.875), (4, None)
+    ]  # fmt: skip
+    assert (got[4]["loss"], got[4]["skipped"]) == (None, "TOKEN_OUT_OF_RANGE")
     assert got[2]["skipped"] == "NONFINITE_LOSS" and got[1]["trainer"] == {"accuracy": 0.5}
 
 

@@ -13,8 +13,10 @@ elastic, restart and evaluation blocks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from astra.run.children import stop_all
@@ -59,6 +61,16 @@ async def final_eval(sup: Supervisor, obs: Observer, evals: EvalLog) -> None:
         )
 
 
+@contextlib.contextmanager
+def _observing(what: str) -> Iterator[None]:
+    """The observer's part of the ending: its failure is logged and the ending goes on (every
+    child still stopped, summary.json still written from Dataflow's records)."""
+    try:
+        yield
+    except Exception:
+        log.exception("%s failed; the run ends without it", what)
+
+
 async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> None:
     """Stops everything in order (see astra.run.supervisor) and writes summary.json."""
     obs = sup.observer
@@ -72,16 +84,19 @@ async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> N
     sup.write_run_json()
     dataflow = sup.children["core"][0] if sup.children["core"] else None
     if obs is not None:
-        obs.read_logs()  # the steps logged since the last tick
-        obs.flush()
+        with _observing("reading the trainers' last steps"):
+            obs.read_logs()  # the steps logged since the last tick
+            obs.flush()
     if obs is not None and dataflow is not None and dataflow.returncode is None:
-        await obs.poll_dataflow()  # the last view: no trainer, no RaaS
-        obs.print_status(force=True)
-        obs.end_line()
+        with _observing("taking Dataflow's last view"):
+            await obs.poll_dataflow()  # the last view: no trainer, no RaaS
+            obs.print_status(force=True)
+            obs.end_line()
     await stop_all([sup.children["core"]], sup.grace_s)
     if obs is not None:
-        await obs.close()
-        await obs.finish()  # event files closed, plot.png drawn from metrics.jsonl
+        with _observing("closing the observer's outputs"):
+            await obs.close()
+            await obs.finish()  # event files closed, plot.png drawn from metrics.jsonl
     if dataflow is None:
         return
     baseline: dict[str, Any] = {"accuracy": None, "method": "not measured: run not completed"}

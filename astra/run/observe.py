@@ -151,9 +151,9 @@ class Observer(StatusPoller):
                             policy,
                             int(step),
                             int(version),
-                            float(loss),
+                            _number(loss),  # "None": a refused batch's step logs no loss
                             skipped.decode(),
-                            None if acc is None else float(acc),
+                            None if acc is None else _number(acc),
                         )
                     )
                     self.progress.stepped(policy)
@@ -385,3 +385,11 @@ def refusal(detail: dict[str, Any]) -> str:
         if i.get("refused_in_a_row") and i.get("last_refusal"):
             return f"{i['id']}: {i['last_refusal']}"
     return ""
+
+
+def _number(text: bytes) -> float:
+    """A figure of a step line; NaN (null in metrics.jsonl) for what is no number."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan

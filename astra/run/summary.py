@@ -193,3 +193,19 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
     tmp.replace(path)
+
+
+def write_failure_summary(path: Path, status: str, wall_seconds: float) -> None:
+    """What a run whose own ending failed can still say: its status and how long it ran, no
+    figure it did not measure. A summary of the run written before (a resumed run's) is
+    kept under `previous`."""
+    previous: dict[str, Any] | None = None
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, ValueError):
+        previous = None
+    summary: dict[str, Any] = {"status": status, "wall_seconds": round(wall_seconds, 1)}
+    summary["note"] = "the supervisor failed while ending the run: figures were not taken"
+    if previous is not None:
+        summary["previous"] = previous
+    write_summary(path, summary)

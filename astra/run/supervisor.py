@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from astra.run import control, layout
-from astra.run.children import Child, ChildFailed
+from astra.run.children import Child, ChildFailed, stop_all
 from astra.run.elastic import Elastic
 from astra.run.ending import shutdown
 from astra.run.evals import EvalLog
@@ -45,6 +45,7 @@ from astra.run.logrotate import keep_logs_small
 from astra.run.observe import Observer
 from astra.run.recipe import RaasSpec, Recipe
 from astra.run.restarts import Restarts
+from astra.run.summary import write_failure_summary
 
 log = logging.getLogger("astra.run")
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -403,6 +404,9 @@ class Supervisor:
             status, code = "interrupted", 128 + self.signals[0]
         except ChildFailed as exc:
             log.error("%s", exc)
+        except Exception as exc:  # a bug of the supervisor's own: the run ends, cleanly
+            log.exception("the supervisor failed")
+            status, code = f"failed: supervisor error: {type(exc).__name__}: {exc}", EXIT_FAILED
         finally:
             self.state = "stopping"
             for task in (elastic, observing, rotating):
@@ -417,6 +421,11 @@ class Supervisor:
                 control.answer(self.rd, request["id"], {"ok": False, "error": "the run is ending"})
             try:
                 await shutdown(self, status, time.monotonic() - started, dataset)
+            except Exception as exc:  # never a child left behind, never no summary
+                log.exception("the orderly shutdown failed: stopping every child")
+                await stop_all(list(self.children.values()), self.grace_s)
+                status, code = f"{status}; shutdown error: {type(exc).__name__}: {exc}", 1
+                write_failure_summary(self.rd.summary, status, time.monotonic() - started)
             finally:
                 self.state = "ended"
                 self.write_run_json()
