@@ -14,4 +14,6 @@ for folder, name in MAPPED.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(where=folder)]
 
-setup(packages=packages, package_dir=package_dir, package_data={"astra": ["py.typed"]})
+# contracts.binpb: the protos with their comments, for server reflection (tools/codegen.py)
+package_data = {"astra": ["py.typed"], "astra.servers": ["contracts.binpb"]}
+setup(packages=packages, package_dir=package_dir, package_data=package_data)

@@ -19,10 +19,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from astra.servers.authz import RoleGuard
 from astra.servers.errors import ErrorInterceptor, domain_from_method
+from astra.servers.reflection import Reflection
 from astra.tls import TlsFiles, TlsMaterial, tls_files
 
 
@@ -183,9 +183,9 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def start(self, *, serving: bool = True) -> int:
-        reflection.enable_server_reflection(
-            [*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
-        )
+        # v1 and v1alpha, from the protos with their comments (servers/reflection.py)
+        served = Reflection([*self._services, health.SERVICE_NAME])
+        self._server.add_generic_rpc_handlers(served.handlers())
         where = f"{self.host}:{self.requested_port}"
         if self.requested_port and _in_use(self.host, self.requested_port):
             raise PortUnavailable(where)  # before gRPC's core logs its own lines about it

@@ -31,6 +31,9 @@ def test_grpcurl_lists_describes_and_health_checks(config, tmp_path):
         assert "grpc.health.v1.Health" in services
         described = grpcurl(proc.address, "describe", "astra.dataflow.v1.DataflowService")
         assert "rpc FetchBatch" in described and "stream" in described
+        # a method resolves, with the comment the proto gives it
+        method = grpcurl(proc.address, "describe", "astra.dataflow.v1.DataflowService.FetchBatch")
+        assert "is a method:" in method and "\n// " in method, method
         health = json.loads(
             grpcurl(
                 "-d",

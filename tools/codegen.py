@@ -1,10 +1,13 @@
 """Generate the Python stubs of proto/ into astra/ (committed), or check them.
 
-    python tools/codegen.py          # regenerate astra/<pkg>/v1/*_pb2*.py(i)
+    python tools/codegen.py          # regenerate astra/<pkg>/v1/*_pb2*.py(i) and the descriptors
     python tools/codegen.py --check  # exit 1 if the committed stubs drifted
     python tools/codegen.py --deps   # lay out google/rpc protos for `buf lint`
 
-Stubs mirror the proto packages: astra.dataflow.v1 -> astra/dataflow/v1/.
+Stubs mirror the proto packages: astra.dataflow.v1 -> astra/dataflow/v1/. Beside them,
+servers/contracts.binpb: every contract as a FileDescriptorSet with its imports and its
+source comments, which server reflection serves (servers/reflection.py), so `grpcurl
+describe` shows the operating rules written in the protos.
 The google/rpc dependency comes from the googleapis-common-protos package,
 which ships its .proto sources.
 """
@@ -50,10 +53,14 @@ def lay_out_deps() -> None:
         shutil.copyfile(src / rel, dst)
 
 
+DESCRIPTORS = Path("servers") / "contracts.binpb"
+
+
 def generate(out: Path) -> list[Path]:
     from grpc_tools import protoc
 
     files = [str(p.relative_to(PROTO)) for p in proto_files()]
+    (out / DESCRIPTORS).parent.mkdir(parents=True, exist_ok=True)
     args = [
         "protoc",
         f"-I{PROTO}",
@@ -62,6 +69,9 @@ def generate(out: Path) -> list[Path]:
         f"--python_out={out}",
         f"--pyi_out={out}",
         f"--grpc_python_out={out}",
+        f"--descriptor_set_out={out / DESCRIPTORS}",
+        "--include_imports",
+        "--include_source_info",
         *files,
     ]
     if protoc.main(args) != 0:
@@ -75,11 +85,12 @@ def generate(out: Path) -> list[Path]:
         while d != out and d.is_relative_to(out):
             (d / "__init__.py").touch()
             d = d.parent
-    return sorted(outputs)
+    return sorted([*outputs, DESCRIPTORS])
 
 
 def committed_stubs() -> list[Path]:
-    return sorted(p.relative_to(ROOT) for p in (ROOT / "astra").rglob("*_pb2*") if p.is_file())
+    stubs = [p.relative_to(ROOT) for p in (ROOT / "astra").rglob("*_pb2*") if p.is_file()]
+    return sorted([*stubs, *([DESCRIPTORS] if (ROOT / DESCRIPTORS).is_file() else [])])
 
 
 def check() -> int:
