@@ -254,6 +254,9 @@ def field_slices(buf: bytes, field_number: int, *, copy: bool = True) -> list:
     return out
 
 
+_FAILED_FINISH = frozenset({rollout_pb2.FINISH_REASON_UNSPECIFIED, rollout_pb2.FINISH_REASON_ERROR})
+
+
 def incoming_group(
     result: rollout_pb2.GroupResult, instance_id: str, raw: bytes | memoryview | None = None
 ) -> IncomingGroup:
@@ -275,7 +278,11 @@ def incoming_group(
             where = f"result.trajectories[{i}]"
             if t.group_id and t.group_id != result.group_id:
                 raise Malformed(f"{where}.group_id: {t.group_id!r} != {result.group_id!r}")
-            failed = t.HasField("error") and t.error.code != 0
+            # As the FinishReason enum promises: UNSPECIFIED is taken as ERROR, and a sequence
+            # that ended in ERROR fails its trajectory (counted, never trained).
+            failed = (t.HasField("error") and t.error.code != 0) or any(
+                s.finish_reason in _FAILED_FINISH for s in t.sequences
+            )
             checked.append((t, failed, None if failed else _check_trajectory(t, where, arrays)))
         ranges = iter(arrays.version_ranges())
         for i, (t, failed, sequences) in enumerate(checked):

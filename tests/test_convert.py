@@ -12,7 +12,9 @@ from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.servers.convert import from_array, incoming_group, to_array, trajectories_blob
 
 
-def sequence(n=6, policy="policy", versions=(3, 4), **over) -> rollout_pb2.Sequence:
+def sequence(
+    n=6, policy="policy", versions=(3, 4), finish=rollout_pb2.FINISH_REASON_STOP, **over
+) -> rollout_pb2.Sequence:
     wv = np.full(n, -1, dtype=np.int64)
     wv[2:] = np.linspace(versions[0], versions[1], n - 2).astype(np.int64)
     arrays = {
@@ -23,7 +25,10 @@ def sequence(n=6, policy="policy", versions=(3, 4), **over) -> rollout_pb2.Seque
     }
     arrays.update(over)
     return rollout_pb2.Sequence(
-        policy_id=policy, prompt_length=2, **{k: to_array(v) for k, v in arrays.items()}
+        policy_id=policy,
+        prompt_length=2,
+        finish_reason=finish,
+        **{k: to_array(v) for k, v in arrays.items()},
     )
 
 
@@ -40,6 +45,21 @@ def test_valid_group_facts():
     (rec,) = g.per_policy["policy"]
     assert (rec.min_version, rec.max_version, rec.num_tokens) == (3, 4, 6)
     assert rollout_pb2.Trajectory.FromString(rec.payload) == t
+
+
+@pytest.mark.parametrize(
+    "finish", [rollout_pb2.FINISH_REASON_UNSPECIFIED, rollout_pb2.FINISH_REASON_ERROR]
+)
+def test_a_sequence_unspecified_or_in_error_fails_its_trajectory(finish) -> None:
+    """As the FinishReason enum says: UNSPECIFIED is ERROR, and neither is ever trained."""
+    good = rollout_pb2.Trajectory(sample_index=0, reward=1.0, sequences=[sequence()])
+    bad = rollout_pb2.Trajectory(sample_index=1, reward=1.0, sequences=[sequence(finish=finish)])
+    g = incoming_group(result(good, bad), "raas")
+    assert g.invalid is None and g.error is None
+    assert [r.failed for r in g.per_policy["policy"]] == [False, True]
+    aborted = sequence(finish=rollout_pb2.FINISH_REASON_ABORTED)
+    kept = incoming_group(result(rollout_pb2.Trajectory(reward=1, sequences=[aborted])), "r")
+    assert [r.failed for r in kept.per_policy["policy"]] == [False]
 
 
 @pytest.mark.parametrize(
