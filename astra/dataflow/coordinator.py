@@ -40,6 +40,8 @@ from astra.dataflow.gate import (
 from astra.dataflow.ingesting import Ingesting
 from astra.dataflow.pool import Instance, InstanceState, Pool
 from astra.dataflow.ports import Connector, PortError
+from astra.dataflow.quarantine import KEY as REDO_KEY
+from astra.dataflow.quarantine import Redo, quarantine
 from astra.dataflow.records import GroupRecord, WorkItem
 from astra.dataflow.status import dataflow_status
 from astra.dataflow.storage_guard import StorageGuard
@@ -220,6 +222,7 @@ class Dataflow(Ingesting, WeightSync):
                 buf.dropped_in_a_row, buf.last_drop = n, last
         self.versions.restore(st.get("versions", {}))
         self.evals.restore(st.get("evals", {}))
+        self.redo = Redo(st.get(REDO_KEY))
         for name, source in self.sources.items():
             saved = st.get(f"dataset/{name}")
             if saved is not None:
@@ -260,6 +263,8 @@ class Dataflow(Ingesting, WeightSync):
         self.batches.recover(rows, leased, st.replays())
         if uncounted:
             self._count_replay_slots(rows)
+        quarantine(self, st.corrupt)  # records read back above that are not as written
+        st.corrupt.clear()
         if self.work:
             log.info("recovered %d unfinished groups to dispatch again", len(self.work))
 

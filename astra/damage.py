@@ -1,0 +1,26 @@
+"""Bytes at rest found damaged: the one error every service reports them with.
+
+A service that finds its own durable state damaged at start-up (Dataflow's
+database or blob log, a trainer's checkpoints) raises `Damaged`; its command
+line prints `str(exc)`, one line naming the file, what is wrong and what to
+do, and exits with EXIT_DAMAGED instead of a traceback. `astra doctor`
+reports the same findings offline. Never imports gRPC.
+"""
+
+from __future__ import annotations
+
+import os
+
+EXIT_DAMAGED = 65  # EX_DATAERR: restarting does not help; a person has to act
+
+
+class Damaged(Exception):
+    """`path`: the damaged file or directory; `what`: what is wrong; `fix`: what to do."""
+
+    def __init__(self, path: str | os.PathLike[str], what: str, fix: str) -> None:
+        self.path, self.what, self.fix = str(path), what, fix
+        super().__init__(f"{self.path}: {what}; {fix}")
+
+    def line(self, service: str) -> str:
+        """The one line a command prints before it exits with EXIT_DAMAGED."""
+        return f"{service}: damaged state: {self}".replace("\n", " ")
