@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import sys
@@ -113,6 +112,8 @@ def serve_dataflow(
         )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    from astra.damage import exit_if_damaged
+
     with exit_if_damaged("dataflow"):
         asyncio_run(_serve_dataflow(config))
 
@@ -386,18 +387,6 @@ def status(address: str, timeout_s: float) -> None:
         click.echo(f"status: {exc.code().name}: {exc.details()}{hint}", err=True)
         sys.exit(1)
     click.echo(json.dumps(out, indent=2, sort_keys=True))
-
-
-@contextlib.contextmanager
-def exit_if_damaged(service: str):
-    """Damaged state at start-up: one line on stderr and EXIT_DAMAGED, not a traceback."""
-    from astra.damage import EXIT_DAMAGED, Damaged
-
-    try:
-        yield
-    except Damaged as exc:
-        click.echo(exc.line(service), err=True)
-        sys.exit(EXIT_DAMAGED)
 
 
 def asyncio_run(coro) -> None:

@@ -9,7 +9,10 @@ reports the same findings offline. Never imports gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 
 EXIT_DAMAGED = 65  # EX_DATAERR: restarting does not help; a person has to act
 
@@ -24,3 +27,13 @@ class Damaged(Exception):
     def line(self, service: str) -> str:
         """The one line a command prints before it exits with EXIT_DAMAGED."""
         return f"{service}: damaged state: {self}".replace("\n", " ")
+
+
+@contextlib.contextmanager
+def exit_if_damaged(service: str) -> Iterator[None]:
+    """Damaged state at start-up: one line on stderr and EXIT_DAMAGED, not a traceback."""
+    try:
+        yield
+    except Damaged as exc:
+        print(exc.line(service), file=sys.stderr, flush=True)
+        sys.exit(EXIT_DAMAGED)

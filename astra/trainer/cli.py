@@ -85,6 +85,8 @@ def trainer_command(
     from astra.logs import configure
 
     configure(log_level)
+    from astra.damage import exit_if_damaged
     from astra.servers.trainer import serve_trainer
 
-    asyncio.run(serve_trainer(config))
+    with exit_if_damaged("trainer"):
+        asyncio.run(serve_trainer(config))
