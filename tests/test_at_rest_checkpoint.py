@@ -17,9 +17,9 @@ from astra.damage import EXIT_DAMAGED, Damaged
 from astra.run.layout import checkpoint_step
 from astra.trainer.checkpoint import list_checkpoints
 from astra.trainer.ckpt_verify import newest_good, verify
+from astra.trainer.synthetic import MemorySink, SyntheticSource
 from astra.weights.safetensors_io import SafetensorsFile
 from tests.test_trainer_loop import _run, config
-from astra.trainer.synthetic import MemorySink, SyntheticSource
 
 
 def two_checkpoints(root: Path) -> list[Path]:
@@ -45,10 +45,8 @@ def poison_a_weight(ckpt: Path) -> tuple[Path, str]:
     raise AssertionError("no F32 tensor")
 
 
-def test_a_poisoned_weight_is_refused_by_name_and_the_previous_checkpoint_resumed(
-    tmp_path, caplog
-):
-    first, second = two_checkpoints(tmp_path / "ck")
+def test_a_poisoned_weight_is_refused_by_name_and_the_previous_checkpoint_resumed(tmp_path, caplog):
+    _first, second = two_checkpoints(tmp_path / "ck")
     verify(second)  # as written, it verifies
     shard, tensor = poison_a_weight(second)
     with pytest.raises(Damaged) as info:
@@ -76,7 +74,7 @@ def test_a_changed_optimizer_file_is_refused_and_the_supervisor_counts_from_the_
     raw = bytearray((second / "optimizer.pt").read_bytes())
     raw[len(raw) // 2] ^= 0x01
     (second / "optimizer.pt").write_bytes(bytes(raw))
-    with pytest.raises(Damaged, match="optimizer.pt: SHA-256 differs"):
+    with pytest.raises(Damaged, match=r"optimizer\.pt: SHA-256 differs"):
         verify(second)
     assert newest_good(tmp_path / "ck") == first
     assert checkpoint_step(tmp_path / "ck") == 1

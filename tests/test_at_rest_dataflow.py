@@ -151,7 +151,7 @@ def test_a_multi_policy_group_is_redone_only_for_the_policy_whose_record_was_bad
         batch = await df.batches.fetch("a", 1, "req-a", "t", 0.1)  # a trains it
         df.batches.ack(batch.batch_id)
         crash(df)
-        path, off, length = record_of(cfg, gid, "b")
+        path, off, _length = record_of(cfg, gid, "b")
         flip(path, off + 9)
         df = new_dataflow(cfg)
         try:

@@ -92,7 +92,9 @@ def quarantine(df: Dataflow, bad: list[BadRecord]) -> None:
                 item = None
             if item is None or group_id in df.work:
                 df.counters["records_corrupt_lost"] += 1
-                log.error("group %s cannot be dispatched again: not of a configured stream", group_id)
+                log.error(
+                    "group %s cannot be dispatched again: not of a configured stream", group_id
+                )
                 continue
             df.work[group_id] = Work(item, stream)
             df.waiting.appendleft(group_id)
