@@ -56,6 +56,7 @@ def main(ctx: click.Context, tls_dir: str | None) -> None:
 
 def _add_subcommands() -> None:
     from astra.raas.check_cli import check_command
+    from astra.run.doctor import doctor_command
     from astra.run.cli import run_command
     from astra.run.raas_cli import raas
     from astra.run.top import top_command
@@ -69,6 +70,7 @@ def _add_subcommands() -> None:
     raas.add_command(check_command)
     main.add_command(raas)
     main.add_command(top_command)
+    main.add_command(doctor_command)
     main.add_command(sft_command)
     main.add_command(tls)
     serve.add_command(trainer_command, "trainer")
@@ -359,7 +361,10 @@ def serve_weights(
 
         await serve(store_dir, host, port, config=config, metrics_port=metrics_port)
 
-    asyncio_run(run())
+    from astra.damage import exit_if_damaged
+
+    with exit_if_damaged("weights"):
+        asyncio_run(run())
 
 
 @main.command("status")

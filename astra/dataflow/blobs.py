@@ -211,6 +211,21 @@ class BlobLog:
             fds.clear()
 
 
+def read_checked(path: Path, offset: int, length: int, *, checked: bool = True) -> bytes:
+    """One record's body read from a segment file by path (offline: `astra doctor`);
+    CorruptRecord as `BlobLog.read`."""
+    try:
+        with open(path, "rb") as f:
+            data = os.pread(f.fileno(), length, offset)
+    except FileNotFoundError as exc:
+        raise CorruptRecord(path, offset, "segment file missing") from exc
+    if not checked:
+        if len(data) != length:
+            raise CorruptRecord(path, offset, f"short read ({len(data)} of {length} bytes)")
+        return data
+    return check_record(path, offset, data, length)
+
+
 def segment_path(directory: Path, segment: int) -> Path:
     return directory / f"{segment:08d}.seg"
 

@@ -163,7 +163,7 @@ def _same(a: list[TrajectoryRecord], b: list[TrajectoryRecord]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
-def _unpack(meta_json: str, blob: bytes) -> list[TrajectoryRecord]:
+def unpack_trajectories(meta_json: str, blob: bytes) -> list[TrajectoryRecord]:
     out = []
     pos = 0
     for tid, reward, vmin, vmax, ntok, failed in json.loads(meta_json):
@@ -543,7 +543,7 @@ class StateStore:
         try:
             blob = self.blobs.read(seg, off, n)
             try:
-                return _unpack(meta, blob)
+                return unpack_trajectories(meta, blob)
             except (ValueError, TypeError, struct.error) as exc:
                 where = self.blobs.dir / f"{seg:08d}.seg"
                 raise CorruptRecord(where, off, f"does not decode: {exc}") from exc
