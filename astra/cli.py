@@ -56,8 +56,8 @@ def main(ctx: click.Context, tls_dir: str | None) -> None:
 
 def _add_subcommands() -> None:
     from astra.raas.check_cli import check_command
-    from astra.run.doctor import doctor_command
     from astra.run.cli import run_command
+    from astra.run.doctor import doctor_command
     from astra.run.raas_cli import raas
     from astra.run.top import top_command
     from astra.tls_cli import tls

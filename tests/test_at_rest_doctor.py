@@ -65,7 +65,7 @@ def test_doctor_says_ok_for_a_sound_run_dir_and_names_each_damaged_item(tmp_path
 
 
 def test_doctor_reports_a_damaged_database_without_a_traceback(tmp_path):
-    rd, cfg, _ = make_run_dir(tmp_path)
+    rd, _cfg, _ = make_run_dir(tmp_path)
     db = rd / "state" / "dataflow" / "dataflow.sqlite"
     raw = bytearray(db.read_bytes())
     for k in range(4096 + 8, 8192 - 8, 7):

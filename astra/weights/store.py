@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import json
 import logging
 import threading
 import time
