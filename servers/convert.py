@@ -354,6 +354,7 @@ def prompt_group(item: WorkItem, stream: StreamSettings) -> rollout_pb2.PromptGr
         ),
         reward=stream.reward,
         epoch=item.epoch,
+        regenerate=item.regenerate,
     )
 
 

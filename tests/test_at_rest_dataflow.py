@@ -18,6 +18,7 @@ import pytest
 
 from astra.damage import Damaged
 from astra.dataflow.store import StateStore
+from astra.raas.results import ResultStore
 from tests.test_dataflow_recovery import (
     crash,
     leased,
@@ -84,6 +85,7 @@ def test_a_flipped_token_byte_is_quarantined_counted_and_its_group_dispatched_ag
             assert df.status()["counters"]["records_corrupt"] == 1
             assert df.counters["records_corrupt_redispatched"] == 1
             assert victim in df.work and victim in df.waiting
+            assert df.work[victim].item.regenerate  # a RaaS that acknowledged it runs it again
             assert victim not in df.done
             line = next(r.getMessage() for r in caplog.records if "quarantined" in r.getMessage())
             assert str(path) in line and f"offset {off}" in line and "CRC-32" in line
@@ -216,3 +218,13 @@ def test_a_damaged_database_page_stops_the_start_naming_the_file(tmp_path):
         StateStore(cfg.state_dir)
     assert info.value.path == str(path)
     assert "astra doctor" in str(info.value)
+
+
+def test_a_raas_runs_an_acknowledged_group_again_only_when_told_to_regenerate():
+    store = ResultStore(8)
+    store.try_accept([("s/0/1", 2)])
+    store.finish("s/0/1", "first")
+    store.ack(["s/0/1"])
+    assert store.try_accept([("s/0/1", 2)]).new == []  # a delayed retry: not run twice
+    assert store.try_accept([("s/0/1", 2)], regenerate=["s/0/1"]).new == ["s/0/1"]
+    assert store.try_accept([("s/0/1", 2)], regenerate=["s/0/1"]).new == []  # running now

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from astra.dataflow.batches import BatchDesk
@@ -235,6 +235,8 @@ class Dataflow(Ingesting, WeightSync):
                 kept[f"unfinished groups of stream {row.stream!r}"] += 1
                 continue
             item = self.sources[row.stream].item_for(row.group_id)
+            if row.group_id in self.redo.policies:  # generated again (astra.dataflow.quarantine)
+                item = replace(item, regenerate=True)
             self.work[row.group_id] = Work(item, row.stream, attempts=row.attempts)
             self.waiting.append(row.group_id)
         leased: dict[str, list[GroupRecord]] = {}

@@ -7,8 +7,9 @@ offset, and sends a fresh group (buffered, or leased to a trainer) back to be
 dispatched: its work row pending again. A replayed copy or a replay-memory entry
 belongs to a group trained already: dropped and counted, not dispatched.
 
-A group of several policies whose record is corrupt for some of them is
-dispatched again for those only: `Redo` remembers them (kv `redo_policies`), and
+Such a group is dispatched with `regenerate` set (a RaaS that acknowledged its
+id before runs it again) and for the policies whose record was lost only: `Redo`
+remembers them (kv `redo_policies`, so a restart dispatches it the same way), and
 ingest keeps the new result's parts of those policies and drops the others' (their
 first result is buffered or trained already): nothing is trained twice.
 Never imports gRPC.
@@ -17,6 +18,7 @@ Never imports gRPC.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from astra.dataflow.records import TrajectoryRecord
@@ -96,12 +98,11 @@ def quarantine(df: Dataflow, bad: list[BadRecord]) -> None:
                     "group %s cannot be dispatched again: not of a configured stream", group_id
                 )
                 continue
-            df.work[group_id] = Work(item, stream)
+            df.work[group_id] = Work(replace(item, regenerate=True), stream)
             df.waiting.appendleft(group_id)
             df.done.reopen(group_id)
             tx.reopen_work(group_id, stream, item.epoch)
-            if set(item.policy_ids) - policies:
-                df.redo.policies[group_id] = sorted(policies)
+            df.redo.policies[group_id] = sorted(policies)
             df.counters["records_corrupt_redispatched"] += 1
         tx.put(KEY, df.redo.policies)
         df.persist_counters(tx)
