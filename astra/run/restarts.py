@@ -33,7 +33,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from astra.damage import EXIT_DAMAGED
 from astra.run import layout
 from astra.run.children import Child, ChildFailed
 
@@ -61,8 +60,6 @@ class Restarts:
         if child.role == "raas" and r.on_raas_death != "restart":
             return False
         if child.role not in ("dataflow", "weights", "trainer", "raas"):
-            return False
-        if child.returncode == EXIT_DAMAGED:  # its state is damaged: a restart finds it so
             return False
         return self.count(child) < r.supervision.max_restarts
 

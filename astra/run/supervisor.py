@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from astra.damage import EXIT_DAMAGED
 from astra.run import control, layout
 from astra.run.children import Child, ChildFailed
 from astra.run.elastic import Elastic
@@ -312,7 +313,9 @@ class Supervisor:
                         self._tail(child),
                     )
                     child.signal_group(signal.SIGKILL)  # what is left of its group goes now
-                    if child.restartable and self.restarts.allowed(child):
+                    # Damaged state (astra.damage) is found again by every restart.
+                    restart = rc != EXIT_DAMAGED and child.restartable
+                    if restart and self.restarts.allowed(child):
                         self.restarts.start(child, rc)
                         continue
                     if child.role != "raas" or self.recipe.on_raas_death == "stop":
