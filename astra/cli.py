@@ -57,6 +57,7 @@ def main(ctx: click.Context, tls_dir: str | None) -> None:
 def _add_subcommands() -> None:
     from astra.raas.check_cli import check_command
     from astra.run.cli import run_command
+    from astra.run.doctor import doctor_command
     from astra.run.raas_cli import raas
     from astra.run.top import top_command
     from astra.tls_cli import tls
@@ -69,6 +70,7 @@ def _add_subcommands() -> None:
     raas.add_command(check_command)
     main.add_command(raas)
     main.add_command(top_command)
+    main.add_command(doctor_command)
     main.add_command(sft_command)
     main.add_command(tls)
     serve.add_command(trainer_command, "trainer")
@@ -112,10 +114,12 @@ def serve_dataflow(
         )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    from astra.damage import exit_if_damaged
     from astra.statelock import acquire_or_exit
 
     held = acquire_or_exit(config.state_dir, "Dataflow")  # one Dataflow per state, for life
-    asyncio_run(_serve_dataflow(config))
+    with exit_if_damaged("dataflow"):
+        asyncio_run(_serve_dataflow(config))
     held.release()
 
 
@@ -360,10 +364,12 @@ def serve_weights(
 
         await serve(store_dir, host, port, config=config, metrics_port=metrics_port)
 
+    from astra.damage import exit_if_damaged
     from astra.statelock import acquire_or_exit
 
     held = acquire_or_exit(store_dir, "WeightService")  # one WeightService per store, for life
-    asyncio_run(run())
+    with exit_if_damaged("weights"):
+        asyncio_run(run())
     held.release()
 
 

@@ -361,6 +361,7 @@ def prompt_group(item: WorkItem, stream: StreamSettings) -> rollout_pb2.PromptGr
         ),
         reward=stream.reward,
         epoch=item.epoch,
+        regenerate=item.regenerate,
     )
 
 

@@ -197,7 +197,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                         f"{where}.reward", str(exc), reason="UNKNOWN_REWARD"
                     ) from exc
             specs.append(group_spec(g, where))
-        admission = self.store.try_accept([(s.group_id, s.num_samples) for s in specs])
+        admission = self.store.try_accept(
+            [(s.group_id, s.num_samples) for s in specs],
+            regenerate=[g.group_id for g in request.groups if g.regenerate],
+        )
         versions = self.loaded_versions
         by_id = {s.group_id: s for s in specs}
         for gid in admission.new:

@@ -116,7 +116,12 @@ async def start_trainer(
             pb_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(trainer), SERVICE_NAME
         )
         await server.start(serving=False)
-    await trainer.initialize()
+    try:
+        await trainer.initialize()
+    except BaseException:  # damaged checkpoints, say: the server goes with the trainer
+        if server is not None:
+            await server.stop()
+        raise
     if server is not None:
         await server.set_serving(True)
     return server, trainer

@@ -138,10 +138,10 @@ def ignores_capacity(servicer) -> None:
     """Reports its capacity but admits whatever comes."""
     store, accept = servicer.store, servicer.store.try_accept
 
-    def admit_all(groups):
+    def admit_all(groups, **kw):
         capacity, store.capacity = store.capacity, 10**6
         try:
-            return accept(groups)
+            return accept(groups, **kw)
         finally:
             store.capacity = capacity
 

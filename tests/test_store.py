@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from astra.dataflow.blobs import BlobLog
+from astra.dataflow.blobs import BlobLog, CorruptRecord
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
 from astra.dataflow.store import StateStore
 
@@ -64,7 +64,7 @@ def test_blob_log_rejects_a_short_read(tmp_path):
     log = BlobLog(tmp_path)
     seg, off, length = log.append(b"abc")
     assert log.read(seg, off, length) == b"abc"
-    with pytest.raises(OSError, match="short read"):
+    with pytest.raises(CorruptRecord, match="short read"):
         log.read(seg, off, length + 5)
     log.close()
 

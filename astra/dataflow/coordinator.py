@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from astra.dataflow.batches import BatchDesk
@@ -40,6 +40,8 @@ from astra.dataflow.gate import (
 from astra.dataflow.ingesting import Ingesting
 from astra.dataflow.pool import Instance, InstanceState, Pool
 from astra.dataflow.ports import Connector, PortError
+from astra.dataflow.quarantine import KEY as REDO_KEY
+from astra.dataflow.quarantine import Redo, quarantine
 from astra.dataflow.records import GroupRecord, WorkItem
 from astra.dataflow.status import dataflow_status
 from astra.dataflow.storage_guard import StorageGuard
@@ -220,6 +222,7 @@ class Dataflow(Ingesting, WeightSync):
                 buf.dropped_in_a_row, buf.last_drop = n, last
         self.versions.restore(st.get("versions", {}))
         self.evals.restore(st.get("evals", {}))
+        self.redo = Redo(st.get(REDO_KEY))
         for name, source in self.sources.items():
             saved = st.get(f"dataset/{name}")
             if saved is not None:
@@ -232,6 +235,8 @@ class Dataflow(Ingesting, WeightSync):
                 kept[f"unfinished groups of stream {row.stream!r}"] += 1
                 continue
             item = self.sources[row.stream].item_for(row.group_id)
+            if row.group_id in self.redo.policies:  # generated again (astra.dataflow.quarantine)
+                item = replace(item, regenerate=True)
             self.work[row.group_id] = Work(item, row.stream, attempts=row.attempts)
             self.waiting.append(row.group_id)
         leased: dict[str, list[GroupRecord]] = {}
@@ -260,6 +265,8 @@ class Dataflow(Ingesting, WeightSync):
         self.batches.recover(rows, leased, st.replays())
         if uncounted:
             self._count_replay_slots(rows)
+        quarantine(self, st.corrupt)  # records read back above that are not as written
+        st.corrupt.clear()
         if self.work:
             log.info("recovered %d unfinished groups to dispatch again", len(self.work))
 

@@ -35,6 +35,12 @@ class DoneGroups:
         while len(self._recent) > self._limit:
             self._recent.popitem(last=False)
 
+    def reopen(self, group_id: str) -> None:
+        """A done group is to be dispatched again (its record was corrupt): no longer done;
+        the caller sets its work row pending in the same transaction."""
+        self._count = max(0, self._count - 1)
+        self._recent.pop(group_id, None)
+
     def __contains__(self, group_id: object) -> bool:
         return isinstance(group_id, str) and (group_id in self._recent or self._is_done(group_id))
 

@@ -183,6 +183,7 @@ class Ingesting:
                 del self.work[r.group_id]
                 self.done.add(r.group_id)
                 tx.set_work(r.group_id, w.stream, "done", attempts=w.attempts, outcome=outcome)
+                self.redo.finish(tx, r.group_id)
             for policy_id in self.buffers:
                 self.let_go(tx, policy_id)
             if evaluated:
@@ -222,7 +223,12 @@ class Ingesting:
         orphans = per_policy.pop("", [])
         for policy_id in w.item.policy_ids if orphans else ():
             per_policy.setdefault(policy_id, []).extend(replace(t) for t in orphans)
-        for policy_id in w.item.policy_ids:
+        # Dispatched again for some policies only (astra.dataflow.quarantine): the others'
+        # parts of its first result are buffered or trained already.
+        per_policy, stored = self.redo.restrict(r.group_id, per_policy)
+        if stored:
+            self.counters["redispatch_parts_dropped"] += stored
+        for policy_id in self.redo.wanted(r.group_id, w.item.policy_ids):
             if policy_id not in per_policy:
                 # The other policies' parts are trained; this one's is counted, not silent.
                 self.counters[f"malformed_missing_policy.{policy_id}"] += 1

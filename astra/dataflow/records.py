@@ -22,6 +22,8 @@ class WorkItem:
     num_samples: int
     epoch: int
     index: int
+    # Generated again: its stored result was corrupt (astra.dataflow.quarantine).
+    regenerate: bool = False
 
 
 @dataclass(slots=True)

@@ -25,14 +25,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astra.dataflow.blobs import SEGMENT_BYTES, BlobLog, write_parts
+from astra.damage import Damaged
+from astra.dataflow.blobs import SEGMENT_BYTES, BlobLog, CorruptRecord, record_size, write_record
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
+from astra.dataflow.sealed import damaged, fix_for, is_damage, quick_check, seal, unseal
 
 # 2: batch_replays; a batch row's groups carry their advantages. A schema-1 directory is
 # migrated on open (the new table is created; its batch rows are read without advantages).
 # 3: replay_memory (a schema-1 or -2 directory opens with it empty).
 # 4: folded_work (astra.dataflow.folding; an older directory opens with nothing folded).
-SCHEMA_VERSION = 4
+# 5: blob records checksummed, kv values sealed (astra.dataflow.blobs, .sealed). An older
+# directory opens with its segments read unchecked (kv `blob_checked_from`: the first
+# segment written with checksums) and its unsealed values read as plain JSON.
+SCHEMA_VERSION = 5
+CHECKED_FROM = "blob_checked_from"
 WORK_STATES = ("pending", "leased", "done")  # what `Tx.set_work` writes
 OPEN_ROW_IN_SPAN = (
     "SELECT 1 FROM work INDEXED BY work_state WHERE state IN ('pending', 'leased') AND {where}"
@@ -157,15 +163,32 @@ def _same(a: list[TrajectoryRecord], b: list[TrajectoryRecord]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
-def _unpack(meta_json: str, blob: bytes) -> list[TrajectoryRecord]:
+def unpack_trajectories(meta_json: str, blob: bytes) -> list[TrajectoryRecord]:
     out = []
     pos = 0
     for tid, reward, vmin, vmax, ntok, failed in json.loads(meta_json):
         (n,) = struct.unpack_from("<I", blob, pos)
         pos += 4
+        if pos + n > len(blob):
+            raise ValueError(f"a payload of {n} bytes at {pos} runs past the record")
         out.append(TrajectoryRecord(tid, reward, vmin, vmax, ntok, blob[pos : pos + n], failed))
         pos += n
+    if pos != len(blob):
+        raise ValueError(f"{len(blob) - pos} bytes after the last payload")
     return out
+
+
+@dataclass(slots=True)
+class BadRecord:
+    """A stored record found corrupt at read (see `StateStore.corrupt`). `table`: groups,
+    batch_replays or replay_memory; `batch_id`: the batch it is leased or replayed in."""
+
+    table: str
+    group_id: str
+    policy_id: str
+    batch_id: str | None
+    pos: int | None
+    error: CorruptRecord
 
 
 @dataclass(slots=True)
@@ -202,7 +225,7 @@ class Tx:
         self.c.execute(
             "INSERT INTO kv(key, value) VALUES(?, ?) "
             "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-            (key, json.dumps(value)),
+            (key, seal(key, value)),
         )
 
     def set_work(
@@ -347,6 +370,30 @@ class Tx:
         ).fetchall()
         self.released.extend(r[0] for r in rows)
 
+    def drop_record(self, bad: BadRecord) -> None:
+        """Deletes the row of a corrupt record (its bytes are released with it)."""
+        if bad.table == "groups":
+            self.delete_groups([(bad.group_id, bad.policy_id)])
+        elif bad.table == "replay_memory":
+            self._forget_replay(bad.policy_id, bad.group_id)
+        else:
+            rows = self.c.execute(
+                "DELETE FROM batch_replays WHERE batch_id=? AND pos=? RETURNING seg",
+                (bad.batch_id, bad.pos),
+            ).fetchall()
+            self.released.extend(r[0] for r in rows)
+
+    def reopen_work(self, group_id: str, stream: str, epoch: int) -> None:
+        """A done group is to be dispatched again: its row pending (out of its epoch's folded
+        count if it was folded, so the group is counted done once when it completes)."""
+        row = self.c.execute("SELECT 1 FROM work WHERE group_id=?", (group_id,)).fetchone()
+        if row is None:
+            self.c.execute(
+                "UPDATE folded_work SET done = done - 1 WHERE stream=? AND epoch=? AND done > 0",
+                (stream, epoch),
+            )
+        self.set_work(group_id, stream, "pending")
+
     def put_batch(self, b: BatchRow) -> None:
         self.c.execute(
             "INSERT OR REPLACE INTO batches(batch_id, policy_id, request_id, trainer_id, state,"
@@ -369,15 +416,42 @@ class StateStore:
         path = Path(state_dir)
         path.mkdir(parents=True, exist_ok=True)
         self.path = path / "dataflow.sqlite"
+        # Records found corrupt by the reads below (`groups`, `replays`, `replay_memory`):
+        # the caller quarantines them (`Tx.drop_record`).
+        self.corrupt: list[BadRecord] = []
+        try:
+            self._open(path, segment_bytes)
+        except sqlite3.DatabaseError as exc:
+            if not is_damage(exc):
+                raise
+            raise damaged(self.path, exc) from exc
+
+    def _open(self, path: Path, segment_bytes: int) -> None:
         self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        quick_check(self.conn, self.path)
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, 3, SCHEMA_VERSION):
-            raise RuntimeError(f"{self.path}: schema {version}, this build reads {SCHEMA_VERSION}")
+        if version not in (0, 1, 2, 3, 4, SCHEMA_VERSION):
+            raise Damaged(
+                self.path,
+                f"schema {version}, this build reads up to {SCHEMA_VERSION}",
+                "run it with the build that wrote it, or start Dataflow on a new state_dir",
+            )
         self.conn.executescript(SCHEMA)
-        self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self.blobs = BlobLog(path / "blobs", segment_bytes)
+        checked_from = self.get(CHECKED_FROM)
+        if checked_from is None:
+            if version == SCHEMA_VERSION:
+                raise Damaged(self.path, f"kv {CHECKED_FROM!r} is missing", fix_for(self.path))
+            # From the segment this process opens on, the log is written with checksums.
+            checked_from = self.blobs.active
+            self.conn.execute(
+                "INSERT INTO kv(key, value) VALUES(?, ?)",
+                (CHECKED_FROM, seal(CHECKED_FROM, checked_from)),
+            )
+        self.blobs.checked_from = int(checked_from)
+        self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         for (seg,) in self.conn.execute(
             "SELECT seg FROM groups UNION ALL SELECT seg FROM batch_replays"
             " UNION ALL SELECT seg FROM replay_memory"
@@ -431,7 +505,7 @@ class StateStore:
     def stage(self, group: GroupRecord) -> Staged:
         """Reserves room for the group's bytes (see `Staged`); nothing is written yet."""
         meta, parts = _pack(group.trajectories)
-        segment, offset, length, fd = self.blobs.reserve(sum(len(p) for p in parts))
+        segment, offset, length, fd = self.blobs.reserve(record_size(sum(len(p) for p in parts)))
         return Staged(
             (group.group_id, group.policy_id),
             list(group.trajectories),
@@ -447,7 +521,7 @@ class StateStore:
     def write_staged(staged: Iterable[Staged]) -> None:
         """Writes staged bytes into their room; safe on a thread other than the owner's."""
         for st in staged:
-            write_parts(st.fd, st.offset, st.parts)
+            write_record(st.fd, st.offset, st.parts)
 
     def discard_staged(self, staged: Iterable[Staged]) -> None:
         """Gives back the room of staged bytes that no committed row points at."""
@@ -457,8 +531,25 @@ class StateStore:
                 self.blobs.release(st.segment)
 
     def get(self, key: str, default: Any = None) -> Any:
+        """The value stored under `key`; Damaged if it fails its seal (astra.dataflow.sealed)."""
         row = self.conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
-        return default if row is None else json.loads(row[0])
+        return default if row is None else unseal(self.path, key, row[0])
+
+    def _load(
+        self, table: str, gid: str, pid: str, batch_id, pos, meta: str, seg: int, off: int, n: int
+    ) -> list[TrajectoryRecord] | None:
+        """A row's trajectories, or None (the row noted in `corrupt`) if its record is not as
+        written or does not decode."""
+        try:
+            blob = self.blobs.read(seg, off, n)
+            try:
+                return unpack_trajectories(meta, blob)
+            except (ValueError, TypeError, struct.error) as exc:
+                where = self.blobs.dir / f"{seg:08d}.seg"
+                raise CorruptRecord(where, off, f"does not decode: {exc}") from exc
+        except CorruptRecord as exc:
+            self.corrupt.append(BadRecord(table, gid, pid, batch_id, pos, exc))
+            return None
 
     def work_rows(self) -> list[WorkRow]:
         """Every row, done ones included, but for the folded epochs' (`folded`): the run's
@@ -512,8 +603,9 @@ class StateStore:
         for gid, pid, seq, epoch, batch_id, meta, seg, off, length in self.conn.execute(
             "SELECT group_id, policy_id, seq, epoch, batch_id, meta, seg, off, len FROM groups"
         ):
-            blob = self.blobs.read(seg, off, length)
-            out.append((GroupRecord(gid, pid, epoch, _unpack(meta, blob), seq=seq), batch_id))
+            trajectories = self._load("groups", gid, pid, batch_id, None, meta, seg, off, length)
+            if trajectories is not None:
+                out.append((GroupRecord(gid, pid, epoch, trajectories, seq=seq), batch_id))
         return out
 
     def batches(self) -> list[BatchRow]:
@@ -523,7 +615,12 @@ class StateStore:
             " policy_version, groups FROM batches"
         ):
             *head, groups = row
-            keys = [(k[0], bool(k[1]), k[2] if len(k) > 2 else None) for k in json.loads(groups)]
+            try:
+                entries = json.loads(groups)
+            except ValueError as exc:
+                what = f"batch {head[0]}'s groups are not JSON ({exc})"
+                raise Damaged(self.path, what, fix_for(self.path)) from exc
+            keys = [(k[0], bool(k[1]), k[2] if len(k) > 2 else None) for k in entries]
             out.append(BatchRow(*head, keys))
         return out
 
@@ -534,9 +631,10 @@ class StateStore:
             "SELECT batch_id, pos, group_id, policy_id, seq, epoch, meta, seg, off, len"
             " FROM batch_replays"
         ):
-            blob = self.blobs.read(seg, off, length)
-            group = GroupRecord(gid, pid, epoch, _unpack(meta, blob), seq=seq, replay=True)
-            out.setdefault(batch_id, {})[pos] = group
+            got = self._load("batch_replays", gid, pid, batch_id, pos, meta, seg, off, length)
+            if got is not None:
+                group = GroupRecord(gid, pid, epoch, got, seq=seq, replay=True)
+                out.setdefault(batch_id, {})[pos] = group
         return out
 
     def replay_memory(self) -> dict[str, list[GroupRecord]]:
@@ -546,9 +644,10 @@ class StateStore:
             "SELECT group_id, policy_id, seq, epoch, meta, seg, off, len FROM replay_memory"
             " ORDER BY entered"
         ):
-            blob = self.blobs.read(seg, off, length)
-            group = GroupRecord(gid, pid, epoch, _unpack(meta, blob), seq=seq, replay=True)
-            out.setdefault(pid, []).append(group)
+            got = self._load("replay_memory", gid, pid, None, None, meta, seg, off, length)
+            if got is not None:
+                group = GroupRecord(gid, pid, epoch, got, seq=seq, replay=True)
+                out.setdefault(pid, []).append(group)
         return out
 
     def close(self) -> None:

@@ -77,10 +77,17 @@ class ResultStore:
         """True for a group running, finished and unacknowledged, or recently acknowledged."""
         return group_id in self._running or group_id in self._finished or group_id in self._acked
 
-    def try_accept(self, groups: Sequence[tuple[str, int]]) -> Admission:
-        """Admits (group id, samples) pairs all together, or raises ResourceExhausted."""
+    def try_accept(
+        self, groups: Sequence[tuple[str, int]], regenerate: Iterable[str] = ()
+    ) -> Admission:
+        """Admits (group id, samples) pairs all together, or raises ResourceExhausted.
+        Ids in `regenerate` (their stored result was lost) run even if acknowledged before."""
+        again = set(regenerate)
         new: dict[str, int] = {}
         for group_id, samples in groups:
+            if group_id in again and group_id in self._acked:
+                del self._acked[group_id]
+                self.counters["groups_regenerated"] += 1
             if samples < 1:
                 raise ValueError(f"group {group_id!r}: samples must be >= 1")
             if not self.holds(group_id) and group_id not in new:

@@ -23,6 +23,7 @@ Layout of a run directory:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import dataclass
@@ -30,9 +31,11 @@ from pathlib import Path
 
 import yaml
 
+from astra.damage import Damaged
 from astra.dataflow.config import DataflowConfig
 from astra.run import external
 from astra.run.recipe import PolicySpec, RaasSpec, Recipe, dump_recipe
+from astra.trainer.ckpt_verify import list_checkpoints, newest_good
 from astra.trainer.config import TrainerConfig
 
 
@@ -284,14 +287,18 @@ def trainer_config(
 
 
 def checkpoint_step(root: Path) -> int | None:
-    """Step of the newest complete checkpoint under `root` (astra.trainer.checkpoint layout)."""
-    found = sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
-    if not found:
+    """Step of the checkpoint a trainer resumes from under `root`: the newest that verifies
+    (astra.trainer.ckpt_verify). With every one damaged, the newest's step: the trainer is
+    started to resume, and refuses them naming the directory."""
+    try:
+        found = newest_good(root)
+    except Damaged:
+        found = list_checkpoints(root)[-1]
+    if found is None:
         return None
-    meta = found[-1] / "trainer.json"
-    if meta.is_file():
-        return int(json.loads(meta.read_text()).get("step", 0))
-    return int(found[-1].name.removeprefix("step-"))
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return int(json.loads((found / "trainer.json").read_text()).get("step", 0))
+    return int(found.name.removeprefix("step-"))
 
 
 def remaining_steps(recipe: Recipe, rd: RunDir) -> dict[str, int]:

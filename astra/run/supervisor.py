@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from astra.damage import EXIT_DAMAGED
 from astra.run import control, layout
 from astra.run.children import Child, ChildFailed, stop_all
 from astra.run.elastic import Elastic
@@ -314,7 +315,9 @@ class Supervisor:
                         self._tail(child),
                     )
                     child.signal_group(signal.SIGKILL)  # what is left of its group goes now
-                    if child.restartable and self.restarts.allowed(child):
+                    # Damaged state (astra.damage) is found again by every restart.
+                    restart = rc != EXIT_DAMAGED and child.restartable
+                    if restart and self.restarts.allowed(child):
                         self.restarts.start(child, rc)
                         continue
                     if child.role != "raas" or self.recipe.on_raas_death == "stop":

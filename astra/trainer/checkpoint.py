@@ -6,6 +6,8 @@ Layout of one checkpoint, `<root>/step-<9 digits>/`:
     optimizer.pt    optimiser state keyed by parameter name (unsharded)
     rng.pt          torch (CPU and CUDA) and Python RNG states
     trainer.json    step, version, fetch attempt, counters
+    digests.json    Adler-32 of every tensor, SHA-256 of every other file
+                    (astra.trainer.ckpt_verify: checked before a resume)
 Everything is written under `<root>/.tmp-step-...` and renamed into place:
 a checkpoint directory exists complete or not at all, and a crash leaves at
 worst a temporary directory, removed by the next write. Knows nothing of
@@ -27,9 +29,10 @@ import torch
 from torch import Tensor
 
 from astra.engine.torch_weights import load_state, save_state
+from astra.trainer.ckpt_verify import PREFIX, list_checkpoints, write_digests
 
-PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
+__all__ = ["PREFIX", "list_checkpoints"]
 
 
 @dataclass
@@ -90,6 +93,7 @@ def write_checkpoint(
         json.dump({"step": step, **trainer_state}, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
+    write_digests(tmp)
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -98,15 +102,6 @@ def write_checkpoint(
     if keep_last is not None:
         prune(root, keep_last)
     return final
-
-
-def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoints under root, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
-    return sorted(found, key=lambda p: p.name)
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:

@@ -90,8 +90,10 @@ def trainer_command(
         from astra.statelock import acquire_or_exit
 
         held = acquire_or_exit(config.checkpoint.dir, "trainer")  # one writer per root
+    from astra.damage import exit_if_damaged
     from astra.servers.trainer import serve_trainer
 
-    asyncio.run(serve_trainer(config))
+    with exit_if_damaged("trainer"):
+        asyncio.run(serve_trainer(config))
     if held is not None:
         held.release()

@@ -17,12 +17,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from astra.trainer.checkpoint import (
-    latest_checkpoint,
-    read_checkpoint,
-    restore_rng,
-    write_checkpoint,
-)
+from astra.damage import Damaged
+from astra.trainer.checkpoint import read_checkpoint, restore_rng, write_checkpoint
+from astra.trainer.ckpt_verify import newest_good, verify
 from astra.trainer.parallel import (
     barrier,
     broadcast_object,
@@ -57,6 +54,7 @@ class StateMixin:
 
     def _init_checkpoints(self) -> None:
         self.last_checkpoint: Path | None = None
+        self.refused_checkpoints: list[str] = []  # damaged ones skipped by the last resume
         self._checkpointed_step: int | None = None  # the step of the last checkpoint written
         self.last_checkpoint_time: datetime.datetime | None = None
         self._requests: dict[str, asyncio.Future[tuple[Path, int]]] = {}
@@ -115,10 +113,15 @@ class StateMixin:
         return written
 
     def load_checkpoint(self, path: str | Path | None = None) -> None:
-        """Restores model, optimiser, RNG, step, version; `path` is a checkpoint or a root."""
+        """Restores model, optimiser, RNG, step, version; `path` is a checkpoint or a root.
+        Under a root, the newest checkpoint that verifies (astra.trainer.ckpt_verify): the
+        damaged ones after it are logged and counted `checkpoints_refused`. Damaged when
+        `path` is a damaged checkpoint, or a root whose checkpoints are all damaged."""
         target = self._root(path)
-        if not (target / "trainer.json").is_file():
-            found = latest_checkpoint(target)
+        if (target / "trainer.json").is_file():
+            verify(target)
+        else:
+            found = newest_good(target, self._refused)
             if found is None:
                 log.info("no checkpoint under %s: starting fresh", target)
                 return
@@ -133,6 +136,11 @@ class StateMixin:
         self.counters.update(ckpt.trainer.get("counters", {}))
         self.last_checkpoint, self._checkpointed_step = target, self.step
         log.info("resumed from %s at step %d, version %d", target, self.step, self.version)
+
+    def _refused(self, exc: Damaged) -> None:
+        self.counters["checkpoints_refused"] += 1
+        self.refused_checkpoints.append(str(exc))
+        log.error("checkpoint refused, trying the one before: %s", exc)
 
     def _apply_optim_config(self) -> None:
         """The configured hyper-parameters over the checkpoint's (its moments and step counts
@@ -215,6 +223,7 @@ class StateMixin:
             "timings_s": dict(self.timings),
             "publish_blocked_fraction": self.timings["publish_blocked_s"] / total if total else 0.0,
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "refused_checkpoints": list(self.refused_checkpoints),
             "last_step": dict(self.last.metrics) if self.last is not None else {},
         }
         if self.rank == 0 and self.initialized:

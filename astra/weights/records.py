@@ -21,10 +21,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from astra.damage import Damaged
 from astra.errors import InvalidArgument, ResourceExhausted
 from astra.weights.digest import digest_body, normalized
 
 RECORD_NAME = "record.json"
+STORE_FIX = (
+    "restore it from a backup, or move the store directory aside (the trainer publishes "
+    "again; `astra doctor RUN_DIR` lists what else is damaged)"
+)
+
+
+def load_json(path: Path) -> Any:
+    """A JSON file of the store read back at start-up; Damaged (naming it) if it does not."""
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise Damaged(path, f"not JSON ({exc})", STORE_FIX) from exc
+
+
 _PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HASH_CHUNK = 1 << 22
 MAX_POLICY_CHARS = 128
@@ -161,7 +176,12 @@ class VersionRecord:
 
     @classmethod
     def load(cls, directory: Path) -> VersionRecord:
-        return cls.from_json(json.loads((directory / RECORD_NAME).read_text()))
+        """Damaged (naming the file) if the record does not read back."""
+        path = directory / RECORD_NAME
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            raise Damaged(path, f"unreadable version record ({exc!r})", STORE_FIX) from exc
 
     def save(self, directory: Path) -> None:
         (directory / RECORD_NAME).write_text(json.dumps(self.to_json(), indent=1) + "\n")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import json
 import logging
 import threading
 import time
@@ -41,6 +40,7 @@ from astra.weights.records import (
     VersionRecord,
     dirname_for,
     disk_full,
+    load_json,
     sha256_bytes,
     tree_sha256,
     write_json_atomic,
@@ -118,7 +118,7 @@ class Store(StorePublishing, StoreLifecycle):
         )
         for pdir in sorted((self.root / "policies").iterdir()):
             if (pdir / "policy.json").is_file():
-                self._recover(json.loads((pdir / "policy.json").read_text())["policy"])
+                self._recover(load_json(pdir / "policy.json")["policy"])
 
     # --- paths and lookups -------------------------------------------------
 

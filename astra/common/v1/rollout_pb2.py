@@ -27,7 +27,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61stra/common/v1/rollout.proto\x12\x0f\x61stra.common.v1\x1a\x1b\x61stra/common/v1/array.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17google/rpc/status.proto\"\x97\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x03\"j\n\x06Prompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.astra.common.v1.NDArray\x12%\n\x04\x64\x61ta\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xdc\x01\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x10\n\x08workflow\x18\x02 \x01(\t\x12\x12\n\npolicy_ids\x18\x03 \x03(\t\x12\'\n\x06prompt\x18\x04 \x01(\x0b\x32\x17.astra.common.v1.Prompt\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x05\x12\x38\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1f.astra.common.v1.SamplingParams\x12\x0e\n\x06reward\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x03\"\xc5\x02\n\x08Sequence\x12\x11\n\tpolicy_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x15\n\rprompt_length\x18\x03 \x01(\x05\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x18.astra.common.v1.NDArray\x12*\n\x08logprobs\x18\x05 \x01(\x0b\x32\x18.astra.common.v1.NDArray\x12+\n\tloss_mask\x18\x06 \x01(\x0b\x32\x18.astra.common.v1.NDArray\x12\x31\n\x0fweight_versions\x18\x07 \x01(\x0b\x32\x18.astra.common.v1.NDArray\x12\x34\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1d.astra.common.v1.FinishReason\x12\x0e\n\x06reward\x18\t \x01(\x01\"\xe5\x02\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x14\n\x0csample_index\x18\x03 \x01(\x05\x12,\n\tsequences\x18\x04 \x03(\x0b\x32\x19.astra.common.v1.Sequence\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x44\n\ragent_rewards\x18\x06 \x03(\x0b\x32-.astra.common.v1.Trajectory.AgentRewardsEntry\x12)\n\x08metadata\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12!\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x12.google.rpc.Status\x12\x11\n\tadvantage\x18\t \x01(\x01\x1a\x33\n\x11\x41gentRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8a\x01\n\x0bGroupResult\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x31\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1b.astra.common.v1.Trajectory\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.Status\x12\x13\n\x0binstance_id\x18\x04 \x01(\t*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61stra/common/v1/rollout.proto\x12\x0f\x61stra.common.v1\x1a\x1b\x61stra/common/v1/array.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17google/rpc/status.proto\"\x97\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x03\"j\n\x06Prompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.astra.common.v1.NDArray\x12%\n\x04\x64\x61ta\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xf0\x01\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x10\n\x08workflow\x18\x02 \x01(\t\x12\x12\n\npolicy_ids\x18\x03 \x03(\t\x12\'\n\x06prompt\x18\x04 \x01(\x0b\x32\x17.astra.common.v1.Prompt\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x05\x12\x38\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1f.astra.common.v1.SamplingParams\x12\x0e\n\x06reward\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x03\x12\x12\n\nregenerate\x18\t \x01(\x08\"\xc5\x02\n\x08Sequence\x12\x11\n\tpolicy_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x15\n\rprompt_length\x18\x03 \x01(\x05\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x18.astra.common.v1.NDArray\x12*\n\x08logprobs\x18\x05 \x01(\x0b\x32\x18.astra.common.v1.NDArray\x12+\n\tloss_mask\x18\x06 \x01(\x0b\x32\x18.astra.common.v1.NDArray\x12\x31\n\x0fweight_versions\x18\x07 \x01(\x0b\x32\x18.astra.common.v1.NDArray\x12\x34\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1d.astra.common.v1.FinishReason\x12\x0e\n\x06reward\x18\t \x01(\x01\"\xe5\x02\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x14\n\x0csample_index\x18\x03 \x01(\x05\x12,\n\tsequences\x18\x04 \x03(\x0b\x32\x19.astra.common.v1.Sequence\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x44\n\ragent_rewards\x18\x06 \x03(\x0b\x32-.astra.common.v1.Trajectory.AgentRewardsEntry\x12)\n\x08metadata\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12!\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x12.google.rpc.Status\x12\x11\n\tadvantage\x18\t \x01(\x01\x1a\x33\n\x11\x41gentRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8a\x01\n\x0bGroupResult\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x31\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1b.astra.common.v1.Trajectory\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.Status\x12\x13\n\x0binstance_id\x18\x04 \x01(\t*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,20 +36,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAJECTORY_AGENTREWARDSENTRY']._loaded_options = None
   _globals['_TRAJECTORY_AGENTREWARDSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1449
-  _globals['_FINISHREASON']._serialized_end=1596
+  _globals['_FINISHREASON']._serialized_start=1469
+  _globals['_FINISHREASON']._serialized_end=1616
   _globals['_SAMPLINGPARAMS']._serialized_start=135
   _globals['_SAMPLINGPARAMS']._serialized_end=286
   _globals['_PROMPT']._serialized_start=288
   _globals['_PROMPT']._serialized_end=394
   _globals['_PROMPTGROUP']._serialized_start=397
-  _globals['_PROMPTGROUP']._serialized_end=617
-  _globals['_SEQUENCE']._serialized_start=620
-  _globals['_SEQUENCE']._serialized_end=945
-  _globals['_TRAJECTORY']._serialized_start=948
-  _globals['_TRAJECTORY']._serialized_end=1305
-  _globals['_TRAJECTORY_AGENTREWARDSENTRY']._serialized_start=1254
-  _globals['_TRAJECTORY_AGENTREWARDSENTRY']._serialized_end=1305
-  _globals['_GROUPRESULT']._serialized_start=1308
-  _globals['_GROUPRESULT']._serialized_end=1446
+  _globals['_PROMPTGROUP']._serialized_end=637
+  _globals['_SEQUENCE']._serialized_start=640
+  _globals['_SEQUENCE']._serialized_end=965
+  _globals['_TRAJECTORY']._serialized_start=968
+  _globals['_TRAJECTORY']._serialized_end=1325
+  _globals['_TRAJECTORY_AGENTREWARDSENTRY']._serialized_start=1274
+  _globals['_TRAJECTORY_AGENTREWARDSENTRY']._serialized_end=1325
+  _globals['_GROUPRESULT']._serialized_start=1328
+  _globals['_GROUPRESULT']._serialized_end=1466
 # @@protoc_insertion_point(module_scope)

@@ -52,7 +52,7 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_array_pb2.NDArray, _Mapping]] = ..., data: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
-    __slots__ = ("group_id", "workflow", "policy_ids", "prompt", "num_samples", "sampling_params", "reward", "epoch")
+    __slots__ = ("group_id", "workflow", "policy_ids", "prompt", "num_samples", "sampling_params", "reward", "epoch", "regenerate")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WORKFLOW_FIELD_NUMBER: _ClassVar[int]
     POLICY_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class PromptGroup(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REGENERATE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     workflow: str
     policy_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -69,7 +70,8 @@ class PromptGroup(_message.Message):
     sampling_params: SamplingParams
     reward: str
     epoch: int
-    def __init__(self, group_id: _Optional[str] = ..., workflow: _Optional[str] = ..., policy_ids: _Optional[_Iterable[str]] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    regenerate: bool
+    def __init__(self, group_id: _Optional[str] = ..., workflow: _Optional[str] = ..., policy_ids: _Optional[_Iterable[str]] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[str] = ..., epoch: _Optional[int] = ..., regenerate: _Optional[bool] = ...) -> None: ...
 
 class Sequence(_message.Message):
     __slots__ = ("policy_id", "agent_id", "prompt_length", "token_ids", "logprobs", "loss_mask", "weight_versions", "finish_reason", "reward")

@@ -148,7 +148,8 @@ class RolloutServiceServicer:
         """Accepts prompt groups to run. Idempotent per group: a group_id the RaaS
         already holds (running, or finished and not acknowledged) is reported
         as accepted and not run again; Astra's RaaS does the same for a group_id
-        acknowledged recently (its last 100,000). Dataflow's channel retries
+        acknowledged recently (its last 100,000), unless the group comes with
+        `regenerate` set (PromptGroup). Dataflow's channel retries
         UNAVAILABLE; on DEADLINE_EXCEEDED, or UNAVAILABLE after those retries,
         Dataflow dispatches the groups again, possibly to another instance.
 
