@@ -236,3 +236,24 @@ def test_groups_the_trainer_took_no_step_on_are_not_counted_trained() -> None:
     del counters["trained_groups.a"], counters["trained_groups.b"]  # an older state directory
     assert summary()["groups_trained_per_policy"] == {"a": 7, "b": 3}
     assert s["counters"]["consumed_groups"] == 10 and s["counters"]["untrained_groups"] == 4
+
+
+def test_a_quarantined_group_dispatched_again_is_neither_lost_nor_counted_twice() -> None:
+    """Dataflow quarantined a group's stored rollout and dispatched it again: it completed
+    twice (two outcomes for one work row); one that could not be dispatched again is lost."""
+
+    def lost(**counters: int) -> int | None:
+        state = {"dispatched": 10, "unfinished": 0, "duplicated": 0, "acked_batches": 1}
+        base = {"completed_groups": 11, "failed_groups": 0}
+        return build_summary(
+            status="completed",
+            wall_seconds=1.0,
+            dataflow={"counters": {**base, **counters}},
+            state=state,
+            history={},
+            final_steps={},
+            baseline={},
+        )["groups_lost"]
+
+    assert lost(records_corrupt_redispatched=1) == 0
+    assert lost(completed_groups=10, records_corrupt_lost=1) == 1

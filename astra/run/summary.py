@@ -100,6 +100,10 @@ def build_summary(
     counters: dict[str, int] = dataflow.get("counters", {})
     outcomes = sum(counters.get(k, 0) for k in ("completed_groups", "failed_groups"))
     outcomes += counters.get("malformed_results", 0) + counters.get("eval_groups", 0)
+    # A group whose stored rollout was quarantined is dispatched again: its second outcome is
+    # no new group; one that could not be dispatched again was never trained, so it is lost.
+    outcomes -= counters.get("records_corrupt_redispatched", 0)
+    outcomes -= counters.get("records_corrupt_lost", 0)
     steps = {p: max(final_steps.get(p) or 0, h.last_step or 0) for p, h in history.items()}
     # Over all policies, in the order of `history`: the first policy's accuracies come first.
     # A policy's first (last) WINDOW hold every one of its values among the first (last)
@@ -178,8 +182,9 @@ def build_summary(
             "groups in acknowledged batches the trainer took a step on",
             "accuracy_per_policy": "accuracy_first10/last10 over each policy's own steps",
             "groups_lost": "groups_dispatched - outcomes counted (completed + failed + malformed "
-            "+ eval_groups counters) - dispatched groups still pending or leased at the end (kept durably, "
-            "dispatched again on --resume)",
+            "+ eval_groups counters, less the groups whose stored rollout was quarantined: "
+            "records_corrupt_redispatched and records_corrupt_lost) - dispatched groups still "
+            "pending or leased at the end (kept durably, dispatched again on --resume)",
             "groups_duplicated": "non-replay (policy, group) keys found in more than one "
             "acknowledged batch (batches table), counted once per extra batch",
             "versions_published": "sum over policies of the last version announced to Dataflow "

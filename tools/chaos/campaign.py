@@ -238,6 +238,81 @@ def hangup_then_resume(run: Run) -> None:
     stop_then_resume(run, signal.SIGHUP)
 
 
+def _flip(path: Path, offset: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def _stop(run: Run, at_step: int) -> None:
+    run.start()
+    run.wait_for(ROLES)
+    run.until_step(at_step)
+    assert run.proc is not None
+    run.proc.send_signal(signal.SIGTERM)
+    run.wait(120)
+    run.codes.clear()
+
+
+def _doctor(run: Run, expect: int) -> None:
+    cmd = [sys.executable, "-m", "astra.cli", "doctor", str(run.run_dir)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run.notes.append(f"doctor exit {done.returncode}")
+    if done.returncode != expect:
+        raise RuntimeError(f"astra doctor exited {done.returncode}, not {expect}: {done.stdout}")
+
+
+def _counter(run: Run, name: str) -> int:
+    rows = (run.run_dir / "metrics.jsonl").read_text().splitlines()
+    return int(json.loads(rows[-1])["dataflow"]["counters"].get(name, 0)) if rows else 0
+
+
+def rot_blob_then_resume(run: Run) -> None:
+    """A byte of a buffered rollout flipped on disk while the run is stopped: `astra doctor`
+    finds it, --resume quarantines it (never trained) and generates its group again."""
+    import sqlite3
+
+    _stop(run, 6)
+    state = run.run_dir / "state" / "dataflow"
+    db = sqlite3.connect(f"file:{state / 'dataflow.sqlite'}?mode=ro", uri=True)
+    try:
+        row = db.execute("SELECT seg, off, len FROM groups WHERE batch_id IS NULL LIMIT 1")
+        found = row.fetchone()
+    finally:
+        db.close()
+    if found is None:
+        raise RuntimeError("no buffered group to damage (the buffer was empty at the stop)")
+    seg, off, length = found
+    _flip(state / "blobs" / f"{seg:08d}.seg", off + length - 3)
+    _doctor(run, 1)
+    run.start(resume=True)
+    run.wait(600)
+    corrupt = _counter(run, "records_corrupt")
+    run.notes.append(f"records_corrupt {corrupt}")
+    if corrupt < 1:
+        raise RuntimeError("the damaged record was not counted (records_corrupt 0)")
+
+
+def rot_checkpoint_then_resume(run: Run) -> None:
+    """A weight of the newest checkpoint changed on disk: --resume refuses it by name and
+    starts from the one before."""
+    _stop(run, 8)
+    ckpts = sorted((run.run_dir / "checkpoints" / "policy").glob("step-*"))
+    if len(ckpts) < 2:
+        raise RuntimeError(f"{len(ckpts)} checkpoints: need two to fall back")
+    weights = sorted((ckpts[-1] / "model").glob("*.safetensors"))[0]
+    _flip(weights, weights.stat().st_size - 5)
+    _doctor(run, 1)
+    run.start(resume=True)
+    run.wait(600)
+    log = (run.run_dir / "logs" / "trainer-policy.log").read_text(errors="replace")
+    if f"resumed from {ckpts[-2]}" not in log:
+        raise RuntimeError(f"the trainer did not resume from {ckpts[-2].name}")
+    run.notes.append(f"resumed from {ckpts[-2].name}, not {ckpts[-1].name}")
+
+
 SCENARIOS: dict[str, Callable[[Run], None]] = {
     "kill-each-service": kill_each_service,
     "random-kills": random_kills,
@@ -246,6 +321,8 @@ SCENARIOS: dict[str, Callable[[Run], None]] = {
     "resume-while-live": resume_while_live,
     "sigterm-then-resume": stop_then_resume,
     "sighup-then-resume": hangup_then_resume,
+    "rot-blob-then-resume": rot_blob_then_resume,
+    "rot-checkpoint-then-resume": rot_checkpoint_then_resume,
 }
 
 
