@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from astra.run import layout
 from astra.run.children import stop_all
 from astra.run.elastic import raas_work
 from astra.run.evals import EvalLog, final_target
@@ -59,6 +60,19 @@ async def final_eval(sup: Supervisor, obs: Observer, evals: EvalLog) -> None:
             target,
             e.final_wait_s,
         )
+
+
+def final_steps(sup: Supervisor) -> dict[str, int | None]:
+    """Each policy's last step: what its trainer logged when it stopped, or its newest
+    checkpoint's step (a trainer writes one at its last step), whichever is later. A run
+    resumed only to take its summary has no trainer running."""
+    out: dict[str, int | None] = {}
+    for p in sup.recipe.policies:
+        logged = trainer_final_step(sup.rd.log(f"trainer-{p.id}"))
+        saved = layout.checkpoint_step(sup.rd.checkpoints(p.id))
+        known = [s for s in (logged, saved) if s is not None]
+        out[p.id] = max(known) if known else None
+    return out
 
 
 @contextlib.contextmanager
@@ -115,10 +129,7 @@ async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> N
         dataflow=obs.last_dataflow if obs is not None else {},
         state=read_state(sup.rd.dataflow_state),
         history=obs.history if obs is not None else {},
-        final_steps={
-            c.name.removeprefix("trainer-"): trainer_final_step(c.log_path)
-            for c in sup.children["trainer"]
-        },
+        final_steps=final_steps(sup),
         baseline=baseline,
     )
     if sup.recipe.warmup.steps:

@@ -104,7 +104,11 @@ def build_summary(
     # no new group; one that could not be dispatched again was never trained, so it is lost.
     outcomes -= counters.get("records_corrupt_redispatched", 0)
     outcomes -= counters.get("records_corrupt_lost", 0)
-    steps = {p: max(final_steps.get(p) or 0, h.last_step or 0) for p, h in history.items()}
+    policies = [*history, *(p for p in final_steps if p not in history)]
+    steps = {
+        p: max(final_steps.get(p) or 0, (h.last_step if (h := history.get(p)) else 0) or 0)
+        for p in policies
+    }
     # Over all policies, in the order of `history`: the first policy's accuracies come first.
     # A policy's first (last) WINDOW hold every one of its values among the first (last)
     # WINDOW of them all.

@@ -348,8 +348,13 @@ class Supervisor:
             else {p.id: self.recipe.trainer.num_steps for p in self.recipe.policies}
         )
         if all(n <= 0 for n in steps.values()):
-            log.info("every trainer already ran its %d steps", self.recipe.trainer.num_steps)
-            return EXIT_OK
+            ended = (layout.previous_run(self.rd).get("supervisor") or {}).get("state") == "ended"
+            if ended and self.rd.summary.is_file():
+                log.info("every trainer already ran its %d steps", self.recipe.trainer.num_steps)
+                return EXIT_OK
+            # The last supervisor died after the last step, before its summary: the services
+            # start (no trainer) so that Dataflow's figures make summary.json.
+            log.info("every trainer already ran its steps; the run's summary is taken now")
         observing: asyncio.Task[None] | None = None
         elastic: asyncio.Task[None] | None = None
         rotating: asyncio.Task[None] | None = None
