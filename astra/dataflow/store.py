@@ -32,7 +32,8 @@ from astra.dataflow.records import GroupRecord, TrajectoryRecord
 # migrated on open (the new table is created; its batch rows are read without advantages).
 # 3: replay_memory (a schema-1 or -2 directory opens with it empty).
 # 4: folded_work (astra.dataflow.folding; an older directory opens with nothing folded).
-SCHEMA_VERSION = 4
+# 5: batches.untrained_reason (an older directory's batches read as trained).
+SCHEMA_VERSION = 5
 WORK_STATES = ("pending", "leased", "done")  # what `Tx.set_work` writes
 OPEN_ROW_IN_SPAN = (
     "SELECT 1 FROM work INDEXED BY work_state WHERE state IN ('pending', 'leased') AND {where}"
@@ -76,7 +77,8 @@ CREATE TABLE IF NOT EXISTS batches (
     state TEXT NOT NULL,
     lease_expire REAL NOT NULL,
     policy_version INTEGER NOT NULL,
-    groups TEXT NOT NULL
+    groups TEXT NOT NULL,
+    untrained_reason TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS batches_request ON batches(policy_id, request_id);
 CREATE TABLE IF NOT EXISTS batch_replays (
@@ -135,6 +137,8 @@ class BatchRow:
     # (group_id, replay, advantages) in batch order; advantages None in a schema-1 row and
     # in a finished batch's row.
     group_keys: list[tuple[str, bool, list[float] | None]]
+    # An acknowledged batch's groups not in the trainer's weights: why ("" trained).
+    untrained_reason: str = ""
 
 
 def _pack(trajectories: list[TrajectoryRecord]) -> tuple[str, list]:
@@ -350,7 +354,8 @@ class Tx:
     def put_batch(self, b: BatchRow) -> None:
         self.c.execute(
             "INSERT OR REPLACE INTO batches(batch_id, policy_id, request_id, trainer_id, state,"
-            " lease_expire, policy_version, groups) VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
+            " lease_expire, policy_version, groups, untrained_reason)"
+            " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 b.batch_id,
                 b.policy_id,
@@ -360,7 +365,15 @@ class Tx:
                 b.lease_expire,
                 b.policy_version,
                 json.dumps([list(k) for k in b.group_keys]),
+                b.untrained_reason,
             ),
+        )
+
+    def set_batch_untrained_reason(self, batch_ids: list[str], reason: str) -> None:
+        """Only the reason: an acknowledged batch's row keeps its group keys."""
+        self.c.executemany(
+            "UPDATE batches SET untrained_reason=? WHERE batch_id=?",
+            [(reason, b) for b in batch_ids],
         )
 
 
@@ -373,9 +386,14 @@ class StateStore:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, 3, SCHEMA_VERSION):
+        if version not in (0, 1, 2, 3, 4, SCHEMA_VERSION):
             raise RuntimeError(f"{self.path}: schema {version}, this build reads {SCHEMA_VERSION}")
         self.conn.executescript(SCHEMA)
+        columns = {r[1] for r in self.conn.execute("PRAGMA table_info(batches)")}
+        if "untrained_reason" not in columns:
+            self.conn.execute(
+                "ALTER TABLE batches ADD COLUMN untrained_reason TEXT NOT NULL DEFAULT ''"
+            )
         self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self.blobs = BlobLog(path / "blobs", segment_bytes)
         for (seg,) in self.conn.execute(
@@ -520,11 +538,11 @@ class StateStore:
         out = []
         for row in self.conn.execute(
             "SELECT batch_id, policy_id, request_id, trainer_id, state, lease_expire,"
-            " policy_version, groups FROM batches"
+            " policy_version, groups, untrained_reason FROM batches"
         ):
-            *head, groups = row
+            *head, groups, reason = row
             keys = [(k[0], bool(k[1]), k[2] if len(k) > 2 else None) for k in json.loads(groups)]
-            out.append(BatchRow(*head, keys))
+            out.append(BatchRow(*head, keys, reason))
         return out
 
     def replays(self) -> dict[str, dict[int, GroupRecord]]:
