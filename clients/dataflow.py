@@ -106,10 +106,14 @@ class DataflowClient(BaseClient):
         version_id: str = "",
         trainer_id: str = "",
         resumed: bool = False,
+        resumed_from_version: int | None = None,
         timeout_s: float | None = None,
     ) -> pb.AnnounceVersionResponse:
+        """`resumed_from_version`: with `resumed`, the version of the weights the trainer
+        continues from (its checkpoint's); None leaves the field unset."""
         req = pb.AnnounceVersionRequest(
             resumed=resumed,
+            resumed_from_version=resumed_from_version,
             version=version_pb2.PolicyVersion(
                 policy_id=policy_id, version=version, version_id=version_id or str(version)
             ),

@@ -204,8 +204,18 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
         check_id(request.weights_address, "weights_address")
         if len(request.trainer_id) > MAX_ID_CHARS:
             raise invalid_field("trainer_id", f"longer than {MAX_ID_CHARS} characters")
+        if request.resumed_from_version < 0:
+            raise invalid_field("resumed_from_version", "must be >= 0")
+        resumed_from = (
+            request.resumed_from_version if request.HasField("resumed_from_version") else None
+        )
         repeat = self.df.announce(
-            v.policy_id, v.version, v.version_id, request.weights_address, resumed=request.resumed
+            v.policy_id,
+            v.version,
+            v.version_id,
+            request.weights_address,
+            resumed=request.resumed,
+            resumed_from=resumed_from,
         )
         return pb.AnnounceVersionResponse(
             current_version=self.df.versions.current(v.policy_id), already_announced=repeat

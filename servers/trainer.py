@@ -7,7 +7,9 @@ NOT_SERVING until the model is loaded and versions are agreed, then
 SERVING. Ranks > 0 only follow rank 0's broadcasts and serve nothing.
 SaveCheckpoint is idempotent by request_id and served between steps. Pause
 stops new steps after the one in progress (Resume lets them go on); both are
-idempotent.
+idempotent. SIGTERM/SIGINT: the step in progress finishes, what is queued is
+published and the last step checkpointed (Trainer.stop, within
+checkpoint.stop_timeout_s), so a resume retakes nothing.
 """
 
 from __future__ import annotations
@@ -187,6 +189,8 @@ async def serve_trainer(config: TrainerConfig) -> None:
     stopper = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({training, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stopper.done() and not training.done():
+            await trainer.stop(training, config.checkpoint.stop_timeout_s)
     finally:
         for task in (training, stopper):
             task.cancel()

@@ -6,7 +6,8 @@ encodings. Tensors go out in name order, skipping those the receiver already
 acknowledged; acknowledgements are read concurrently, and at most
 `window_bytes` of encoded data may wait for them, which bounds what a
 disconnect costs. A refused tensor (the receiver's checksum failed) ends the
-stream with DATA_LOSS naming it; the receiver resumes with a new stream.
+stream with DATA_LOSS naming it, after the store has checked what it served
+(astra.weights.store_health); the receiver resumes with a new stream.
 """
 
 from __future__ import annotations
@@ -205,6 +206,14 @@ async def fetch_stream(
             )
         store.counters["fetches_completed"] += 1
         yield pb.FetchVersionResponse(done=pb.FetchDone(num_tensors=len(source.tensors())))
+    except DataLoss as exc:
+        tensor = exc.metadata.get("tensor", "")
+        if exc.reason == "CHECKSUM_MISMATCH" and source.version is not None and tensor:
+            # What was served may be damaged: a cache entry is dropped (and rebuilt for the
+            # receiver's next attempt), a stored version that is bad is marked so.
+            served = source.version.path
+            await asyncio.to_thread(store.refused, start.policy_id, target.identity, served, tensor)
+        raise
     finally:
         if reader is not None:
             await reader.close()

@@ -66,7 +66,7 @@ def _messages() -> dict[str, list[tuple[bool, str, str, str, str]]]:
             if depth <= 0:
                 current = None
                 continue
-            f = re.match(r"(repeated\s+)?(map<[^>]+>|[\w.]+)\s+(\w+)\s*=\s*\d+;", s)
+            f = re.match(r"(?:optional\s+)?(repeated\s+)?(map<[^>]+>|[\w.]+)\s+(\w+)\s*=\s*\d+;", s)
             if f:  # oneof members too
                 msgs[current].append(
                     (bool(f.group(1)), f.group(2), f.group(3), " ".join(comment), proto.name)

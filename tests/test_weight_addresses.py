@@ -146,7 +146,9 @@ class _Source:
     async def current_version(self) -> int:
         return self.current
 
-    async def announce(self, version: int, identity: str, resumed: bool = False) -> None:
+    async def announce(
+        self, version: int, identity: str, resumed: bool = False, resumed_from: int | None = None
+    ) -> None:
         self.announced.append((version, identity, resumed))
 
 

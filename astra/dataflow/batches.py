@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("astra.dataflow.coordinator")
 
 MAX_WAIT_S = 60.0
+# Why a trained batch's groups are not in its trainer's weights: the trainer restarted from
+# a checkpoint older than the batch's step (AnnounceVersionRequest.resumed_from_version).
+TRAINER_RESTART = "TRAINER_RESTART"
 # Finished (acknowledged or expired) batches remembered for request-id replays.
 KEEP_FINISHED = 4096
 
@@ -43,6 +46,10 @@ class Batch:
     policy_version: int
     lease_expire: float
     state: str = "leased"
+    # Once acknowledged: its fresh groups (its `groups` are dropped), and why they are not
+    # in the trainer's weights ("": trained; an AckBatch untrained_reason; TRAINER_RESTART).
+    fresh: int = 0
+    untrained_reason: str = ""
 
     @property
     def num_trajectories(self) -> int:
@@ -62,6 +69,7 @@ class Batch:
                 (g.group_id, g.replay, list(g.advantages) if self.state == "leased" else None)
                 for g in self.groups
             ],
+            self.untrained_reason,
         )
 
     def stored_keys(self) -> list[tuple[str, str]]:
@@ -106,6 +114,8 @@ class BatchDesk:
                     row.policy_version,
                     row.lease_expire,
                     row.state,
+                    sum(not replay for _, replay, _ in row.group_keys),
+                    row.untrained_reason,
                 )
                 continue
             stored = groups.pop(row.batch_id, [])
@@ -201,6 +211,23 @@ class BatchDesk:
             and b.policy_version >= version
             and b.batch_id not in self.untrained
         ]
+
+    def discard_since(self, tx, policy_id: str, version: int) -> tuple[int, int]:
+        """Marks the policy's trained batches acknowledged at `version` or later as
+        discarded (TRAINER_RESTART), durably in their rows; returns (batches, fresh groups)
+        newly marked. A batch marked before, or acknowledged untrained, is left as it is."""
+        found = [
+            b
+            for b in self.batches.values()
+            if b.policy_id == policy_id
+            and b.state == "acked"
+            and b.policy_version >= version
+            and not b.untrained_reason
+        ]
+        for b in found:
+            b.untrained_reason = TRAINER_RESTART
+        tx.set_batch_untrained_reason([b.batch_id for b in found], TRAINER_RESTART)
+        return len(found), sum(b.fresh for b in found)
 
     def mark_untrained(self, tx, policy_id: str, batch_ids: list[str]) -> None:
         """Marks acknowledged batches untrained: no longer taken (`taken_for`), durably."""
@@ -355,7 +382,8 @@ class BatchDesk:
         self._acked_top[batch.policy_id] = max(top, batch.policy_version)
         # Fresh groups only: a replayed copy is a group consumed before, counted then.
         fresh = [g for g in batch.groups if not g.replay]
-        consumed = len(fresh)
+        consumed = batch.fresh = len(fresh)
+        batch.untrained_reason = untrained
         df = self.df
         df.counters["consumed_groups"] += consumed
         df.counters["consumed_trajectories"] += sum(len(g.trajectories) for g in fresh)
@@ -366,6 +394,7 @@ class BatchDesk:
             df.counters["untrained_groups"] += consumed
             df.counters[f"untrained_groups.{batch.policy_id}"] += consumed
             df.counters[f"untrained.{untrained}"] += 1
+            df.counters[f"groups_discarded.{untrained.lower()}"] += consumed
             df.accepted[batch.policy_id] = max(0, df.accepted[batch.policy_id] - consumed)
             entered = []
         else:  # trained now: the fresh groups enter replay (their rows become replay memory)

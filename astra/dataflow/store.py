@@ -37,7 +37,8 @@ from astra.dataflow.sealed import damaged, fix_for, is_damage, quick_check, seal
 # 5: blob records checksummed, kv values sealed (astra.dataflow.blobs, .sealed). An older
 # directory opens with its segments read unchecked (kv `blob_checked_from`: the first
 # segment written with checksums) and its unsealed values read as plain JSON.
-SCHEMA_VERSION = 5
+# 6: batches.untrained_reason (an older directory's batches read as trained).
+SCHEMA_VERSION = 6
 CHECKED_FROM = "blob_checked_from"
 WORK_STATES = ("pending", "leased", "done")  # what `Tx.set_work` writes
 OPEN_ROW_IN_SPAN = (
@@ -82,7 +83,8 @@ CREATE TABLE IF NOT EXISTS batches (
     state TEXT NOT NULL,
     lease_expire REAL NOT NULL,
     policy_version INTEGER NOT NULL,
-    groups TEXT NOT NULL
+    groups TEXT NOT NULL,
+    untrained_reason TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS batches_request ON batches(policy_id, request_id);
 CREATE TABLE IF NOT EXISTS batch_replays (
@@ -141,6 +143,8 @@ class BatchRow:
     # (group_id, replay, advantages) in batch order; advantages None in a schema-1 row and
     # in a finished batch's row.
     group_keys: list[tuple[str, bool, list[float] | None]]
+    # An acknowledged batch's groups not in the trainer's weights: why ("" trained).
+    untrained_reason: str = ""
 
 
 def _pack(trajectories: list[TrajectoryRecord]) -> tuple[str, list]:
@@ -397,7 +401,8 @@ class Tx:
     def put_batch(self, b: BatchRow) -> None:
         self.c.execute(
             "INSERT OR REPLACE INTO batches(batch_id, policy_id, request_id, trainer_id, state,"
-            " lease_expire, policy_version, groups) VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
+            " lease_expire, policy_version, groups, untrained_reason)"
+            " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 b.batch_id,
                 b.policy_id,
@@ -407,7 +412,15 @@ class Tx:
                 b.lease_expire,
                 b.policy_version,
                 json.dumps([list(k) for k in b.group_keys]),
+                b.untrained_reason,
             ),
+        )
+
+    def set_batch_untrained_reason(self, batch_ids: list[str], reason: str) -> None:
+        """Only the reason: an acknowledged batch's row keeps its group keys."""
+        self.c.executemany(
+            "UPDATE batches SET untrained_reason=? WHERE batch_id=?",
+            [(reason, b) for b in batch_ids],
         )
 
 
@@ -432,17 +445,22 @@ class StateStore:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, 3, 4, SCHEMA_VERSION):
+        if version not in (0, 1, 2, 3, 4, 5, SCHEMA_VERSION):
             raise Damaged(
                 self.path,
                 f"schema {version}, this build reads up to {SCHEMA_VERSION}",
                 "run it with the build that wrote it, or start Dataflow on a new state_dir",
             )
         self.conn.executescript(SCHEMA)
+        columns = {r[1] for r in self.conn.execute("PRAGMA table_info(batches)")}
+        if "untrained_reason" not in columns:
+            self.conn.execute(
+                "ALTER TABLE batches ADD COLUMN untrained_reason TEXT NOT NULL DEFAULT ''"
+            )
         self.blobs = BlobLog(path / "blobs", segment_bytes)
         checked_from = self.get(CHECKED_FROM)
         if checked_from is None:
-            if version == SCHEMA_VERSION:
+            if version >= 5:  # written with checksums from the start
                 raise Damaged(self.path, f"kv {CHECKED_FROM!r} is missing", fix_for(self.path))
             # From the segment this process opens on, the log is written with checksums.
             checked_from = self.blobs.active
@@ -612,16 +630,16 @@ class StateStore:
         out = []
         for row in self.conn.execute(
             "SELECT batch_id, policy_id, request_id, trainer_id, state, lease_expire,"
-            " policy_version, groups FROM batches"
+            " policy_version, groups, untrained_reason FROM batches"
         ):
-            *head, groups = row
+            *head, groups, reason = row
             try:
                 entries = json.loads(groups)
             except ValueError as exc:
                 what = f"batch {head[0]}'s groups are not JSON ({exc})"
                 raise Damaged(self.path, what, fix_for(self.path)) from exc
             keys = [(k[0], bool(k[1]), k[2] if len(k) > 2 else None) for k in entries]
-            out.append(BatchRow(*head, keys))
+            out.append(BatchRow(*head, keys, reason))
         return out
 
     def replays(self) -> dict[str, dict[int, GroupRecord]]:

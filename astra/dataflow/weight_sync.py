@@ -68,8 +68,17 @@ class WeightSync:
             )
 
     def announce(
-        self, policy_id: str, version: int, version_id: str, address: str, *, resumed: bool = False
+        self: Dataflow,
+        policy_id: str,
+        version: int,
+        version_id: str,
+        address: str,
+        *,
+        resumed: bool = False,
+        resumed_from: int | None = None,
     ) -> bool:
+        """`resumed_from` (with `resumed`): the version of the weights the trainer continues
+        from; the batches it acknowledged at that version or later are counted discarded."""
         book = self.versions.policies.get(policy_id)
         before = book.address if book is not None else ""
         repeat = self.versions.announce(policy_id, version, version_id, address)
@@ -85,9 +94,33 @@ class WeightSync:
                 self.pool.retry_loads_now()
             self._sync_weights()
             self.wake()
+        if resumed and resumed_from is not None and policy_id in self.buffers:
+            self._discard_untrained(policy_id, resumed_from)
         if resumed and repeat:
             self._recount_accepted(policy_id)
         return repeat
+
+    def _discard_untrained(self: Dataflow, policy_id: str, resumed_from: int) -> None:
+        """The trainer of `policy_id` continues from the weights of `resumed_from`: the steps
+        it took on batches acknowledged at that version or later are lost with the process
+        that took them. Their fresh groups are counted discarded (once per batch, durably in
+        the batch's row), so every acknowledged group is trained or counted with a reason."""
+        with self.store.tx(any_failure=True) as tx:
+            batches, groups = self.batches.discard_since(tx, policy_id, resumed_from)
+            if batches:
+                self.counters["groups_discarded.trainer_restart"] += groups
+                self.counters["batches_discarded.trainer_restart"] += batches
+                self.counters[f"discarded_groups.{policy_id}"] += groups
+                self.persist_counters(tx)
+        if batches:
+            log.warning(
+                "trainer of %s resumed from version %d: %d acknowledged batches (%d fresh "
+                "groups) trained since are not in its weights; counted discarded",
+                policy_id,
+                resumed_from,
+                batches,
+                groups,
+            )
 
     def _recount_accepted(self: Dataflow, policy_id: str) -> None:
         """A trainer (re)started at the current version: the off-policy count starts again

@@ -7,7 +7,8 @@ most); the RaaS are asked for their work counters and stopped; the observer
 takes its last rows and Dataflow view; Dataflow and the WeightService stop;
 then the random and after-warm-up baselines are measured (a completed run
 only) and summary.json is written (astra.run.summary, plus the warm-up, RaaS,
-elastic, restart and evaluation blocks).
+elastic, restart and evaluation blocks). A start whose Dataflow never answered
+writes no figures: the summary of the run so far is kept (astra.run.ending.keep_summary).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from astra.run import layout
@@ -85,6 +87,22 @@ def _observing(what: str) -> Iterator[None]:
         log.exception("%s failed; the run ends without it", what)
 
 
+def keep_summary(path: Path, status: str) -> None:
+    """A start that never reached Dataflow: the summary of the run so far stays as it is;
+    with none yet, one that says the start failed, without figures."""
+    if path.is_file():
+        log.warning("%s kept: this start (%s) never got an answer from Dataflow", path, status)
+        return
+    write_summary(
+        path,
+        {
+            "status": status,
+            "started": False,
+            "notes": ["this start never got an answer from Dataflow: no figures to report"],
+        },
+    )
+
+
 async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> None:
     """Stops everything in order (see astra.run.supervisor) and writes summary.json."""
     obs = sup.observer
@@ -112,6 +130,11 @@ async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> N
             await obs.close()
             await obs.finish()  # event files closed, plot.png drawn from metrics.jsonl
     if dataflow is None:
+        return
+    if obs is None or not obs.last_dataflow:
+        # Dataflow never answered in this start: its counters are unknown, and figures
+        # built without them would invent losses (every group dispatched, none accounted).
+        keep_summary(sup.rd.summary, status)
         return
     baseline: dict[str, Any] = {"accuracy": None, "method": "not measured: run not completed"}
     warmup_accuracy = None

@@ -281,6 +281,8 @@ def trainer_config(
             "every_steps": t.checkpoint.every_steps,
             "keep_last": t.checkpoint.keep_last,
             "resume": done is not None,
+            # The checkpoint a SIGTERM writes must land before the stop's SIGKILL.
+            "stop_timeout_s": recipe.supervision.stop_grace_s * 2 / 3,
         },
     }
     return TrainerConfig.model_validate(raw)

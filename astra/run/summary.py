@@ -46,22 +46,37 @@ def read_state(state_dir: Path) -> dict[str, Any]:
         except sqlite3.OperationalError:  # a state directory of before schema 4
             folded = 0
         dispatched[1] = dispatched.get(1, 0) + folded
-        batches = conn.execute("SELECT policy_id, state, groups FROM batches").fetchall()
+        try:
+            batches = conn.execute(
+                "SELECT policy_id, state, groups, untrained_reason FROM batches"
+            ).fetchall()
+        except sqlite3.OperationalError:  # a state directory of before schema 5
+            batches = [
+                (*r, "") for r in conn.execute("SELECT policy_id, state, groups FROM batches")
+            ]
     finally:
         conn.close()
-    trained: Counter[tuple[str, str]] = Counter()
-    for policy_id, state, groups in batches:
+    acked: Counter[tuple[str, str]] = Counter()
+    trained: Counter[str] = Counter()
+    discarded: Counter[str] = Counter()
+    for policy_id, state, groups, reason in batches:
         if state == "acked":
             # Entries are [group_id, replay] or, from schema 2, [group_id, replay, advantages].
-            trained.update((policy_id, k[0]) for k in json.loads(groups) if not k[1])
+            keys = [(policy_id, k[0]) for k in json.loads(groups) if not k[1]]
+            acked.update(keys)
+            if reason:
+                discarded[reason.lower()] += len(keys)
+            else:
+                trained[policy_id] += len(keys)
     return {
         "dispatched": sum(dispatched.values()),
         "with_outcome": dispatched.get(1, 0),
         "unfinished": dispatched.get(0, 0),
-        "acked_batches": sum(1 for _, s, _ in batches if s == "acked"),
+        "acked_batches": sum(1 for _, s, _, _ in batches if s == "acked"),
         "trained_keys": sum(trained.values()),
-        "trained_per_policy": dict(sorted(Counter(p for p, _ in trained.elements()).items())),
-        "duplicated": sum(n - 1 for n in trained.values() if n > 1),
+        "trained_per_policy": dict(sorted(trained.items())),
+        "discarded_keys": dict(sorted(discarded.items())),
+        "duplicated": sum(n - 1 for n in acked.values() if n > 1),
     }
 
 
@@ -77,14 +92,27 @@ def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
 
 
+def _per_key(counters: dict[str, int], prefix: str) -> dict[str, int]:
+    """Counters `<prefix>.<key>` by key."""
+    return {k.split(".", 1)[1]: n for k, n in counters.items() if k.startswith(prefix + ".")}
+
+
 def _trained_per_policy(state: dict[str, Any], counters: dict[str, int]) -> dict | None:
-    """Fresh groups each policy's trainer took a step on: Dataflow counters
-    `trained_groups.<policy>`; for a state directory from before them, the acknowledged
-    batches still in its table."""
-    counted = {
-        k.split(".", 1)[1]: n for k, n in counters.items() if k.startswith("trained_groups.")
-    }
+    """Fresh groups in each policy's trainer's weights: Dataflow counters
+    `trained_groups.<policy>` less `discarded_groups.<policy>` (the steps a trainer restart
+    lost); for a state directory from before them, the trained batches still in its table."""
+    trained, discarded = (
+        _per_key(counters, "trained_groups"),
+        _per_key(counters, "discarded_groups"),
+    )
+    counted = {p: n - discarded.get(p, 0) for p, n in trained.items()}
     return dict(sorted(counted.items())) if counted else state.get("trained_per_policy")
+
+
+def groups_discarded(counters: dict[str, int]) -> dict[str, int]:
+    """Acknowledged fresh groups not in the trainers' weights, by reason (Dataflow counters
+    `groups_discarded.<reason>`)."""
+    return dict(sorted(_per_key(counters, "groups_discarded").items()))
 
 
 def build_summary(
@@ -143,8 +171,11 @@ def build_summary(
         "random_baseline_accuracy": baseline.get("accuracy"),
         "random_baseline": baseline,
         "groups_dispatched": state.get("dispatched"),
-        "groups_trained": counters.get("consumed_groups", 0) - counters.get("untrained_groups", 0),
+        "groups_trained": counters.get("consumed_groups", 0)
+        - counters.get("untrained_groups", 0)
+        - counters.get("groups_discarded.trainer_restart", 0),
         "groups_untrained": counters.get("untrained_groups", 0),
+        "groups_discarded": groups_discarded(counters),
         "groups_lost": lost,
         "groups_duplicated": state.get("duplicated"),
         "groups_unfinished_at_end": state.get("unfinished"),
@@ -164,6 +195,7 @@ def build_summary(
                 "consumed_groups",
                 "consumed_trajectories",
                 "untrained_groups",
+                "groups_untrained_at_resume",
                 "batch_leases_expired",
                 "leases_expired",
                 "instances_confirmed_dead",
@@ -178,12 +210,17 @@ def build_summary(
             "accuracy_last10": "the same over the last 10 observed steps",
             "random_baseline_accuracy": baseline.get("method", ""),
             "groups_dispatched": "distinct groups handed to a RaaS at least once (work table)",
-            "groups_trained": "Dataflow counters consumed_groups - untrained_groups: groups in "
-            "acknowledged batches the trainer took a step on",
+            "groups_trained": "Dataflow counters consumed_groups - untrained_groups - "
+            "groups_discarded.trainer_restart: fresh groups of the acknowledged batches whose "
+            "steps are in the trainers' weights (each such step was published)",
             "groups_untrained": "Dataflow counter untrained_groups: groups in batches the trainer "
             "acknowledged without a step (refused, non-finite loss; AckBatch untrained_reason)",
-            "groups_trained_per_policy": "Dataflow counters trained_groups.<policy>: fresh "
-            "groups in acknowledged batches the trainer took a step on",
+            "groups_discarded": "Dataflow counters groups_discarded.<reason>: acknowledged fresh "
+            "groups not in the trainers' weights, by reason: trainer_restart (a step taken "
+            "after the checkpoint a restarted trainer continued from), or the AckBatch "
+            "untrained_reason in lower case; groups_trained + the sum = consumed_groups",
+            "groups_trained_per_policy": "Dataflow counters trained_groups.<policy> - "
+            "discarded_groups.<policy>: groups_trained of each policy",
             "accuracy_per_policy": "accuracy_first10/last10 over each policy's own steps",
             "groups_lost": "groups_dispatched - outcomes counted (completed + failed + malformed "
             "+ eval_groups counters, less the groups whose stored rollout was quarantined: "

@@ -118,6 +118,13 @@ class CheckpointConfig(_Strict):
     every_steps: int = Field(0, ge=0, description="Automatic checkpoint every N steps; 0: never.")
     keep_last: int = Field(3, ge=1, description="Checkpoints kept (older ones deleted).")
     resume: bool = Field(False, description="Continue from the newest checkpoint under dir.")
+    stop_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="On SIGTERM/SIGINT: how long the step in progress, the versions queued for "
+        "publishing and a checkpoint of the last step may take before the trainer exits "
+        "without that checkpoint. Keep it under the supervisor's supervision.stop_grace_s.",
+    )
 
 
 class TrainerConfig(_Strict):

@@ -82,6 +82,7 @@ class Trainer(StateMixin):
         self._paused_at = 0.0
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._fetching = False  # waiting for a batch: nothing taken yet that a stop must finish
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="astra-train")
         self._sync_loop: asyncio.AbstractEventLoop | None = None
         self._init_checkpoints()
@@ -209,7 +210,11 @@ class Trainer(StateMixin):
 
     async def _iteration(self) -> StepResult:
         t0 = time.perf_counter()
-        fetched = await self.feed.fetch(self.version + 1)
+        self._fetching = True
+        try:
+            fetched = await self.feed.fetch(self.version + 1)
+        finally:
+            self._fetching = False
         t_fetch = time.perf_counter()
         n_traj = len(fetched.trajectories)
         async with self.feed.leased(fetched):  # a step may outlast the batch's lease
@@ -306,6 +311,37 @@ class Trainer(StateMixin):
             self._sync_loop.run_until_complete(self.shutdown())
             self._sync_loop.close()
             self._sync_loop = None
+
+    async def stop(self, training: asyncio.Task, timeout_s: float) -> bool:
+        """Ends `training` (the task running `run_training_async`) on a SIGTERM: no new step
+        starts, the one in progress finishes (one still waiting for its batch is cancelled),
+        then what is queued is published and the last step checkpointed, so a resume
+        retakes nothing. All within `timeout_s`; True when that checkpoint was written."""
+        deadline = time.monotonic() + timeout_s
+        self.pause("stopping")
+        try:
+            if self._fetching:
+                training.cancel()
+            await asyncio.wait_for(self.wait_idle(), timeout_s)
+            training.cancel()
+            await asyncio.wait({training})
+            if not self.initialized or self.config.checkpoint.dir is None:
+                return False
+            if self.world_size > 1:  # the followers stop on torchrun's SIGTERM: no collective
+                log.warning("stopping with %d ranks: no checkpoint of step %d", self.world_size,
+                            self.step)  # fmt: skip
+                return False
+            left = max(0.0, deadline - time.monotonic())
+            await asyncio.wait_for(self.checkpoint_at_end(), left)
+            return True
+        except TimeoutError:
+            log.error(
+                "stopping: step %d and its checkpoint did not finish within %.1f s "
+                "(checkpoint.stop_timeout_s); a resume retakes the steps since the last one",
+                self.step,
+                timeout_s,
+            )
+            return False
 
     async def run_follower(self) -> None:
         """Ranks > 0: obey rank 0's plans until it stops (astra.trainer.ranks)."""

@@ -115,8 +115,14 @@ async def agree_version(
             # policy (after a restart the service may be on another port, and the address
             # Dataflow kept may be dead), and marked `resumed`: batches this trainer's last
             # run acknowledged past this version were never trained.
-            log.info("announcing version %d again (resumed), with this address", latest)
-            await source.announce(latest, str(latest), resumed=True)
+            # `resumed_from`: the weights it continues from; the batches of the steps after
+            # them are counted discarded (their groups are not in the weights any more).
+            log.info(
+                "announcing version %d again (resumed from version %d), with this address",
+                latest,
+                version,
+            )
+            await source.announce(latest, str(latest), resumed=True, resumed_from=version)
     known = max(latest if latest is not None else 0, current or 0)
     if latest is not None and version > known:
         # The checkpoint is of a version whose publish never completed (the trainer died

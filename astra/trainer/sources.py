@@ -54,7 +54,9 @@ class BatchSource(Protocol):
 
     async def current_version(self) -> int | None: ...
 
-    async def announce(self, version: int, identity: str, resumed: bool = False) -> None: ...
+    async def announce(
+        self, version: int, identity: str, resumed: bool = False, resumed_from: int | None = None
+    ) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -157,7 +159,9 @@ class DataflowSource:
             (p.current_version for p in status.policies if p.policy_id == self.policy_id), None
         )
 
-    async def announce(self, version: int, identity: str, resumed: bool = False) -> None:
+    async def announce(
+        self, version: int, identity: str, resumed: bool = False, resumed_from: int | None = None
+    ) -> None:
         try:
             await self.client.announce_version(
                 self.policy_id,
@@ -166,6 +170,7 @@ class DataflowSource:
                 version_id=identity,
                 trainer_id=self.trainer_id,
                 resumed=resumed,
+                resumed_from_version=resumed_from,
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:

@@ -153,7 +153,9 @@ class SyntheticSource:
     async def current_version(self) -> int | None:
         return self.version
 
-    async def announce(self, version: int, identity: str, resumed: bool = False) -> None:
+    async def announce(
+        self, version: int, identity: str, resumed: bool = False, resumed_from: int | None = None
+    ) -> None:
         if version not in (self.version, self.version + 1):
             raise ValueError(f"version {version} after {self.version}")
         self.version = version

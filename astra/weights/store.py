@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from astra.errors import FailedPrecondition, InvalidArgument, NotFound
+from astra.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from astra.weights.chain import Chain
 from astra.weights.checkpoint import LayoutChanged, write_delta, write_full
 from astra.weights.digest import SHA256, digest_of, kind_of
@@ -47,6 +47,7 @@ from astra.weights.records import (
 )
 from astra.weights.staging import staged_dir
 from astra.weights.store_cache import VersionCache, put_files
+from astra.weights.store_health import StoreHealth
 from astra.weights.store_lifecycle import StoreLifecycle
 from astra.weights.store_publish import StorePublishing, check_files
 from astra.weights.tensor_files import assemble
@@ -96,7 +97,7 @@ def _sha256_digest(record: VersionRecord, tensors: Mapping[str, Tensor]) -> str:
     return again.content_digest()
 
 
-class Store(StorePublishing, StoreLifecycle):
+class Store(StorePublishing, StoreLifecycle, StoreHealth):
     """Versions of every policy under one directory."""
 
     def __init__(self, root: str | Path, config: StoreConfig | None = None) -> None:
@@ -246,6 +247,17 @@ class Store(StorePublishing, StoreLifecycle):
             self.gc(policy)
             return record, False
 
+    def _delta_base(self, policy: str, head: VersionRecord) -> Path | None:
+        """The full copy of `head` to encode the next delta against; None when `head` is bad
+        (its stored forms damaged): the next version is then stored full, needing no base."""
+        if head.identity not in self.bad_versions(policy):
+            try:
+                return self.cache.full_dir(policy, head)
+            except DataLoss as exc:
+                self.mark_bad(policy, head.identity, exc.message)
+        log.warning("%s: %s is bad; the next version is stored full", policy, head.identity)
+        return None
+
     def _new_policy(self, policy: str) -> Chain:
         self.policy_dir(policy).mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.policy_dir(policy) / "policy.json", {"policy": policy})
@@ -266,9 +278,12 @@ class Store(StorePublishing, StoreLifecycle):
         """Writes versions/<identity>/ in one rename: the commit point of a publish."""
         durable, level, identity = self.config.durable, self.config.zstd_level, record.identity
         with staged_dir(self.version_dir(policy, identity), durable=durable) as stage:
+            base_full = self._delta_base(policy, head) if head is not None else None
             if head is not None:
                 record.base = head.identity
-                base_full = self.cache.full_dir(policy, head)
+            if head is not None and base_full is None:
+                full = True
+            if head is not None and base_full is not None:
                 done = frames[1] if frames is not None and frames[0] == head.identity else None
                 try:
                     written = write_delta(

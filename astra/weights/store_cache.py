@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from astra.errors import FailedPrecondition
+from astra.errors import DataLoss, FailedPrecondition
 from astra.weights.checkpoint import apply_delta, write_full
 from astra.weights.compose import compose_deltas
 from astra.weights.layout import Tensor, Version, extra_files
@@ -77,6 +77,11 @@ class VersionCache:
         work.mkdir(parents=True)
         return work
 
+    def drop(self, policy: str, path: Path) -> None:
+        """Drops a damaged entry: the next use builds it again from the stored versions."""
+        with self._lock(str(path)):
+            self._drop(policy, path)
+
     def _drop(self, policy: str, path: Path) -> None:
         """Removes an entry by renaming it out of sight first: a kill mid-delete leaves no torn entry."""
         trash = self._root(policy) / "tmp" / f"drop-{uuid.uuid4().hex[:12]}"
@@ -115,25 +120,45 @@ class VersionCache:
             root_rec = chain.records[root]
             work = self._work(policy)
             try:
-                delta = self._steps_delta(
-                    policy, record, root_rec.identity, chain.steps(root, i), work
-                )
-                out = work / "out"
-                durable = store.config.durable
-                apply_delta(
-                    store.version_dir(policy, root_rec.identity) / "full",
-                    delta,
-                    out,
-                    durable=durable,
-                )
-                with_files = store.read_files(policy, record)
-                for stale in extra_files_of(out):
-                    if stale.name not in with_files:
-                        stale.unlink()
-                put_files(out, with_files, durable=durable)
+                try:
+                    delta = self._steps_delta(
+                        policy, record, root_rec.identity, chain.steps(root, i), work
+                    )
+                    out = self._rebuild(policy, record, root_rec, delta, work)
+                except DataLoss as exc:
+                    # Named by the stored versions it was rebuilt from, not the work directory.
+                    sources = [store.version_dir(policy, root_rec.identity) / "full"]
+                    sources += [
+                        store.version_dir(policy, s) / "delta" for s in chain.steps(root, i)
+                    ]
+                    tensor = exc.metadata.get("tensor", "")
+                    raise DataLoss(
+                        f"version {record.identity!r} cannot be rebuilt: "
+                        f"{tensor or 'a tensor'} does not match its record after applying "
+                        f"{', '.join(map(str, sources))} ({exc.reason})",
+                        reason="VERSION_SOURCES_BAD",
+                        metadata={"identity": record.identity, "tensor": tensor},
+                    ) from exc
                 return self._publish(out, path)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
+
+    def _rebuild(
+        self, policy: str, record: VersionRecord, root_rec: VersionRecord, delta: Path, work: Path
+    ) -> Path:
+        """The full copy of `record` in `work`/out: its root's full copy with `delta` applied."""
+        store = self.store
+        out = work / "out"
+        durable = store.config.durable
+        apply_delta(
+            store.version_dir(policy, root_rec.identity) / "full", delta, out, durable=durable
+        )
+        with_files = store.read_files(policy, record)
+        for stale in extra_files_of(out):
+            if stale.name not in with_files:
+                stale.unlink()
+        put_files(out, with_files, durable=durable)
+        return out
 
     def _steps_delta(
         self,

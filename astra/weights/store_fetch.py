@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from astra.errors import DataLoss
 from astra.weights.chain import Plan
 from astra.weights.layout import Version
 from astra.weights.records import TensorRecord, VersionRecord
@@ -79,6 +80,7 @@ def open_source(
     """Plans and opens a fetch of `target_id` (empty: the current version)."""
     held = [h for h in held if h]
     target = store.get(policy, target_id) if target_id else store.current(policy)
+    store.check_not_bad(policy, target.identity)
     if receiver_id:
         store.register_receiver(policy, receiver_id, held)
     plan = store.chain(policy).plan(target.identity, held, store.config.max_chain)
@@ -98,6 +100,11 @@ def open_source(
             version.close()
             raise FormatError("encoded tensor is not in the target", tensor=unknown[0])
         files = store.read_files(policy, target)
+    except DataLoss as exc:
+        store.pin(policy, pins, -1)
+        if exc.reason == "VERSION_SOURCES_BAD":  # its stored forms: no rebuild can succeed
+            store.mark_bad(policy, target.identity, exc.message)
+        raise
     except BaseException:
         store.pin(policy, pins, -1)
         raise

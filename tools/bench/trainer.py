@@ -214,7 +214,9 @@ class FixedSource:
     async def current_version(self) -> int | None:
         return self.version
 
-    async def announce(self, version: int, identity: str, resumed: bool = False) -> None:
+    async def announce(
+        self, version: int, identity: str, resumed: bool = False, resumed_from: int | None = None
+    ) -> None:
         self.version = version
 
     async def close(self) -> None:

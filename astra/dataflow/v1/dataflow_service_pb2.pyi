@@ -196,16 +196,18 @@ class ExtendBatchLeaseResponse(_message.Message):
     def __init__(self, lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class AnnounceVersionRequest(_message.Message):
-    __slots__ = ("version", "weights_address", "trainer_id", "resumed")
+    __slots__ = ("version", "weights_address", "trainer_id", "resumed", "resumed_from_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: _version_pb2.PolicyVersion
     weights_address: str
     trainer_id: str
     resumed: bool
-    def __init__(self, version: _Optional[_Union[_version_pb2.PolicyVersion, _Mapping]] = ..., weights_address: _Optional[str] = ..., trainer_id: _Optional[str] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    resumed_from_version: int
+    def __init__(self, version: _Optional[_Union[_version_pb2.PolicyVersion, _Mapping]] = ..., weights_address: _Optional[str] = ..., trainer_id: _Optional[str] = ..., resumed: _Optional[bool] = ..., resumed_from_version: _Optional[int] = ...) -> None: ...
 
 class AnnounceVersionResponse(_message.Message):
     __slots__ = ("current_version", "already_announced")
