@@ -58,4 +58,4 @@ def test_the_observer_reads_trainer_step_lines_in_both_formats(restore_root, fmt
     )
     m = STEP_LINE.search(out.getvalue().encode())
     assert m is not None
-    assert m.groups() == (b"7", b"8", loss.encode(), skipped.encode())
+    assert m.groups() == (b"7", b"8", loss.encode(), skipped.encode(), None)

@@ -5,6 +5,7 @@ the RaaS's machine, which answers each submit INVALID_ARGUMENT "unknown reward".
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -49,6 +50,10 @@ def _detail(*instances: dict) -> dict:
 
 
 def test_refused_needs_every_active_raas_past_the_bound() -> None:
+    asyncio.run(_refused_needs_every_active_raas_past_the_bound())
+
+
+async def _refused_needs_every_active_raas_past_the_bound() -> None:
     obs = Observer(
         "127.0.0.1:1", {}, {}, Path("/dev/null"), num_steps=1, max_refused_in_a_row=3, live=False
     )
@@ -63,3 +68,4 @@ def test_refused_needs_every_active_raas_past_the_bound() -> None:
     assert refusal(_detail({**a, "refused_in_a_row": 0})) == ""
     obs.max_refused_in_a_row = 0
     assert obs.refused() is None
+    await obs.close()
