@@ -201,7 +201,11 @@ async def serve_trainer(config: TrainerConfig) -> None:
             await server.stop()
         if metrics is not None:
             metrics.shutdown()
-        await trainer.shutdown()
+        # Stopped by a signal: what is left to publish gets a bounded time (Dataflow or the
+        # WeightService may be gone with the supervisor), then the trainer exits anyway.
+        await trainer.shutdown(
+            drain_timeout_s=config.checkpoint.stop_timeout_s if stopper.done() else None
+        )
     log.info("trainer stopped at step %d, version %d", trainer.step, trainer.version)
     if isinstance(outcome, Exception):
         raise outcome

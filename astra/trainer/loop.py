@@ -135,12 +135,21 @@ class Trainer(StateMixin):
                 await self.publisher.drain()
         self.initialized = True
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, drain_timeout_s: float | None = None) -> None:
+        """Ends the trainer: what is queued is published first (within `drain_timeout_s`, when
+        given: on a stop, its receivers may be gone; what is left is logged and dropped)."""
         if self.rank == 0 and self.world_size > 1 and self.initialized:
             await self._compute(broadcast_object, {"kind": "stop"})
         if self.rank == 0 and self.initialized:
             try:
-                await self.publisher.drain()
+                await asyncio.wait_for(self.publisher.drain(), drain_timeout_s)
+            except TimeoutError:
+                log.error(
+                    "stopping: publishing did not finish within %.1f s; version %d may not be "
+                    "announced (a resume starts from the newest checkpoint)",
+                    drain_timeout_s,
+                    self.version,
+                )
             finally:
                 await self.publisher.close()
                 for part in (self.source, self.sink):
