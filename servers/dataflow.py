@@ -38,17 +38,21 @@ def _check_list(values, field: str) -> None:
         check_id(v, f"{field}[{i}]")
 
 
-def _versions(items) -> dict[str, int]:
+def _versions(items) -> tuple[dict[str, int], dict[str, str]]:
+    """(counter, identity) per policy claimed: an empty identity is the counter's decimal
+    form (the default identity), except with version 0, where it is the weights the
+    instance was started with (RegisterInstanceRequest.loaded_versions)."""
     if len(items) > MAX_LIST:
         raise invalid_field("loaded_versions", f"more than {MAX_LIST} entries")
-    out = {}
+    counters, ids = {}, {}
     for i, v in enumerate(items):
         check_id(v.policy_id, f"loaded_versions[{i}].policy_id")
         identity(v.version_id, f"loaded_versions[{i}].version_id", required=False)
         if v.version < 0:
             raise invalid_field(f"loaded_versions[{i}].version", "must be >= 0")
-        out[v.policy_id] = v.version
-    return out
+        counters[v.policy_id] = v.version
+        ids[v.policy_id] = v.version_id or (str(v.version) if v.version else "")
+    return counters, ids
 
 
 class DataflowServicer(pb_grpc.DataflowServiceServicer):
@@ -80,6 +84,7 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
             raise invalid_field("contract_version", f"longer than {MAX_ID_CHARS} characters")
         if len(request.incarnation) > MAX_ID_CHARS:
             raise invalid_field("incarnation", f"longer than {MAX_ID_CHARS} characters")
+        counters, ids = _versions(request.loaded_versions)
         already = await self.df.register(
             request.instance_id,
             request.address,
@@ -87,8 +92,9 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
             list(request.policy_ids),
             list(request.workflows),
             dict(request.labels),
-            _versions(request.loaded_versions),
+            counters,
             request.incarnation,
+            loaded_ids=ids,
         )
         resp = pb.RegisterInstanceResponse(already_registered=already)
         self._interval(resp)
@@ -100,11 +106,9 @@ class DataflowServicer(pb_grpc.DataflowServiceServicer):
             raise invalid_field("free_slots", "must be >= 0")
         if request.pending_results < 0:
             raise invalid_field("pending_results", "must be >= 0")
+        counters, ids = _versions(request.loaded_versions)
         self.df.heartbeat(
-            request.instance_id,
-            request.free_slots,
-            _versions(request.loaded_versions),
-            request.pending_results,
+            request.instance_id, request.free_slots, counters, request.pending_results, ids
         )
         resp = pb.HeartbeatInstanceResponse()
         self._interval(resp)

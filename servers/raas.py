@@ -49,6 +49,11 @@ MAX_WAIT_S = 30.0
 LOAD_TIMEOUT_S = 300.0
 
 
+def _differs(wanted: VersionSpec, held: VersionSpec) -> bool:
+    """True unless `wanted` is in service: the same counter and the same identity."""
+    return (wanted.version, wanted.version_id) != (held.version, held.version_id)
+
+
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
     """astra.raas.v1.RolloutService over one backend; `instance_id` is set before serving."""
 
@@ -77,9 +82,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.unavailable = ""
         self.counters: Counter[str] = Counter()
         self.metrics: Any = None  # astra.raas.metrics.RaasMetrics when /metrics is served
+        # What it holds at start: (0, "") is the weights it was started with, which are none
+        # of the trainer's versions until a LoadWeights names them (counter AND identity).
         start = initial_versions if initial_versions is not None else {}
         self._versions = {
-            p: VersionSpec(start.get(p, 0), str(start.get(p, 0))) for p in backend.policy_ids
+            p: VersionSpec(start[p], str(start[p])) if p in start else VersionSpec(0, "")
+            for p in backend.policy_ids
         }
         self._tasks: dict[str, asyncio.Task] = {}
         self._load_lock = asyncio.Lock()
@@ -92,6 +100,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @property
     def loaded_versions(self) -> dict[str, int]:
         return {p: v.version for p, v in self._versions.items()}
+
+    @property
+    def loaded_version_ids(self) -> dict[str, str]:
+        return {p: v.version_id for p, v in self._versions.items()}
 
     @property
     def free_slots(self) -> int:
@@ -275,10 +287,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             )
         if known is not None:
             return known[1]
-        if all(s.version <= self._versions[p].version for p, s in wanted.items()):
-            # Already in service (or newer): at once, without waiting behind a running load.
-            if any(s.version < self._versions[p].version for p, s in wanted.items()):
-                return await self._load(wanted, request.weights_address)  # the regression error
+        if any(s.version < self._versions[p].version for p, s in wanted.items()):
+            return await self._load(wanted, request.weights_address)  # the regression error
+        if not any(_differs(s, self._versions[p]) for p, s in wanted.items()):
+            # Already in service, by counter and identity: at once, without waiting behind a
+            # running load.
             return self._remember_load(request.request_id, asked, 0)
         started = time.perf_counter()
         try:
@@ -309,7 +322,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     def _swapped(self, versions: dict[str, VersionSpec]) -> None:
         """The engine serves `versions` now (even when the load call that asked timed out)."""
-        newer = {p: s for p, s in versions.items() if s.version > self._versions[p].version}
+        newer = {
+            p: s
+            for p, s in versions.items()
+            if s.version >= self._versions[p].version and _differs(s, self._versions[p])
+        }
         if newer:
             self._versions = {**self._versions, **newer}
 
@@ -330,7 +347,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                         reason="VERSION_REGRESSION",
                         metadata={"policy_id": p, "held_version": str(held)},
                     )
-            todo = {p: s for p, s in wanted.items() if s.version > self._versions[p].version}
+            todo = {p: s for p, s in wanted.items() if _differs(s, self._versions[p])}
             if not todo:
                 return 0
             try:

@@ -48,8 +48,10 @@ class InstanceView(Protocol):
 
 
 def _versions(view: InstanceView) -> list[version_pb2.PolicyVersion]:
+    """What it holds, by counter and identity (a view without identities: counters only)."""
+    ids = getattr(view, "loaded_version_ids", {})
     return [
-        version_pb2.PolicyVersion(policy_id=p, version=v)
+        version_pb2.PolicyVersion(policy_id=p, version=v, version_id=ids.get(p, ""))
         for p, v in sorted(view.loaded_versions.items())
     ]
 

@@ -428,6 +428,7 @@ class Dataflow(Ingesting, WeightSync):
         labels: dict[str, str],
         loaded_versions: dict[str, int],
         incarnation: str = "",
+        loaded_ids: dict[str, str] | None = None,
     ) -> bool:
         if not any(p in self.buffers for p in policy_ids):
             raise FailedPrecondition(
@@ -439,6 +440,7 @@ class Dataflow(Ingesting, WeightSync):
             instance_id, address, capacity, policy_ids, workflows, labels, loaded_versions,
             incarnation,
         )  # fmt: skip
+        self._claim(self.pool.instances[instance_id], loaded_ids)
         for other in replaced:
             self.counters["instances_confirmed_dead"] += 1
             log.warning("instance %s replaced at %s by %s: dead", other, address, instance_id)
@@ -458,9 +460,15 @@ class Dataflow(Ingesting, WeightSync):
         return already
 
     def heartbeat(
-        self, instance_id: str, free_slots: int, loaded: dict[str, int], pending: int
+        self,
+        instance_id: str,
+        free_slots: int,
+        loaded: dict[str, int],
+        pending: int,
+        loaded_ids: dict[str, str] | None = None,
     ) -> None:
         inst = self.pool.heartbeat(instance_id, free_slots, loaded, pending)
+        self._claim(inst, loaded_ids)
         inst.free_slots = max(0, free_slots)
         self._ensure_collector(instance_id)
         self.wake()
@@ -650,7 +658,7 @@ class Dataflow(Ingesting, WeightSync):
         def room(inst: Instance) -> int:
             out = []
             for p in floor:
-                u = min(inst.loaded_versions.get(p, -1), current[p])
+                u = min(inst.held(p), current[p])
                 last = u + eta - current[p]
                 if last < 0:  # below the floor: anything it generates would be too old
                     return 0

@@ -46,6 +46,11 @@ class Instance:
     labels: dict[str, str]
     port: RolloutPort
     loaded_versions: dict[str, int] = field(default_factory=dict)
+    # The identities it claims with them (PolicyVersion.version_id; "" with version 0: the
+    # weights it was started with), where it stated any, and the policies whose claimed
+    # identity is not the one announced for that version: they count as held by no version.
+    loaded_ids: dict[str, str] = field(default_factory=dict)
+    unverified: set[str] = field(default_factory=set)
     state: InstanceState = InstanceState.ACTIVE
     free_slots: int = 0
     pending_results: int = 0
@@ -65,6 +70,13 @@ class Instance:
     # Submits it refused as invalid in a row (0 after one it accepts), and the newest reason.
     refused_in_a_row: int = 0
     last_refusal: str = ""
+
+    def held(self, policy_id: str) -> int:
+        """The version of the policy it holds, as far as Dataflow can tell: -1 when none, or
+        when the identity it claims is not the announced one of that version."""
+        if policy_id in self.unverified:
+            return -1
+        return self.loaded_versions.get(policy_id, -1)
 
     def serves(
         self, workflow: str, policy_ids: Iterable[str], labels: dict[str, str] | None = None
@@ -292,9 +304,7 @@ class Pool:
                 continue
             if not inst.serves(workflow, wanted, labels):
                 continue
-            if min_versions and any(
-                inst.loaded_versions.get(p, -1) < v for p, v in min_versions.items()
-            ):
+            if min_versions and any(inst.held(p) < v for p, v in min_versions.items()):
                 continue
             out.append(inst)
         return out

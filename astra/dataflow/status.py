@@ -37,7 +37,8 @@ def dataflow_status(df: Dataflow) -> dict:
                 "in_flight_groups": len(i.in_flight),
                 "consecutive_failures": i.failures,
                 "loaded_versions": [
-                    {"policy_id": p, "version": v} for p, v in sorted(i.loaded_versions.items())
+                    {"policy_id": p, "version": v, "version_id": i.loaded_ids.get(p, "")}
+                    for p, v in sorted(i.loaded_versions.items())
                 ],
                 "labels": i.labels,
                 "last_seen_time": _rfc3339(seen),

@@ -6,6 +6,13 @@ that lacks its policies' targets gets one LoadWeights call for the whole set
 (the version barrier), retried after a backoff when it fails; a trainer that
 resumes at the current version has the off-policy count recomputed. Never
 imports gRPC.
+
+An instance holds a version by counter AND identity: one whose claimed identity
+(RegisterInstanceRequest.loaded_versions[].version_id) is not the one announced for
+that counter holds none of the policy's versions (`Instance.unverified`): it is sent
+the target even at the same counter, and gets no work under a version floor until it
+has loaded it. A claim of version 0 with no identity is the weights the instance was
+started with, never the trainer's version 0.
 """
 
 from __future__ import annotations
@@ -24,15 +31,30 @@ log = logging.getLogger("astra.dataflow.coordinator")
 
 
 class WeightSync:
+    def _claim(self: Dataflow, inst: Instance, loaded_ids: dict[str, str] | None) -> None:
+        """Takes the identities an instance claims (None: it stated none: counters only)."""
+        if loaded_ids is not None:
+            inst.loaded_ids = dict(loaded_ids)
+        self._verify(inst)
+
+    def _verify(self: Dataflow, inst: Instance) -> None:
+        """Marks the policies whose claimed identity is not the announced one of its version."""
+        inst.unverified = set()
+        for p, ident in inst.loaded_ids.items():
+            book = self.versions.policies.get(p)
+            v = inst.loaded_versions.get(p, -1)
+            announced = book.history.get(v) if book is not None else None
+            if v >= 0 and announced is not None and announced.version_id != ident:
+                inst.unverified.add(p)
+
     def _sync_weights(self: Dataflow) -> None:
         targets = self.versions.targets()
         for inst in self.pool.by_state(InstanceState.ACTIVE):
+            self._verify(inst)  # announcements since its claim may name its version
             want = {
                 p: a
                 for p, a in targets.items()
-                if p in inst.policy_ids
-                and a.weights_address
-                and inst.loaded_versions.get(p, -1) < a.version
+                if p in inst.policy_ids and a.weights_address and inst.held(p) < a.version
             }
             running = self._loads.get(inst.instance_id)
             if not want or (running is not None and not running.done()):
@@ -54,6 +76,10 @@ class WeightSync:
         try:
             held = await inst.port.load_weights(versions, request_id)
             inst.loaded_versions.update(held)
+            for p, a in want.items():
+                if p in inst.loaded_ids and held.get(p) == a.version:  # counter and identity
+                    inst.loaded_ids[p] = a.version_id
+            self._verify(inst)
             self.counters["weight_loads"] += 1
             # The instance may now pass the version floor (with eta = 0, the only way work
             # for a new version starts): dispatch now, not at the next heartbeat or poll.

@@ -11,8 +11,11 @@ issues TLS credentials, ASTRA_TLS_DIR names the child's directory.
 Each argument may hold these placeholders, filled in per RaaS: {dataflow} (Dataflow's
 address), {instance_id}, {capacity}, {state_dir} (a directory of its own under the run),
 {run_dir}, {policy} / {workflow} (the first it serves), {policies} / {workflows} (all of
-them, comma-separated). `{{` and `}}` are literal braces. Labels in the entry are what the
-run routes by and shows; the command passes them to its process itself.
+them, comma-separated), {labels} (the entry's labels as `k=v,k=v`, sorted by key, empty
+when it has none: what the RaaS registers with, RegisterInstanceRequest.labels). `{{` and
+`}}` are literal braces. Labels are what the run routes by and shows; a command that takes
+{labels} needs labels whose keys hold no `=` or `,` and whose values hold no `,` (refused
+when the recipe loads), so that the text splits back into the same pairs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ PLACEHOLDERS = (
     "policies",
     "workflow",
     "workflows",
+    "labels",
 )
 
 
@@ -57,6 +61,25 @@ def check_command(command: Sequence[str]) -> None:
                 raise ValueError(
                     f"command[{i}] {arg!r}: a placeholder takes no format or conversion"
                 )
+
+
+def labels_text(labels: Mapping[str, str]) -> str:
+    """The {labels} placeholder: `k=v,k=v`, sorted by key ("" without labels)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def check_labels(command: Sequence[str], labels: Mapping[str, str]) -> None:
+    """Raises ValueError for a label that {labels} could not carry unambiguously (only when
+    the command takes {labels})."""
+    fields = {f for arg in command for _, f, _, _ in string.Formatter().parse(arg)}
+    if "labels" not in fields:
+        return
+    for k, v in sorted(labels.items()):
+        if "=" in k or "," in k or "," in v:
+            raise ValueError(
+                f"labels[{k}]: the command takes {{labels}} (k=v,k=v): a key may not hold "
+                "'=' or ',', nor a value ','"
+            )
 
 
 def fill(command: Sequence[str], values: Mapping[str, object]) -> list[str]:

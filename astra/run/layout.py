@@ -378,6 +378,7 @@ def raas_spec_command(
                 "policies": ",".join(policies),
                 "workflow": workflows[0] if workflows else "",
                 "workflows": ",".join(workflows),
+                "labels": external.labels_text(spec.labels),
             },
         )
     model = spec.model or next(p.model for p in recipe.policies if p.id == policies[0])

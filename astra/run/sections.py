@@ -19,7 +19,7 @@ from astra.dataflow.config import (
     DataflowConfig,
     SamplingSettings,
 )
-from astra.run.external import check_command
+from astra.run.external import check_command, check_labels
 from astra.trainer.config import LossConfig, OptimConfig, PublishConfig
 
 RUN_OWNED_DATAFLOW_FIELDS = frozenset({"host", "port", "state_dir", "policies", "streams"})
@@ -191,6 +191,7 @@ class RaasSpec(_Strict):
         if not self.command:
             return self
         check_command(self.command)
+        check_labels(self.command, self.labels)
         fields = type(self).model_fields
         built_in = [
             name

@@ -38,6 +38,12 @@ class DataflowServiceStub:
     Errors carry a google.rpc.ErrorInfo (domain "astra.dataflow.v1") and, for
     validation failures, a google.rpc.BadRequest naming each bad field.
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
+    A field is named as a path from the request message (ErrorInfo metadata
+    "field" and BadRequest.field_violations[].field): proto field names joined
+    by ".", a repeated field's element as name[index] (zero-based), a map's
+    entry as name[key] (unquoted), e.g. "loaded_versions[0].version",
+    "version.version_id", "labels[region]"; a rule on a whole list or map
+    names the field itself.
 
     Size limits: a request is at most 64 MiB. A batch is split over several
     FetchBatch response messages of whole groups, each at most 8 MiB unless a
@@ -135,6 +141,12 @@ class DataflowServiceServicer:
     Errors carry a google.rpc.ErrorInfo (domain "astra.dataflow.v1") and, for
     validation failures, a google.rpc.BadRequest naming each bad field.
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
+    A field is named as a path from the request message (ErrorInfo metadata
+    "field" and BadRequest.field_violations[].field): proto field names joined
+    by ".", a repeated field's element as name[index] (zero-based), a map's
+    entry as name[key] (unquoted), e.g. "loaded_versions[0].version",
+    "version.version_id", "labels[region]"; a rule on a whole list or map
+    names the field itself.
 
     Size limits: a request is at most 64 MiB. A batch is split over several
     FetchBatch response messages of whole groups, each at most 8 MiB unless a
@@ -173,6 +185,17 @@ class DataflowServiceServicer:
 
         Called by a RaaS at start-up and again whenever HeartbeatInstance answers
         NOT_FOUND (Dataflow restarted or removed the instance).
+
+        Versions: Dataflow takes `loaded_versions` (and every heartbeat's) as
+        what the instance holds, by counter AND identity, and sends it
+        LoadWeights for the policy's target (the newest announced version,
+        under the version barrier) whenever the counter it claims is lower OR
+        its identity is not the one announced for that counter. Until such an
+        instance holds the target, a stream whose version floor
+        (gate.max_offpolicyness) excludes it gives it no work: with
+        max_offpolicyness 0, nothing is generated on weights other than the
+        trainer's. Before any version of a policy is announced, instances
+        generate with what they hold (their tokens carry its counter).
 
         Errors: INVALID_ARGUMENT (missing instance_id, address, or capacity < 1;
         reason INVALID_FIELD), FAILED_PRECONDITION (the instance serves no policy
@@ -374,6 +397,12 @@ class DataflowService:
     Errors carry a google.rpc.ErrorInfo (domain "astra.dataflow.v1") and, for
     validation failures, a google.rpc.BadRequest naming each bad field.
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
+    A field is named as a path from the request message (ErrorInfo metadata
+    "field" and BadRequest.field_violations[].field): proto field names joined
+    by ".", a repeated field's element as name[index] (zero-based), a map's
+    entry as name[key] (unquoted), e.g. "loaded_versions[0].version",
+    "version.version_id", "labels[region]"; a rule on a whole list or map
+    names the field itself.
 
     Size limits: a request is at most 64 MiB. A batch is split over several
     FetchBatch response messages of whole groups, each at most 8 MiB unless a

@@ -38,6 +38,15 @@ class RolloutServiceStub:
 
     Errors carry a google.rpc.ErrorInfo (domain "astra.raas.v1");
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
+    A field named in an error (ErrorInfo metadata "field", and
+    BadRequest.field_violations[].field) is a path from the request message:
+    proto field names (snake_case, as in the .proto) joined by ".", an
+    element of a repeated field as name[index] (zero-based), an entry of a
+    map as name[key] (the key as is, unquoted), e.g. "groups[0].reward",
+    "groups[2].sampling_params.max_new_tokens", "versions[1].version_id",
+    "policy_weights_addresses[policy-a]". A rule on a whole list or map
+    (its length, an id listed twice) names the field itself ("groups",
+    "group_ids").
     Size limits: a request is at most 64 MiB; one CollectResults message
     carries one group and is at most 64 MiB.
 
@@ -119,6 +128,15 @@ class RolloutServiceServicer:
 
     Errors carry a google.rpc.ErrorInfo (domain "astra.raas.v1");
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
+    A field named in an error (ErrorInfo metadata "field", and
+    BadRequest.field_violations[].field) is a path from the request message:
+    proto field names (snake_case, as in the .proto) joined by ".", an
+    element of a repeated field as name[index] (zero-based), an entry of a
+    map as name[key] (the key as is, unquoted), e.g. "groups[0].reward",
+    "groups[2].sampling_params.max_new_tokens", "versions[1].version_id",
+    "policy_weights_addresses[policy-a]". A rule on a whole list or map
+    (its length, an id listed twice) names the field itself ("groups",
+    "group_ids").
     Size limits: a request is at most 64 MiB; one CollectResults message
     carries one group and is at most 64 MiB.
 
@@ -175,7 +193,8 @@ class RolloutServiceServicer:
 
     def CollectResults(self, request, context):
         """Streams finished results, one group per message, that have not been
-        acknowledged, oldest first, at most `max_groups`. If none is ready the
+        acknowledged, oldest first (in the order they finished), at most
+        `max_groups`. If none is ready the
         call waits up to `max_wait` (at most 30 s: a longer one is
         INVALID_ARGUMENT) and then ends with OK and no message. Results are not
         removed: a result stays and is sent again on the next call until
@@ -196,7 +215,13 @@ class RolloutServiceServicer:
 
     def CancelGroups(self, request, context):
         """Stops groups that are no longer needed (dispatched again elsewhere).
-        Idempotent; unknown ids are ignored. Cancelled groups produce no result.
+        Idempotent; unknown ids are ignored. Cancelled groups produce no result
+        and free their slots at once. Only running groups are cancelled: a group
+        that already finished keeps its result, sent on every CollectResults
+        until AckResults names it, like any other (Dataflow keeps the first
+        result of a group and drops the others as duplicates), and is not
+        counted in `cancelled`. A cancelled group_id submitted again is run
+        again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -212,6 +237,15 @@ class RolloutServiceServicer:
         request_id of a successful load, reused for other versions, is
         INVALID_ARGUMENT, reason REQUEST_ID_REUSED. Dataflow retries every
         failed load with backoff, with the same request_id.
+
+        "Already loaded" means by counter AND identity: a policy is loaded when
+        the RaaS serves the same `version` with the same `version_id` (an empty
+        version_id in the request is the decimal form of `version`). The same
+        counter under another identity is not loaded: the RaaS fetches it and
+        swaps to it (not VERSION_REGRESSION), so a RaaS that started on its own
+        weights, holding (0, ""), fetches the trainer's (0, "0") when told to.
+        A load that finds every version already loaded returns at once with
+        fetched_bytes 0, without calling the WeightService.
 
         In-flight sequences either finish on the old version or continue on the
         new one (the RaaS's configuration); every token records its version. A
@@ -311,6 +345,15 @@ class RolloutService:
 
     Errors carry a google.rpc.ErrorInfo (domain "astra.raas.v1");
     RESOURCE_EXHAUSTED and UNAVAILABLE carry a google.rpc.RetryInfo.
+    A field named in an error (ErrorInfo metadata "field", and
+    BadRequest.field_violations[].field) is a path from the request message:
+    proto field names (snake_case, as in the .proto) joined by ".", an
+    element of a repeated field as name[index] (zero-based), an entry of a
+    map as name[key] (the key as is, unquoted), e.g. "groups[0].reward",
+    "groups[2].sampling_params.max_new_tokens", "versions[1].version_id",
+    "policy_weights_addresses[policy-a]". A rule on a whole list or map
+    (its length, an id listed twice) names the field itself ("groups",
+    "group_ids").
     Size limits: a request is at most 64 MiB; one CollectResults message
     carries one group and is at most 64 MiB.
 
