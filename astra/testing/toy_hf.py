@@ -27,7 +27,23 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-WORDS = "the answer is what sum of and plus minus times number reverse word letters please".split()
+WORDS = [
+    "the",
+    "answer",
+    "is",
+    "what",
+    "sum",
+    "of",
+    "and",
+    "plus",
+    "minus",
+    "times",
+    "number",
+    "reverse",
+    "word",
+    "letters",
+    "please",
+]
 
 
 def corpus(n: int = 2000, seed: int = 0) -> list[str]:
