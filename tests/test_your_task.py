@@ -204,3 +204,14 @@ def test_hf_cpu_runs_a_toy_hf_model_from_the_model_page(tmp_path: Path) -> None:
     recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
     assert recipe["streams"][0]["workflow"] == "chat"
     assert recipe["policies"][0]["model"] == str(model)
+
+
+def test_a_workflow_path_that_does_not_import_is_refused_at_start_up() -> None:
+    from astra.run.preflight import PreflightError, check
+    from astra.run.recipe import load_recipe
+
+    with pytest.raises(PreflightError) as info:  # a package not on PYTHONPATH
+        check(load_recipe(None, ["streams.0.workflow=not_on_path.workflows:Flow"]))
+    message = str(info.value)
+    assert message.startswith("streams.0.workflow=not_on_path.workflows:Flow: unknown workflow")
+    assert "No module named 'not_on_path'" in message and "PYTHONPATH" in message

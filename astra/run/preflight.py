@@ -67,7 +67,12 @@ def check_plugins(recipe: Recipe) -> None:
     for i, stream in enumerate(recipe.streams):
         try:
             workflow = get_workflow(stream.workflow)
-        except UnknownWorkflow:
+        except UnknownWorkflow as exc:
+            if "." in stream.workflow or ":" in stream.workflow:  # a dotted path: say why
+                raise PreflightError(
+                    f"streams.{i}.workflow={stream.workflow}: {exc}. Is its package on "
+                    "PYTHONPATH (recipe `env:`)?"
+                ) from None
             raise PreflightError(
                 f"streams.{i}.workflow={stream.workflow}: no such workflow."
                 + _did_you_mean(stream.workflow, known_workflows())
