@@ -3,13 +3,16 @@
 Rewards, workflows, tools and Dataflow buffer filters each keep one. Built-ins register with a
 decorator at import; third-party packages declare an entry point in the
 registry's group (`astra.rewards`, `astra.workflows`, `astra.tools`, `astra.filters`) and are
-loaded the first time their name is asked for. A name that is neither raises
+loaded the first time their name is asked for. `resolve` also takes a dotted path,
+`package.module:attribute` (or `package.module.attribute`), imported on first use: a
+module on PYTHONPATH is enough, nothing to install. A name that is none of these raises
 the registry's lookup error listing every known name. This module imports no
 plugin by itself and never touches the network.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -41,6 +44,7 @@ class Registry(Generic[T]):
         self.error = error
         self._items: dict[str, T] = {}
         self._broken: dict[str, str] = {}
+        self._by_path: dict[str, T] = {}  # dotted paths already imported
 
     def register(self, name: str, *, replace: bool = False) -> Callable[[T], T]:
         """Decorator registering its target under `name`; a second, different target raises."""
@@ -77,6 +81,31 @@ class Registry(Generic[T]):
         obj = self.find(name)
         if obj is None:
             raise self.missing(name)
+        return obj
+
+    def resolve(self, name: str) -> T:
+        """`name` registered, from a plugin, else imported as a dotted path `pkg.mod:attr` or
+        `pkg.mod.attr`; the lookup error says why a path did not resolve (the module does not
+        import, has no such attribute) and lists the known names."""
+        obj = self._by_path.get(name) or self.find(name)
+        if obj is not None:
+            return obj
+        if "." not in name and ":" not in name:
+            raise self.missing(name)
+        module_name, sep, attr = name.partition(":")
+        if not sep:
+            module_name, _, attr = name.rpartition(".")
+        if not module_name or not attr:
+            raise self.missing(name, " (not a valid dotted path)")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:  # a user module may fail in any way while importing
+            why = f" (cannot import {module_name}: {type(exc).__name__}: {exc})"
+            raise self.missing(name, why) from exc
+        obj = getattr(module, attr, None)
+        if obj is None or not callable(obj):
+            raise self.missing(name, f" ({module_name} has no callable {attr!r})")
+        self._by_path[name] = obj
         return obj
 
     def missing(self, name: str, extra: str = "") -> UnknownName:

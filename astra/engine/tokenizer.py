@@ -27,6 +27,7 @@ class CharTokenizer:
     """Character-level tokenizer over newline + printable ASCII; encode adds no specials."""
 
     pad_id, bos_id, eos_id, unk_id = 0, 1, 2, 3
+    chat_template = None
     specials = ("<pad>", "<bos>", "<eos>", "<unk>")
     chars = "\n" + "".join(chr(c) for c in range(32, 127))
     vocab_size = len(specials) + len(chars)  # 100
@@ -53,9 +54,10 @@ class CharTokenizer:
 class HFTokenizer:
     """A `tokenizers.Tokenizer` from tokenizer.json behind the api.Tokenizer protocol."""
 
-    def __init__(self, tokenizer: Any, eos_id: int) -> None:
+    def __init__(self, tokenizer: Any, eos_id: int, chat_template: Any = None) -> None:
         self._tok = tokenizer
         self.eos_id = eos_id
+        self.chat_template = chat_template  # astra.engine.chat.ChatTemplate, or None
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
@@ -110,5 +112,14 @@ def load_tokenizer(path: str | os.PathLike[str]) -> CharTokenizer | HFTokenizer:
             reason="TOKENIZERS_NOT_INSTALLED",
             metadata={"path": str(directory)},
         ) from exc
-    tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-    return HFTokenizer(tokenizer, _eos_id(directory, tokenizer))
+    from astra.engine.chat import load_chat_template
+
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    except Exception as exc:  # tokenizers raises a bare Exception for a damaged file
+        raise FailedPrecondition(
+            f"{directory}/tokenizer.json cannot be read: {exc}",
+            reason="BAD_TOKENIZER",
+            metadata={"path": str(directory)},
+        ) from None
+    return HFTokenizer(tokenizer, _eos_id(directory, tokenizer), load_chat_template(directory))

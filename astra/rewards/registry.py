@@ -11,7 +11,6 @@ are synchronous and may block (subprocesses); workflows run them in a thread.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from collections.abc import Callable
@@ -40,7 +39,6 @@ class Scored(float):
 
 
 REWARDS: Registry[Callable[..., float]] = Registry("reward", "astra.rewards", UnknownReward)
-_BY_PATH: dict[str, Callable[..., float]] = {}  # dotted paths already imported
 
 
 def register_reward(name: str, *, replace: bool = False) -> Callable[[Callable], Callable]:
@@ -58,26 +56,7 @@ def get_reward(name: str) -> Callable[..., float]:
     Raises UnknownReward with the reason (module not importable, attribute
     missing, not callable) and the known names.
     """
-    fn = _BY_PATH.get(name) or REWARDS.find(name)
-    if fn is not None:
-        return fn
-    if "." not in name and ":" not in name:
-        raise REWARDS.missing(name)
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        module_name, _, attr = name.rpartition(".")
-    if not module_name or not attr:
-        raise REWARDS.missing(name, " (not a valid dotted path)")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # a user module may fail in any way while importing
-        why = f" (cannot import {module_name}: {type(exc).__name__}: {exc})"
-        raise REWARDS.missing(name, why) from exc
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise REWARDS.missing(name, f" ({module_name} has no callable {attr!r})")
-    _BY_PATH[name] = fn
-    return fn
+    return REWARDS.resolve(name)
 
 
 def score(

@@ -11,7 +11,8 @@ key, the value and the fix. Checked, in turn:
 - every workflow and every reward a stream uses resolves (a built-in name, an
   entry point or a dotted path), with "did you mean" for a near miss;
 - every policy's and RaaS's model is `tiny` or a directory with config.json of a
-  supported architecture, safetensors weights and a tokenizer;
+  supported architecture, safetensors weights and a tokenizer (with a chat template
+  when a stream's workflow is chat-shaped, like `chat`);
 - every data file (dataset.path, warmup.path, eval.path) is readable JSONL or
   Parquet and its records have the fields the run reads (`prompt`, and what a
   built-in reward or the warm-up reads: `answer`, or `numbers` and `target`);
@@ -66,7 +67,12 @@ def check_plugins(recipe: Recipe) -> None:
     for i, stream in enumerate(recipe.streams):
         try:
             workflow = get_workflow(stream.workflow)
-        except UnknownWorkflow:
+        except UnknownWorkflow as exc:
+            if "." in stream.workflow or ":" in stream.workflow:  # a dotted path: say why
+                raise PreflightError(
+                    f"streams.{i}.workflow={stream.workflow}: {exc}. Is its package on "
+                    "PYTHONPATH (recipe `env:`)?"
+                ) from None
             raise PreflightError(
                 f"streams.{i}.workflow={stream.workflow}: no such workflow."
                 + _did_you_mean(stream.workflow, known_workflows())
@@ -131,6 +137,18 @@ def check_models(recipe: Recipe) -> None:
     for i, spec in enumerate(recipe.raas):
         if spec.model and not spec.command and (why := model_problem(spec.model)):
             raise PreflightError(f"raas.{i}.model={spec.model}: {why}")
+    from astra.engine.chat import has_chat_template
+    from astra.workflows.registry import get_workflow
+
+    for i, stream in enumerate(recipe.streams):  # a chat workflow needs the model's template
+        if getattr(get_workflow(stream.workflow), "chat", False):
+            for p in (p for p in recipe.policies if p.id in recipe.stream_policies(stream)):
+                if not has_chat_template(p.model):
+                    raise PreflightError(
+                        f"streams.{i}.workflow={stream.workflow}: the model of policy {p.id} "
+                        f"({p.model}) has no chat template; give a model with one, or use "
+                        "workflow single_turn (the prompt as it is)"
+                    )
 
 
 def _check_file(key: str, path: str, fields: tuple[str, ...]) -> None:

@@ -1,11 +1,12 @@
 """Workflows: how one prompt becomes one scored episode, found by name.
 
-Built-ins: single_turn (RLVR), multi_turn_tools (calculator and Python
+Built-ins: single_turn (RLVR), chat (single_turn through the model's chat
+template), multi_turn_tools (calculator and Python
 sandbox tools), multi_agent (solver and verifier). Plugins: entry-point group
 `astra.workflows` (workflows) and `astra.tools` (tools).
 """
 
-from astra.workflows import multi_agent, multi_turn, single_turn
+from astra.workflows import chat, multi_agent, multi_turn, single_turn
 from astra.workflows.base import (
     RewardFailed,
     Workflow,
@@ -34,6 +35,7 @@ __all__ = [
     "UnknownWorkflow",
     "Workflow",
     "WorkflowContext",
+    "chat",
     "get_workflow",
     "known_workflows",
     "multi_agent",

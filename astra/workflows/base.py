@@ -79,6 +79,24 @@ class WorkflowContext:
             return [int(t) for t in self.group.prompt_token_ids]
         return list(self.tokenizer(policy_id).encode(self.group.prompt_text))
 
+    def chat_prompt_ids(
+        self, policy_id: str, messages: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt through the policy's chat template (astra.engine.chat), as token ids.
+
+        `messages` default to the record's one-turn conversation: its optional `system`
+        field, then the prompt as the user's message. The assistant's turn is left open for
+        the model. A tokenizer without a template raises ValueError (the episode fails,
+        saying so; `astra run` refuses such a recipe at start-up).
+        """
+        from astra.engine.chat import render_chat, user_messages
+
+        if messages is None:
+            system = self.record.get("system")
+            messages = user_messages(self.prompt_text(policy_id), system if system else None)
+        tokenizer = self.tokenizer(policy_id)
+        return list(tokenizer.encode(render_chat(tokenizer, messages)))
+
     def prompt_text(self, policy_id: str) -> str:
         """The prompt as text (decoded when only token ids were shipped)."""
         if self.group.prompt_text or self.group.prompt_token_ids is None:

@@ -1,5 +1,6 @@
 """Workflows by name: built-ins registered with `register_workflow`, plugins from the
-entry-point group `astra.workflows`.
+entry-point group `astra.workflows`, or a dotted path `package.module:Name` to any
+importable workflow (a module on PYTHONPATH, e.g. through a recipe's `env:`).
 
 A registered (or entry-point) object is a `Workflow` class (instantiated
 without arguments), a `Workflow` instance, or an `async def run(ctx)`
@@ -64,8 +65,9 @@ def as_workflow(obj: Any, name: str = "?") -> Workflow:
 
 
 def get_workflow(name: str) -> Workflow:
-    """A `Workflow` for `name`; raises UnknownWorkflow (listing the known names) or TypeError."""
-    return as_workflow(WORKFLOWS.get(name), name)
+    """A `Workflow` for `name` (or a dotted path); raises UnknownWorkflow (listing the known
+    names, and why a path did not import) or TypeError."""
+    return as_workflow(WORKFLOWS.resolve(name), name)
 
 
 def known_workflows() -> tuple[str, ...]:

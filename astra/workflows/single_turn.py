@@ -17,11 +17,17 @@ from astra.workflows.registry import register_workflow
 
 @register_workflow("single_turn")
 class SingleTurn:
+    """The prompt text as it is (completion style): what a base model or the char tokenizer
+    continues."""
+
     default_reward = "numeric"
+
+    def prompt_ids(self, ctx: WorkflowContext, policy_id: str) -> list[int]:
+        return ctx.prompt_ids(policy_id)
 
     async def run(self, ctx: WorkflowContext) -> TrajectorySpec:
         policy_id = ctx.group.policy_ids[0]
-        seq = SequenceBuilder(policy_id, ctx.prompt_ids(policy_id))
+        seq = SequenceBuilder(policy_id, self.prompt_ids(ctx, policy_id))
         gen = await ctx.engine.generate(policy_id, list(seq.token_ids), ctx.sampling())
         seq.add_generation(gen)
         completion = generated_text(gen, ctx.tokenizer(policy_id))
