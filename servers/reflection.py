@@ -12,6 +12,7 @@ messages, enums, enum values, fields, services and methods. Files it does not ho
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator, Iterable
 from importlib.resources import files
@@ -76,7 +77,9 @@ class Contracts:
         return out
 
 
+@functools.cache
 def load_contracts() -> Contracts:
+    """The contracts, read and indexed once per process (every server of it shares them)."""
     return Contracts(files("astra.servers").joinpath("contracts.binpb").read_bytes())
 
 

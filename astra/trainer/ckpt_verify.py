@@ -13,7 +13,6 @@ Imports neither torch nor gRPC (the supervisor reads steps with it).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -22,13 +21,13 @@ from pathlib import Path
 from astra.damage import Damaged
 from astra.weights.checksum import adler32_hex
 from astra.weights.layout import SHARD_SUFFIX, Version
+from astra.weights.records import sha256_file
 from astra.weights.safetensors_io import FormatError
 
 PREFIX = "step-"
 DIGESTS = "digests.json"
 FORMAT = "astra-checkpoint-digests/1"
 MODEL = "model"
-_CHUNK = 1 << 22
 FIX = "move it aside (or delete it); a resume starts from the previous good checkpoint"
 
 
@@ -39,14 +38,6 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
     return sorted(found, key=lambda p: p.name)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _files(directory: Path) -> list[str]:
@@ -66,7 +57,7 @@ def write_digests(directory: Path) -> None:
     body = {
         "format": FORMAT,
         "tensors": tensors,
-        "files": {name: _sha256(directory / name) for name in _files(directory)},
+        "files": {name: sha256_file(directory / name) for name in _files(directory)},
     }
     with open(directory / DIGESTS, "w") as f:
         json.dump(body, f, indent=1, sort_keys=True)
@@ -117,7 +108,7 @@ def verify(directory: str | os.PathLike[str]) -> None:
         path = directory / name
         if not path.is_file():
             raise Damaged(path, "missing", FIX)
-        if _sha256(path) != digest:
+        if sha256_file(path) != digest:
             raise Damaged(path, f"SHA-256 differs from {DIGESTS}", FIX)
 
 
