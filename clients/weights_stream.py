@@ -52,6 +52,7 @@ MAX_QUEUED_BYTES = 64 << 20  # chunk bytes read but not yet written to the stage
 FINISH_WORKERS = max(2, min(4, os.cpu_count() or 1))  # decode + fsync of completed tensors
 ENCODINGS = {pb.TENSOR_ENCODING_RAW: "raw", pb.TENSOR_ENCODING_XOR_ZSTD: "xor_zstd"}
 UNARY_TIMEOUT_S = 30.0  # ListVersions and the like, within the fetch deadline
+REFUSAL_WAIT_S = 10.0  # for the service to act on a refused tensor before hanging up
 
 
 class StreamStalled(Unavailable):
@@ -311,6 +312,14 @@ class Receiver:
                 if task is not None:
                     task.uncancel()
                 raise pipe.error from None
+            except DataLoss:
+                if pipe.refused:
+                    await self._hear_refusal(call, deadline)
+                raise
+            except grpc.aio.AioRpcError:
+                if pipe.error is not None:  # the service ended the stream on our refusal
+                    raise pipe.error from None
+                raise
             await call.done_writing()
         finally:
             if done is None:
@@ -343,6 +352,21 @@ class Receiver:
             0,
             memory,
         )
+
+    async def _hear_refusal(self, call: Any, deadline: float) -> None:
+        """Waits (bounded) for the service to end the stream after a refused tensor.
+
+        The service acts on the refusal (drops a damaged cache entry, marks a bad
+        version) before it ends the stream; hanging up at once could cut it off,
+        and the next attempt would be served the same damaged bytes.
+        """
+        end = min(deadline, time.monotonic() + REFUSAL_WAIT_S)
+        with contextlib.suppress(Exception):
+            await call.done_writing()
+            while time.monotonic() < end:
+                msg = await asyncio.wait_for(call.read(), end - time.monotonic())
+                if msg is grpc.aio.EOF:
+                    return
 
     async def _receive(
         self, call: Any, pipe: _Pipeline, stage: Any, base: Any, started: float
@@ -396,6 +420,7 @@ class _Pipeline:
 
     def __init__(self, call: Any) -> None:
         self.call, self.error = call, None
+        self.refused = False  # a refusing TensorAck reached the stream
         self.loop = asyncio.get_running_loop()
         self.reader = asyncio.current_task()
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="fetch-write")
@@ -450,7 +475,10 @@ class _Pipeline:
             nack.status.code, nack.status.message = 15, exc.message  # DATA_LOSS
             with contextlib.suppress(Exception):
                 await self._send(nack)
-            self._fail(exc)
+                self.refused = True
+            # Once refused, the read goes on: the service acts on the refusal, then ends the
+            # stream with DATA_LOSS. Cancelling the read would cancel the call at once.
+            self._fail(exc, hang_up=not self.refused)
             return
         except BaseException as exc:  # raised by the reading task
             self._fail(exc)
@@ -467,10 +495,10 @@ class _Pipeline:
             await self.call.write(pb.FetchVersionRequest(ack=ack))
         self.last_progress = time.monotonic()
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, hang_up: bool = True) -> None:
         if self.error is None:
             self.error = exc
-            if self.reader is not None:
+            if hang_up and self.reader is not None:
                 self.reader.cancel()
 
     async def drain(self) -> None:

@@ -214,6 +214,17 @@ async def fetch_stream(
             served = source.version.path
             await asyncio.to_thread(store.refused, start.policy_id, target.identity, served, tensor)
         raise
+    except asyncio.CancelledError:
+        # The receiver hung up: a refusal it sent first is still acted on (off the loop).
+        refusal = reader.error if reader is not None else None
+        if isinstance(refusal, DataLoss) and refusal.reason == "CHECKSUM_MISMATCH":
+            tensor = refusal.metadata.get("tensor", "")
+            if source.version is not None and tensor:
+                asyncio.get_running_loop().run_in_executor(
+                    None, store.refused, start.policy_id, target.identity,
+                    source.version.path, tensor,
+                )  # fmt: skip
+        raise
     finally:
         if reader is not None:
             await reader.close()
