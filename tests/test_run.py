@@ -207,6 +207,22 @@ def test_a_run_whose_groups_are_all_dropped_ends_as_stalled(runs, tmp_path, monk
     assert "groups were all dropped (the newest: filtered_equal_reward)" in text
 
 
+def test_a_run_whose_data_runs_out_before_its_steps_ends_as_stalled(runs) -> None:
+    """One epoch of 10 prompts, batches of 4, 50 steps: after two batches no batch can ever
+    form. The run ends as stalled (exit 1) with the fix, instead of the trainer waiting forever;
+    what was trained is kept (its final checkpoint and summary)."""
+    run = runs(
+        "--set", "dataset.size=10", "--set", "dataset.num_epochs=1",
+        "--set", "trainer.num_steps=50", "--set", "eval.every_steps=0",
+    )  # fmt: skip
+    assert run.wait(180) == 1, run.output()
+    s = run.summary()
+    assert s["status"].startswith("stalled: training data exhausted"), s["status"]
+    assert "policy policy is at step 2 of 50 with 2 groups buffered" in s["status"], s["status"]
+    assert "raise dataset.num_epochs or lower trainer.num_steps" in s["status"]
+    assert s["steps"] == 2 and s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+
+
 def test_logs_are_kept_small_and_the_trainers_steps_are_still_read(runs) -> None:
     """supervision.max_log_bytes: every child's log and the supervisor's own are rotated
     while the run goes on, and the observer, which reads the trainer's step lines from its

@@ -514,6 +514,28 @@ def test_a_run_is_stalled_only_while_its_buffer_cannot_make_a_batch() -> None:
     assert view(100, 0, obs=resumed) is not None
 
 
+def test_a_run_is_out_of_data_only_while_a_trainer_with_steps_left_cannot_get_a_batch() -> None:
+    from types import SimpleNamespace
+
+    from astra.run.observe import Observer
+
+    def view(reason: str, buffered: int, leased: int = 0, step: int = 3) -> str | None:
+        obs = SimpleNamespace(num_steps=10, batch_groups={"p": 4})
+        obs.last_dataflow = {"gate_reason": reason}
+        obs.last_detail = {"policies": {"p": {"buffered": buffered, "leased": leased}}}
+        obs.trainer_status = {"p": {"step": step}}
+        return Observer.exhausted(obs)
+
+    gone = "training data exhausted: every training stream ran its num_epochs"
+    why = view(gone, 3)
+    assert why is not None and why.startswith("stalled: training data exhausted")
+    assert "policy p is at step 3 of 10 with 3 groups buffered, less than a batch of 4" in why
+    assert view("admitting: capacity 8", 0) is None  # data left: groups still come
+    assert view(gone, 4) is None  # a batch is waiting
+    assert view(gone, 0, leased=4) is None  # a batch is being trained
+    assert view(gone, 0, step=10) is None  # the trainer is done
+
+
 def test_every_row_has_its_steps_accuracy_from_the_step_line(tmp_path: Path) -> None:
     """Steps shorter than a poll: no GetStatus saw steps 1 and 3, their rows still carry the
     accuracy the trainer logged with the step (text and JSON log lines, skipped or not)."""

@@ -43,7 +43,7 @@ from astra.dataflow.ports import Connector, PortError
 from astra.dataflow.quarantine import KEY as REDO_KEY
 from astra.dataflow.quarantine import Redo, quarantine
 from astra.dataflow.records import GroupRecord, WorkItem
-from astra.dataflow.status import dataflow_status
+from astra.dataflow.status import DATA_EXHAUSTED, dataflow_status
 from astra.dataflow.storage_guard import StorageGuard
 from astra.dataflow.store import StateStore, is_storage_error
 from astra.dataflow.versions import VersionBook
@@ -500,7 +500,7 @@ class Dataflow(Ingesting, WeightSync):
             return self.storage.reason
         if self.data_exhausted():
             return (
-                "training data exhausted: every training stream ran its num_epochs and no "
+                f"{DATA_EXHAUSTED}: every training stream ran its num_epochs and no "
                 "group is left to generate; what is buffered is all there will be"
             )
         if self.pool.empty:

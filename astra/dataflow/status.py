@@ -15,6 +15,10 @@ from astra.dataflow.gate import GateMode
 if TYPE_CHECKING:
     from astra.dataflow.coordinator import Dataflow
 
+# How the gate's reason begins once no training group is left to generate (the supervisor
+# ends a run that still needs a batch on it).
+DATA_EXHAUSTED = "training data exhausted"
+
 
 def dataflow_status(df: Dataflow) -> dict:
     """The run's state, shaped like astra.dataflow.v1.GetStatusResponse (snake_case): what

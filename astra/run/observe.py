@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from astra.dataflow.status import DATA_EXHAUSTED
 from astra.run.history import StepHistory
 from astra.run.logrotate import HEAD_BYTES, missed_before_truncation
 from astra.run.poller import StatusPoller
@@ -223,6 +224,7 @@ class Observer(StatusPoller):
                     why = (
                         self.refused()
                         or self.stalled()
+                        or self.exhausted()
                         or self.progress.check(
                             self.trainer_status,
                             self.last_dataflow,
@@ -277,6 +279,26 @@ class Observer(StatusPoller):
                     f"stalled: policy {policy}: the last {n} finished groups were all dropped "
                     f"(the newest: {d.get('last_drop') or 'unknown'}), so no batch can form "
                     f"(supervision.max_dropped_in_a_row: {limit})"
+                )
+        return None
+
+    def exhausted(self) -> str | None:
+        """Why the run cannot go on: its training data is used up (every training stream ran
+        its num_epochs, no group in flight) and a policy whose trainer has steps left holds
+        less than a batch, none of it leased (a leased batch may still be trained)."""
+        if not str(self.last_dataflow.get("gate_reason", "")).startswith(DATA_EXHAUSTED):
+            return None
+        for policy, d in sorted((self.last_detail.get("policies") or {}).items()):
+            t = self.trainer_status.get(policy)
+            if t is None or (self.num_steps and t.get("step", 0) >= self.num_steps):
+                continue  # not heard from yet, or done
+            need = self.batch_groups.get(policy, 1)
+            if d.get("buffered", 0) < need and not d.get("leased", 0):
+                return (
+                    f"stalled: {DATA_EXHAUSTED}: every training stream ran its num_epochs; "
+                    f"policy {policy} is at step {t.get('step', 0)} of {self.num_steps} with "
+                    f"{d.get('buffered', 0)} groups buffered, less than a batch of {need} "
+                    "(raise dataset.num_epochs or lower trainer.num_steps)"
                 )
         return None
 
