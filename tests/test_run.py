@@ -183,6 +183,21 @@ def test_resume_continues_a_stopped_run(runs) -> None:
     assert {c["name"]: c["address"] for c in first.children()}["weights"] == before["weights"]
     trainer_log = (first.run_dir / "logs" / "trainer-policy.log").read_text()
     assert f"resumed from {ckpts}/step-{done:09d}" in trainer_log
+    # The figures cover the whole run, and each start has its own segment.
+    by_step: dict[int, float | None] = {}
+    for line in (first.run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step = {k: v for k, v in by_step.items() if k < row["step"]}  # a rerun cuts back
+        by_step[row["step"]] = row["accuracy"]
+    accs = [a for _, a in sorted(by_step.items()) if a is not None]
+    assert s["accuracy_steps_observed"] == len(accs) and len(accs) >= done + 1
+    assert s["accuracy_first10"] == pytest.approx(sum(accs[:10]) / len(accs[:10]), abs=1e-4)
+    assert s["accuracy_last10"] == pytest.approx(sum(accs[-10:]) / len(accs[-10:]), abs=1e-4)
+    earlier, this = s["segments"]
+    assert earlier["status"] != "completed" and earlier["steps"] >= done
+    assert this["status"] == "completed" and this["steps"] == done + 2
+    assert this["first_step"] is not None and this["first_step"] <= done + 1
+    assert s["wall_seconds_total"] == pytest.approx(earlier["wall_seconds"] + this["wall_seconds"])
     assert (first.run_dir / "plot.png").is_file()
     assert list((first.run_dir / "tensorboard" / "policy").glob("events.out.tfevents.*"))
 

@@ -257,3 +257,76 @@ def test_a_quarantined_group_dispatched_again_is_neither_lost_nor_counted_twice(
 
     assert lost(records_corrupt_redispatched=1) == 0
     assert lost(completed_groups=10, records_corrupt_lost=1) == 1
+
+
+def test_a_resumed_runs_figures_cover_every_start_and_each_start_has_its_segment(
+    tmp_path: Path,
+) -> None:
+    """Three starts on one metrics.jsonl (each resumed one reads the rows back), with reruns
+    across a start's border: the whole-run figures are those of every row; each segment's are
+    those of its own start's steps; the segments chain through the summaries written."""
+    rng = random.Random(11)
+    rows: dict[str, list[dict]] = {p: [] for p in POLICIES}
+    previous: dict | None = None
+
+    async def start(index: int, n: int) -> dict:
+        obs = Observer(
+            "127.0.0.1:1",
+            {p: "127.0.0.1:1" for p in POLICIES},
+            {p: (tmp_path / f"trainer-{p}-{index}.log", 0) for p in POLICIES},
+            tmp_path / "metrics.jsonl",
+            num_steps=10,
+            out=io.StringIO(),
+            live=False,
+            resumed=index > 0,
+        )
+        mine: dict[str, list[float]] = {p: [] for p in POLICIES}
+        for i in range(n):
+            policy = rng.choice(POLICIES)
+            last = rows[policy][-1]["step"] if rows[policy] else 0
+            step = max(1, last - 3) if (i == 0 and last) else last + 1  # a resume reruns
+            accuracy = round(rng.random(), 6) if rng.random() < 0.7 else None
+            with (tmp_path / f"trainer-{policy}-{index}.log").open("a") as f:
+                f.write(f"x INFO astra.servers.trainer: step {step} version {step} loss 0.5\n")
+            metrics = {} if accuracy is None else {"accuracy": accuracy}
+            obs.trainer_status[policy] = {"step": step, "version": step, "loss": 0.5,
+                                          "metrics": metrics}  # fmt: skip
+            obs.read_logs()
+            obs.flush()
+            while rows[policy] and rows[policy][-1]["step"] >= step:
+                rows[policy].pop()
+            rows[policy].append({"step": step, "accuracy": accuracy})
+            if accuracy is not None:
+                mine[policy].append(accuracy)
+        s = build_summary(
+            status=f"start {index}", wall_seconds=10.0 + index, dataflow={}, state={},
+            history=obs.history, final_steps={}, baseline={}, previous=previous,
+        )  # fmt: skip
+        await obs.close()
+        want = figures_of_every_row(rows, {})
+        assert s["accuracy_first10"] == want["accuracy_first10"]
+        assert s["accuracy_last10"] == want["accuracy_last10"]
+        assert s["accuracy_steps_observed"] == want["accuracy_steps_observed"]
+        seg = s["segments"][-1]
+        ordered = [a for p in obs.history for a in mine[p][:WINDOW]][:WINDOW]
+        assert seg["status"] == f"start {index}" and seg["accuracy_first10"] == _mean(ordered)
+        return s
+
+    for index, n in enumerate((60, 40, 30)):
+        previous = asyncio.run(start(index, n))
+        assert [g["status"] for g in previous["segments"]] == [
+            f"start {i}" for i in range(index + 1)
+        ]
+    assert previous["wall_seconds_total"] == 10.0 + 11.0 + 12.0
+
+
+def test_the_segments_of_a_summary_from_before_them_and_of_a_failure_summary() -> None:
+    from astra.run.summary import segments_before
+
+    old = {"status": "stopped: SIGTERM", "wall_seconds": 5.0, "steps": 7, "accuracy_first10": 0.5}
+    failed = {"status": "failed: the supervisor", "wall_seconds": 2.0, "previous": old}
+    got = segments_before(failed)
+    assert [g["status"] for g in got] == ["stopped: SIGTERM", "failed: the supervisor"]
+    assert got[0]["steps"] == 7 and got[1]["steps"] is None
+    assert segments_before({"segments": got, "status": "x"}) == got
+    assert segments_before(None) == [] and segments_before([1]) == []  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -146,9 +147,15 @@ async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> N
         if sup.warmup:  # the same measurement on the warmed-up model: where RL started
             after = await asyncio.to_thread(random_baseline, sup.started_recipe, dataset, samples)
             warmup_accuracy = after["accuracy"]
+    previous = None
+    if sup.resume:
+        with contextlib.suppress(OSError, ValueError):
+            previous = json.loads(sup.rd.summary.read_text())
+        previous = previous if isinstance(previous, dict) else None
     summary = build_summary(
         status=status,
         wall_seconds=wall,
+        previous=previous,
         dataflow=obs.last_dataflow if obs is not None else {},
         state=read_state(sup.rd.dataflow_state),
         history=obs.history if obs is not None else {},

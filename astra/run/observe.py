@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from astra.dataflow.status import DATA_EXHAUSTED
-from astra.run.history import StepHistory
+from astra.run.history import StepHistory, load_histories
 from astra.run.logrotate import HEAD_BYTES, missed_before_truncation
 from astra.run.poller import StatusPoller
 from astra.run.progress import ProgressWatch
@@ -100,6 +100,9 @@ class Observer(StatusPoller):
         self.metrics_path, self.out = metrics_path, out
         self.poll_interval_s, self.status_every_s = poll_interval_s, status_every_s
         self.history = {p: StepHistory() for p in trainers}  # in the order of `trainers`
+        if resumed:  # summary.json covers the whole run: the earlier starts' steps first
+            with _failing_output("metrics.jsonl, read back"):
+                load_histories(metrics_path, self.history)
         # policy -> [log path, offset read up to, partial last line, the file's first bytes]
         self.logs: dict[str, list[Any]] = {
             p: [*where, b"", b""] for p, where in trainer_logs.items()

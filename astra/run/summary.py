@@ -115,6 +115,39 @@ def groups_discarded(counters: dict[str, int]) -> dict[str, int]:
     return dict(sorted(_per_key(counters, "groups_discarded").items()))
 
 
+SEGMENT_KEYS = ("status", "wall_seconds", "first_step", "steps")
+SEGMENT_KEYS += ("accuracy_first10", "accuracy_last10")
+
+
+def segments_before(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The segments (one per start that wrote a summary) of the summary a resumed run found:
+    its own list, or the summary itself as one segment (a failure summary: its `previous`
+    first)."""
+    if not isinstance(previous, dict) or not previous:
+        return []
+    if isinstance(previous.get("segments"), list):
+        return list(previous["segments"])
+    earlier = segments_before(previous.get("previous"))
+    return [*earlier, {k: previous.get(k) for k in SEGMENT_KEYS}]
+
+
+def this_segment(
+    status: str, wall_seconds: float, history: dict[str, StepHistory], steps: int
+) -> dict[str, Any]:
+    """This start's part of the run: its steps and its accuracies only."""
+    first = [a for h in history.values() for a in h.segment_accuracies()[:WINDOW]][:WINDOW]
+    last = [a for h in history.values() for a in h.segment_accuracies()[-WINDOW:]][-WINDOW:]
+    starts = [h.segment_first_step for h in history.values() if h.segment_first_step is not None]
+    return {
+        "status": status,
+        "wall_seconds": round(wall_seconds, 2),
+        "first_step": min(starts, default=None),
+        "steps": steps,
+        "accuracy_first10": _mean(first),
+        "accuracy_last10": _mean(last),
+    }
+
+
 def build_summary(
     *,
     status: str,
@@ -124,6 +157,7 @@ def build_summary(
     history: dict[str, StepHistory],
     final_steps: dict[str, int | None],
     baseline: dict[str, Any],
+    previous: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     counters: dict[str, int] = dataflow.get("counters", {})
     outcomes = sum(counters.get(k, 0) for k in ("completed_groups", "failed_groups"))
@@ -152,6 +186,10 @@ def build_summary(
             "accuracy_first10/last10 are null: the trainers report no per-step reward "
             "('accuracy' or 'reward_mean' in TrainerService GetStatus metrics)"
         )
+    segments = [
+        *segments_before(previous),
+        this_segment(status, wall_seconds, history, min(steps.values(), default=0)),
+    ]
     return {
         "status": status,
         "steps": min(steps.values(), default=0),
@@ -165,6 +203,8 @@ def build_summary(
             for p, h in sorted(history.items())
         },
         "wall_seconds": round(wall_seconds, 2),
+        "wall_seconds_total": round(sum(g.get("wall_seconds") or 0 for g in segments), 2),
+        "segments": segments,
         "accuracy_first10": _mean(first),
         "accuracy_last10": _mean(last),
         "accuracy_steps_observed": observed,
@@ -206,7 +246,12 @@ def build_summary(
             "steps": "each trainer's last step (its per-step and final log lines); the least "
             "over policies",
             "accuracy_first10": "mean of the per-step 'accuracy' (or 'reward_mean') trainer "
-            "metric over the first 10 observed steps (all policies)",
+            "metric over the first 10 observed steps (all policies) of the whole run: a "
+            "resumed run reads its earlier starts' steps back from metrics.jsonl",
+            "wall_seconds": "this start's; wall_seconds_total: the sum over segments",
+            "segments": "one per start that wrote a summary (a start whose supervisor was "
+            "killed wrote none), oldest first; each with its own steps' accuracies, "
+            "first_step the first step it recorded and steps the last",
             "accuracy_last10": "the same over the last 10 observed steps",
             "random_baseline_accuracy": baseline.get("method", ""),
             "groups_dispatched": "distinct groups handed to a RaaS at least once (work table)",
