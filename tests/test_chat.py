@@ -128,3 +128,33 @@ def test_preflight_refuses_a_chat_workflow_on_a_model_without_a_template(toy: Pa
     assert message.startswith("streams.0.workflow=chat: the model of policy policy (tiny)")
     assert "single_turn" in message and "\n" not in message
     check_models(load_recipe(None, ["streams.0.workflow=chat", f"policies.0.model={toy}"]))
+
+
+def test_the_warm_up_and_the_baseline_of_a_chat_stream_render_prompts_through_the_template(
+    toy: Path, tmp_path: Path
+) -> None:
+    """A chat stream's policy is warmed up and measured on the prompts the RaaS will send it
+    (the template's), not on the bare prompt text."""
+    from astra.run.baseline import random_baseline
+    from astra.run.layout import RunDir, sft_command
+    from astra.trainer.sft import encode_examples
+
+    _, tokenizer = load_model(str(toy), "cpu")
+    record = {"prompt": "12+7=", "answer": "19", "system": "be brief"}
+    ((ids, n),) = encode_examples([record], tokenizer, chat=True)
+    assert ids[:n] == list(tokenizer.encode(CHATML_OF + "<|im_start|>assistant\n"))
+    assert ids[n:] == [*tokenizer.encode("19"), tokenizer.eos_id]
+    ((plain, m),) = encode_examples([record], tokenizer)
+    assert plain[:m] == list(tokenizer.encode("12+7="))
+
+    chat = load_recipe(None, ["streams.0.workflow=chat", f"policies.0.model={toy}"])
+    rd = RunDir(tmp_path / "run")
+    assert "--chat" in sft_command(chat, chat.policies[0], rd, tmp_path / "d.jsonl")
+    plain_recipe = load_recipe(None, [])
+    assert "--chat" not in sft_command(plain_recipe, plain_recipe.policies[0], rd, tmp_path / "d")
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                            for i in range(3)))  # fmt: skip
+    got = random_baseline(chat, data, 3)
+    assert got["samples"] == 3 and got["accuracy"] is not None, got

@@ -198,8 +198,11 @@ def test_hf_cpu_runs_a_toy_hf_model_from_the_model_page(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [*astra(train), "--run-dir", str(run_dir), *QUICK]
     cmd += ["--set", "dataset.size=64", "--set", "eval.size=8", "--set", "eval.every_steps=2"]
+    cmd += ["--set", "warmup.steps=2", "--set", "warmup.size=16", "--set", "warmup.batch_size=4"]
+    cmd += ["--set", "observe.baseline_samples=4"]  # both on the chat-templated prompts
     s = run_to_the_end(cmd, run_dir, 120)
     assert s["status"] == "completed" and s["steps_per_policy"] == {"policy": 3}
+    assert s["random_baseline"]["samples"] == 4 and s["warmup"]["accuracy_after"] is not None
     assert s["counters"]["failed_groups"] == 0 and s["groups_lost"] == 0
     recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
     assert recipe["streams"][0]["workflow"] == "chat"

@@ -4,8 +4,9 @@ What a policy scores before any training, measured the way the RaaS measures it:
 the first `samples` records of the dataset, each sampled once with the first
 stream's sampling settings (seeded per sample) by the built-in torch engine
 on the starting weights of the stream's first policy, scored by the stream's
-reward. Only the `single_turn` workflow is reproduced here (prompt -> one
-generation -> reward); other workflows get None. Also the rule-of-three 95%
+reward. Only the `single_turn` and `chat` workflows are reproduced here (prompt,
+through the model's chat template for `chat` -> one generation -> reward); other
+workflows get None. Also the rule-of-three 95%
 upper bound when nothing scored (3 / samples).
 """
 
@@ -34,6 +35,7 @@ def _records(path: Path, n: int) -> list[dict[str, Any]]:
 
 async def _sample(recipe: Recipe, records: list[dict[str, Any]]) -> list[float]:
     from astra.engine.api import Sampling
+    from astra.engine.chat import render_chat, user_messages
     from astra.engine.tiny import load_model
     from astra.engine.torch_engine import TorchEngine
     from astra.rewards.registry import get_reward, score
@@ -45,6 +47,7 @@ async def _sample(recipe: Recipe, records: list[dict[str, Any]]) -> list[float]:
     policy = next(p for p in recipe.policies if p.id == policy_id)
     reward_name = recipe.stream_reward(stream) or get_workflow(stream.workflow).default_reward
     reward_fn = get_reward(reward_name)
+    chat = recipe.chat_shaped(policy_id)
     model, tokenizer = await asyncio.to_thread(load_model, policy.model, "cpu")
     engine = TorchEngine({policy_id: (model, tokenizer)}, "cpu", max_batch=64)
     s = stream.sampling
@@ -60,7 +63,10 @@ async def _sample(recipe: Recipe, records: list[dict[str, Any]]) -> list[float]:
                 stop_token_ids=tuple(s.stop_token_ids),
                 seed=s.seed + i,
             )
-            ids = list(tokenizer.encode(str(record["prompt"])))
+            text = str(record["prompt"])
+            if chat:  # as the chat workflow renders it
+                text = render_chat(tokenizer, user_messages(text, record.get("system") or None))
+            ids = list(tokenizer.encode(text))
             gen = await engine.generate(policy_id, ids, sampling)
             text = generated_text(gen, tokenizer)
             value, _ = await asyncio.to_thread(score, reward_fn, record, text)
@@ -77,8 +83,11 @@ def random_baseline(recipe: Recipe, dataset: Path, samples: int) -> dict[str, An
     out: dict[str, Any] = {"accuracy": None, "samples": 0, "correct": 0, "upper95": None}
     if samples <= 0:
         return {**out, "method": "not measured (observe.baseline_samples = 0)"}
-    if stream.workflow != "single_turn":
-        return {**out, "method": f"not measured: workflow {stream.workflow} is not single_turn"}
+    if stream.workflow not in ("single_turn", "chat"):
+        return {
+            **out,
+            "method": f"not measured: workflow {stream.workflow} is neither single_turn nor chat",
+        }
     records = _records(dataset, samples)
     if not records:
         return {**out, "method": f"not measured: {dataset.name} is not JSONL"}

@@ -190,6 +190,7 @@ def sft_command(recipe: Recipe, policy: PolicySpec, rd: RunDir, data: Path) -> l
         *("--out", str(rd.warmup_model(policy.id)), "--steps", str(w.steps)),
         *("--lr", str(w.lr), "--batch-size", str(w.batch_size), "--seed", str(w.seed)),
         *("--device", recipe.trainer.device, "--threads", str(w.threads)),
+        *(("--chat",) if recipe.chat_shaped(policy.id) else ()),
     ]
 
 

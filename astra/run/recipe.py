@@ -241,6 +241,16 @@ class Recipe(_Strict):
     def stream_policies(self, stream: StreamSpec) -> list[str]:
         return stream.policy_ids or [p.id for p in self.policies]
 
+    def chat_shaped(self, policy_id: str) -> bool:
+        """Whether the first stream serving the policy runs a chat-shaped workflow (the prompt
+        through the model's chat template): its warm-up and baseline render prompts so too."""
+        from astra.workflows.registry import get_workflow
+
+        for stream in self.streams:
+            if policy_id in self.stream_policies(stream):
+                return bool(getattr(get_workflow(stream.workflow), "chat", False))
+        return False
+
     def raas_policies(self, raas: RaasSpec) -> list[str]:
         return raas.policies or [p.id for p in self.policies]
 

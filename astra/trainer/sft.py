@@ -46,6 +46,7 @@ class SftSettings:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     log_every: int = 50
+    chat: bool = False  # prompts through the model's chat template (the chat workflow's way)
 
     def __post_init__(self) -> None:
         for name, bad in (
@@ -74,14 +75,22 @@ class SftResult:
 
 
 def encode_examples(
-    records: Sequence[dict[str, Any]], tokenizer: Tokenizer
+    records: Sequence[dict[str, Any]], tokenizer: Tokenizer, chat: bool = False
 ) -> list[tuple[list[int], int]]:
-    """(token ids, prompt length) per record: prompt + answer + end-of-sequence."""
+    """(token ids, prompt length) per record: prompt + answer + end-of-sequence. With `chat`
+    the prompt is the record's one-turn conversation (its optional `system`, then the prompt
+    as the user's message) through the tokenizer's chat template, as the chat workflow
+    renders it for the RaaS."""
+    from astra.engine.chat import render_chat, user_messages
+
     out = []
     for i, record in enumerate(records):
         if "prompt" not in record or "answer" not in record:
             raise ValueError(f"record {i}: needs 'prompt' and 'answer' (has {sorted(record)})")
-        prompt = list(tokenizer.encode(str(record["prompt"])))
+        text = str(record["prompt"])
+        if chat:
+            text = render_chat(tokenizer, user_messages(text, record.get("system") or None))
+        prompt = list(tokenizer.encode(text))
         answer = list(tokenizer.encode(str(record["answer"])))
         if not prompt:
             raise ValueError(f"record {i}: empty prompt")
@@ -120,7 +129,7 @@ def supervised_warmup(
     progress: Callable[[int, float], None] | None = None,
 ) -> SftResult:
     """Trains `model` in place for `settings.steps` steps; returns the losses."""
-    examples = encode_examples(records, tokenizer)
+    examples = encode_examples(records, tokenizer, chat=settings.chat)
     pad_id = int(getattr(tokenizer, "pad_id", tokenizer.eos_id))
     device = model.device
     rng = random.Random(f"astra-sft/{settings.seed}")

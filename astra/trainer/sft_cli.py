@@ -31,6 +31,11 @@ import click
     show_default=True,
     help="torch CPU threads; 0: torch's default.",
 )
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="Render each prompt through the model's chat template (as the chat workflow does).",
+)
 @click.option("--log-every", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
 def sft_command(
@@ -43,6 +48,7 @@ def sft_command(
     seed: int,
     device: str,
     threads: int,
+    chat: bool,
     log_every: int,
     log_level: str,
 ) -> None:
@@ -62,7 +68,7 @@ def sft_command(
         raise click.UsageError(f"--out {out} exists")
     try:
         settings = SftSettings(
-            steps=steps, lr=lr, batch_size=batch_size, seed=seed, log_every=log_every
+            steps=steps, lr=lr, batch_size=batch_size, seed=seed, log_every=log_every, chat=chat
         )
         records = read_records(data)
     except (ValueError, OSError) as exc:
