@@ -100,3 +100,26 @@ def test_recipes_are_found_by_name(tmp_path: Path, monkeypatch) -> None:
         [sys.executable, "-m", "astra.run", "smok"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_fixed_port_in_use_is_refused_naming_its_key() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        message = _refused(f"dataflow.metrics_port={port}")
+    assert message.startswith(f"dataflow.metrics_port={port}: cannot listen on it")
+    assert "0 for any free one" in message
+    check(load_recipe(None, [f"dataflow.metrics_port={port}"]))  # free again
+
+
+def test_a_run_directory_that_cannot_be_written_ends_in_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cmd = [sys.executable, "-m", "astra.run", "--run-dir", str(blocker / "run")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--run-dir {blocker / 'run'}: cannot write there" in lines[0]

@@ -104,6 +104,15 @@ def run_command(
     rd = RunDir(Path(run_dir))
     if resume_dir is None and rd.recipe.exists():
         raise click.UsageError(f"{rd.root} holds a run: use --resume DIR or another --run-dir")
+    try:
+        rd.root.mkdir(parents=True, exist_ok=True)
+        if not os.access(rd.root, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as exc:
+        _exit_2(
+            f"--run-dir {rd.root}: cannot write there ({exc.strerror or exc}); give a "
+            "directory you can write, or leave --run-dir out (runs/<name>-<time>)"
+        )
     from astra.run import ownership
 
     try:

@@ -16,7 +16,9 @@ key, the value and the fix. Checked, in turn:
 - every data file (dataset.path, warmup.path, eval.path) is readable JSONL or
   Parquet and its records have the fields the run reads (`prompt`, and what a
   built-in reward or the warm-up reads: `answer`, or `numbers` and `target`);
-- every RaaS launched on vLLM has a Python that can import vllm.
+- every RaaS launched on vLLM has a Python that can import vllm;
+- a fixed port (`dataflow.metrics_port`) is free (every other port is picked free).
+The run directory must be writable (checked by the caller as it makes it).
 """
 
 from __future__ import annotations
@@ -201,6 +203,24 @@ def check_engines(recipe: Recipe) -> None:
             raise PreflightError(f"raas.{i}.engine=vllm: {exc.message}") from exc
 
 
+def check_ports(recipe: Recipe) -> None:
+    """A fixed port of the recipe (every other one is picked free) is free now."""
+    import socket
+
+    port = recipe.dataflow.metrics_port
+    if not port:
+        return
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the /metrics server
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise PreflightError(
+                f"dataflow.metrics_port={port}: cannot listen on it ({exc.strerror}); give "
+                "another port, or 0 for any free one"
+            ) from None
+
+
 def check(recipe: Recipe) -> None:
     """Every start-up check, in turn."""
     apply_env(recipe)
@@ -208,3 +228,4 @@ def check(recipe: Recipe) -> None:
     check_models(recipe)
     check_data(recipe)
     check_engines(recipe)
+    check_ports(recipe)
