@@ -209,6 +209,28 @@ def test_hf_cpu_runs_a_toy_hf_model_from_the_model_page(tmp_path: Path) -> None:
     assert recipe["policies"][0]["model"] == str(model)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_your_data_reward_and_workflow_on_your_model_from_one_page(tmp_path: Path) -> None:
+    """docs/your-model.md's last commands: the example task's own data, reward and workflow on
+    a Hugging Face model made here (its own BPE tokenizer), warm-up included, to `completed`."""
+    make, train = blocks("your-model", "bash")[-1].strip().splitlines()
+    assert train.startswith("astra run examples/my_task/recipe.yaml ")
+    model = tmp_path / "toy-qwen3"
+    make, train = (line.replace("/tmp/toy-qwen3", str(model)) for line in (make, train))
+    subprocess.run(astra(make), cwd=ROOT, check=True, timeout=60, capture_output=True)
+    run_dir = tmp_path / "run"
+    cmd = [*astra(train), "--run-dir", str(run_dir), *QUICK]
+    cmd += ["--set", "warmup.steps=5", "--set", "eval.every_steps=2"]
+    s = run_to_the_end(cmd, run_dir, 120)
+    assert s["status"] == "completed" and s["steps_per_policy"] == {"policy": 3}
+    assert s["counters"]["failed_groups"] == 0 and s["groups_lost"] == 0
+    assert s["warmup"]["steps"] == 5 and s["eval"]["first"] is not None
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    assert recipe["policies"][0]["model"] == str(model)
+    assert recipe["streams"][0]["reward"] == "my_task.rewards:reversal"
+
+
 def test_a_workflow_path_that_does_not_import_is_refused_at_start_up() -> None:
     from astra.run.preflight import PreflightError, check
     from astra.run.recipe import load_recipe
