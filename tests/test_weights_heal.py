@@ -108,3 +108,31 @@ def test_a_damaged_stored_full_version_is_marked_bad_and_refused_with_its_path(
             assert bad.value.reason == "VERSION_BAD" and str(shard) in bad.value.message
 
     run(body())
+
+
+def test_a_damaged_cached_base_is_never_encoded_against(tmp_path: Path) -> None:
+    """The next publish encoded its delta against the cached full copy of the head without
+    checking it: a damaged copy made a delta no receiver could ever decode. Now the base is
+    checked as it is read; a damaged cache entry is dropped and the new version stored full."""
+    models = chain_of(3, seed=8)
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            for i, m in enumerate(models[:2]):
+                await publish_version(server.address, "p", f"v{i}", i, m, CONFIG)
+        entry = policy_dir(tmp_path / "store") / "cache" / "full" / dirname_for("v1")
+        assert entry.is_dir()
+        flip_last_byte(entry)
+        # A new process: no copy of v1 in RAM, the base is read from the damaged entry.
+        async with serving(tmp_path / "store") as server:
+            await publish_version(server.address, "p", "v2", 2, models[2], CONFIG)
+            assert server.store.get("p", "v2").kind == "full"
+            assert server.store.counters["cache_entries_dropped"] == 1
+            assert server.store.bad_versions("p") == {}  # v1's stored forms are sound
+            for target in ("v2", "v1"):
+                receiver = Receiver(server.address, "p", tmp_path / f"rx-{target}", durable=False)
+                fetched = await receiver.fetch(target)
+                assert fetched.attempts == 1
+                assert same(receiver.current_path, models[int(target[1])])
+
+    run(body())

@@ -168,17 +168,23 @@ def write_delta(
             if missing:
                 raise LayoutChanged(missing[0], "missing from the new version")
             names = sorted(tensors)
-            with ThreadPoolExecutor(worker_count(workers)) as pool:
-                encoded = list(
-                    pool.map(
-                        lambda n: (
-                            frames[n]
-                            if n in frames
-                            else encode_if_changed(tensors[n].data, base.view(n), level)
-                        ),
-                        names,
+
+            def encode(name: str) -> tuple[bytes, int] | None:
+                if name in frames:
+                    return frames[name]
+                old, view = base.entries[name], base.view(name)
+                # The base's bytes are checked as they are read: a delta against damaged bytes
+                # would decode to garbage on every receiver.
+                if (want := old.checksum) is not None and (got := adler32_hex(view)) != want:
+                    raise ChecksumMismatch(
+                        f"{name}: the base's bytes hash to {got}, its file says {want}",
+                        path=old.shard.path,
+                        tensor=name,
                     )
-                )
+                return encode_if_changed(tensors[name].data, view, level)
+
+            with ThreadPoolExecutor(worker_count(workers)) as pool:
+                encoded = list(pool.map(encode, names))
             changed = {n: e for n, e in zip(names, encoded, strict=True) if e is not None}
             for name, (_, value) in changed.items():
                 recorded = source.entries[name].checksum if source else None

@@ -161,14 +161,14 @@ class PublishStage:
         if entry is None or (entry.info.dtype, entry.info.shape) != (dtype, shape) or not size:
             return None
         held = self._held(name, size)
-        check = entry.checksum  # the RAM copy is checked against the bytes stored on disk
+        # The base's bytes (its RAM copy, or its file) are checked against what its file
+        # records: a frame against damaged bytes is never made (DeltaError: the commit
+        # encodes again, checking, and stores the version full if the file is damaged).
+        check = entry.checksum
         if held is not None and check is not None:
             cursor: Any = BufferCursor(held)
         else:
-            cursor, check = (
-                RangeCursor(entry.shard.path, entry.shard.data_start + entry.info.begin, size),
-                None,
-            )
+            cursor = RangeCursor(entry.shard.path, entry.shard.data_start + entry.info.begin, size)
         scratch = BUFFERS.get()
         return XorZstdEncoder(
             cursor, size, self.level, scratch, lambda: BUFFERS.put(scratch), check=check

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -31,7 +32,7 @@ from astra.weights.chain import Chain
 from astra.weights.checkpoint import LayoutChanged, write_delta, write_full
 from astra.weights.digest import SHA256, digest_of, kind_of
 from astra.weights.hot import HotVersion
-from astra.weights.layout import Tensor
+from astra.weights.layout import ChecksumMismatch, Tensor
 from astra.weights.pool import BufferPool
 from astra.weights.publish_stage import content_mismatch
 from astra.weights.receivers import Receivers
@@ -294,6 +295,15 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
                     record.num_stored_tensors = written["changed_tensor_count"]
                 except LayoutChanged as exc:
                     log.info("%s: %s; %s is stored full", policy, exc.message, identity)
+                    full = True
+                except ChecksumMismatch as exc:  # the base's bytes are damaged
+                    if not Path(exc.path or "/").is_relative_to(base_full):
+                        raise
+                    tensor = str(exc.metadata.get("tensor", ""))
+                    log.error("%s: %s; %s is stored full", policy, exc.message, identity)
+                    self.counters["delta_bases_damaged"] += 1
+                    self.refused(policy, head.identity, base_full, tensor)
+                    shutil.rmtree(stage / "delta", ignore_errors=True)
                     full = True
             record.kind = "full" if full else "delta"
             if full and shards is not None and shards.keys() == record.tensors.keys():
