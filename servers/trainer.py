@@ -159,10 +159,30 @@ async def _train(trainer: Trainer, num_steps: int, metrics: Any = None) -> None:
     await trainer.checkpoint_at_end()  # `astra run` reads "finished" from the checkpoints
 
 
+FOLLOWER_GRACE_S = 10.0  # beyond checkpoint.stop_timeout_s, for rank 0's "stop" plan
+
+
 async def serve_trainer(config: TrainerConfig) -> None:
     """`astra serve trainer`: train `num_steps` (0: until SIGTERM/SIGINT), serving status."""
     if int(os.environ.get("RANK", "0")) > 0:
         follower = Trainer(config)
+        loop = asyncio.get_running_loop()
+        bound = config.checkpoint.stop_timeout_s + FOLLOWER_GRACE_S
+
+        exit_at: list[asyncio.TimerHandle] = []
+
+        def stopping() -> None:
+            # torchrun passes its SIGTERM to every rank: a follower goes on following rank 0,
+            # whose stop checkpoints the last step (a collective) and then sends "stop"; past
+            # the bound (rank 0 gone quiet) it exits anyway. A second signal changes nothing.
+            if exit_at:
+                return
+            log.info("rank %s: stopping; following rank 0 to its final checkpoint (%.0f s at "
+                     "most)", os.environ.get("RANK"), bound)  # fmt: skip
+            exit_at.append(loop.call_later(bound, os._exit, 128 + signal.SIGTERM))
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping)
         try:
             await follower.run_follower()
         finally:

@@ -79,3 +79,41 @@ def test_a_sigterm_checkpoints_the_last_step_and_a_resume_retakes_nothing(
     counters, log = asyncio.run(asyncio.wait_for(body(), 100))
     assert counters.get("groups_discarded.trainer_restart", 0) == 0, log[-2000:]
     assert counters["consumed_groups"] == counters["trained_groups.policy"]
+
+
+def test_a_sigterm_to_a_two_rank_trainer_checkpoints_its_last_step(
+    tmp_path: Path, dataset: Path
+) -> None:
+    """With --nproc 2 a SIGTERM (torchrun passes it to both ranks) wrote no checkpoint: the
+    followers stopped at once, so rank 0 could not gather the state. Now they follow rank 0's
+    checkpoint plan first."""
+    from tests.conftest import start_two_rank_trainer
+
+    model = save_tiny_trainer_model(tmp_path / "model")
+    env = {**os.environ, "ASTRA_TRAINER__BATCH__NUM_GROUPS": "2"}
+
+    async def body() -> tuple[str, int]:
+        async with scripted_system(tmp_path, dataset) as (df_server, client, weights):
+            proc = await start_two_rank_trainer(
+                df_server, weights, model,
+                *("--num-steps", "0", "--checkpoint-dir", str(tmp_path / "ckpt")),
+                stderr=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+            try:
+                while await version(client) < 2:
+                    assert proc.returncode is None
+                    await asyncio.sleep(0.05)
+                proc.send_signal(signal.SIGTERM)
+                _, err = await asyncio.wait_for(proc.communicate(), 60)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+            return err.decode(), await version(client)
+
+    log, last = asyncio.run(asyncio.wait_for(body(), 120))
+    step, stopped_at = map(int, STOPPED.findall(log)[-1])
+    ckpt = latest_checkpoint(tmp_path / "ckpt")
+    assert ckpt is not None, log[-3000:]
+    saved = json.loads((ckpt / "trainer.json").read_text())
+    assert (saved["step"], saved["version"], saved["world_size"]) == (step, stopped_at, 2)
+    assert stopped_at == last  # every step it took is published

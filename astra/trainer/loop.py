@@ -336,10 +336,8 @@ class Trainer(StateMixin):
             await asyncio.wait({training})
             if not self.initialized or self.config.checkpoint.dir is None:
                 return False
-            if self.world_size > 1:  # the followers stop on torchrun's SIGTERM: no collective
-                log.warning("stopping with %d ranks: no checkpoint of step %d", self.world_size,
-                            self.step)  # fmt: skip
-                return False
+            # With several ranks the followers keep following on torchrun's SIGTERM
+            # (servers/trainer.py): the checkpoint is a plan they take part in.
             left = max(0.0, deadline - time.monotonic())
             await asyncio.wait_for(self.checkpoint_at_end(), left)
             return True
