@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Mapping
 
 import numpy as np
 from google.protobuf import struct_pb2
@@ -151,7 +152,10 @@ class _GroupArrays:
 
 
 def _check_trajectory(
-    t: rollout_pb2.Trajectory, where: str, arrays: _GroupArrays
+    t: rollout_pb2.Trajectory,
+    where: str,
+    arrays: _GroupArrays,
+    vocab: Mapping[str, int] | None = None,
 ) -> list[tuple[str, int]]:
     """Validates one trajectory's shapes and scalars; returns (policy, tokens) per sequence.
 
@@ -180,7 +184,18 @@ def _check_trajectory(
             s.loss_mask,
             s.weight_versions,
         )
-        n = _array_length(token_ids, "token_ids", -1, where, j)
+        size = vocab.get(policy_id) if vocab else None
+        if size is None:
+            n = _array_length(token_ids, "token_ids", -1, where, j)
+        else:
+            ids = _array_data(token_ids, "token_ids", -1, where, j)
+            n = len(ids)
+            if n and (int(ids.min()) < 0 or int(ids.max()) >= size):
+                bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+                raise Malformed(
+                    f"{where}.sequences[{j}].token_ids: id {bad} is outside the vocabulary of "
+                    f"policy {policy_id} (0..{size - 1})"
+                )
         logprobs = _array_data(logprobs, "logprobs", n, where, j)
         _array_length(loss_mask, "loss_mask", n, where, j)
         weight_versions = _array_data(weight_versions, "weight_versions", n, where, j)
@@ -258,7 +273,10 @@ _FAILED_FINISH = frozenset({rollout_pb2.FINISH_REASON_UNSPECIFIED, rollout_pb2.F
 
 
 def incoming_group(
-    result: rollout_pb2.GroupResult, instance_id: str, raw: bytes | memoryview | None = None
+    result: rollout_pb2.GroupResult,
+    instance_id: str,
+    raw: bytes | memoryview | None = None,
+    vocab: Mapping[str, int] | None = None,
 ) -> IncomingGroup:
     """Splits a GroupResult per policy, validating every trajectory.
 
@@ -283,7 +301,9 @@ def incoming_group(
             failed = (t.HasField("error") and t.error.code != 0) or any(
                 s.finish_reason in _FAILED_FINISH for s in t.sequences
             )
-            checked.append((t, failed, None if failed else _check_trajectory(t, where, arrays)))
+            checked.append(
+                (t, failed, None if failed else _check_trajectory(t, where, arrays, vocab))
+            )
         ranges = iter(arrays.version_ranges())
         for i, (t, failed, sequences) in enumerate(checked):
             if failed:

@@ -273,7 +273,8 @@ async def start_dataflow(config, connector=None):
     from astra.servers.rollout_port import connect
     from astra.servers.runtime import GrpcServer, with_raw_responses
 
-    df = Dataflow(config, connector or connect(config.pool.call_timeout_s))
+    vocab = {p.id: p.vocab_size for p in config.policies if p.vocab_size is not None}
+    df = Dataflow(config, connector or connect(config.pool.call_timeout_s, vocab))
     server = GrpcServer(
         config.host, config.port, max_message_bytes=config.max_message_bytes, grace_s=config.grace_s
     )

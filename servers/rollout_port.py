@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -39,9 +39,12 @@ def _call() -> Iterator[None]:
 
 
 class GrpcRolloutPort:
-    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float = 10.0, vocab: Mapping[str, int] | None = None
+    ) -> None:
         self.client = RolloutClient(address, timeout_s=timeout_s)
         self.instance_id = ""
+        self.vocab = dict(vocab or {})  # policy -> vocabulary size, checked at ingest
 
     @staticmethod
     def _error(exc: grpc.aio.AioRpcError) -> PortError:
@@ -64,7 +67,7 @@ class GrpcRolloutPort:
             return await self.client.collect_results_raw(max_groups, max_wait_s)
 
     def decode(self, received: Sequence[bytes]) -> list[IncomingGroup]:
-        return decode_results(received)
+        return decode_results(received, self.vocab)
 
     async def ack(self, group_ids: Sequence[str]) -> None:
         with _call():
@@ -102,8 +105,11 @@ class GrpcRolloutPort:
         await self.client.close()
 
 
-def decode_results(received: Sequence[bytes]) -> list[IncomingGroup]:
-    """Serialized CollectResultsResponse messages as Dataflow takes them in (each validated)."""
+def decode_results(
+    received: Sequence[bytes], vocab: Mapping[str, int] | None = None
+) -> list[IncomingGroup]:
+    """Serialized CollectResultsResponse messages as Dataflow takes them in (each validated;
+    with `vocab`, each policy's token ids against its vocabulary size)."""
     out = []
     for msg in received:
         try:
@@ -117,13 +123,13 @@ def decode_results(received: Sequence[bytes]) -> list[IncomingGroup]:
             # expires and the group is dispatched again elsewhere.
             out.append(_undecodable(msg, exc))
             continue
-        out.append(incoming_group(result, result.instance_id, raw))
+        out.append(incoming_group(result, result.instance_id, raw, vocab))
     return out
 
 
-def connect(timeout_s: float):
+def connect(timeout_s: float, vocab: Mapping[str, int] | None = None):
     def make(address: str) -> GrpcRolloutPort:
-        return GrpcRolloutPort(address, timeout_s=timeout_s)
+        return GrpcRolloutPort(address, timeout_s=timeout_s, vocab=vocab)
 
     return make
 

@@ -201,3 +201,77 @@ def test_non_finite_logprobs_are_named_in_a_group_of_several():
     ]
     g = incoming_group(result(*ts), "raas")
     assert g.invalid == "result.trajectories[1].sequences[1].logprobs: not finite"
+
+
+@pytest.mark.parametrize(("bad_id", "named"), [(64, 64), (-1, -1), (10**6, 10**6)])
+def test_token_ids_outside_the_policys_vocabulary_are_refused_at_ingest(bad_id, named):
+    """The trainer cannot embed an id past its vocabulary: it refused every batch holding one.
+    Now the group is malformed at ingest, naming the id and the bound."""
+    ids = np.arange(6, dtype=np.int64)
+    ids[3] = bad_id
+    ts = [
+        rollout_pb2.Trajectory(reward=1.0, sequences=[sequence()]),
+        rollout_pb2.Trajectory(reward=1.0, sequences=[sequence(token_ids=ids)]),
+    ]
+    g = incoming_group(result(*ts), "raas", vocab={"policy": 64})
+    assert g.invalid == (
+        f"result.trajectories[1].sequences[0].token_ids: id {named} is outside the vocabulary "
+        "of policy policy (0..63)"
+    )
+    assert incoming_group(result(*ts), "raas").invalid is None  # no bound given: not checked
+    assert incoming_group(result(*ts), "raas", vocab={"other": 64}).invalid is None
+    ok = incoming_group(result(ts[0]), "raas", vocab={"policy": 6})  # ids 0..5: inside
+    assert ok.invalid is None
+
+
+def test_astra_run_tells_dataflow_each_policys_vocabulary(tmp_path) -> None:
+    from astra.engine.tiny import TINY_CONFIG
+    from astra.run.layout import RunDir, dataflow_config, vocab_size
+    from astra.run.recipe import load_recipe
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 151936}')
+    assert vocab_size(str(model)) == 151936 and vocab_size("tiny") == TINY_CONFIG["vocab_size"]
+    assert vocab_size(str(tmp_path / "nothing")) is None
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = dataflow_config(load_recipe(None, []), RunDir(tmp_path / "run"), data)
+    assert [p.vocab_size for p in cfg.policies] == [TINY_CONFIG["vocab_size"]]
+
+
+def test_a_dataflow_told_the_vocabulary_counts_out_of_vocabulary_groups_malformed(
+    tmp_path, dataset
+) -> None:
+    """A real Dataflow with policies[0].vocab_size 2 and a scripted RaaS (ids up to 32,000):
+    every group is refused at ingest as malformed, none is buffered."""
+    import asyncio
+
+    from astra.raas.scripted import ScriptedGenerator
+    from astra.servers.raas import start_raas
+    from tests.conftest import make_config, running_dataflow
+
+    config = make_config(dataset, tmp_path / "df", grace_s=0.1)
+    config.policies[0].vocab_size = 2
+
+    async def body() -> dict:
+        async with running_dataflow(config) as (df_server, _, client):
+            server, _, registrar = await start_raas(
+                ScriptedGenerator(delay_s=0.01), capacity=4,
+                dataflow_address=df_server.address, instance_id="raas", grace_s=0.1,
+            )  # fmt: skip
+            try:
+                for _ in range(200):
+                    status = await client.get_status()
+                    if dict(status.counters).get("malformed_results", 0) >= 2:
+                        break
+                    await asyncio.sleep(0.05)
+                (policy,) = status.policies
+                assert policy.buffered_groups == 0
+                return dict(status.counters)
+            finally:
+                await registrar.stop()
+                await server.stop(0)
+
+    counters = asyncio.run(asyncio.wait_for(body(), 60))
+    assert counters["malformed_results"] >= 2 and counters.get("completed_groups", 0) == 0

@@ -55,6 +55,13 @@ class PolicySettings(_Strict):
     id: str = Field(pattern=POLICY_ID_PATTERN, description="Policy id.")
     batch_groups: int = Field(8, ge=1, le=65536, description="Groups per training batch.")
     buffer: BufferSettings = Field(default_factory=BufferSettings)
+    vocab_size: int | None = Field(
+        None,
+        ge=1,
+        description="Rows of the policy's embedding (its config.json vocab_size): a trajectory "
+        "with a token id outside 0..vocab_size-1 is refused at ingest as malformed, naming the "
+        "id, instead of reaching the trainer (which cannot embed it). None: not checked.",
+    )
 
 
 class DatasetSettings(_Strict):

@@ -203,11 +203,31 @@ def after_warmup(recipe: Recipe, rd: RunDir) -> Recipe:
     return recipe.model_copy(update={"policies": policies})
 
 
+def vocab_size(model: str) -> int | None:
+    """Rows of the model's embedding: `tiny`'s, or config.json `vocab_size` of a directory
+    (None when it says none: Dataflow then leaves token ids unchecked)."""
+    from astra.engine.tiny import TINY, TINY_CONFIG
+
+    if model == TINY:
+        return int(TINY_CONFIG["vocab_size"])
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") if isinstance(config, dict) else None
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def dataflow_config(recipe: Recipe, rd: RunDir, dataset: Path, port: int = 0) -> DataflowConfig:
     section = recipe.dataflow.model_dump(mode="json")
     ds = recipe.dataset
     policies = [
-        {"id": p.id, "batch_groups": recipe.batch_groups(p), "buffer": p.buffer.model_dump()}
+        {
+            "id": p.id,
+            "batch_groups": recipe.batch_groups(p),
+            "buffer": p.buffer.model_dump(),
+            "vocab_size": vocab_size(p.model),
+        }
         for p in recipe.policies
     ]
     streams = [
