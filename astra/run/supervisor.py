@@ -303,7 +303,7 @@ class Supervisor:
                     # Finished when its checkpoints say so (a trainer writes one at its last
                     # step): an exit 0 short of its steps is a SIGTERM from outside (servers
                     # exit 0 on one), a death to restart, not a finished trainer.
-                    if child.role == "trainer" and self._trained_out(child):
+                    if child.role == "trainer" and await self._trained_out(child):
                         log.info("%s finished its steps", child.name)
                         left.discard(child.name)
                         continue
@@ -329,10 +329,13 @@ class Supervisor:
             for task in (*waits, stopped, *([changed] if changed else [])):
                 task.cancel()
 
-    def _trained_out(self, child: Child) -> bool:
-        """A trainer that died after the checkpoint of its last step has nothing left to do."""
+    async def _trained_out(self, child: Child) -> bool:
+        """A trainer that died after the checkpoint of its last step has nothing left to do.
+        Off the event loop: the checkpoints are verified (their files hashed), which takes
+        seconds for a large model."""
         policy = child.name.removeprefix("trainer-")
-        return layout.remaining_steps(self.recipe, self.rd).get(policy, 1) <= 0
+        left = await asyncio.to_thread(layout.remaining_steps, self.recipe, self.rd)
+        return left.get(policy, 1) <= 0
 
     async def run(self) -> int:
         started = self.started_at = time.monotonic()
@@ -343,7 +346,7 @@ class Supervisor:
             loop.add_signal_handler(sig, self._on_signal, sig)
         dataset = self.dataset = layout.prepare(self.recipe, self.rd)
         steps = (
-            layout.remaining_steps(self.recipe, self.rd)
+            await asyncio.to_thread(layout.remaining_steps, self.recipe, self.rd)
             if self.resume
             else {p.id: self.recipe.trainer.num_steps for p in self.recipe.policies}
         )
