@@ -163,3 +163,46 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
                     os.kill(worker, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
+
+
+def test_a_sigkilled_supervisor_under_ray_leaves_nothing_running(
+    tmp_path: Path, ray_tmp: Path
+) -> None:
+    """SIGKILL of `astra run --ray auto` mid-run: its local Ray instance, the actors and every
+    child they started end with it (the actors die with their driver; the children with their
+    actor, by the parent-death signal), so no service outlives the run holding its ports."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "astra.run", "--ray", "auto", "--run-dir", str(run_dir), *SMALL]
+    cmd += ["--set", "trainer.num_steps=100000"]
+    with (tmp_path / "run.out").open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    children: list[dict] = []
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                children = json.loads((run_dir / "run.json").read_text())["children"]
+            if {c["name"] for c in children if c.get("address")} == NAMES:
+                break
+            time.sleep(0.2)
+        assert {c["name"] for c in children} == NAMES, (tmp_path / "run.out").read_text()[-3000:]
+        ray = subprocess.run(["pgrep", "-f", str(ray_tmp)], capture_output=True, text=True)
+        assert ray.stdout.strip(), "no Ray process of this run found: the check below is void"
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(pid_gone(c["pid"]) for c in children):
+            time.sleep(0.2)
+        assert [c["name"] for c in children if not pid_gone(c["pid"])] == []
+        ray = subprocess.run(["pgrep", "-f", str(ray_tmp)], capture_output=True, text=True)
+        assert ray.stdout.strip() == "", f"Ray processes of this run left: {ray.stdout}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for c in children:
+            with contextlib.suppress(ProcessLookupError, KeyError):
+                os.kill(c["pid"], signal.SIGKILL)
