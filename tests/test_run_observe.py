@@ -519,16 +519,18 @@ def test_a_run_is_out_of_data_only_while_a_trainer_with_steps_left_cannot_get_a_
 
     from astra.run.observe import Observer
 
-    def view(reason: str, buffered: int, leased: int = 0, step: int = 3) -> str | None:
-        obs = SimpleNamespace(num_steps=10, batch_groups={"p": 4})
+    def view(reason: str, buffered: int, leased: int = 0, step: int = 3, held_s: float = 5.0):
+        obs = SimpleNamespace(num_steps=10, batch_groups={"p": 4}, poll_interval_s=1.0)
         obs.last_dataflow = {"gate_reason": reason}
         obs.last_detail = {"policies": {"p": {"buffered": buffered, "leased": leased}}}
         obs.trainer_status = {"p": {"step": step}}
+        obs._short_since = {"p": (step, time.monotonic() - held_s)}
         return Observer.exhausted(obs)
 
     gone = "training data exhausted: every training stream ran its num_epochs"
     why = view(gone, 3)
     assert why is not None and why.startswith("stalled: training data exhausted")
+    assert view(gone, 3, held_s=0.5) is None  # not yet: the trainer may have just finished
     assert "policy p is at step 3 of 10 with 3 groups buffered, less than a batch of 4" in why
     assert view("admitting: capacity 8", 0) is None  # data left: groups still come
     assert view(gone, 4) is None  # a batch is waiting

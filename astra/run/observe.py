@@ -97,6 +97,7 @@ class Observer(StatusPoller):
         self._resumed = resumed
         self._drops_before: dict[str, int] = {}
         self.batch_groups = batch_groups or {}
+        self._short_since: dict[str, tuple[int, float]] = {}  # policy -> (step, since): no batch
         self.metrics_path, self.out = metrics_path, out
         self.poll_interval_s, self.status_every_s = poll_interval_s, status_every_s
         self.history = {p: StepHistory() for p in trainers}  # in the order of `trainers`
@@ -290,13 +291,24 @@ class Observer(StatusPoller):
         its num_epochs, no group in flight) and a policy whose trainer has steps left holds
         less than a batch, none of it leased (a leased batch may still be trained)."""
         if not str(self.last_dataflow.get("gate_reason", "")).startswith(DATA_EXHAUSTED):
+            self._short_since.clear()
             return None
+        now = time.monotonic()
         for policy, d in sorted((self.last_detail.get("policies") or {}).items()):
             t = self.trainer_status.get(policy)
             if t is None or (self.num_steps and t.get("step", 0) >= self.num_steps):
                 continue  # not heard from yet, or done
             need = self.batch_groups.get(policy, 1)
-            if d.get("buffered", 0) < need and not d.get("leased", 0):
+            if d.get("buffered", 0) >= need or d.get("leased", 0):
+                self._short_since.pop(policy, None)
+                continue
+            # Held for a few polls at the same step: a trainer that just took its last step
+            # (its status polled a moment before Dataflow's) is not taken as stuck.
+            step, since = self._short_since.setdefault(policy, (t.get("step", 0), now))
+            if step != t.get("step", 0):
+                self._short_since[policy] = (t.get("step", 0), now)
+                continue
+            if now - since >= max(2.0, 3 * self.poll_interval_s):
                 return (
                     f"stalled: {DATA_EXHAUSTED}: every training stream ran its num_epochs; "
                     f"policy {policy} is at step {t.get('step', 0)} of {self.num_steps} with "
