@@ -637,3 +637,27 @@ def test_observer_reads_what_came_before_a_rotation_it_was_not_told_of(tmp_path:
 
     obs = asyncio.run(go())
     assert [p[1] for p in obs.pending] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_run_ends_once_every_raas_has_failed_to_load_the_weights_for_long() -> None:
+    from types import SimpleNamespace
+
+    from astra.run.observe import Observer
+
+    def view(failures: dict[str, int], limit: int = 20, states=None) -> str | None:
+        obs = SimpleNamespace(max_load_failures_in_a_row=limit)
+        counters = {f"weight_load_failing.{i}": n for i, n in failures.items() if n}
+        reason = "waiting; weight loads failing on r0 (20 in a row: VERSION_BAD: v7 is bad)"
+        obs.last_dataflow = {"counters": counters, "gate_reason": reason}
+        states = states or dict.fromkeys(failures, "ACTIVE")
+        obs.last_detail = {"instances": [{"id": i, "state": s} for i, s in states.items()]}
+        return Observer.loads_failing(obs)
+
+    why = view({"r0": 20, "r1": 25})
+    assert why is not None and why.startswith("failed: every RaaS fails to load the new weights")
+    assert "VERSION_BAD: v7 is bad" in why and "max_load_failures_in_a_row: 20" in why
+    assert view({"r0": 20, "r1": 3}) is None  # one still loads now and then
+    assert view({"r0": 20, "r1": 0}) is None
+    assert view({"r0": 20, "r1": 0}, states={"r0": "ACTIVE", "r1": "DEAD"}) is not None
+    assert view({"r0": 10**6}, limit=0) is None  # 0: wait forever
+    assert view({}) is None  # no RaaS at all: another condition

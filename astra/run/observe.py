@@ -79,6 +79,7 @@ class Observer(StatusPoller):
         evals: EvalLog | None = None,
         max_dropped_in_a_row: int = 0,
         max_refused_in_a_row: int = 0,
+        max_load_failures_in_a_row: int = 0,
         resumed: bool = False,
         batch_groups: dict[str, int] | None = None,
         on_stall: Callable[[str], None] | None = None,
@@ -91,6 +92,7 @@ class Observer(StatusPoller):
         )
         self.max_dropped_in_a_row, self.on_stall = max_dropped_in_a_row, on_stall
         self.max_refused_in_a_row = max_refused_in_a_row
+        self.max_load_failures_in_a_row = max_load_failures_in_a_row
         # Per policy, the run of drops that does not count against this run: 0 in a new run;
         # in a resumed one (Dataflow keeps the run of drops durably, and the resume's overrides
         # may have fixed its cause) what the first poll finds.
@@ -227,6 +229,7 @@ class Observer(StatusPoller):
                     self.record_evals()
                     why = (
                         self.refused()
+                        or self.loads_failing()
                         or self.stalled()
                         or self.exhausted()
                         or self.progress.check(
@@ -265,6 +268,26 @@ class Observer(StatusPoller):
             f"failed: every RaaS refuses the groups it is sent ({', '.join(i['id'] for i in active)}"
             f", {limit} submits in a row or more; the newest: {refusal(self.last_detail)}) "
             f"(supervision.max_refused_in_a_row: {limit})"
+        )
+
+    def loads_failing(self) -> str | None:
+        """Why the run cannot go on: every active RaaS failed to load the new weights
+        max_load_failures_in_a_row times in a row (Dataflow's `weight_load_failing.<id>`
+        counters), say a version refused as VERSION_BAD: with the version barrier nothing is
+        generated, and the trainer waits for a batch."""
+        limit = self.max_load_failures_in_a_row
+        counters = self.last_dataflow.get("counters") or {}
+        active = [
+            i["id"] for i in self.last_detail.get("instances") or [] if i.get("state") == "ACTIVE"
+        ]
+        failing = {i: counters.get(f"weight_load_failing.{i}", 0) for i in active}
+        if not limit or not active or any(n < limit for n in failing.values()):
+            return None
+        reason = str(self.last_dataflow.get("gate_reason", ""))
+        why = reason.partition("weight loads failing on ")[2] or reason
+        return (
+            f"failed: every RaaS fails to load the new weights ({why[:600]}) "
+            f"(supervision.max_load_failures_in_a_row: {limit})"
         )
 
     def stalled(self) -> str | None:

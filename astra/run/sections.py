@@ -264,6 +264,14 @@ class SupervisionSpec(_Strict):
         "in a row as invalid (a reward or workflow it cannot resolve, say): Dataflow keeps "
         "sending, nothing is ever accepted; 0: wait forever.",
     )
+    max_load_failures_in_a_row: int = Field(
+        20,
+        ge=0,
+        description="End the run as failed when every active RaaS failed to load the policies' "
+        "new weights this many times in a row (retries back off to 30 s: 20 is about 9 "
+        "minutes): a version that cannot be loaded (refused as VERSION_BAD, a WeightService "
+        "it cannot reach) holds the run; 0: wait forever.",
+    )
     progress_warn_s: float = Field(
         300.0,
         ge=0,

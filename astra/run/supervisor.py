@@ -387,6 +387,7 @@ class Supervisor:
                 plot=self.rd.root / "plot.png",
                 max_dropped_in_a_row=self.recipe.supervision.max_dropped_in_a_row,
                 max_refused_in_a_row=self.recipe.supervision.max_refused_in_a_row,
+                max_load_failures_in_a_row=self.recipe.supervision.max_load_failures_in_a_row,
                 resumed=self.resume,
                 batch_groups={p.id: self.recipe.batch_groups(p) for p in self.recipe.policies},
                 on_stall=self.fail,
