@@ -661,3 +661,40 @@ def test_a_run_ends_once_every_raas_has_failed_to_load_the_weights_for_long() ->
     assert view({"r0": 20, "r1": 0}, states={"r0": "ACTIVE", "r1": "DEAD"}) is not None
     assert view({"r0": 10**6}, limit=0) is None  # 0: wait forever
     assert view({}) is None  # no RaaS at all: another condition
+
+
+def test_observer_reads_a_generation_written_and_rotated_while_it_looked_away(
+    tmp_path: Path,
+) -> None:
+    """The observer saw the log empty just after a rotation; before it looked again the
+    trainer wrote a whole generation and the actor rotated it too (steps every 30 ms, logs of
+    512 bytes under Ray). That generation was skipped: its lines are in the newest copy."""
+    from astra.run.logrotate import rotate
+
+    async def go() -> Observer:
+        obs = make_observer(tmp_path)
+        log = tmp_path / "trainer.log"
+        step = "x INFO astra.servers.trainer: step {0} version {0} loss 0.{0}\n"
+        with log.open("ab") as f:
+            f.write(("padding " * 40 + "\n").encode() + step.format(1).encode())
+            f.flush()
+            obs.read_logs()
+            f.write(step.format(2).encode())
+            f.flush()
+            assert rotate(log, 100, 5)
+            obs.read_logs()  # the copy's rest (step 2); the file itself is empty now
+            f.write(step.format(3).encode() + ("padding " * 20 + "\n").encode())
+            f.flush()
+            assert rotate(log, 100, 5)  # a whole generation the observer never saw
+            f.write(step.format(4).encode())
+            f.flush()
+            obs.read_logs()
+            f.write(step.format(5).encode())
+            f.flush()
+            obs.read_logs()
+        await obs.close()
+        await obs.finish()
+        return obs
+
+    obs = asyncio.run(go())
+    assert [p[1] for p in obs.pending] == [1, 2, 3, 4, 5]

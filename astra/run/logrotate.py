@@ -96,6 +96,32 @@ def missed_before_truncation(path: Path, offset: int, head: bytes) -> bytes | No
     return None
 
 
+def missed_after(path: Path, head: bytes) -> bytes | None:
+    """Every copy of a generation that came after the one starting with `head`, whole, oldest
+    first: what a reader that saw `path` empty after that generation did not see, when the
+    file was written and rotated since. b"" when no such copy exists yet (the file now is the
+    one the reader saw empty); None when the copy of `head`'s generation is gone."""
+    tmp = path.with_name(f".{path.name}.rotating")
+    copies = [tmp]
+    while backup(path, len(copies)).exists():
+        copies.append(backup(path, len(copies)))
+    for k, copy in enumerate(copies):
+        try:
+            with open(copy, "rb") as f:
+                if os.pread(f.fileno(), len(head), 0) != head:
+                    continue
+        except FileNotFoundError:
+            continue
+        parts = []
+        for later in reversed(copies[1:k]) if k else ():
+            try:
+                parts.append(later.read_bytes())
+            except FileNotFoundError:
+                return None
+        return b"".join(parts)
+    return None
+
+
 def _rest(copy: Path, offset: int, head: bytes) -> bytes | None:
     """`copy` from `offset` on, where it starts with `head` and reaches `offset`."""
     try:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from astra.dataflow.status import DATA_EXHAUSTED
 from astra.run.history import StepHistory, load_histories
-from astra.run.logrotate import HEAD_BYTES, missed_before_truncation
+from astra.run.logrotate import HEAD_BYTES, missed_after, missed_before_truncation
 from astra.run.poller import StatusPoller
 from astra.run.progress import ProgressWatch
 
@@ -106,9 +106,10 @@ class Observer(StatusPoller):
         if resumed:  # summary.json covers the whole run: the earlier starts' steps first
             with _failing_output("metrics.jsonl, read back"):
                 load_histories(metrics_path, self.history)
-        # policy -> [log path, offset read up to, partial last line, the file's first bytes]
+        # policy -> [log path, offset read up to, partial last line, the file's first bytes,
+        # the first bytes of the generation before it while it is still empty (else b"")]
         self.logs: dict[str, list[Any]] = {
-            p: [*where, b"", b""] for p, where in trainer_logs.items()
+            p: [*where, b"", b"", b""] for p, where in trainer_logs.items()
         }
         self.pending: list[tuple[str, int, int, float, str]] = []  # step lines not yet rows
         self.tty = out.isatty()
@@ -130,7 +131,7 @@ class Observer(StatusPoller):
     def read_logs(self) -> None:
         """Reads the trainers' new per-step log lines (rows once the next poll has been seen)."""
         for policy, entry in self.logs.items():
-            path, offset, partial, head = entry
+            path, offset, partial, head, _ = entry
             if not path.exists():
                 continue
             with path.open("rb") as f:
@@ -144,11 +145,28 @@ class Observer(StatusPoller):
                     # of what comes now.
                     partial = b"" if missed is None else partial + missed
                     offset, entry[3] = 0, b""  # a new file: its own first bytes, below
+                    entry[4] = head  # what it follows, while it has no first bytes to tell
+                elif not head and entry[4] and size:
+                    # The file was empty when last seen: it may have been written and rotated
+                    # since (fast writers, a child's own rotation). The generations after the
+                    # one it follows that are copies already come first, whole.
+                    missed = missed_after(path, entry[4])
+                    partial = b"" if missed is None else partial + missed
+                if size:
+                    entry[4] = b""
                 if len(entry[3]) < HEAD_BYTES:  # until it is whole: the same file, read on
                     entry[3] = os.pread(f.fileno(), HEAD_BYTES, 0)
+                head = entry[3]
                 f.seek(offset)
-                data = partial + f.read()
-                entry[1] = f.tell()
+                chunk = f.read()
+                if head and os.pread(f.fileno(), len(head), 0) != head:
+                    # Truncated while it was read (a child's own rotation, under Ray): what was
+                    # read may be the new file's. Read nothing now; the next call takes the
+                    # rest of this generation from its copy.
+                    entry[1], entry[2] = offset, partial
+                    continue
+                data = partial + chunk
+                entry[1] = offset + len(chunk)
             *lines, entry[2] = data.split(b"\n")
             for line in lines:
                 if m := STEP_LINE.search(line):
