@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint generate bench clean vllm run-vllm chaos
+.PHONY: run test lint generate bench clean vllm run-vllm chaos docs
 
 $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
@@ -42,6 +42,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check astra servers clients tools tests
 	$(VENV)/bin/ruff format --check astra servers clients tools tests
 	$(PY) tools/codegen.py --check
+
+docs: $(VENV)/.installed  ## the documentation site (mkdocs-material) into site/, warnings as errors
+	$(VENV)/bin/mkdocs build --strict
 
 generate: $(VENV)/.installed
 	$(PY) tools/codegen.py

@@ -1,6 +1,6 @@
 """Typed configuration of the Dataflow service (every field documented, bounded).
 
-Unknown keys fail loudly. Defaults are the documented defaults of the README.
+Unknown keys fail loudly. Defaults are the documented defaults of docs/dataflow.md.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def _request(run_dir: str, request: dict, timeout_s: float) -> None:
 @click.option(
     "--command",
     help="An external RaaS instead of `astra serve raas`: its command line, split as a shell "
-    "would, with placeholders such as {dataflow} and {instance_id} (README).",
+    "would, with placeholders such as {dataflow} and {instance_id} (docs/running.md).",
 )
 @TIMEOUT
 def add(

@@ -1,5 +1,5 @@
 'use strict';
-// The revocation list a node holds (README "Mutual TLS"), read with crl.js: ASTRA_TLS_CRL if
+// The revocation list a node holds (docs/deployment.md, "Mutual TLS"), read with crl.js: ASTRA_TLS_CRL if
 // set (it must exist), else crl.pem in the TLS directory when there is one. Read at start (a
 // list that cannot be used stops the node, as does its own certificate listed), then again
 // when its file changes (stat, once a second). A running node fails closed: when the list

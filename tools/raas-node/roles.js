@@ -1,5 +1,5 @@
 'use strict';
-// Which RolloutService calls a caller may make, by the roles its certificate names (README
+// Which RolloutService calls a caller may make, by the roles its certificate names (docs/deployment.md,
 // "Mutual TLS"; astra/authz.py holds the table for all four services, and
 // tests/test_raas_node.py holds this one to it). A certificate names roles as URI
 // subjectAltNames urn:astra:role:<role>; one that names none (an operator's, or one made

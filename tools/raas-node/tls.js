@@ -1,5 +1,5 @@
 'use strict';
-// Mutual TLS as Astra's nodes use it (README "Mutual TLS"): a directory holding the run CA's
+// Mutual TLS as Astra's nodes use it (docs/deployment.md, "Mutual TLS"): a directory holding the run CA's
 // ca.pem and this node's cert.pem and key.pem, from --tls-dir or ASTRA_TLS_DIR. The server
 // requires client certificates of that CA; the clients (Dataflow, WeightService) present the
 // same certificate and check their server's against ca.pem. Without a directory: plaintext.
