@@ -26,6 +26,7 @@ from google.protobuf import struct_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from astra.clients.raas import RolloutClient
+from astra.clients.raas_check_trajectories import TrajectoryChecks
 from astra.clients.raas_check_weights import WeightChecks
 from astra.clients.raas_rules import (
     Check,
@@ -59,6 +60,7 @@ CHECKS = (
     "submit",
     "submit_is_idempotent",
     "collect",
+    "trajectories_are_well_formed",
     "collect_repeats_until_ack",
     "ack",
     "ack_removes_the_result",
@@ -93,7 +95,7 @@ class CheckOptions:
 
 
 @dataclass
-class RaasChecker(WeightChecks):
+class RaasChecker(WeightChecks, TrajectoryChecks):
     address: str
     options: CheckOptions = field(default_factory=CheckOptions)
 

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+import numpy as np
 
 from astra.errors import (
     AstraError,
@@ -246,6 +247,44 @@ def short_logprobs(servicer, server) -> None:
     servicer.backend.generate = short
 
 
+def _edit_sequences(servicer, edit: Callable[[Any], None]) -> None:
+    """Rewrites every sequence of every finished result with `edit(Sequence message)`."""
+    finish = servicer.store.finish
+
+    def edited(group_id: str, payload: bytes) -> bool:
+        msg = pb.CollectResultsResponse.FromString(payload)
+        for t in msg.result.trajectories:
+            for seq in t.sequences:
+                edit(seq)
+        return finish(group_id, msg.SerializeToString())
+
+    servicer.store.finish = edited
+
+
+def no_finish_reason(servicer, server) -> None:
+    """Sequences with finish_reason unset (rule: STOP, LENGTH or ABORTED on every sequence)."""
+    _edit_sequences(servicer, lambda seq: setattr(seq, "finish_reason", 0))
+
+
+def no_prompt_tokens(servicer, server) -> None:
+    """Sequences without their prompt's tokens (rule: token_ids start with the prompt's ids)."""
+    _edit_sequences(servicer, lambda seq: setattr(seq, "prompt_length", 0))
+
+
+def _fill(array, value: int) -> None:
+    array.data = np.full(list(array.shape), value, dtype=array.dtype).tobytes()
+
+
+def trains_on_the_prompt(servicer, server) -> None:
+    """loss_mask 1 on every token, the prompt's too (rule: 1 exactly on generated tokens)."""
+    _edit_sequences(servicer, lambda seq: _fill(seq.loss_mask, 1))
+
+
+def unversioned_tokens(servicer, server) -> None:
+    """Generated tokens carry version -1 (rule: a trained token carries a version >= 0)."""
+    _edit_sequences(servicer, lambda seq: _fill(seq.weight_versions, -1))
+
+
 def forgets_unacknowledged(servicer, server) -> None:
     """Drops a result once collected, before AckResults (rule: repeated until acknowledged)."""
     store, collect = servicer.store, servicer.store.collect
@@ -396,6 +435,10 @@ SWITCHES: dict[str, Switch] = {
         refuses_resubmission,
         fails_every_group,
         short_logprobs,
+        no_finish_reason,
+        no_prompt_tokens,
+        trains_on_the_prompt,
+        unversioned_tokens,
         forgets_unacknowledged,
         miscounts_ack,
         keeps_acknowledged,
@@ -432,6 +475,10 @@ CATCHES: dict[str, str] = {
     "refuses_resubmission": "submit_is_idempotent",
     "fails_every_group": "collect",
     "short_logprobs": "collect",
+    "no_finish_reason": "trajectories_are_well_formed",
+    "no_prompt_tokens": "trajectories_are_well_formed",
+    "trains_on_the_prompt": "trajectories_are_well_formed",
+    "unversioned_tokens": "trajectories_are_well_formed",
     "forgets_unacknowledged": "collect_repeats_until_ack",
     "miscounts_ack": "ack",
     "keeps_acknowledged": "ack_removes_the_result",
