@@ -26,6 +26,7 @@ from google.protobuf import struct_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from astra.clients.raas import RolloutClient
+from astra.clients.raas_check_faulty_weights import FaultyWeightChecks
 from astra.clients.raas_check_trajectories import TrajectoryChecks
 from astra.clients.raas_check_weights import WeightChecks
 from astra.clients.raas_rules import (
@@ -72,6 +73,7 @@ CHECKS = (
     "load_weights_refuses_regression",
     "load_weights_refuses_reused_request_id",
     "tokens_carry_the_loaded_version",
+    "load_weights_refuses_corrupt_data",
     "settles",
 )
 
@@ -92,10 +94,12 @@ class CheckOptions:
     load_timeout_s: float = 300.0
     # Run even when the instance has groups running or results pending that are not ours.
     allow_busy: bool = False
+    # Serve corrupt weights from an in-process WeightService: the instance must refuse them.
+    serve_weights: bool = False
 
 
 @dataclass
-class RaasChecker(WeightChecks, TrajectoryChecks):
+class RaasChecker(WeightChecks, TrajectoryChecks, FaultyWeightChecks):
     address: str
     options: CheckOptions = field(default_factory=CheckOptions)
 

@@ -63,6 +63,7 @@ SAYS = {
     "reload_refused": "expected OK, got FAILED_PRECONDITION",
     "forgets_request_ids": "expected INVALID_ARGUMENT",
     "stamps_version_zero": "expected (3, 3)",
+    "skips_verification": "do not match their Adler-32",
     "loses_a_slot": "free 3 of 4",
 }
 
@@ -92,7 +93,9 @@ def weights(tmp_path_factory) -> Iterator[str]:
 
 
 def check_switch(switch: str, weights: str) -> dict[str, tuple[str, str]]:
-    options = CheckOptions(result_timeout_s=5.0, weights=weights, version_id="v3")
+    options = CheckOptions(
+        result_timeout_s=5.0, weights=weights, version_id="v3", serve_weights=True
+    )
 
     async def body() -> dict[str, tuple[str, str]]:
         server, _ = await start_broken_raas(switch)

@@ -36,6 +36,11 @@ import click
     help="Version identity of the policy there to load (needs --weights).",
 )  # fmt: skip
 @click.option(
+    "--serve-weights", is_flag=True,
+    help="Also serve corrupt weights from a WeightService of the checker's own: the instance "
+    "must refuse them (needs --weights and --version for the version it loads first).",
+)  # fmt: skip
+@click.option(
     "--allow-busy", is_flag=True,
     help="Run even when the instance has groups running or pending (refused otherwise: they "
     "are a live Dataflow's).",

@@ -10,13 +10,16 @@ outside tests.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
+from astra.clients.weights_stream import Receiver
 from astra.errors import (
     AstraError,
     FailedPrecondition,
@@ -25,7 +28,7 @@ from astra.errors import (
     ResourceExhausted,
     invalid_field,
 )
-from astra.raas.backend import RolloutBackend
+from astra.raas.backend import RolloutBackend, VersionSpec
 from astra.raas.scripted import ScriptedGenerator
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
@@ -33,6 +36,29 @@ from astra.servers.raas import RolloutServicer
 from astra.servers.runtime import GrpcServer, with_raw_responses
 
 Switch = Callable[[RolloutServicer, GrpcServer], None]
+
+
+class FetchingScripted(ScriptedGenerator):
+    """The scripted generator, but LoadWeights really fetches each version with the streaming
+    Receiver (which verifies every tensor) into a temporary directory, as Astra's engines do."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._dir = tempfile.TemporaryDirectory(prefix="broken-raas-")
+        self._receivers: dict[tuple[str, str], Receiver] = {}
+
+    async def load_weights(self, versions: dict[str, VersionSpec], weights_address: str) -> int:
+        fetched = 0
+        for p, spec in versions.items():
+            address = spec.weights_address or weights_address
+            rec = self._receivers.get((p, address))
+            if rec is None:
+                where = Path(self._dir.name) / f"{p}-{len(self._receivers)}"
+                rec = Receiver(address, p, directory=where, durable=False, timeout_s=30.0)
+                self._receivers[(p, address)] = rec
+            fetched += (await rec.fetch(spec.version_id or str(spec.version))).bytes_received
+        await super().load_weights(versions, weights_address)
+        return fetched
 
 
 def _wrap(servicer: RolloutServicer, method: str, before: Callable[[Any], Any]) -> None:
@@ -404,6 +430,15 @@ def forgets_request_ids(servicer, server) -> None:
     _wrap(servicer, "LoadWeights", lambda request: servicer._load_requests.clear())
 
 
+def skips_verification(servicer, server) -> None:
+    """LoadWeights swaps to a version without fetching and verifying it (rule: an engine
+    refuses weights whose bytes do not match their checksums and keeps its version)."""
+    backend = servicer.backend
+    servicer.backend.load_weights = lambda versions, address: ScriptedGenerator.load_weights(
+        backend, versions, address
+    )
+
+
 def stamps_version_zero(servicer, server) -> None:
     """Loads new versions but stamps every token with version 0 (rule: tokens carry the
     version that generated them)."""
@@ -452,6 +487,7 @@ SWITCHES: dict[str, Switch] = {
         reload_refused,
         forgets_request_ids,
         stamps_version_zero,
+        skips_verification,
         loses_a_slot,
     )
 }
@@ -492,6 +528,7 @@ CATCHES: dict[str, str] = {
     "reload_refused": "load_weights_is_idempotent",
     "forgets_request_ids": "load_weights_refuses_reused_request_id",
     "stamps_version_zero": "tokens_carry_the_loaded_version",
+    "skips_verification": "load_weights_refuses_corrupt_data",
     "loses_a_slot": "settles",
 }
 
@@ -502,7 +539,7 @@ async def start_broken_raas(
     """Astra's RolloutService with SWITCHES[switch] applied ("" for none), on 127.0.0.1:0."""
     if switch and switch not in SWITCHES:
         raise ValueError(f"unknown switch {switch!r}; one of {sorted(SWITCHES)}")
-    servicer = RolloutServicer(backend or ScriptedGenerator(delay_s=0.05), capacity)
+    servicer = RolloutServicer(backend or FetchingScripted(delay_s=0.05), capacity)
     server = GrpcServer("127.0.0.1", 0, grace_s=0.0)
     if switch:
         SWITCHES[switch](servicer, server)
