@@ -63,7 +63,7 @@ SAYS = {
     "reload_refused": "expected OK, got FAILED_PRECONDITION",
     "forgets_request_ids": "expected INVALID_ARGUMENT",
     "stamps_version_zero": "expected (3, 3)",
-    "skips_verification": "do not match their Adler-32",
+    "skips_verification": "do not match",
     "loses_a_slot": "free 3 of 4",
 }
 
@@ -93,8 +93,10 @@ def weights(tmp_path_factory) -> Iterator[str]:
 
 
 def check_switch(switch: str, weights: str) -> dict[str, tuple[str, str]]:
+    # Serving faulty weights takes seconds of the engine's retries: only where it is asked.
+    faulty = switch in ("", "skips_verification")
     options = CheckOptions(
-        result_timeout_s=5.0, weights=weights, version_id="v3", serve_weights=True
+        result_timeout_s=5.0, weights=weights, version_id="v3", serve_weights=faulty
     )
 
     async def body() -> dict[str, tuple[str, str]]:

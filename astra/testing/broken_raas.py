@@ -54,7 +54,7 @@ class FetchingScripted(ScriptedGenerator):
             rec = self._receivers.get((p, address))
             if rec is None:
                 where = Path(self._dir.name) / f"{p}-{len(self._receivers)}"
-                rec = Receiver(address, p, directory=where, durable=False, timeout_s=30.0)
+                rec = Receiver(address, p, directory=where, durable=False, timeout_s=8.0)
                 self._receivers[(p, address)] = rec
             fetched += (await rec.fetch(spec.version_id or str(spec.version))).bytes_received
         await super().load_weights(versions, weights_address)
