@@ -9,7 +9,9 @@ earlier one). Results are validated by the decoder Dataflow itself uses
 
 The checks run real groups, one sample of `max_new_tokens` tokens or two at a
 time; point them at an instance that is not registered with a Dataflow, or
-Dataflow's own groups change the counts the checks read.
+Dataflow's own groups change the counts the checks read. An instance that runs or
+holds groups when the checks start is refused (InstanceInUse) unless
+`allow_busy` is set: the checks would race whoever submitted them.
 """
 
 from __future__ import annotations
@@ -24,8 +26,18 @@ from google.protobuf import struct_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from astra.clients.raas import RolloutClient
+from astra.clients.raas_check_faulty_weights import FaultyWeightChecks
+from astra.clients.raas_check_trajectories import TrajectoryChecks
 from astra.clients.raas_check_weights import WeightChecks
-from astra.clients.raas_rules import Check, CheckFailed, Rpc, Skipped, Warned, rpc
+from astra.clients.raas_rules import (
+    Check,
+    CheckFailed,
+    InstanceInUse,
+    Rpc,
+    Skipped,
+    Warned,
+    rpc,
+)
 from astra.common.v1 import rollout_pb2, version_pb2
 from astra.dataflow.ports import IncomingGroup
 from astra.raas.v1 import rollout_service_pb2 as pb
@@ -43,11 +55,13 @@ CHECKS = (
     "submit_rejects_duplicate_ids",
     "submit_rejects_unknown_policy",
     "submit_rejects_unknown_workflow",
+    "submit_rejects_bad_sampling",
     "submit_refuses_over_capacity",
     "collect_rejects_long_wait",
     "submit",
     "submit_is_idempotent",
     "collect",
+    "trajectories_are_well_formed",
     "collect_repeats_until_ack",
     "ack",
     "ack_removes_the_result",
@@ -59,6 +73,7 @@ CHECKS = (
     "load_weights_refuses_regression",
     "load_weights_refuses_reused_request_id",
     "tokens_carry_the_loaded_version",
+    "load_weights_refuses_corrupt_data",
     "settles",
 )
 
@@ -77,10 +92,14 @@ class CheckOptions:
     weights: str = ""
     version_id: str = ""
     load_timeout_s: float = 300.0
+    # Run even when the instance has groups running or results pending that are not ours.
+    allow_busy: bool = False
+    # Serve corrupt weights from an in-process WeightService: the instance must refuse them.
+    serve_weights: bool = False
 
 
 @dataclass
-class RaasChecker(WeightChecks):
+class RaasChecker(WeightChecks, TrajectoryChecks, FaultyWeightChecks):
     address: str
     options: CheckOptions = field(default_factory=CheckOptions)
 
@@ -101,6 +120,7 @@ class RaasChecker(WeightChecks):
         """Every check in order, each on its own; the list of what they found."""
         self.client = RolloutClient(self.address, timeout_s=self.options.call_timeout_s)
         try:
+            await self._refuse_if_busy()
             for name in CHECKS:
                 try:
                     self.results.append(Check(name, "pass", await getattr(self, name)()))
@@ -121,6 +141,23 @@ class RaasChecker(WeightChecks):
         return self.results
 
     # ----- helpers ---------------------------------------------------------------------------
+
+    async def _refuse_if_busy(self) -> None:
+        """InstanceInUse when groups run or wait there: a live Dataflow's, which the checks
+        would race (and whose counts they would misread)."""
+        if self.options.allow_busy:
+            return
+        try:
+            s = await self.client.get_status()
+        except grpc.aio.AioRpcError:
+            return  # the checks report what is wrong with GetStatus
+        if s.running_groups or s.pending_results:
+            raise InstanceInUse(
+                f"{self.address} has {s.running_groups} groups running and "
+                f"{s.pending_results} results pending that this checker did not submit: it looks "
+                "in use (registered with a Dataflow?). Check an instance no Dataflow dispatches "
+                "to, or pass --allow-busy to run anyway (later checks may then fail)"
+            )
 
     def _group(
         self, *, num_samples: int = 1, policy: str = "", workflow: str = ""
@@ -243,6 +280,19 @@ class RaasChecker(WeightChecks):
         self._needs("policy")
         r = await self._submit(self._group(workflow=f"no-such-workflow-{self.run_id}"))
         return r.expect(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_WORKFLOW")
+
+    async def submit_rejects_bad_sampling(self) -> str:
+        self._needs("policy")
+        g = self._group()
+        g.sampling_params.max_new_tokens = 0
+        r = await self._submit(g)
+        text = r.expect(grpc.StatusCode.INVALID_ARGUMENT)
+        if not any(f.endswith("max_new_tokens") for f in r.fields):
+            raise CheckFailed(
+                f"max_new_tokens 0 refused, but the error names fields {list(r.fields)}, not "
+                "sampling_params.max_new_tokens (ErrorInfo metadata 'field' or BadRequest)"
+            )
+        return f"{text} naming {r.fields[0]}"
 
     async def submit_refuses_over_capacity(self) -> str:
         self._needs("policy", "capacity")

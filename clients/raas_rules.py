@@ -29,6 +29,10 @@ class Warned(Exception):
     """A recommendation the server does not follow."""
 
 
+class InstanceInUse(Exception):
+    """The instance runs or holds groups the checker did not submit (a live Dataflow's)."""
+
+
 @dataclass
 class Rpc:
     """How a call ended: OK, or its code with the ErrorInfo and RetryInfo it carried."""
@@ -37,6 +41,7 @@ class Rpc:
     details: str = ""
     reason: str = ""  # ErrorInfo.reason; "" when the status carries no ErrorInfo
     retry: bool = False  # RetryInfo present
+    fields: tuple[str, ...] = ()  # ErrorInfo.metadata["field"] and BadRequest field paths
     response: object = None
 
     def expect(self, code: grpc.StatusCode, reason: str | None = None) -> str:
@@ -62,6 +67,11 @@ async def rpc(call: Awaitable) -> Rpc:
                 info = error_details_pb2.ErrorInfo()
                 detail.Unpack(info)
                 out.reason = info.reason
+                out.fields += (info.metadata["field"],) if "field" in info.metadata else ()
+            if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                detail.Unpack(bad)
+                out.fields += tuple(v.field for v in bad.field_violations)
             out.retry = out.retry or detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR)
         return out
 

@@ -68,9 +68,12 @@ WEIGHT_CHECKS = {
 
 def test_astra_raas_passes_every_check() -> None:
     got = run_checks()
-    assert len(got) == 25
+    assert len(got) == 28
     not_passed = {name: status for name, (status, _) in got.items() if status != "pass"}
-    assert not_passed == dict.fromkeys(WEIGHT_CHECKS, "skip")  # no --weights given
+    # no --weights, no --serve-weights given
+    assert not_passed == dict.fromkeys(
+        {*WEIGHT_CHECKS, "load_weights_refuses_corrupt_data"}, "skip"
+    )
     assert "as Dataflow reads them" in got["collect"][1]
 
 
@@ -235,10 +238,10 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
         ok = subprocess.run([*check, *weight_args], capture_output=True, text=True, timeout=180)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         if weights is not None:
-            assert "25 passed, 0 failed, 0 warnings, 0 skipped" in ok.stdout, ok.stdout
+            assert "27 passed, 0 failed, 0 warnings, 1 skipped" in ok.stdout, ok.stdout
             assert "every generated token: version 1" in ok.stdout
         else:
-            assert "20 passed, 0 failed, 0 warnings, 5 skipped" in ok.stdout, ok.stdout
+            assert "22 passed, 0 failed, 0 warnings, 6 skipped" in ok.stdout, ok.stdout
         bad = subprocess.run(
             [*check, "--workflow", "no_such", "--json"], capture_output=True, text=True, timeout=60
         )

@@ -35,6 +35,16 @@ import click
     "--version", "version_id", default="",
     help="Version identity of the policy there to load (needs --weights).",
 )  # fmt: skip
+@click.option(
+    "--serve-weights", is_flag=True,
+    help="Also serve corrupt weights from a WeightService of the checker's own: the instance "
+    "must refuse them (needs --weights and --version for the version it loads first).",
+)  # fmt: skip
+@click.option(
+    "--allow-busy", is_flag=True,
+    help="Run even when the instance has groups running or pending (refused otherwise: they "
+    "are a live Dataflow's).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
 def check_command(address: str, as_json: bool, result_timeout_s: float, **options: object) -> None:
     """Checks the RolloutService at ADDRESS (host:port) against rollout_service.proto.
@@ -44,14 +54,14 @@ def check_command(address: str, as_json: bool, result_timeout_s: float, **option
     (the instance must not hold a newer one) and checks the LoadWeights rules.
     """
     from astra.clients.raas_check import CheckOptions, RaasChecker
-    from astra.clients.raas_rules import summary
+    from astra.clients.raas_rules import InstanceInUse, summary
     from astra.servers.runtime import install_event_loop_policy
 
     opts = CheckOptions(result_timeout_s=result_timeout_s, **options)  # type: ignore[arg-type]
     install_event_loop_policy()
     try:
         results = asyncio.run(RaasChecker(address, opts).run())
-    except OSError as exc:
+    except (OSError, InstanceInUse) as exc:
         click.echo(f"astra raas check: {exc}", err=True)
         sys.exit(1)
     report = summary(results)
