@@ -1,7 +1,8 @@
 """`astra raas check`: the RaaS contract checker passes Astra's own RaaS and fails broken ones.
 
-Each broken RaaS breaks one rule of rollout_service.proto (patched into the real servicer),
-and the check for that rule must fail while the server keeps answering the rest.
+Here: Astra's RaaS passes, results Dataflow would refuse fail `collect`, and the CLI on each
+engine. One broken rule per check (36 switches of astra.testing.broken_raas, each caught by the
+check named for it): tests/test_raas_check_broken.py.
 """
 
 from __future__ import annotations
@@ -83,87 +84,7 @@ def test_the_load_weights_checks_pass_with_a_weight_service(tmp_path: Path) -> N
     assert "version 3" in got["load_weights"][1] and got["settles"][0] == "pass"
 
 
-class StampsVersionZero(ScriptedGenerator):
-    """Loads new versions but stamps every token with version 0: staleness would be wrong."""
-
-    async def generate(self, spec, versions):
-        return await super().generate(spec, dict.fromkeys(versions, 0))
-
-
-def allows_regression(servicer) -> None:
-    """Swaps to any version asked, older ones included."""
-    load = servicer._load
-
-    async def reset_then_load(wanted, address):
-        servicer._versions = {p: replace(v, version=-1) for p, v in servicer._versions.items()}
-        return await load(wanted, address)
-
-    servicer._load = reset_then_load
-
-
-@pytest.mark.parametrize(
-    ("backend", "patch", "check", "says"),
-    [
-        (StampsVersionZero, None, "tokens_carry_the_loaded_version", "expected (3, 3)"),
-        (
-            ScriptedGenerator,
-            allows_regression,
-            "load_weights_refuses_regression",
-            "expected FAILED",
-        ),
-    ],
-)
-def test_a_broken_load_rule_fails_its_check(tmp_path, backend, patch, check, says) -> None:
-    got = run_checks(patch, backend(delay_s=0.05), store=tmp_path / "store")
-    status, detail = got[check]
-    assert status == "fail" and says in detail, (check, got[check])
-
-
-def forgets_unacknowledged(servicer) -> None:
-    """Drops a result once it was collected, before AckResults: a lost response loses it."""
-    store, collect = servicer.store, servicer.store.collect
-
-    async def once(max_groups: int, max_wait_s: float) -> list:
-        out = await collect(max_groups, max_wait_s)
-        store.ack([gid for gid, payload in list(store._finished.items()) if payload in out])
-        return out
-
-    store.collect = once
-
-
-def keeps_acknowledged(servicer) -> None:
-    """Answers AckResults but keeps the results: Dataflow would be sent them forever."""
-    store = servicer.store
-    store.ack = lambda ids: (sum(g in store._finished for g in ids), 0)
-
-
-def ignores_capacity(servicer) -> None:
-    """Reports its capacity but admits whatever comes."""
-    store, accept = servicer.store, servicer.store.try_accept
-
-    def admit_all(groups, **kw):
-        capacity, store.capacity = store.capacity, 10**6
-        try:
-            return accept(groups, **kw)
-        finally:
-            store.capacity = capacity
-
-    store.try_accept = admit_all
-
-
-@pytest.mark.parametrize(
-    ("patch", "check", "says"),
-    [
-        (forgets_unacknowledged, "collect_repeats_until_ack", "not sent again"),
-        (keeps_acknowledged, "ack_removes_the_result", "delivered again after AckResults"),
-        (ignores_capacity, "submit_refuses_over_capacity", "expected RESOURCE_EXHAUSTED"),
-    ],
-)
-def test_a_broken_rule_fails_its_check(patch, check: str, says: str) -> None:
-    got = run_checks(patch)
-    status, detail = got[check]
-    assert status == "fail" and says in detail, (check, got[check])
-    assert got["health"][0] == got["submit"][0] == "pass"  # the rest still ran
+# One broken rule per check: tests/test_raas_check_broken.py (astra.testing.broken_raas).
 
 
 class TruncatedLogprobs(ScriptedGenerator):
