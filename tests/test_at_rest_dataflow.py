@@ -59,7 +59,7 @@ def flip(path: Path, offset: int) -> None:
 async def buffered(df, n: int) -> list[str]:
     """Dispatches and ingests groups until `n` are buffered; returns their ids."""
     await register(df, versions={p: 0 for p in df.buffers}, policies=tuple(df.buffers))
-    await df._dispatch_round()
+    await df.dispatcher.round()
     gids = sorted(leased(df))[:n]
     await df.ingest("r1", [result(g, "r1", 0, policies=tuple(df.buffers)) for g in gids])
     return gids
@@ -91,7 +91,7 @@ def test_a_flipped_token_byte_is_quarantined_counted_and_its_group_dispatched_ag
             assert str(path) in line and f"offset {off}" in line and "CRC-32" in line
             # Dispatched again, and its new result is buffered once.
             await register(df, "r2", versions={"p": 0})
-            await df._dispatch_round()
+            await df.dispatcher.round()
             assert leased(df)[victim] == "r2"
             await df.ingest("r2", [result(victim, "r2", 0)])
             assert victim in df.buffers["p"]
@@ -159,7 +159,7 @@ def test_a_multi_policy_group_is_redone_only_for_the_policy_whose_record_was_bad
         try:
             assert df.redo.policies == {gid: ["b"]}
             await register(df, "r2", versions={"a": 0, "b": 0}, policies=("a", "b"))
-            await df._dispatch_round()
+            await df.dispatcher.round()
             await df.ingest("r2", [result(gid, "r2", 0, policies=("a", "b"))])
             assert gid in df.buffers["b"] and gid not in df.buffers["a"]  # a's: trained once
             assert df.counters["redispatch_parts_dropped"] == 1

@@ -25,7 +25,7 @@ def test_dropped_groups_in_a_row_are_counted_and_a_kept_one_ends_the_run(tmp_pat
         df = new_dataflow(cfg)
         try:
             await register(df, versions={"p": 0})
-            await df._dispatch_round()
+            await df.dispatcher.round()
             gids = sorted(leased(df))
             assert len(gids) >= 20
             assert policy_view(df) == (0, "")

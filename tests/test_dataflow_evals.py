@@ -164,7 +164,7 @@ def test_an_evaluation_takes_half_the_free_slots_before_training(tmp_path: Path)
         df = new_dataflow(cfg)
         try:
             await df.register("r1", "addr-r1", 8, ["p"], ["single_turn"], {}, {"p": 0})
-            await df._dispatch_round()  # 8 sample slots: the first submission takes 4 groups
+            await df.dispatcher.round()  # 8 sample slots: the first submission takes 4 groups
             sent = df.pool.instances["r1"].port.submitted
             assert [df.work[g].stream for g in sent[:4]] == ["e", "e", "s", "s"], sent[:4]
         finally:

@@ -27,7 +27,7 @@ import pytest
 from astra.clients.dataflow import DataflowClient
 from astra.clients.raas import RolloutClient
 from astra.common.v1 import rollout_pb2
-from astra.dataflow import coordinator
+from astra.dataflow import dispatch
 from astra.dataflow.config import DataflowConfig
 from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.pool import InstanceState
@@ -556,7 +556,7 @@ def test_eta_zero_dispatches_as_soon_as_the_new_version_is_loaded(tmp_path, monk
     """eta = 0: after an announcement nothing is dispatched until a RaaS holds the new version.
     The finished load itself must wake the dispatcher; if it waited for a heartbeat or the idle
     poll instead, every synchronous step would pay that wait. Here both are 30 s away."""
-    monkeypatch.setattr(coordinator, "IDLE_POLL_S", 30.0)
+    monkeypatch.setattr(dispatch, "IDLE_POLL_S", 30.0)
     n = 8
     config = dataflow_config(
         tmp_path,
@@ -917,7 +917,7 @@ def test_a_crash_between_the_durable_ingest_and_the_ack_redelivers_and_drops_the
             assert all(g in df.done for g in committed)
             before = df.status()["counters"]
             await server.stop(0)  # kill -9: no drain, no clean stop of the coordinator
-            for task in [*df._collectors.values(), *df._tasks, *df._background]:
+            for task in [*df.ingestor.collectors.values(), *df._tasks, *df._background]:
                 task.cancel()
             df.store._checkpointer.stop()
             assert a.servicer.store.pending >= len(committed)  # the RaaS still holds them

@@ -111,7 +111,7 @@ def new_dataflow(config: DataflowConfig) -> Dataflow:
 def crash(df: Dataflow) -> None:
     """Like kill -9 for the store: nothing flushed or cleaned up on purpose (only the
     checkpoint thread is stopped, so the test process does not leak it)."""
-    for t in [*df._collectors.values(), *df._tasks, *df._background, *df._loads.values()]:
+    for t in [*df.ingestor.collectors.values(), *df._tasks, *df._background, *df.weights.loads.values()]:
         t.cancel()
     df.store._checkpointer.stop()
 
@@ -180,7 +180,7 @@ async def lagging_versions(df: Dataflow, batch_groups: int, versions: int = 8):
     inst.port.load_weights = slow_load
     for v in range(versions):
         inst.loaded_versions["p"] = max(0, v - 1)
-        await df._dispatch_round()
+        await df.dispatcher.round()
         gen = inst.loaded_versions["p"]
         await df.ingest("r1", [result(g, "r1", gen) for g in sorted(leased(df))])
         batch = await df.batches.fetch("p", batch_groups, f"req-{v}", "t", 0.05, trainer_version=v)
@@ -191,7 +191,7 @@ async def lagging_versions(df: Dataflow, batch_groups: int, versions: int = 8):
 
 async def fill_and_fetch(df: Dataflow, n_batches: int):
     await register(df, versions={"p": 0})
-    await df._dispatch_round()
+    await df.dispatcher.round()
     await df.ingest("r1", [result(g, "r1", 0, rewards=varied(g)) for g in sorted(leased(df))])
     batches = []
     for i in range(n_batches):
@@ -266,7 +266,7 @@ def test_a_retried_fetch_after_a_restart_streams_the_same_advantages(tmp_path):
     async def body():
         df = new_dataflow(cfg)
         await register(df, versions={"p": 0})
-        await df._dispatch_round()
+        await df.dispatcher.round()
         await df.ingest("r1", [result(g, "r1", 0, rewards=varied(g)) for g in sorted(leased(df))])
         first = await streamed(df, "req-0")
         assert any(a != 0.0 for _, a in first)
@@ -511,7 +511,7 @@ def test_a_raising_filter_drops_its_groups_counted_and_none_is_trained_twice(tmp
     async def body():
         df = new_dataflow(cfg)
         await register(df, versions={"p": 0})
-        await df._dispatch_round()
+        await df.dispatcher.round()
         gids = sorted(leased(df))
         assert gids == ["s/0/0", "s/0/1", "s/0/2", "s/0/3"]
         assert await df.ingest("r1", [result(g, "r1", 0) for g in gids]) == gids
@@ -527,7 +527,7 @@ def test_a_raising_filter_drops_its_groups_counted_and_none_is_trained_twice(tmp
         df2 = new_dataflow(cfg)
         try:
             await register(df2, versions={"p": 0})
-            await df2._dispatch_round()
+            await df2.dispatcher.round()
             assert not leased(df2), "every group was done before the restart"
             assert not set(trained) & set(df2.buffers["p"]._groups)
         finally:
@@ -554,7 +554,7 @@ def test_a_bug_inside_the_ingest_transaction_fail_stops(tmp_path, monkeypatch):
     async def body():
         df = new_dataflow(cfg)
         await register(df, versions={"p": 0})
-        await df._dispatch_round()
+        await df.dispatcher.round()
         gids = sorted(leased(df))
         monkeypatch.setattr(PolicyBuffer, "add", add)
         with pytest.raises(FailStopped):
@@ -567,7 +567,7 @@ def test_a_bug_inside_the_ingest_transaction_fail_stops(tmp_path, monkeypatch):
         try:
             assert len(df2.buffers["p"]) == 0 and not df2.done
             await register(df2, versions={"p": 0})
-            await df2._dispatch_round()
+            await df2.dispatcher.round()
             assert sorted(leased(df2)) == gids
         finally:
             crash(df2)
@@ -604,11 +604,11 @@ def test_eta_zero_with_two_streams_on_one_policy_is_synchronous(tmp_path):
             staleness = []
             for step in range(3):
                 df.pool.instances["r1"].loaded_versions["p"] = step
-                await df._dispatch_round()
+                await df.dispatcher.round()
                 gids = sorted(leased(df))
                 assert len(gids) == 2, f"version {step}: {gids} in flight"
                 await df.ingest("r1", [result(g, "r1", step) for g in gids])
-                await df._dispatch_round()
+                await df.dispatcher.round()
                 assert not leased(df), "the version's budget is spent until the trainer steps"
                 batch = await df.batches.fetch("p", 2, f"r{step}", "t", 0.1, trainer_version=step)
                 staleness += [g.staleness(batch.policy_version) for g in batch.groups]
@@ -648,20 +648,20 @@ def test_groups_leased_to_a_trainer_count_against_the_buffer_capacity(tmp_path, 
         df = new_dataflow(cfg)
         try:
             await register(df, versions={"p": 0})
-            await df._dispatch_round()
+            await df.dispatcher.round()
             await df.ingest("r1", [result(g, "r1", 0) for g in sorted(leased(df))])
             assert len(df.buffers["p"]) == 4
             batch = await df.batches.fetch("p", 2, "req-0", "t", 0.1)  # the trainer then dies
-            await df._dispatch_round()
+            await df.dispatcher.round()
             assert not leased(df), "2 buffered + 2 leased: the buffer is full"
-            assert df.gate_state.buffer_fill_ratio == 1.0
+            assert df.admission.state.buffer_fill_ratio == 1.0
             batch.lease_expire = time.time() - 1
             df.batches.expire(time.time())
             assert len(df.buffers["p"]) == 4 and lost(df) == 0
             # A trainer that acknowledges makes room for exactly what it consumed.
             again = await df.batches.fetch("p", 2, "req-1", "t", 0.1)
             df.batches.ack(again.batch_id)
-            await df._dispatch_round()
+            await df.dispatcher.round()
             more = sorted(leased(df))
             assert len(more) == 2
             await df.ingest("r1", [result(g, "r1", 0) for g in more])
@@ -698,7 +698,7 @@ def test_buffer_counters_survive_a_restart(tmp_path):
     async def body():
         df = new_dataflow(cfg)
         await register(df, versions={"p": 0})
-        await df._dispatch_round()
+        await df.dispatcher.round()
         gids = sorted(leased(df))
         # 0/2: equal rewards; 1/3/5/7: refused by the filter; 4/6: accepted.
         equal = {"s/0/0", "s/0/2"}
@@ -732,7 +732,7 @@ def test_a_result_with_no_trajectories_and_no_error_is_counted_malformed(tmp_pat
         df = new_dataflow(cfg)
         try:
             await register(df, versions={"p": 0})
-            await df._dispatch_round()
+            await df.dispatcher.round()
             (gid,) = leased(df)
             assert await df.ingest("r1", [IncomingGroup(gid, "r1")]) == [gid]
             assert gid in df.done and not len(df.buffers["p"])
@@ -763,7 +763,7 @@ def test_a_policy_missing_from_a_multi_policy_result_is_counted(tmp_path):
         df = new_dataflow(cfg)
         try:
             await register(df, versions={"a": 0, "b": 0}, policies=("a", "b"))
-            await df._dispatch_round()
+            await df.dispatcher.round()
             (gid,) = leased(df)
             await df.ingest("r1", [result(gid, "r1", 0, policies=("a",))])
             assert gid in df.buffers["a"]  # a's part is trained
@@ -787,7 +787,7 @@ def test_a_run_whose_data_is_exhausted_says_so_to_the_trainer(tmp_path):
         df = new_dataflow(cfg)
         try:
             await register(df, versions={"p": 0})
-            await df._dispatch_round()
+            await df.dispatcher.round()
             gids = sorted(leased(df))
             await df.ingest("r1", [result(g, "r1", 0) for g in gids[:2]])
             with pytest.raises(Unavailable) as info:  # one group still to come
@@ -796,7 +796,7 @@ def test_a_run_whose_data_is_exhausted_says_so_to_the_trainer(tmp_path):
                 await df.batches.fetch("p", 2, "req-1", "t", 0.05)
             assert "exhausted" not in str(info.value)
             await df.ingest("r1", [result(gids[2], "r1", 0)])
-            await df._dispatch_round()
+            await df.dispatcher.round()
             assert not df.work and all(s.exhausted for s in df.sources.values())
             with pytest.raises(Unavailable) as info:
                 await df.batches.fetch("p", 2, "req-1", "t", 0.05)
@@ -855,7 +855,7 @@ def test_replay_with_eta_zero_keeps_every_fresh_group_on_policy(tmp_path):
                     df = new_dataflow(cfg)
                     await register(df, versions={"p": v})
                 df.pool.instances["r1"].loaded_versions["p"] = v
-                await df._dispatch_round()
+                await df.dispatcher.round()
                 await df.ingest("r1", [result(g, "r1", v) for g in sorted(leased(df))])
                 batch = await df.batches.fetch("p", 4, f"req-{v}", "t", 0.1, trainer_version=v)
                 fresh.append([g.staleness(v) for g in batch.groups if not g.replay])
@@ -893,7 +893,7 @@ def test_groups_dropped_untrained_give_their_off_policy_slots_back(tmp_path):
         try:
             df.announce("p", 0, "0", "w0")
             await register(df, versions={"p": 0})
-            await df._dispatch_round()
+            await df.dispatcher.round()
             first = sorted(leased(df))
             assert len(first) == 2  # (eta + 1) * batch_groups ahead of version 0
             await df.ingest("r1", [result(g, "r1", 0) for g in first])
@@ -901,7 +901,7 @@ def test_groups_dropped_untrained_give_their_off_policy_slots_back(tmp_path):
             df.batches.ack(b0.batch_id)
             df.announce("p", 1, "1", "w0")
             df.pool.instances["r1"].loaded_versions["p"] = 1
-            await df._dispatch_round()
+            await df.dispatcher.round()
             second = sorted(leased(df))
             await df.ingest("r1", [result(g, "r1", 1) for g in second])
             b1 = await df.batches.fetch("p", 1, "req-1", "t", 0.05, trainer_version=1)
@@ -910,7 +910,7 @@ def test_groups_dropped_untrained_give_their_off_policy_slots_back(tmp_path):
             df.announce("p", 2, "2", "w0")
             # Two trained, none buffered or in flight: the whole lookahead is open again.
             assert df.accepted["p"] == 2
-            assert df.stream_capacity(df.streams["s"]) == 2
+            assert df.budget.stream_capacity(df.streams["s"]) == 2
         finally:
             crash(df)
 
@@ -935,7 +935,7 @@ def test_a_result_that_does_not_parse_is_counted_not_fatal_to_the_collector(tmp_
         df = new_dataflow(make_config(tmp_path))
         try:
             await register(df, versions={"p": 0})
-            await df._dispatch_round()
+            await df.dispatcher.round()
             gid = sorted(leased(df))[0]
             named_here = IncomingGroup(gid, "", invalid=first.invalid)
             acks = await df.ingest("r1", [named_here, second])
@@ -984,8 +984,8 @@ def test_weight_load_request_ids_stay_within_the_contract_whatever_the_names(tmp
             for p in policies:
                 df.announce(p, 1, "1", "w0")
             for _ in range(len(policies)):  # each announce may start a load of its own
-                df._sync_weights()
-                await asyncio.gather(*df._loads.values())
+                df.weights.sync()
+                await asyncio.gather(*df.weights.loads.values())
             assert ids and all(1 <= len(i) <= 128 for i in ids), ids
             assert all(inst.loaded_versions[p] == 1 for p in policies), (inst.loaded_versions, ids)
         finally:
@@ -1015,7 +1015,7 @@ def test_groups_an_instance_refuses_as_invalid_end_counted_without_suspecting_it
 
             inst.port.submit = refuse
             for _ in range(10):
-                await df._dispatch_round()
+                await df.dispatcher.round()
             assert len(calls) == 3  # one per attempt, then the groups are given up
             assert df.counters["gave_up_after_max_attempts"] == 2 and not df.work
             assert inst.state.name == "ACTIVE"
@@ -1055,7 +1055,7 @@ async def train_versions(df: Dataflow, versions, *, ahead: bool = False, tag: st
     for v in versions:
         df.pool.instances["r1"].loaded_versions["p"] = v
         for _ in range(2 if ahead else 1):  # eta > 0: also what may be generated ahead
-            await df._dispatch_round()
+            await df.dispatcher.round()
             await df.ingest("r1", [result(g, "r1", v) for g in sorted(leased(df))])
         batch = await df.batches.fetch("p", 4, f"{tag}-{v}", "t", 0.2, trainer_version=v)
         fresh.append([g.staleness(v) for g in batch.groups if not g.replay])
@@ -1069,7 +1069,7 @@ async def ack_and_die(df: Dataflow, version: int, ahead: bool = False) -> None:
     (AckBatch comes before its publish and AnnounceVersion)."""
     df.pool.instances["r1"].loaded_versions["p"] = version
     for _ in range(2 if ahead else 1):
-        await df._dispatch_round()
+        await df.dispatcher.round()
         await df.ingest("r1", [result(g, "r1", version) for g in sorted(leased(df))])
     batch = await df.batches.fetch("p", 4, f"req-{version}", "t", 0.2, trainer_version=version)
     assert any(g.replay for g in batch.groups)
@@ -1145,10 +1145,10 @@ def test_replay_with_eta_holds_while_rollouts_go_on_during_a_training_step(tmp_p
             for v in range(8):
                 df.pool.instances["r1"].loaded_versions["p"] = v
                 for _ in range(2):
-                    await df._dispatch_round()
+                    await df.dispatcher.round()
                     await df.ingest("r1", [result(g, "r1", v) for g in sorted(leased(df))])
                 batch = await df.batches.fetch("p", 4, f"req-{v}", "t", 0.2, trainer_version=v)
-                await df._dispatch_round()  # the trainer trains; rollouts go on meanwhile
+                await df.dispatcher.round()  # the trainer trains; rollouts go on meanwhile
                 await df.ingest("r1", [result(g, "r1", v) for g in sorted(leased(df))])
                 fresh.append([g.staleness(v) for g in batch.groups if not g.replay])
                 df.batches.ack(batch.batch_id)
@@ -1193,7 +1193,7 @@ def test_a_replay_run_upgraded_from_schema_1_counts_its_replayed_slots(tmp_path,
         assert want == 6
         if leased_batch:  # taken, not acknowledged: its replayed copies are lost on upgrade
             df.pool.instances["r1"].loaded_versions["p"] = 4
-            await df._dispatch_round()
+            await df.dispatcher.round()
             await df.ingest("r1", [result(g, "r1", 4) for g in sorted(leased(df))])
             batch = await df.batches.fetch("p", 4, "req-4", "t", 0.2, trainer_version=4)
             assert sum(g.replay for g in batch.groups) == 2
@@ -1239,10 +1239,10 @@ def assert_counts_match_a_scan(df: Dataflow) -> None:
     for w in df.work.values():
         if w.instance_id is not None:
             running[w.stream] = running.get(w.stream, 0) + 1
-    assert {s: n for s, n in df._running_by_stream.items() if n} == running
+    assert {s: n for s, n in df.table.running_by_stream.items() if n} == running
     for s in df.streams.values():
         for p in s.policy_ids:
-            assert df._running_for(p) == sum(
+            assert df.table.running_for(p) == sum(
                 n for name, n in running.items() if p in df.streams[name].policy_ids
             )
     desk = df.batches
@@ -1284,7 +1284,7 @@ def test_the_counts_kept_for_dispatch_rounds_match_a_scan(tmp_path, monkeypatch)
             assert_counts_match_a_scan(df)
             for inst in df.pool.instances.values():
                 inst.loaded_versions["p"] = 3
-            await df._dispatch_round()
+            await df.dispatcher.round()
             assert set(leased(df).values()) == {"r1", "r2"}
             df.deregister("r2")  # its groups requeued
             assert_counts_match_a_scan(df)
@@ -1293,7 +1293,7 @@ def test_the_counts_kept_for_dispatch_rounds_match_a_scan(tmp_path, monkeypatch)
                     w.lease_expire = 1.0
             await df.upkeep()
             assert_counts_match_a_scan(df)
-            await df._dispatch_round()
+            await df.dispatcher.round()
             await df.ingest("r1", [result(g, "r1", 3) for g in sorted(leased(df))])
             b1 = await df.batches.fetch("p", 4, "lease-1", "t", 0.2, trainer_version=3)
             b2 = await df.batches.fetch("p", 4, "lease-2", "t", 0.2, trainer_version=3)
@@ -1311,7 +1311,7 @@ def test_the_counts_kept_for_dispatch_rounds_match_a_scan(tmp_path, monkeypatch)
             await df.upkeep()
             assert list(df.batches.batches) == [b2.batch_id] and not df.batches.untrained
             assert_counts_match_a_scan(df)
-            await df._dispatch_round()
+            await df.dispatcher.round()
             batch = await df.batches.fetch("p", 4, "leased-at-crash", "t", 0.2, trainer_version=3)
             assert batch.groups
             crash(df)
@@ -1376,7 +1376,7 @@ def test_a_restart_without_a_stream_or_policy_keeps_their_state_for_later(tmp_pa
         df = new_dataflow(config(both=True))
         df.announce("q", 1, "1", "w0")
         await register(df, policies=("p", "q"), versions={"q": 1})
-        await df._dispatch_round()
+        await df.dispatcher.round()
         mine = sorted(leased(df))
         t_done = [g for g in mine if g.startswith("t/")][:3]
         await df.ingest("r1", [result(g, "r1", 1, policies=("q",)) for g in t_done])
@@ -1390,7 +1390,7 @@ def test_a_restart_without_a_stream_or_policy_keeps_their_state_for_later(tmp_pa
             assert "q" not in df.buffers and not [g for g in df.work if g[0] in "te"]
             df.announce("p", 1, "1", "w0")  # saves the versions: q's must survive it
             await register(df, versions={"p": 1})
-            await df._dispatch_round()
+            await df.dispatcher.round()
             s_groups = sorted(leased(df))
             assert s_groups and all(g.startswith(("s/", "f/")) for g in s_groups)
             f_groups = [g for g in s_groups if g.startswith("f/")]
@@ -1408,7 +1408,7 @@ def test_a_restart_without_a_stream_or_policy_keeps_their_state_for_later(tmp_pa
             df.evals.last.clear()
             df.evals.running.clear()
             await register(df, iid="r2", policies=("p", "q"), versions={"p": 1, "q": 1})
-            await df._dispatch_round()
+            await df.dispatcher.round()
             sent = df.pool.instances["r2"].port.submitted
             assert [g for g in sent if g.startswith("e/")], sent
             assert len(sent) == len(set(sent)), "a kept evaluation group dispatched twice"

@@ -104,7 +104,7 @@ def test_a_resumed_trainer_is_not_held_by_batches_its_last_run_never_trained(tmp
                 await trainer.ack(batch)
             await until(
                 lambda: (
-                    df.stream_capacity(df.streams["s"]) == 0 and not df._running(df.streams["s"])
+                    df.budget.stream_capacity(df.streams["s"]) == 0 and not df.table.running("s")
                 )
             )
             assert len(df.buffers["policy"]) == 0 and trainer.version == 0

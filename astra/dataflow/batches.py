@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,10 @@ from astra.dataflow.store import BatchRow
 from astra.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 if TYPE_CHECKING:
-    from astra.dataflow.coordinator import Dataflow
+    from astra.dataflow.config import LeaseSettings
+    from astra.dataflow.ledger import Ledger
+    from astra.dataflow.store import StateStore
+    from astra.dataflow.versions import VersionBook
 
 log = logging.getLogger("astra.dataflow.coordinator")
 
@@ -77,8 +81,19 @@ class Batch:
 
 
 class BatchDesk:
-    def __init__(self, df: Dataflow) -> None:
-        self.df = df
+    def __init__(
+        self,
+        store: StateStore,
+        ledger: Ledger,
+        versions: VersionBook,
+        leases: LeaseSettings,
+        data_ready: asyncio.Condition,
+        notify_data_ready: Callable[[], None],
+        why: Callable[[], str],
+    ) -> None:
+        self.store, self.ledger, self.buffers = store, ledger, ledger.buffers
+        self.versions, self.leases, self.data_ready = versions, leases, data_ready
+        self.notify_data_ready, self.why = notify_data_ready, why
         self.batches: dict[str, Batch] = {}
         self.by_request: dict[tuple[str, str], str] = {}
         # What each dispatch round asks, without scanning the finished batches remembered:
@@ -100,7 +115,7 @@ class BatchDesk:
         """Rebuilds the batches from the store: a leased batch exactly as it was served
         (groups, order, advantages), or, where it cannot be (its stored rows incomplete),
         expired with its fresh groups back in the buffer; never served different."""
-        self.untrained = set(self.df.store.get("untrained_batches", []))
+        self.untrained = set(self.store.get("untrained_batches", []))
         unbuilt: list[Batch] = []
         for row in rows:
             if row.state != "leased":
@@ -123,7 +138,7 @@ class BatchDesk:
             # Its trainer could neither extend nor acknowledge the lease while Dataflow was
             # down: the lease runs a full term from now, or a batch trained during an outage
             # longer than the lease would expire back to the buffer and be trained again.
-            lease_expire = max(row.lease_expire, time.time() + self.df.config.leases.batch_lease_s)
+            lease_expire = max(row.lease_expire, time.time() + self.leases.batch_lease_s)
             batch = Batch(
                 row.batch_id,
                 row.policy_id,
@@ -137,7 +152,7 @@ class BatchDesk:
                 # A schema-1 row: no advantages stored. They depend only on the batch's
                 # rewards (and the normalisation settings), so stamping them again gives the
                 # numbers first served.
-                self.df.buffers[row.policy_id].stamp_advantages(batch.groups)
+                self.buffers[row.policy_id].stamp_advantages(batch.groups)
             self.batches[row.batch_id] = batch
             self.by_request[(row.policy_id, row.request_id)] = row.batch_id
             self._track(batch)
@@ -148,8 +163,8 @@ class BatchDesk:
         # Rows of groups leased in a batch that is not (or no longer) known: buffered again.
         for orphans in groups.values():
             for g in orphans:
-                self.df.buffers[g.policy_id].restore(g)
-            with self.df.store.tx() as tx:
+                self.buffers[g.policy_id].restore(g)
+            with self.store.tx() as tx:
                 tx.set_group_batch([(g.group_id, g.policy_id) for g in orphans], None)
         for batch in unbuilt:
             log.warning(
@@ -158,7 +173,7 @@ class BatchDesk:
                 batch.batch_id,
                 batch.request_id,
             )
-            self.df.counters["batches_expired_on_recovery"] += 1
+            self.ledger.counters["batches_expired_on_recovery"] += 1
             row = next(r for r in rows if r.batch_id == batch.batch_id)
             self._expire(batch, restored=True, replays=sum(r for _, r, _ in row.group_keys))
 
@@ -249,8 +264,7 @@ class BatchDesk:
         """The batch of `request_id` (a new one, or the same one again). `on_wait` is called
         before waiting for data, if the buffer cannot make the batch yet. Staleness counts
         from the newer of the announced version and `trainer_version` (the trainer's own)."""
-        df = self.df
-        if policy_id not in df.buffers:
+        if policy_id not in self.buffers:
             raise NotFound(
                 f"policy_id: unknown policy {policy_id!r}",
                 reason="POLICY_NOT_FOUND",
@@ -284,11 +298,11 @@ class BatchDesk:
                     field_violations=[("request_id", "reused with a different num_groups")],
                 )
             return batch
-        buf = df.buffers[policy_id]
+        buf = self.buffers[policy_id]
         deadline = time.monotonic() + min(max(max_wait_s, 0.0), MAX_WAIT_S)
-        async with df.data_ready:
+        async with self.data_ready:
             while True:
-                version = max(df.versions.current(policy_id), trainer_version)
+                version = max(self.versions.current(policy_id), trainer_version)
                 # take() drops stale groups first; _persist_dropped deletes them from the store.
                 groups = buf.take(num_groups, version)
                 self._persist_dropped(policy_id)
@@ -298,7 +312,7 @@ class BatchDesk:
                 if remaining <= 0:
                     raise Unavailable(
                         f"batch of {num_groups} groups for {policy_id!r} not ready: "
-                        f"{len(buf)} buffered; {df.why()}",
+                        f"{len(buf)} buffered; {self.why()}",
                         reason="BATCH_NOT_READY",
                         metadata={"policy_id": policy_id, "buffered_groups": str(len(buf))},
                         retry_after_s=1.0,
@@ -306,7 +320,7 @@ class BatchDesk:
                 if on_wait is not None:
                     on_wait()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(df.data_ready.wait(), remaining)
+                    await asyncio.wait_for(self.data_ready.wait(), remaining)
         batch = Batch(
             uuid.uuid4().hex,
             policy_id,
@@ -314,25 +328,25 @@ class BatchDesk:
             trainer_id,
             groups,
             version,
-            time.time() + df.config.leases.batch_lease_s,
+            time.time() + self.leases.batch_lease_s,
         )
         self.batches[batch.batch_id] = batch
         self.by_request[(policy_id, request_id)] = batch.batch_id
         self._track(batch)
-        df.counters["batches_served"] += 1
-        df.replay_slots[policy_id] += sum(1 for g in groups if g.replay)
-        with df.store.tx() as tx:
+        self.ledger.counters["batches_served"] += 1
+        self.ledger.replay_slots[policy_id] += sum(1 for g in groups if g.replay)
+        with self.store.tx() as tx:
             tx.set_group_batch(batch.stored_keys(), batch.batch_id)
             tx.add_replays(batch.batch_id, [(i, g) for i, g in enumerate(groups) if g.replay])
             tx.put_batch(batch.row())
-            df.persist_counters(tx)
+            self.ledger.persist(tx)
         return batch
 
     def _persist_dropped(self, policy_id: str) -> None:
-        if self.df.buffers[policy_id].has_dropped:
-            with self.df.store.tx() as tx:
-                self.df.let_go(tx, policy_id)
-                self.df.persist_counters(tx)
+        if self.buffers[policy_id].has_dropped:
+            with self.store.tx() as tx:
+                self.ledger.let_go(tx, policy_id)
+                self.ledger.persist(tx)
 
     def _known(self, batch_id: str) -> Batch:
         batch = self.batches.get(batch_id)
@@ -354,10 +368,10 @@ class BatchDesk:
                 reason=reason,
                 metadata={"batch_id": batch_id},
             )
-        batch.lease_expire = time.time() + self.df.config.leases.batch_lease_s
-        with self.df.store.tx() as tx:
+        batch.lease_expire = time.time() + self.leases.batch_lease_s
+        with self.store.tx() as tx:
             tx.put_batch(batch.row())
-        self.df.counters["batch_leases_extended"] += 1
+        self.ledger.counters["batch_leases_extended"] += 1
         return batch.lease_expire
 
     def ack(self, batch_id: str, *, untrained: str = "") -> int:
@@ -365,7 +379,7 @@ class BatchDesk:
 
         `untrained`: why the trainer took no step on it (empty: trained). Its fresh groups
         then leave without entering replay memory and give their slots in AReaL's bound
-        back, as groups let go untrained do (Dataflow.let_go): counted in `accepted` with no
+        back, as groups let go untrained do (Ledger.let_go): counted in `accepted` with no
         version to come for them, they would otherwise stall dispatch for good."""
         batch = self._known(batch_id)
         if batch.state == "acked":
@@ -384,34 +398,35 @@ class BatchDesk:
         fresh = [g for g in batch.groups if not g.replay]
         consumed = batch.fresh = len(fresh)
         batch.untrained_reason = untrained
-        df = self.df
-        df.counters["consumed_groups"] += consumed
-        df.counters["consumed_trajectories"] += sum(len(g.trajectories) for g in fresh)
-        df.counters["consumed_replay_groups"] += len(batch.groups) - consumed
-        buf = df.buffers[batch.policy_id]
+        self.ledger.counters["consumed_groups"] += consumed
+        self.ledger.counters["consumed_trajectories"] += sum(len(g.trajectories) for g in fresh)
+        self.ledger.counters["consumed_replay_groups"] += len(batch.groups) - consumed
+        buf = self.buffers[batch.policy_id]
         if untrained:
-            df.counters["untrained_batches"] += 1
-            df.counters["untrained_groups"] += consumed
-            df.counters[f"untrained_groups.{batch.policy_id}"] += consumed
-            df.counters[f"untrained.{untrained}"] += 1
-            df.counters[f"groups_discarded.{untrained.lower()}"] += consumed
-            df.accepted[batch.policy_id] = max(0, df.accepted[batch.policy_id] - consumed)
+            self.ledger.counters["untrained_batches"] += 1
+            self.ledger.counters["untrained_groups"] += consumed
+            self.ledger.counters[f"untrained_groups.{batch.policy_id}"] += consumed
+            self.ledger.counters[f"untrained.{untrained}"] += 1
+            self.ledger.counters[f"groups_discarded.{untrained.lower()}"] += consumed
+            self.ledger.accepted[batch.policy_id] = max(
+                0, self.ledger.accepted[batch.policy_id] - consumed
+            )
             entered = []
         else:  # trained now: the fresh groups enter replay (their rows become replay memory)
-            df.counters[f"trained_groups.{batch.policy_id}"] += consumed
+            self.ledger.counters[f"trained_groups.{batch.policy_id}"] += consumed
             entered = buf.remember(fresh)
         kept = set(entered)
         # any_failure: memory (the batch acknowledged, replay) is already ahead of the store.
-        with df.store.tx(any_failure=True) as tx:
+        with self.store.tx(any_failure=True) as tx:
             tx.move_to_replay(batch.policy_id, entered)
             tx.delete_groups(k for k in batch.stored_keys() if k[0] not in kept)
             tx.delete_replays([batch.batch_id])
-            df.let_go(tx, batch.policy_id)
+            self.ledger.let_go(tx, batch.policy_id)
             tx.put_batch(batch.row())
-            df.persist_counters(tx)
+            self.ledger.persist(tx)
         batch.groups = []
         if entered:  # a fetch waiting for fresh groups may now take replayed copies instead
-            df.notify_data_ready()
+            self.notify_data_ready()
         return consumed
 
     def _prune(self) -> None:
@@ -432,7 +447,7 @@ class BatchDesk:
             self._recount_acked(policy_id)
         untrained = self.untrained & {b.batch_id for b in drop}
         self.untrained -= untrained
-        with self.df.store.tx() as tx:
+        with self.store.tx() as tx:
             tx.delete_batches(b.batch_id for b in drop)
             if untrained:
                 tx.put("untrained_batches", sorted(self.untrained))
@@ -453,19 +468,19 @@ class BatchDesk:
         fresh = [g for g in batch.groups if not g.replay]
         if replays is None:
             replays = len(batch.groups) - len(fresh)
-        self.df.replay_slots[batch.policy_id] -= replays  # taken again by the next batch
-        buf = self.df.buffers[batch.policy_id]
+        self.ledger.replay_slots[batch.policy_id] -= replays  # taken again by the next batch
+        buf = self.buffers[batch.policy_id]
         if restored:
             for g in fresh:
                 buf.restore(g)
         else:
             buf.put_back(fresh)
-        self.df.counters["batch_leases_expired"] += 1
-        with self.df.store.tx() as tx:
+        self.ledger.counters["batch_leases_expired"] += 1
+        with self.store.tx() as tx:
             tx.set_group_batch(batch.stored_keys(), None)
             tx.delete_replays([batch.batch_id])
             tx.put_batch(batch.row())
-            self.df.persist_counters(tx)
+            self.ledger.persist(tx)
         batch.groups = []
 
 

@@ -1,6 +1,6 @@
 """Dataflow's collection side: one long-poll per rollout service, ingest, acknowledgement.
 
-A mixin of `Dataflow` (astra.dataflow.coordinator): each instance's collect
+A part of Dataflow (astra.dataflow.coordinator wires it): each instance's collect
 loop takes its finished groups, decodes and ingests them a slice at a time
 (in turn with the other collectors, and never ahead of a waiting trainer),
 writes their bytes off the event loop, commits the decisions in one
@@ -13,34 +13,90 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from astra.dataflow.buffer import ACCEPTED, DUPLICATE, FAILED, REJECTED_FULL
-from astra.dataflow.pool import Instance, InstanceState
+from astra.dataflow.config import DataflowConfig
+from astra.dataflow.evals import EvalDesk
+from astra.dataflow.gate import StalenessTracker
+from astra.dataflow.ledger import Ledger
+from astra.dataflow.pool import Instance, InstanceState, Pool
 from astra.dataflow.ports import IncomingGroup, PortError
+from astra.dataflow.quarantine import Redo
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
-from astra.dataflow.storage_guard import is_disk_full
-
-if TYPE_CHECKING:
-    from astra.dataflow.coordinator import Dataflow, Work
+from astra.dataflow.storage_guard import PauseWatch, StorageGuard, is_disk_full
+from astra.dataflow.store import StateStore
+from astra.dataflow.turns import TrainerTurns
+from astra.dataflow.versions import VersionBook
+from astra.dataflow.work import Work, WorkTable
 
 MALFORMED, MISSING = "malformed", "missing"  # outcomes of results no buffer saw (drop runs)
 log = logging.getLogger("astra.dataflow.coordinator")
 INGEST_SLICE = 4
 
 
-class Ingesting:
-    async def _collect_loop(self: Dataflow, instance_id: str) -> None:
+async def cancel(inst: Instance, gids: list[str]) -> None:
+    """Tells an instance to drop groups (best effort: a lease or a duplicate covers a miss)."""
+    with contextlib.suppress(PortError):
+        await inst.port.cancel(gids)
+
+
+class Ingestor:
+    def __init__(
+        self,
+        config: DataflowConfig,
+        store: StateStore,
+        pool: Pool,
+        table: WorkTable,
+        ledger: Ledger,
+        versions: VersionBook,
+        evals: EvalDesk,
+        redo: Redo,
+        staleness: StalenessTracker,
+        storage: StorageGuard,
+        storage_paused: PauseWatch,
+        turns: TrainerTurns,
+        writer: ThreadPoolExecutor,
+        data_ready: asyncio.Condition,
+        wake: Callable[[], None],
+        spawn: Callable,
+    ) -> None:
+        self.config, self.store, self.pool, self.table = config, store, pool, table
+        self.ledger, self.counters, self.buffers = ledger, ledger.counters, ledger.buffers
+        self.versions, self.evals, self.redo, self.staleness = versions, evals, redo, staleness
+        self.storage, self._storage_paused, self.turns = storage, storage_paused, turns
+        self._writer, self.data_ready, self.wake, self._spawn = writer, data_ready, wake, spawn
+        self.collectors: dict[str, asyncio.Task] = {}
+        self.stopping = False
+        self._turn = asyncio.Lock()  # one ingest slice at a time, across the collectors
+        self._unattributable: set[tuple[str, str | None]] = set()  # (instance, result) counted
+
+    def ensure_collector(self, instance_id: str) -> None:
+        task = self.collectors.get(instance_id)
+        if task is not None and task.done() and not task.cancelled() and task.exception():
+            # A bug, not a RaaS failure (those are PortErrors, handled in the loop): never
+            # silent. The loop starts again below; the results it held are delivered again.
+            self.counters["collector_failures"] += 1
+            log.error(
+                "collector of %s failed; restarting it", instance_id, exc_info=task.exception()
+            )
+        if task is None or task.done():
+            self.collectors[instance_id] = asyncio.create_task(
+                self._collect_loop(instance_id), name=f"collect:{instance_id}"
+            )
+
+    async def _collect_loop(self, instance_id: str) -> None:
         ps = self.config.pool
-        while not self._stopping:
+        while not self.stopping:
             inst = self.pool.instances.get(instance_id)
             if inst is None or inst.state in (InstanceState.DEAD, InstanceState.LEFT):
                 return
             if inst.state is InstanceState.SUSPECT:
                 await asyncio.sleep(ps.probe_interval_s)
                 continue
-            await self.after_trainers()
+            await self.turns.after_trainers()
             if self._storage_paused():  # the RaaS keep their results until there is room
                 await asyncio.sleep(min(self.config.storage.check_interval_s, 1.0))
                 continue
@@ -57,11 +113,11 @@ class Ingesting:
             # Decoding and committing are CPU work on the event loop: one slice at a time,
             # in turn with the other collectors, so trainer fetches are never starved.
             for start in range(0, len(received), INGEST_SLICE):
-                async with self._ingest_turn:
+                async with self._turn:
                     # Checked with the turn held: collectors queued for the turn must not
                     # run their slices past a trainer that arrived meanwhile. Bounded, so a
                     # stream that never closes cannot stall ingest.
-                    await self.after_trainers()
+                    await self.turns.after_trainers()
                     if self.storage.paused:
                         break  # the rest stays on the RaaS, unacknowledged
                     results = inst.port.decode(received[start : start + INGEST_SLICE])
@@ -76,14 +132,14 @@ class Ingesting:
                 # Not lost: the RaaS sends them again and they are dropped as duplicates.
                 log.warning("ack to %s failed: %s", instance_id, exc)
 
-    def _stage(self: Dataflow, instance_id: str, results: list[IncomingGroup]) -> dict:
+    def _stage(self, instance_id: str, results: list[IncomingGroup]) -> dict:
         """Reserves blob-log room for the groups the transaction will likely store, so
         their bytes can be written off the event loop first (see `ingest`)."""
         staged = {}
         for r in results:
             if r.invalid is not None or r.error is not None:
                 continue
-            w = self.work.get(r.group_id)  # a group done is no longer in `work`
+            w = self.table.work.get(r.group_id)  # a group done is no longer in `work`
             if w is None or self.evals.is_eval(w.stream):
                 continue
             for policy_id, trajectories in r.per_policy.items():
@@ -97,7 +153,7 @@ class Ingesting:
                 staged[(r.group_id, policy_id)] = self.store.stage(group)
         return staged
 
-    async def ingest(self: Dataflow, instance_id: str, results: list[IncomingGroup]) -> list[str]:
+    async def ingest(self, instance_id: str, results: list[IncomingGroup]) -> list[str]:
         """Takes finished groups into the buffers durably; returns the ids to acknowledge.
 
         The groups' bytes are written to the blob log on the writer thread first (the
@@ -131,7 +187,7 @@ class Ingesting:
         finally:
             self.store.discard_staged(staged.values())
 
-    def _defer_disk_full(self: Dataflow, exc: OSError, results: list[IncomingGroup]) -> list[str]:
+    def _defer_disk_full(self, exc: OSError, results: list[IncomingGroup]) -> list[str]:
         """Nothing changed in memory yet: acknowledge none (the RaaS keeps them) and pause
         until there is room (astra.dataflow.storage_guard)."""
         self.storage.note_full(exc)
@@ -139,11 +195,9 @@ class Ingesting:
         self.counters["results_deferred_disk_full"] += len(results)
         return []
 
-    async def _ingest(
-        self: Dataflow, instance_id: str, results: list[IncomingGroup], staged
-    ) -> list[str]:
+    async def _ingest(self, instance_id: str, results: list[IncomingGroup], staged) -> list[str]:
         acks: list[str] = []
-        cancel: dict[str, list[str]] = {}
+        others: dict[str, list[str]] = {}  # instances still running a group done here
         evaluated = False  # an evaluation group's result: the tallies are written once, below
         # Memory (buffers, work, done, counters) changes result by result inside the
         # transaction: any exception in it, not only storage's, fail-stops (see
@@ -159,46 +213,34 @@ class Ingesting:
                         log.warning("result from %s without a group id: %s", instance_id, r.invalid)
                     continue
                 acks.append(r.group_id)
-                w = self.work.get(r.group_id)
+                w = self.table.work.get(r.group_id)
                 if w is None:  # done (`work` and `done` never share an id), or never ours
-                    if r.group_id in self.done:
+                    if r.group_id in self.table.done:
                         self.counters["duplicates_dropped"] += 1
                     else:
                         self.counters["unknown_results_dropped"] += 1
                     continue
                 if w.instance_id is not None and w.instance_id != instance_id:
-                    cancel.setdefault(w.instance_id, []).append(r.group_id)
+                    others.setdefault(w.instance_id, []).append(r.group_id)
                 evaluated = evaluated or self.evals.is_eval(w.stream)
                 outcome = self._take_result(tx, w, r, staged)
-                inst = self.pool.instances.get(w.instance_id or "")
-                if inst is not None and r.group_id in inst.in_flight:
-                    inst.in_flight.discard(r.group_id)
-                    # The RaaS freed these slots; heartbeats correct any drift.
-                    inst.free_slots = min(inst.capacity, inst.free_slots + w.item.num_samples)
-                if w.instance_id is None:
-                    with contextlib.suppress(ValueError):
-                        self.waiting.remove(r.group_id)
-                else:
-                    self._running_by_stream[w.stream] -= 1
-                del self.work[r.group_id]
-                self.done.add(r.group_id)
-                tx.set_work(r.group_id, w.stream, "done", attempts=w.attempts, outcome=outcome)
+                self.table.settle(tx, r.group_id, outcome)
                 self.redo.finish(tx, r.group_id)
             for policy_id in self.buffers:
-                self.let_go(tx, policy_id)
+                self.ledger.let_go(tx, policy_id)
             if evaluated:
                 tx.put("evals", self.evals.state())
-            self.persist_counters(tx)
-        for other, gids in cancel.items():
+            self.ledger.persist(tx)
+        for other, gids in others.items():
             inst = self.pool.instances.get(other)
             if inst is not None:
-                self._spawn(self._cancel(inst, gids))
+                self._spawn(cancel(inst, gids))
         async with self.data_ready:
             self.data_ready.notify_all()
         self.wake()
         return acks
 
-    def _take_result(self: Dataflow, tx, w: Work, r: IncomingGroup, staged=None) -> str:
+    def _take_result(self, tx, w: Work, r: IncomingGroup, staged=None) -> str:
         if self.evals.is_eval(w.stream):
             return self._take_eval(w, r)
         if r.invalid is not None:
@@ -246,19 +288,19 @@ class Ingesting:
             self._warn_if_dropping(policy_id, outcome)
             outcomes.append(f"{policy_id}:{outcome}")
             if outcome == "accepted":
-                self.accepted[policy_id] += 1
+                self.ledger.accepted[policy_id] += 1
                 self.staleness.update(group.staleness(current))
                 tx.add_groups([group], staged)
         return ",".join(outcomes) or "empty"
 
-    def _dropped(self: Dataflow, policy_ids: list[str], outcome: str) -> None:
+    def _dropped(self, policy_ids: list[str], outcome: str) -> None:
         """A result that gives these policies nothing to train extends their runs of drops."""
         for policy_id in policy_ids:
             if (buf := self.buffers.get(policy_id)) is not None:
                 buf.note(outcome)
                 self._warn_if_dropping(policy_id, outcome)
 
-    def _warn_if_dropping(self: Dataflow, policy_id: str, outcome: str) -> None:
+    def _warn_if_dropping(self, policy_id: str, outcome: str) -> None:
         """Warns when a dropped group (`outcome`) makes the policy's run of drops 8 batches'
         worth of groups long, and again at each doubling: no batch forms meanwhile."""
         if outcome in (ACCEPTED, DUPLICATE, REJECTED_FULL):
@@ -285,7 +327,7 @@ class Ingesting:
                 hint,
             )
 
-    def _take_eval(self: Dataflow, w: Work, r: IncomingGroup) -> str:
+    def _take_eval(self, w: Work, r: IncomingGroup) -> str:
         """An evaluation group's result: each policy's samples tallied, never buffered (a
         failure counts as failed samples, so every evaluation completes)."""
         per_policy: dict[str, list[TrajectoryRecord]] = {}
@@ -302,7 +344,3 @@ class Ingesting:
         outcome = self.evals.take(w.stream, w.item.epoch, per_policy)
         self.counters["eval_groups"] += 1  # every evaluation group's outcome, failed or not
         return outcome
-
-    async def _cancel(self: Dataflow, inst: Instance, gids: list[str]) -> None:
-        with contextlib.suppress(PortError):
-            await inst.port.cancel(gids)

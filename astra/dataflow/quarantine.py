@@ -22,10 +22,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from astra.dataflow.records import TrajectoryRecord
+from astra.dataflow.work import Work, WorkTable
 
 if TYPE_CHECKING:
-    from astra.dataflow.coordinator import Dataflow
-    from astra.dataflow.store import BadRecord
+    from astra.dataflow.ledger import Ledger
+    from astra.dataflow.store import BadRecord, StateStore
 
 log = logging.getLogger("astra.dataflow.coordinator")
 KEY = "redo_policies"
@@ -58,17 +59,18 @@ class Redo:
             tx.put(KEY, self.policies)
 
 
-def quarantine(df: Dataflow, bad: list[BadRecord]) -> None:
+def quarantine(
+    store: StateStore, table: WorkTable, ledger: Ledger, redo: Redo, bad: list[BadRecord]
+) -> None:
     """Drops the rows of corrupt records and dispatches their fresh groups again, durably."""
     if not bad:
         return
-    from astra.dataflow.coordinator import Work
-
+    counters = ledger.counters
     again: dict[str, set[str]] = {}
-    with df.store.tx() as tx:
+    with store.tx() as tx:
         for b in bad:
             tx.drop_record(b)
-            df.counters["records_corrupt"] += 1
+            counters["records_corrupt"] += 1
             fresh = b.table == "groups"
             log.error(
                 "corrupt record quarantined (never trained): %s at offset %d: %s; group %s of "
@@ -83,26 +85,26 @@ def quarantine(df: Dataflow, bad: list[BadRecord]) -> None:
             )
             if fresh:
                 again.setdefault(b.group_id, set()).add(b.policy_id)
-                # Its slot in the off-policy bound is free again (as `Dataflow.let_go`).
-                df.accepted[b.policy_id] = max(0, df.accepted[b.policy_id] - 1)
+                # Its slot in the off-policy bound is free again (as `Ledger.let_go`).
+                ledger.accepted[b.policy_id] = max(0, ledger.accepted[b.policy_id] - 1)
         for group_id, policies in sorted(again.items()):
             stream = group_id.rpartition("/")[0].rpartition("/")[0]
-            source = df.sources.get(stream)
+            source = table.sources.get(stream)
             try:
                 item = source.item_for(group_id) if source is not None else None
             except ValueError:
                 item = None
-            if item is None or group_id in df.work:
-                df.counters["records_corrupt_lost"] += 1
+            if item is None or group_id in table.work:
+                counters["records_corrupt_lost"] += 1
                 log.error(
                     "group %s cannot be dispatched again: not of a configured stream", group_id
                 )
                 continue
-            df.work[group_id] = Work(replace(item, regenerate=True), stream)
-            df.waiting.appendleft(group_id)
-            df.done.reopen(group_id)
+            table.work[group_id] = Work(replace(item, regenerate=True), stream)
+            table.waiting.appendleft(group_id)
+            table.done.reopen(group_id)
             tx.reopen_work(group_id, stream, item.epoch)
-            df.redo.policies[group_id] = sorted(policies)
-            df.counters["records_corrupt_redispatched"] += 1
-        tx.put(KEY, df.redo.policies)
-        df.persist_counters(tx)
+            redo.policies[group_id] = sorted(policies)
+            counters["records_corrupt_redispatched"] += 1
+        tx.put(KEY, redo.policies)
+        ledger.persist(tx)

@@ -1,30 +1,58 @@
 """Dataflow's GetStatus as plain data: instances, policies, gate, streams, counters, evaluations.
 
-Read-only: takes a `Dataflow` (astra.dataflow.coordinator) and shapes what it holds like
-astra.dataflow.v1.GetStatusResponse in snake_case. No gRPC here.
+Read-only: takes what Dataflow holds (`StatusView`: the coordinator, astra.dataflow.coordinator,
+is one) and shapes it like astra.dataflow.v1.GetStatusResponse in snake_case. No gRPC here.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from astra.dataflow.gate import GateMode
 
 if TYPE_CHECKING:
-    from astra.dataflow.coordinator import Dataflow
+    from collections import Counter
+
+    from astra.dataflow.batches import BatchDesk
+    from astra.dataflow.buffer import PolicyBuffer
+    from astra.dataflow.config import DataflowConfig
+    from astra.dataflow.done import DoneGroups
+    from astra.dataflow.evals import EvalDesk
+    from astra.dataflow.pool import Pool
+    from astra.dataflow.storage_guard import StorageGuard
+    from astra.dataflow.versions import VersionBook
+    from astra.dataflow.work import WorkTable
 
 # How the gate's reason begins once no training group is left to generate (the supervisor
 # ends a run that still needs a batch on it).
 DATA_EXHAUSTED = "training data exhausted"
 
 
-def dataflow_status(df: Dataflow) -> dict:
+class StatusView(Protocol):
+    """The parts of Dataflow its status reads."""
+
+    dataflow_id: str
+    config: DataflowConfig
+    admission: Any  # astra.dataflow.admission.Admission (which imports this module)
+    storage: StorageGuard
+    versions: VersionBook
+    pool: Pool
+    buffers: dict[str, PolicyBuffer]
+    batches: BatchDesk
+    sources: dict
+    counters: Counter[str]
+    evals: EvalDesk
+    table: WorkTable
+    done: DoneGroups
+
+
+def dataflow_status(df: StatusView) -> dict:
     """The run's state, shaped like astra.dataflow.v1.GetStatusResponse (snake_case): what
     GetStatus answers (servers/dataflow.py parses it into the message)."""
     now_wall, now_mono = time.time(), time.monotonic()
-    gate = df.gate_state or df.evaluate_gate()
+    gate = df.admission.state or df.admission.evaluate()
     if df.storage.paused:  # no dispatch while the disk is short of space (why() says so)
         gate = replace(gate, mode=GateMode.THROTTLED)
     targets = df.versions.targets()
@@ -85,9 +113,9 @@ def dataflow_status(df: Dataflow) -> dict:
         for k, v in buf.counters.items():
             counters[f"buffer.{pid}.{k}"] = v
     counters["evaluations_skipped"] = df.evals.skipped
-    counters["groups_waiting"] = len(df.waiting)
+    counters["groups_waiting"] = len(df.table.waiting)
     counters["groups_done"] = len(df.done)
-    reason = df.why()
+    reason = df.admission.why()
     failing = df.pool.failing_loads()
     for i in failing:
         counters[f"weight_load_failing.{i.instance_id}"] = i.load_failures

@@ -133,3 +133,32 @@ class StorageGuard:
             "paused": self.paused,
             "reason": self.reason,
         }
+
+
+class PauseWatch:
+    """`StorageGuard.check` for Dataflow's loops: counts each pause, logs each change, and on
+    resuming pushes the group leases back by the pause (`on_resume(seconds)`)."""
+
+    def __init__(
+        self, guard: StorageGuard, counters, on_resume: Callable[[float], None], log
+    ) -> None:
+        self.guard, self.counters, self.on_resume, self.log = guard, counters, on_resume, log
+        self.seen = 0  # the guard's pauses counted so far
+        self.was_paused = False
+        self.paused_at = 0.0
+
+    def __call__(self) -> bool:
+        paused = self.guard.check()
+        if self.guard.pauses != self.seen:
+            self.counters["storage_pauses"] += self.guard.pauses - self.seen
+            self.seen = self.guard.pauses
+            why = self.guard.reason
+            self.log.error("%s: dispatch and ingest paused (the RaaS keep their results)", why)
+        elif self.was_paused and not paused:
+            free = f"{self.guard.free_now:,}"
+            self.log.warning("storage: %s bytes free again: dispatch and ingest resume", free)
+            self.on_resume(time.time() - self.paused_at)
+        if paused and not self.was_paused:
+            self.paused_at = time.time()
+        self.was_paused = paused
+        return paused

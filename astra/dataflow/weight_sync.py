@@ -1,6 +1,6 @@
 """Dataflow's version side: announced versions, and which rollout service loads which, when.
 
-A mixin of `Dataflow` (astra.dataflow.coordinator): trainers announce
+A part of Dataflow (astra.dataflow.coordinator wires it): trainers announce
 versions (with the WeightService that holds them); every active instance
 that lacks its policies' targets gets one LoadWeights call for the whole set
 (the version barrier), retried after a backoff when it fails; a trainer that
@@ -20,24 +20,41 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from astra.dataflow.pool import LOAD_FAILURES_REPORTED, Instance, InstanceState
-
-if TYPE_CHECKING:
-    from astra.dataflow.coordinator import Dataflow
+from astra.dataflow.batches import BatchDesk
+from astra.dataflow.config import DataflowConfig
+from astra.dataflow.ledger import Ledger
+from astra.dataflow.pool import LOAD_FAILURES_REPORTED, Instance, InstanceState, Pool
+from astra.dataflow.store import StateStore
+from astra.dataflow.versions import VersionBook
 
 log = logging.getLogger("astra.dataflow.coordinator")
 
 
 class WeightSync:
-    def _claim(self: Dataflow, inst: Instance, loaded_ids: dict[str, str] | None) -> None:
+    def __init__(
+        self,
+        config: DataflowConfig,
+        store: StateStore,
+        pool: Pool,
+        versions: VersionBook,
+        ledger: Ledger,
+        batches: BatchDesk,
+        wake: Callable[[], None],
+    ) -> None:
+        self.config, self.store, self.pool, self.versions = config, store, pool, versions
+        self.ledger, self.counters, self.buffers = ledger, ledger.counters, ledger.buffers
+        self.batches, self.wake = batches, wake
+        self.loads: dict[str, asyncio.Task] = {}  # instance id -> its weight load running
+
+    def claim(self, inst: Instance, loaded_ids: dict[str, str] | None) -> None:
         """Takes the identities an instance claims (None: it stated none: counters only)."""
         if loaded_ids is not None:
             inst.loaded_ids = dict(loaded_ids)
         self._verify(inst)
 
-    def _verify(self: Dataflow, inst: Instance) -> None:
+    def _verify(self, inst: Instance) -> None:
         """Marks the policies whose claimed identity is not the announced one of its version."""
         inst.unverified = set()
         for p, ident in inst.loaded_ids.items():
@@ -47,7 +64,7 @@ class WeightSync:
             if v >= 0 and announced is not None and announced.version_id != ident:
                 inst.unverified.add(p)
 
-    def _sync_weights(self: Dataflow) -> None:
+    def sync(self) -> None:
         targets = self.versions.targets()
         for inst in self.pool.by_state(InstanceState.ACTIVE):
             self._verify(inst)  # announcements since its claim may name its version
@@ -56,14 +73,14 @@ class WeightSync:
                 for p, a in targets.items()
                 if p in inst.policy_ids and a.weights_address and inst.held(p) < a.version
             }
-            running = self._loads.get(inst.instance_id)
+            running = self.loads.get(inst.instance_id)
             if not want or (running is not None and not running.done()):
                 continue
             if not self.pool.load_due(inst):  # a failed load is retried after a backoff
                 continue
-            self._loads[inst.instance_id] = asyncio.create_task(self._load(inst, want))
+            self.loads[inst.instance_id] = asyncio.create_task(self._load(inst, want))
 
-    async def _load(self: Dataflow, inst: Instance, want: dict) -> None:
+    async def _load(self, inst: Instance, want: dict) -> None:
         # One call for the whole set, so the RaaS can switch every policy together
         # (the version barrier), even when policies live on different WeightServices.
         versions = {p: (a.version, a.version_id, a.weights_address) for p, a in want.items()}
@@ -94,7 +111,7 @@ class WeightSync:
             )
 
     def announce(
-        self: Dataflow,
+        self,
         policy_id: str,
         version: int,
         version_id: str,
@@ -115,10 +132,10 @@ class WeightSync:
                 self.counters["versions_announced"] += 1
             with self.store.tx() as tx:
                 tx.put("versions", self.versions.state())
-                self.persist_counters(tx)
+                self.ledger.persist(tx)
             if moved:
                 self.pool.retry_loads_now()
-            self._sync_weights()
+            self.sync()
             self.wake()
         if resumed and resumed_from is not None and policy_id in self.buffers:
             self._discard_untrained(policy_id, resumed_from)
@@ -126,7 +143,7 @@ class WeightSync:
             self._recount_accepted(policy_id)
         return repeat
 
-    def _discard_untrained(self: Dataflow, policy_id: str, resumed_from: int) -> None:
+    def _discard_untrained(self, policy_id: str, resumed_from: int) -> None:
         """The trainer of `policy_id` continues from the weights of `resumed_from`: the steps
         it took on batches acknowledged at that version or later are lost with the process
         that took them. Their fresh groups are counted discarded (once per batch, durably in
@@ -137,7 +154,7 @@ class WeightSync:
                 self.counters["groups_discarded.trainer_restart"] += groups
                 self.counters["batches_discarded.trainer_restart"] += batches
                 self.counters[f"discarded_groups.{policy_id}"] += groups
-                self.persist_counters(tx)
+                self.ledger.persist(tx)
         if batches:
             log.warning(
                 "trainer of %s resumed from version %d: %d acknowledged batches (%d fresh "
@@ -148,7 +165,7 @@ class WeightSync:
                 groups,
             )
 
-    def _recount_accepted(self: Dataflow, policy_id: str) -> None:
+    def _recount_accepted(self, policy_id: str) -> None:
         """A trainer (re)started at the current version: the off-policy count starts again
         from it, plus what is buffered and leased (AnnounceVersionRequest.resumed).
 
@@ -163,7 +180,7 @@ class WeightSync:
         leased_fresh = self.batches.leased_fresh(policy_id)
         buffered = len(self.buffers[policy_id])
         slots = current * b + buffered + leased
-        used = self.accepted[policy_id] + max(0, self.replay_slots[policy_id])
+        used = self.ledger.accepted[policy_id] + max(0, self.ledger.replay_slots[policy_id])
         untrained = self.batches.untrained_since(policy_id, current)
         if slots >= used and not untrained:
             return
@@ -175,11 +192,11 @@ class WeightSync:
                 used - slots,
             )
             self.counters["groups_untrained_at_resume"] += used - slots
-            self.accepted[policy_id] = current * b + buffered + leased_fresh
+            self.ledger.accepted[policy_id] = current * b + buffered + leased_fresh
             # The versions' slots are all in `accepted` now: only the leased batches'
             # replayed copies still fill slots of their own.
-            self.replay_slots[policy_id] = leased - leased_fresh
+            self.ledger.replay_slots[policy_id] = leased - leased_fresh
         with self.store.tx() as tx:
             self.batches.mark_untrained(tx, policy_id, untrained)
-            self.persist_counters(tx)
+            self.ledger.persist(tx)
         self.wake()
