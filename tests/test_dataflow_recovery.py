@@ -111,7 +111,12 @@ def new_dataflow(config: DataflowConfig) -> Dataflow:
 def crash(df: Dataflow) -> None:
     """Like kill -9 for the store: nothing flushed or cleaned up on purpose (only the
     checkpoint thread is stopped, so the test process does not leak it)."""
-    for t in [*df.ingestor.collectors.values(), *df._tasks, *df._background, *df.weights.loads.values()]:
+    for t in [
+        *df.ingestor.collectors.values(),
+        *df._tasks,
+        *df._background,
+        *df.weights.loads.values(),
+    ]:
         t.cancel()
     df.store._checkpointer.stop()
 
