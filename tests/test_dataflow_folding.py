@@ -161,7 +161,7 @@ def test_late_results_of_folded_epochs_are_dropped_and_the_accounting_counts_the
 
 def test_the_open_rows_of_an_epoch_are_found_through_the_state_index(tmp_path: Path) -> None:
     """The check a fold makes before each chunk reads the few rows in flight, not the epoch."""
-    from astra.dataflow.store import OPEN_ROW_IN_SPAN
+    from astra.dataflow.store_schema import OPEN_ROW_IN_SPAN
 
     store = StateStore(tmp_path)
     query = OPEN_ROW_IN_SPAN.format(where="group_id >= ? AND group_id < ? AND stream = ?")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from astra.dataflow.records import GroupRecord
-from astra.dataflow.store import BatchRow
+from astra.dataflow.store_schema import BatchRow
 from astra.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 if TYPE_CHECKING:

@@ -26,7 +26,8 @@ from astra.dataflow.work import Work, WorkTable
 
 if TYPE_CHECKING:
     from astra.dataflow.ledger import Ledger
-    from astra.dataflow.store import BadRecord, StateStore
+    from astra.dataflow.store import StateStore
+    from astra.dataflow.store_schema import BadRecord
 
 log = logging.getLogger("astra.dataflow.coordinator")
 KEY = "redo_policies"

@@ -26,7 +26,7 @@ import click
 from astra.damage import Damaged
 from astra.dataflow.blobs import CorruptRecord, read_checked, segment_path
 from astra.dataflow.sealed import unseal
-from astra.dataflow.store import CHECKED_FROM, unpack_trajectories
+from astra.dataflow.store_schema import CHECKED_FROM, unpack_trajectories
 from astra.trainer.ckpt_verify import list_checkpoints, verify
 from astra.weights.records import RECORD_NAME, VersionRecord, tree_sha256
 from astra.weights.safetensors_io import FormatError

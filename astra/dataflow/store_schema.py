@@ -1,0 +1,198 @@
+"""The state store's layout: the SQLite schema, its rows, and how a group's trajectories are
+packed into one blob-log record (astra.dataflow.store reads and writes them). Data only: no
+connection, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import struct
+from dataclasses import dataclass
+
+from astra.dataflow.blobs import CorruptRecord
+from astra.dataflow.records import TrajectoryRecord
+
+# 2: batch_replays; a batch row's groups carry their advantages. A schema-1 directory is
+# migrated on open (the new table is created; its batch rows are read without advantages).
+# 3: replay_memory (a schema-1 or -2 directory opens with it empty).
+# 4: folded_work (astra.dataflow.folding; an older directory opens with nothing folded).
+# 5: blob records checksummed, kv values sealed (astra.dataflow.blobs, .sealed). An older
+# directory opens with its segments read unchecked (kv `blob_checked_from`: the first
+# segment written with checksums) and its unsealed values read as plain JSON.
+# 6: batches.untrained_reason (an older directory's batches read as trained).
+SCHEMA_VERSION = 6
+CHECKED_FROM = "blob_checked_from"
+WORK_STATES = ("pending", "leased", "done")  # what `Tx.set_work` writes
+OPEN_ROW_IN_SPAN = (
+    "SELECT 1 FROM work INDEXED BY work_state WHERE state IN ('pending', 'leased') AND {where}"
+    " LIMIT 1"
+)
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS work (
+    group_id TEXT PRIMARY KEY,
+    stream TEXT NOT NULL,
+    state TEXT NOT NULL,
+    instance_id TEXT,
+    lease_expire REAL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    outcome TEXT
+);
+CREATE INDEX IF NOT EXISTS work_state ON work(state);
+CREATE TABLE IF NOT EXISTS folded_work (
+    stream TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    done INTEGER NOT NULL,
+    PRIMARY KEY (stream, epoch)
+);
+CREATE TABLE IF NOT EXISTS groups (
+    group_id TEXT NOT NULL,
+    policy_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    batch_id TEXT,
+    meta TEXT NOT NULL,
+    seg INTEGER NOT NULL,
+    off INTEGER NOT NULL,
+    len INTEGER NOT NULL,
+    PRIMARY KEY (group_id, policy_id)
+);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY,
+    policy_id TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    trainer_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    lease_expire REAL NOT NULL,
+    policy_version INTEGER NOT NULL,
+    groups TEXT NOT NULL,
+    untrained_reason TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS batches_request ON batches(policy_id, request_id);
+CREATE TABLE IF NOT EXISTS batch_replays (
+    batch_id TEXT NOT NULL,
+    pos INTEGER NOT NULL,
+    group_id TEXT NOT NULL,
+    policy_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    meta TEXT NOT NULL,
+    seg INTEGER NOT NULL,
+    off INTEGER NOT NULL,
+    len INTEGER NOT NULL,
+    PRIMARY KEY (batch_id, pos)
+);
+CREATE TABLE IF NOT EXISTS replay_memory (
+    entered INTEGER PRIMARY KEY,
+    policy_id TEXT NOT NULL,
+    group_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    meta TEXT NOT NULL,
+    seg INTEGER NOT NULL,
+    off INTEGER NOT NULL,
+    len INTEGER NOT NULL,
+    UNIQUE (policy_id, group_id)
+);
+"""
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """A failure of the store itself (SQLite or the blob log), not of its caller."""
+    return isinstance(exc, (sqlite3.Error, OSError))
+
+
+@dataclass(slots=True)
+class WorkRow:
+    group_id: str
+    stream: str
+    state: str
+    instance_id: str | None
+    lease_expire: float | None
+    attempts: int
+    outcome: str | None
+
+
+@dataclass(slots=True)
+class BatchRow:
+    batch_id: str
+    policy_id: str
+    request_id: str
+    trainer_id: str
+    state: str
+    lease_expire: float
+    policy_version: int
+    # (group_id, replay, advantages) in batch order; advantages None in a schema-1 row and
+    # in a finished batch's row.
+    group_keys: list[tuple[str, bool, list[float] | None]]
+    # An acknowledged batch's groups not in the trainer's weights: why ("" trained).
+    untrained_reason: str = ""
+
+
+def pack(trajectories: list[TrajectoryRecord]) -> tuple[str, list]:
+    """(meta JSON, blob parts): each payload after its 4-byte length, the parts not joined
+    (`BlobLog.append_parts` writes them with one writev)."""
+    meta = [
+        [t.trajectory_id, t.reward, t.min_version, t.max_version, t.num_tokens, t.failed]
+        for t in trajectories
+    ]
+    parts = []
+    for t in trajectories:
+        parts += (_LENGTH.pack(len(t.payload)), t.payload)
+    return json.dumps(meta), parts
+
+
+_LENGTH = struct.Struct("<I")
+
+
+def same(a: list[TrajectoryRecord], b: list[TrajectoryRecord]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def unpack_trajectories(meta_json: str, blob: bytes) -> list[TrajectoryRecord]:
+    out = []
+    pos = 0
+    for tid, reward, vmin, vmax, ntok, failed in json.loads(meta_json):
+        (n,) = struct.unpack_from("<I", blob, pos)
+        pos += 4
+        if pos + n > len(blob):
+            raise ValueError(f"a payload of {n} bytes at {pos} runs past the record")
+        out.append(TrajectoryRecord(tid, reward, vmin, vmax, ntok, blob[pos : pos + n], failed))
+        pos += n
+    if pos != len(blob):
+        raise ValueError(f"{len(blob) - pos} bytes after the last payload")
+    return out
+
+
+@dataclass(slots=True)
+class BadRecord:
+    """A stored record found corrupt at read (see `StateStore.corrupt`). `table`: groups,
+    batch_replays or replay_memory; `batch_id`: the batch it is leased or replayed in."""
+
+    table: str
+    group_id: str
+    policy_id: str
+    batch_id: str | None
+    pos: int | None
+    error: CorruptRecord
+
+
+@dataclass(slots=True)
+class Staged:
+    """A group's trajectory bytes, placed in the blob log before its row is written.
+
+    `StateStore.stage` reserves the room (event loop), `write_staged` writes the bytes
+    (any thread, e.g. off the event loop), then `Tx.add_groups(..., staged)` points the
+    row at them. Room not used by a committed row is given back by `discard_staged`.
+    """
+
+    key: tuple[str, str]
+    trajectories: list[TrajectoryRecord]
+    meta: str
+    parts: list
+    segment: int
+    offset: int
+    length: int
+    fd: int
+    used: bool = False
