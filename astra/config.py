@@ -14,9 +14,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
+
+
+class Strict(BaseModel):
+    """The base of every config section: an unknown key is an error naming it."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class ConfigError(ValueError):

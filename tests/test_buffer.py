@@ -8,13 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from astra.dataflow.buffer import (
-    FILTERS,
-    BufferConfig,
-    PolicyBuffer,
-    register_filter,
-    registered_filters,
-)
+from astra.dataflow.buffer import FILTERS, PolicyBuffer, register_filter, registered_filters
+from astra.dataflow.config import BufferSettings
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
 from tests.conftest import entry_point_package
 
@@ -53,7 +48,7 @@ def test_equal_reward_groups_are_dropped_and_counted() -> None:
 
 def test_drops_in_a_row_grow_on_drops_and_end_on_an_accepted_group() -> None:
     """A duplicate and a group refused by a full buffer neither extend nor end the run."""
-    buf = PolicyBuffer(BufferConfig(capacity_groups=1, eviction="reject_new"))
+    buf = PolicyBuffer(BufferSettings(capacity_groups=1, eviction="reject_new"))
     assert (buf.dropped_in_a_row, buf.last_drop) == (0, "")
     buf.add(group("a", [1.0, 1.0]), 0)
     buf.add(group("b", [0.0, 0.0]), 0)
@@ -69,7 +64,7 @@ def test_drops_in_a_row_grow_on_drops_and_end_on_an_accepted_group() -> None:
 
 
 def test_equal_rewards_kept_when_dynamic_sampling_off() -> None:
-    buf = PolicyBuffer(BufferConfig(drop_equal_rewards=False))
+    buf = PolicyBuffer(BufferSettings(drop_equal_rewards=False))
     assert buf.add(group("a", [1.0, 1.0]), 0) == "accepted"
 
 
@@ -102,14 +97,14 @@ def test_duplicate_id_counted_not_added_twice() -> None:
 
 
 def test_stale_group_dropped_on_add() -> None:
-    buf = PolicyBuffer(BufferConfig(max_staleness=2))
+    buf = PolicyBuffer(BufferSettings(max_staleness=2))
     assert buf.add(group("a", [0.0, 1.0], version=1), 4) == "filtered_stale"
     assert buf.add(group("b", [0.0, 1.0], version=2), 4) == "accepted"
     assert buf.counters["filtered_stale"] == 1
 
 
 def test_nothing_stale_leaves_take_after_versions_advance() -> None:
-    buf = PolicyBuffer(BufferConfig(max_staleness=2, ordering="fifo"))
+    buf = PolicyBuffer(BufferSettings(max_staleness=2, ordering="fifo"))
     for v in range(6):
         assert buf.add(group(f"g{v}", [0.0, 1.0], version=v), v) == "accepted"
     assert buf.take(3, 7) is None  # only g5 is fresh enough at version 7
@@ -123,7 +118,7 @@ def test_nothing_stale_leaves_take_after_versions_advance() -> None:
 
 
 def test_take_expires_waiting_groups() -> None:
-    buf = PolicyBuffer(BufferConfig(max_staleness=1))
+    buf = PolicyBuffer(BufferSettings(max_staleness=1))
     for v in range(4):
         buf.add(group(f"g{v}", [0.0, 1.0], version=v), v)
     batch = buf.take(2, 3)
@@ -134,7 +129,7 @@ def test_take_expires_waiting_groups() -> None:
 
 
 def test_max_staleness_zero_is_synchronous() -> None:
-    buf = PolicyBuffer(BufferConfig(max_staleness=0))
+    buf = PolicyBuffer(BufferSettings(max_staleness=0))
     buf.add(group("old", [0.0, 1.0], version=0), 0)
     buf.add(group("new", [0.0, 1.0], version=1), 1)
     batch = buf.take(1, 1)
@@ -143,7 +138,7 @@ def test_max_staleness_zero_is_synchronous() -> None:
 
 
 def test_drop_stale_returns_removed_groups() -> None:
-    buf = PolicyBuffer(BufferConfig(max_staleness=1))
+    buf = PolicyBuffer(BufferSettings(max_staleness=1))
     for v in range(3):
         buf.add(group(f"g{v}", [0.0, 1.0], version=v), v)
     removed = buf.drop_stale(3)
@@ -154,7 +149,7 @@ def test_drop_stale_returns_removed_groups() -> None:
 
 
 def test_drop_oldest_evicts_oldest_version_then_lowest_seq() -> None:
-    buf = PolicyBuffer(BufferConfig(capacity_groups=3, eviction="drop_oldest"))
+    buf = PolicyBuffer(BufferSettings(capacity_groups=3, eviction="drop_oldest"))
     buf.add(group("v3", [0.0, 1.0], version=3), 3)
     buf.add(group("v1a", [0.0, 1.0], version=1), 3)
     buf.add(group("v1b", [0.0, 1.0], version=1), 3)
@@ -168,7 +163,7 @@ def test_drop_oldest_evicts_oldest_version_then_lowest_seq() -> None:
 
 
 def test_reject_new_when_full() -> None:
-    buf = PolicyBuffer(BufferConfig(capacity_groups=1, eviction="reject_new"))
+    buf = PolicyBuffer(BufferSettings(capacity_groups=1, eviction="reject_new"))
     assert buf.add(group("a", [0.0, 1.0]), 0) == "accepted"
     assert buf.add(group("b", [0.0, 1.0]), 0) == "rejected_full"
     assert buf.counters["rejected_full"] == 1
@@ -178,8 +173,8 @@ def test_reject_new_when_full() -> None:
 
 def test_fifo_versus_oldest_version_first() -> None:
     versions = [5, 2, 7, 2, 1]
-    fifo = PolicyBuffer(BufferConfig(ordering="fifo"))
-    oldest = PolicyBuffer(BufferConfig(ordering="oldest_version_first"))
+    fifo = PolicyBuffer(BufferSettings(ordering="fifo"))
+    oldest = PolicyBuffer(BufferSettings(ordering="oldest_version_first"))
     for i, v in enumerate(versions):
         fifo.add(group(f"g{i}", [0.0, 1.0], version=v), 7)
         oldest.add(group(f"g{i}", [0.0, 1.0], version=v), 7)
@@ -199,7 +194,7 @@ def test_take_returns_none_and_removes_nothing_when_short() -> None:
 @pytest.mark.parametrize("ordering", ["fifo", "oldest_version_first"])
 def test_put_back_restores_original_order(ordering: str) -> None:
     def filled() -> PolicyBuffer:
-        buf = PolicyBuffer(BufferConfig(ordering=ordering))  # type: ignore[arg-type]
+        buf = PolicyBuffer(BufferSettings(ordering=ordering))  # type: ignore[arg-type]
         for i, v in enumerate([3, 1, 2, 0]):
             buf.add(group(f"g{i}", [0.0, 1.0], version=v), 3)
         return buf
@@ -218,7 +213,7 @@ def test_put_back_restores_original_order(ordering: str) -> None:
 
 
 def test_restore_keeps_seq_and_skips_filters() -> None:
-    buf = PolicyBuffer(BufferConfig(max_staleness=0))
+    buf = PolicyBuffer(BufferSettings(max_staleness=0))
     old = group("old", [1.0, 1.0], version=0)
     old.seq = 41
     assert buf.restore(old)
@@ -240,12 +235,12 @@ def test_remove_by_id() -> None:
 
 def test_custom_filter_registry() -> None:
     register_filter("short_only", lambda g: all(t.num_tokens < 5 for t in g.trajectories))
-    buf = PolicyBuffer(BufferConfig(filters=["short_only"]))
+    buf = PolicyBuffer(BufferSettings(filters=["short_only"]))
     assert buf.counters["filtered_short_only"] == 0
     assert buf.add(group("a", [0.0, 1.0]), 0) == "filtered_short_only"
     assert buf.counters["filtered_short_only"] == 1
     with pytest.raises(ValueError, match="no_such_filter"):
-        PolicyBuffer(BufferConfig(filters=["short_only", "no_such_filter"]))
+        PolicyBuffer(BufferSettings(filters=["short_only", "no_such_filter"]))
     with pytest.raises(ValueError):
         register_filter("short_only", lambda g: True)
     with pytest.raises(ValueError):
@@ -266,7 +261,7 @@ def test_a_filter_from_an_entry_point_is_found_by_name(tmp_path, monkeypatch) ->
         "astra.filters",
         {"no_singletons": "astra_filter_plugin_mod:no_singletons"},
     )
-    config = BufferConfig(drop_equal_rewards=False, filters=["no_singletons"])
+    config = BufferSettings(drop_equal_rewards=False, filters=["no_singletons"])
     with pytest.raises(ValueError, match="no_singletons"):
         PolicyBuffer(config)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -289,7 +284,7 @@ def test_a_filter_that_raises_drops_the_group_and_counts_it(caplog) -> None:
         return True
 
     register_filter("picky", picky, replace_existing=True)
-    buf = PolicyBuffer(BufferConfig(drop_equal_rewards=False, filters=["picky"]))
+    buf = PolicyBuffer(BufferSettings(drop_equal_rewards=False, filters=["picky"]))
     assert buf.counters["filter_error_picky"] == 0
     assert buf.add(group("a", [0.0, 1.0]), 0) == "accepted"
     assert buf.add(group("b", [0.0, 1.0]), 0) == "filter_error_picky"
@@ -316,7 +311,7 @@ def test_a_filter_that_raises_drops_the_group_and_counts_it(caplog) -> None:
 )
 def test_bad_config_rejected(kwargs: dict) -> None:
     with pytest.raises(ValueError):
-        BufferConfig(**kwargs)
+        BufferSettings(**kwargs)
 
 
 def test_staleness_counts_from_the_oldest_token_of_any_trajectory_in_the_group() -> None:
@@ -328,7 +323,7 @@ def test_staleness_counts_from_the_oldest_token_of_any_trajectory_in_the_group()
         swapped = TrajectoryRecord(f"{gid}/1", 1.0, 4, 5, 8, b"x")  # tokens of 4 and of 5
         return GroupRecord(gid, "policy", 0, [swapped, old])
 
-    buf = PolicyBuffer(BufferConfig(max_staleness=1))
+    buf = PolicyBuffer(BufferSettings(max_staleness=1))
     assert mixed("a").min_version == 3 and mixed("a").staleness(5) == 2
     assert buf.add(mixed("a"), 5) == "filtered_stale"  # newest token 5: staleness 0 if wrong
     assert buf.add(mixed("b"), 4) == "accepted"  # 4 - 3 = 1, within the bound
@@ -338,7 +333,7 @@ def test_staleness_counts_from_the_oldest_token_of_any_trajectory_in_the_group()
 
 
 def test_replay_ratio_honoured_and_copies_marked() -> None:
-    cfg = BufferConfig(replay_ratio=0.5, replay_capacity_groups=8)
+    cfg = BufferSettings(replay_ratio=0.5, replay_capacity_groups=8)
     buf = PolicyBuffer(cfg, rng=random.Random(0))
     for i in range(12):
         buf.add(group(f"g{i}", [0.0, float(i + 1)]), 0)
@@ -363,7 +358,7 @@ def test_replay_ratio_honoured_and_copies_marked() -> None:
 
 
 def test_replay_short_means_more_fresh() -> None:
-    buf = PolicyBuffer(BufferConfig(replay_ratio=0.5, replay_capacity_groups=8))
+    buf = PolicyBuffer(BufferSettings(replay_ratio=0.5, replay_capacity_groups=8))
     for i in range(6):
         buf.add(group(f"g{i}", [0.0, 1.0]), 0)
     one = buf.take(1, 0)  # replay_ratio 0.5 of 1 = 0 replay
@@ -375,7 +370,7 @@ def test_replay_short_means_more_fresh() -> None:
 
 
 def test_replay_capacity_bounded_and_counted() -> None:
-    buf = PolicyBuffer(BufferConfig(replay_ratio=0.25, replay_capacity_groups=2))
+    buf = PolicyBuffer(BufferSettings(replay_ratio=0.25, replay_capacity_groups=2))
     for i in range(5):
         buf.add(group(f"g{i}", [0.0, 1.0]), 0)
     taken = buf.take(3, 0)
@@ -386,7 +381,7 @@ def test_replay_capacity_bounded_and_counted() -> None:
 
 
 def test_replay_respects_its_own_staleness_bound() -> None:
-    cfg = BufferConfig(
+    cfg = BufferSettings(
         max_staleness=3, replay_ratio=0.5, replay_capacity_groups=8, replay_max_staleness=1
     )
     buf = PolicyBuffer(cfg)
@@ -402,7 +397,7 @@ def test_replay_respects_its_own_staleness_bound() -> None:
 
 
 def test_replay_inherits_max_staleness() -> None:
-    cfg = BufferConfig(max_staleness=1, replay_ratio=0.5, replay_capacity_groups=8)
+    cfg = BufferSettings(max_staleness=1, replay_ratio=0.5, replay_capacity_groups=8)
     assert cfg.replay_bound == 1
     buf = PolicyBuffer(cfg)
     buf.add(group("a", [0.0, 1.0], version=0), 0)
@@ -416,7 +411,7 @@ def test_replay_inherits_max_staleness() -> None:
 def second_batch_with_replay() -> tuple[PolicyBuffer, list[GroupRecord]]:
     """4 groups buffered at replay ratio 0.5; the first batch of 2 trained (remembered), the
     second taken: g2 fresh, one of g0/g1 replayed; g3 still buffered."""
-    buf = PolicyBuffer(BufferConfig(replay_ratio=0.5, replay_capacity_groups=8))
+    buf = PolicyBuffer(BufferSettings(replay_ratio=0.5, replay_capacity_groups=8))
     for i in range(4):
         buf.add(group(f"g{i}", [0.0, 1.0]), 0)
     buf.remember(buf.take(2, 0))
@@ -439,18 +434,18 @@ def test_remember_keeps_fresh_groups_only_and_nothing_without_replay() -> None:
     fresh = [g.group_id for g in batch if not g.replay]
     assert buf.remember(batch) == fresh  # the replayed copy does not enter again
     assert buf.replay_len == 3 and buf.counters["replay_added"] == 3
-    off = PolicyBuffer(BufferConfig())
+    off = PolicyBuffer(BufferSettings())
     off.add(group("a", [0.0, 1.0]), 0)
     assert off.remember(off.take(1, 0)) == [] and off.replay_len == 0
 
 
 def test_restore_replay_keeps_order_and_trims_to_this_capacity() -> None:
-    buf = PolicyBuffer(BufferConfig(replay_ratio=0.5, replay_capacity_groups=2))
+    buf = PolicyBuffer(BufferSettings(replay_ratio=0.5, replay_capacity_groups=2))
     for i in range(3):
         buf.restore_replay(group(f"r{i}", [0.0, 1.0]))
     assert buf.replay_len == 2 and buf.pop_replay_gone() == ["r0"]
     assert buf.counters["replay_evicted"] == 1 and buf.counters["replay_added"] == 0
-    off = PolicyBuffer(BufferConfig())
+    off = PolicyBuffer(BufferSettings())
     off.restore_replay(group("x", [0.0, 1.0]))
     assert off.replay_len == 0 and off.pop_replay_gone() == ["x"]
 
@@ -462,7 +457,7 @@ def _group_adv(rewards: list[float], eps: float) -> list[float]:
 
 @pytest.mark.parametrize("eps", [1e-6, 0.5])
 def test_group_advantages_match_numpy(eps: float) -> None:
-    buf = PolicyBuffer(BufferConfig(normalization="group", adv_eps=eps))
+    buf = PolicyBuffer(BufferSettings(normalization="group", adv_eps=eps))
     rewards = [[0.0, 1.0, 1.0, 3.5], [2.0, -1.0], [0.25, 0.5, 0.75]]
     for i, r in enumerate(rewards):
         buf.add(group(f"g{i}", r), 0)
@@ -474,7 +469,7 @@ def test_group_advantages_match_numpy(eps: float) -> None:
 
 @pytest.mark.parametrize("eps", [1e-6, 0.5])
 def test_batch_advantages_match_numpy(eps: float) -> None:
-    buf = PolicyBuffer(BufferConfig(normalization="batch", adv_eps=eps))
+    buf = PolicyBuffer(BufferSettings(normalization="batch", adv_eps=eps))
     rewards = [[0.0, 1.0, 1.0, 3.5], [2.0, -1.0], [0.25, 0.5, 0.75]]
     for i, r in enumerate(rewards):
         buf.add(group(f"g{i}", r), 0)
@@ -489,7 +484,7 @@ def test_batch_advantages_match_numpy(eps: float) -> None:
 @pytest.mark.parametrize("sizes", [(3, 3), (3, 2)])  # one size: the row-wise path; two: per group
 def test_equal_rewards_with_eps_zero_give_zero_advantages_not_nan(sizes) -> None:
     """Also where the mean of equal rewards rounds (3 x 0.1): no +-1 from dividing the rounding."""
-    buf = PolicyBuffer(BufferConfig(normalization="group", adv_eps=0.0, drop_equal_rewards=False))
+    buf = PolicyBuffer(BufferSettings(normalization="group", adv_eps=0.0, drop_equal_rewards=False))
     buf.add(group("same", [0.1] * sizes[0]), 0)
     mixed = [0.0, 1.0, 2.0][: sizes[1]]
     buf.add(group("mixed", mixed), 0)
@@ -500,10 +495,10 @@ def test_equal_rewards_with_eps_zero_give_zero_advantages_not_nan(sizes) -> None
 
 
 def test_mean_only_and_no_normalisation() -> None:
-    centred = PolicyBuffer(BufferConfig(std_normalize=False))
+    centred = PolicyBuffer(BufferSettings(std_normalize=False))
     centred.add(group("a", [1.0, 3.0]), 0)
     assert (centred.take(1, 0) or [])[0].advantages == [-1.0, 1.0]
-    raw = PolicyBuffer(BufferConfig(normalization="none"))
+    raw = PolicyBuffer(BufferSettings(normalization="none"))
     raw.add(group("a", [1.0, 3.0]), 0)
     assert (raw.take(1, 0) or [])[0].advantages == [1.0, 3.0]
 
@@ -512,7 +507,7 @@ def test_mean_only_and_no_normalisation() -> None:
 def test_random_operations_keep_invariants(seed: int) -> None:
     rng = random.Random(seed)
     bound = rng.choice([0, 1, 3])
-    cfg = BufferConfig(
+    cfg = BufferSettings(
         capacity_groups=rng.choice([3, 8]),
         eviction=rng.choice(["drop_oldest", "reject_new"]),
         max_staleness=bound,

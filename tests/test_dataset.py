@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from astra.dataflow.dataset import DatasetConfig, DatasetError, PromptSource, load_records
+from astra.dataflow.config import DatasetSettings
+from astra.dataflow.dataset import DatasetError, PromptSource, load_records
 
 
 def write_jsonl(path: Path, n: int) -> Path:
@@ -18,7 +19,7 @@ def write_jsonl(path: Path, n: int) -> Path:
 
 
 def make_source(path: Path, **kw) -> PromptSource:
-    cfg = DatasetConfig(path=str(path), **kw)
+    cfg = DatasetSettings(path=str(path), **kw)
     return PromptSource(cfg, ("actor",), "math", 4, "ps")
 
 
@@ -38,7 +39,7 @@ def test_load_parquet_plain_values(tmp_path: Path) -> None:
     recs = load_records(p)
     assert recs == [{"prompt": "a", "n": 1, "tags": ["x"]}, {"prompt": "b", "n": 2, "tags": []}]
     assert type(recs[0]["n"]) is int
-    src = PromptSource(DatasetConfig(path=str(p)), ("actor",), "math", 2, "ps")
+    src = PromptSource(DatasetSettings(path=str(p)), ("actor",), "math", 2, "ps")
     assert src.size == 2
 
 
@@ -144,7 +145,7 @@ def test_item_for_round_trip_and_rejects_foreign(tmp_path: Path) -> None:
     for bad in ("ps/0/6", "ps/2/0", "other/0/1", "ps/0", "ps/x/1", "ps/0/01", "ps/-1/0", "0/1"):
         with pytest.raises(ValueError):
             src.item_for(bad)
-    nested = PromptSource(DatasetConfig(path=str(p)), ("a", "b"), "duel", 2, "team/x")
+    nested = PromptSource(DatasetSettings(path=str(p)), ("a", "b"), "duel", 2, "team/x")
     assert nested.item_for("team/x/0/5").index == 5
 
 

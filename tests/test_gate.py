@@ -6,14 +6,9 @@ import math
 
 import pytest
 
-from astra.dataflow.buffer import BufferConfig, PolicyBuffer
-from astra.dataflow.gate import (
-    GateConfig,
-    GateMode,
-    ModeGate,
-    StalenessTracker,
-    offpolicy_capacity,
-)
+from astra.dataflow.buffer import PolicyBuffer
+from astra.dataflow.config import BufferSettings, GateSettings
+from astra.dataflow.gate import GateMode, ModeGate, StalenessTracker, offpolicy_capacity
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
 
 
@@ -27,7 +22,7 @@ class FakeClock:
 
 def make_gate() -> tuple[ModeGate, FakeClock]:
     clock = FakeClock()
-    return ModeGate(GateConfig(), clock=clock), clock
+    return ModeGate(GateSettings(), clock=clock), clock
 
 
 def test_starts_admitting() -> None:
@@ -126,7 +121,7 @@ def test_throttle_ends_a_barrier() -> None:
 )
 def test_bad_gate_config(kwargs: dict) -> None:
     with pytest.raises(ValueError):
-        GateConfig(**kwargs)
+        GateSettings(**kwargs)
 
 
 def test_staleness_gap_only_and_ema() -> None:
@@ -181,7 +176,7 @@ def test_eta_zero_allows_one_batch_per_version() -> None:
 def test_capacity_and_buffer_bound_trained_staleness(eta: int) -> None:
     """Generate only within capacity; every trained group is at most eta versions old."""
     batch = 3
-    buf = PolicyBuffer(BufferConfig(max_staleness=eta, drop_equal_rewards=False))
+    buf = PolicyBuffer(BufferSettings(max_staleness=eta, drop_equal_rewards=False))
     version, accepted, started = 0, 0, 0
     running: list[GroupRecord] = []
     for _ in range(60):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from astra.dataflow.buffer import BufferConfig, PolicyBuffer
+from astra.dataflow.buffer import PolicyBuffer
+from astra.dataflow.config import BufferSettings
 from astra.dataflow.ledger import Ledger
 from astra.dataflow.offpolicy import OffPolicyBudget
 from astra.dataflow.pool import Instance
@@ -62,7 +63,7 @@ def budget_for(tmp_path: Path, eta, batch_groups=2, max_concurrent=1024, **buffe
         ],
         gate={"max_offpolicyness": eta, "max_concurrent_groups": max_concurrent},
     )
-    buffers = {"p": PolicyBuffer(BufferConfig(**config.policies[0].buffer.model_dump()))}
+    buffers = {"p": PolicyBuffer(BufferSettings(**config.policies[0].buffer.model_dump()))}
     versions = VersionBook(["p"], config.versions.barrier)
     ledger, table, batches = Ledger(buffers), Table(), Batches()
     budget = OffPolicyBudget(

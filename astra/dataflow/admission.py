@@ -15,7 +15,7 @@ from astra.dataflow.batches import BatchDesk
 from astra.dataflow.buffer import PolicyBuffer
 from astra.dataflow.config import DataflowConfig, StreamSettings
 from astra.dataflow.dataset import PromptSource
-from astra.dataflow.gate import GateConfig, GateMode, GateState, ModeGate, StalenessTracker
+from astra.dataflow.gate import GateMode, GateState, ModeGate, StalenessTracker
 from astra.dataflow.offpolicy import OffPolicyBudget
 from astra.dataflow.pool import Pool
 from astra.dataflow.status import DATA_EXHAUSTED
@@ -43,16 +43,7 @@ class Admission:
         self.config, self.pool, self.buffers, self.batches = config, pool, buffers, batches
         self.versions, self.sources, self.table, self.budget = versions, sources, table, budget
         self.storage, self.is_eval = storage, is_eval
-        g = config.gate
-        self.gate = ModeGate(
-            GateConfig(
-                staleness_threshold=g.staleness_threshold,
-                capacity_low_watermark=g.capacity_low_watermark,
-                buffer_high_watermark=g.buffer_high_watermark,
-                min_barrier_duration_s=g.min_barrier_duration_s,
-                barrier_exit_ratio=g.barrier_exit_ratio,
-            )
-        )
+        self.gate = ModeGate(config.gate)
         self.staleness = StalenessTracker()
         # A run starts on-policy; one late group must not set the score on its own.
         self.staleness.update(0.0)

@@ -22,20 +22,17 @@ import math
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import replace
 
 import numpy as np
 
+from astra.dataflow.config import BufferSettings
 from astra.dataflow.records import GroupRecord
 from astra.plugins import Registry
 
 log = logging.getLogger(__name__)
 
 FilterFn = Callable[[GroupRecord], bool]
-Eviction = Literal["drop_oldest", "reject_new"]
-Ordering = Literal["fifo", "oldest_version_first"]
-Normalization = Literal["group", "batch", "none"]
 
 ACCEPTED = "accepted"
 DUPLICATE = "duplicate"
@@ -97,81 +94,6 @@ def registered_filters() -> list[str]:
     return list(FILTERS.names())
 
 
-@dataclass
-class BufferConfig:
-    """How one policy's buffer admits, orders, replays and normalises groups."""
-
-    capacity_groups: int = 1024
-    """Most groups held at once (>= 1). `put_back` and `restore` may exceed it briefly."""
-    eviction: Eviction = "drop_oldest"
-    """When full: evict the buffered group with the oldest min_version (ties: lowest seq) and
-    accept the new one (`evicted_full`), or refuse the new one (`rejected_full`)."""
-    max_staleness: int | None = None
-    """Drop groups with current_version - min_version above this, on add and on take (>= 0);
-    None: unbounded. 0 is synchronous training."""
-    drop_equal_rewards: bool = True
-    """Dynamic sampling: drop a group of >= 2 trajectories whose rewards are all exactly equal.
-    A single-trajectory group is kept (it has no within-group spread to measure, and carries
-    signal under batch normalisation); under group normalisation its advantage is 0."""
-    filters: list[str] = field(default_factory=list)
-    """Names of custom filters from `register_filter`, applied in order after the built-ins."""
-    ordering: Ordering = "fifo"
-    """`fifo`: arrival order (seq). `oldest_version_first`: lowest (min_version, seq) first."""
-    replay_ratio: float = 0.0
-    """Share of each batch drawn from replay, in [0, 1): floor(n * ratio) groups when replay
-    holds that many, otherwise all replay holds, the rest fresh."""
-    replay_capacity_groups: int = 0
-    """Most groups kept for replay (>= 0): a group enters when its batch is acknowledged
-    (trained); the oldest to enter leaves first (`replay_evicted`)."""
-    replay_max_staleness: int | None = None
-    """Staleness bound of replayed groups; None inherits `max_staleness`. Must not exceed
-    `max_staleness`, so nothing older than the configured bound reaches the trainer."""
-    normalization: Normalization = "group"
-    """`group`: (r - mean_group) / (std_group + eps). `batch`: mean and std over every
-    trajectory of the batch. `none`: advantages are the raw rewards. std is the population std
-    (ddof=0)."""
-    adv_eps: float = 1e-6
-    """Added to the std before dividing (>= 0)."""
-    std_normalize: bool = True
-    """Divide by (std + eps); when False advantages are only mean-centred."""
-
-    def __post_init__(self) -> None:
-        if self.capacity_groups < 1:
-            raise ValueError("capacity_groups must be >= 1")
-        if self.eviction not in ("drop_oldest", "reject_new"):
-            raise ValueError(f"eviction must be drop_oldest or reject_new, not {self.eviction!r}")
-        if self.ordering not in ("fifo", "oldest_version_first"):
-            raise ValueError(
-                f"ordering must be fifo or oldest_version_first, not {self.ordering!r}"
-            )
-        if self.normalization not in ("group", "batch", "none"):
-            raise ValueError(f"normalization must be group, batch or none: {self.normalization!r}")
-        for name in ("max_staleness", "replay_max_staleness"):
-            bound = getattr(self, name)
-            if bound is not None and bound < 0:
-                raise ValueError(f"{name} must be >= 0 or None")
-        if not 0.0 <= self.replay_ratio < 1.0:
-            raise ValueError("replay_ratio must be in [0, 1)")
-        if self.replay_capacity_groups < 0:
-            raise ValueError("replay_capacity_groups must be >= 0")
-        if self.replay_ratio > 0 and self.replay_capacity_groups == 0:
-            raise ValueError("replay_ratio > 0 needs replay_capacity_groups > 0")
-        if (
-            self.max_staleness is not None
-            and self.replay_max_staleness is not None
-            and self.replay_max_staleness > self.max_staleness
-        ):
-            raise ValueError("replay_max_staleness must not exceed max_staleness")
-        if not self.adv_eps >= 0:
-            raise ValueError("adv_eps must be >= 0")
-
-    @property
-    def replay_bound(self) -> int | None:
-        return (
-            self.max_staleness if self.replay_max_staleness is None else self.replay_max_staleness
-        )
-
-
 def _is_stale(group: GroupRecord, bound: int | None, current_version: int) -> bool:
     return bound is not None and group.staleness(current_version) > bound
 
@@ -184,8 +106,8 @@ def _copy(group: GroupRecord, *, replay: bool) -> GroupRecord:
 class PolicyBuffer:
     """The buffer of one policy. Not thread-safe: the caller serialises calls."""
 
-    def __init__(self, config: BufferConfig | None = None, rng: random.Random | None = None):
-        self.config = config or BufferConfig()
+    def __init__(self, config: BufferSettings | None = None, rng: random.Random | None = None):
+        self.config = config or BufferSettings()
         self._filters = []
         for name in self.config.filters:
             _check_filter_name(name)

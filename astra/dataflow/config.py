@@ -7,37 +7,73 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from astra.config import Strict
 
 POLICY_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class BufferSettings(Strict):
+    """How one policy's buffer admits, orders, replays and normalises groups
+    (astra.dataflow.buffer.PolicyBuffer reads it as is)."""
 
-
-class BufferSettings(_Strict):
     capacity_groups: int = Field(1024, ge=1, description="Buffer bound in groups.")
+    """Most groups held at once. `put_back` and `restore` may exceed it briefly."""
     eviction: Literal["drop_oldest", "reject_new"] = Field(
         "drop_oldest", description="What a full buffer does: evict the oldest group or refuse."
     )
+    """When full: evict the buffered group with the oldest min_version (ties: lowest seq) and
+    accept the new one (`evicted_full`), or refuse the new one (`rejected_full`)."""
     max_staleness: int | None = Field(
         None, ge=0, description="Max version gap (current - oldest token version); None: none."
     )
+    """Groups with current_version - min_version above this are dropped, on add and on take.
+    0 is synchronous training."""
     drop_equal_rewards: bool = Field(True, description="Drop groups whose rewards are all equal.")
+    """Dynamic sampling: drop a group of >= 2 trajectories whose rewards are all exactly equal.
+    A single-trajectory group is kept (it has no within-group spread to measure, and carries
+    signal under batch normalisation); under group normalisation its advantage is 0."""
     filters: list[str] = Field(default_factory=list, description="Custom filters by name.")
+    """Names of custom filters (`register_filter` or the `astra.filters` entry points),
+    applied in order after the built-ins."""
     ordering: Literal["fifo", "oldest_version_first"] = Field("fifo", description="Batch order.")
+    """`fifo`: arrival order (seq). `oldest_version_first`: lowest (min_version, seq) first."""
     replay_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of a batch from replay.")
+    """floor(n * ratio) groups of each batch of n from replay when replay holds that many,
+    otherwise all replay holds; the rest fresh."""
     replay_capacity_groups: int = Field(0, ge=0, description="Replay buffer bound in groups.")
+    """A group enters replay when its batch is acknowledged (trained); the oldest to enter
+    leaves first (`replay_evicted`)."""
     replay_max_staleness: int | None = Field(None, ge=0, description="Staleness bound of replay.")
+    """None inherits `max_staleness`. Must not exceed it, so nothing older than the
+    configured bound reaches the trainer."""
     normalization: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage normalisation: per group, per batch, or raw rewards."
     )
-    adv_eps: float = Field(1e-6, gt=0.0, description="Added to the std before dividing.")
+    """`group`: (r - mean_group) / (std_group + eps). `batch`: mean and std over every
+    trajectory of the batch. `none`: advantages are the raw rewards. std is the population std
+    (ddof=0)."""
+    adv_eps: float = Field(1e-6, ge=0.0, description="Added to the std before dividing.")
     std_normalize: bool = Field(True, description="Divide by the std (else subtract mean only).")
 
+    @model_validator(mode="after")
+    def _replay_bounds(self) -> BufferSettings:
+        if self.replay_ratio > 0 and self.replay_capacity_groups == 0:
+            raise ValueError("replay_ratio > 0 needs replay_capacity_groups > 0")
+        bound, replay = self.max_staleness, self.replay_max_staleness
+        if bound is not None and replay is not None and replay > bound:
+            raise ValueError("replay_max_staleness must not exceed max_staleness")
+        return self
 
-class SamplingSettings(_Strict):
+    @property
+    def replay_bound(self) -> int | None:
+        return (
+            self.max_staleness if self.replay_max_staleness is None else self.replay_max_staleness
+        )
+
+
+class SamplingSettings(Strict):
     temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass.")
     top_k: int = Field(0, ge=0, description="Top-k; 0 means no limit.")
@@ -51,7 +87,7 @@ class SamplingSettings(_Strict):
     seed: int = Field(0, description="Base seed; each group derives its own.")
 
 
-class PolicySettings(_Strict):
+class PolicySettings(Strict):
     id: str = Field(pattern=POLICY_ID_PATTERN, description="Policy id.")
     batch_groups: int = Field(8, ge=1, le=65536, description="Groups per training batch.")
     buffer: BufferSettings = Field(default_factory=BufferSettings)
@@ -64,7 +100,7 @@ class PolicySettings(_Strict):
     )
 
 
-class DatasetSettings(_Strict):
+class DatasetSettings(Strict):
     path: str = Field(description="Local JSONL or Parquet file.")
     prompt_field: str = Field("prompt", description="Field holding the prompt text.")
     num_epochs: int = Field(1, ge=0, description="Epochs to run; 0 means unbounded.")
@@ -72,7 +108,7 @@ class DatasetSettings(_Strict):
     seed: int = Field(0, ge=0, description="Shuffle seed (numpy seeds are >= 0).")
 
 
-class StreamSettings(_Strict):
+class StreamSettings(Strict):
     name: str = Field(pattern=POLICY_ID_PATTERN, description="Prefix of the group ids.")
     dataset: DatasetSettings
     workflow: str = Field("single_turn", min_length=1, description="Workflow name.")
@@ -95,7 +131,7 @@ class StreamSettings(_Strict):
     )
 
 
-class PoolSettings(_Strict):
+class PoolSettings(Strict):
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Told to every RaaS.")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="Silence that makes a suspect.")
     probe_interval_s: float = Field(1.0, gt=0, description="Health probe period for suspects.")
@@ -106,7 +142,7 @@ class PoolSettings(_Strict):
     dead_retention_s: float = Field(300.0, ge=0, description="Keep dead instances in status.")
 
 
-class LeaseSettings(_Strict):
+class LeaseSettings(Strict):
     group_lease_s: float = Field(600.0, gt=0, description="Dispatch lease of a group.")
     batch_lease_s: float = Field(300.0, gt=0, description="Lease of a batch until AckBatch.")
     max_dispatch_attempts: int = Field(
@@ -114,9 +150,14 @@ class LeaseSettings(_Strict):
     )
 
 
-class GateSettings(_Strict):
+class GateSettings(Strict):
+    """Admission: the Flux mode gate's thresholds (astra.dataflow.gate.ModeGate reads them as
+    is) and AReaL's off-policy bound (astra.dataflow.offpolicy)."""
+
     staleness_threshold: float = Field(0.3, gt=0, le=1, description="Score entering barrier.")
+    """Enter SYNC_BARRIER when the staleness score exceeds this."""
     barrier_exit_ratio: float = Field(0.8, gt=0, le=1, description="Hysteresis on leaving.")
+    """Leave the barrier only once staleness <= ratio * threshold."""
     capacity_low_watermark: int = Field(0, ge=0, description="Capacity at or below: throttle.")
     buffer_high_watermark: float = Field(0.9, gt=0, le=1, description="Fill above: throttle.")
     min_barrier_duration_s: float = Field(0.1, ge=0, description="Minimum time in barrier.")
@@ -126,7 +167,7 @@ class GateSettings(_Strict):
     max_concurrent_groups: int = Field(1024, ge=1, description="Groups in flight at most.")
 
 
-class StorageSettings(_Strict):
+class StorageSettings(Strict):
     min_free_bytes: int = Field(
         256 << 20,
         ge=0,
@@ -170,14 +211,14 @@ class StorageSettings(_Strict):
         return self.min_free_bytes + self.min_free_bytes // 4
 
 
-class VersionSettings(_Strict):
+class VersionSettings(Strict):
     barrier: Literal["independent", "lockstep"] = Field(
         "independent",
         description="lockstep: RaaS load a set of versions only when every policy has it.",
     )
 
 
-class DataflowConfig(_Strict):
+class DataflowConfig(Strict):
     host: str = Field("127.0.0.1", description="Listen address.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks one.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus HTTP port.")

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from astra.dataflow.admission import POOL_EMPTY, Admission
 from astra.dataflow.batches import BatchDesk
-from astra.dataflow.buffer import BufferConfig, PolicyBuffer
+from astra.dataflow.buffer import PolicyBuffer
 from astra.dataflow.config import DataflowConfig, StreamSettings
-from astra.dataflow.dataset import DatasetConfig, PromptSource
+from astra.dataflow.dataset import PromptSource
 from astra.dataflow.dispatch import Dispatcher
 from astra.dataflow.done import DoneGroups
 from astra.dataflow.evals import EvalDesk
@@ -74,9 +74,7 @@ class Dataflow:
         is_eval = self.evals.is_eval
         self.sources = {s.name: self._source(s) for s in config.streams}
         try:
-            self.buffers = {
-                p.id: PolicyBuffer(BufferConfig(**p.buffer.model_dump())) for p in config.policies
-            }
+            self.buffers = {p.id: PolicyBuffer(p.buffer) for p in config.policies}
         except ValueError as exc:
             raise InvalidArgument(f"buffer config: {exc}", reason="INVALID_CONFIG") from exc
         self.versions = VersionBook([p.id for p in config.policies], config.versions.barrier)
@@ -144,11 +142,14 @@ class Dataflow:
         )  # fmt: skip
 
     def _source(self, s: StreamSettings) -> PromptSource:
-        d = s.dataset
         # An evaluation stream's "epoch" is the version it evaluates (astra.dataflow.evals).
-        epochs = 0 if self.evals.is_eval(s.name) else d.num_epochs
+        d = (
+            s.dataset.model_copy(update={"num_epochs": 0})
+            if self.evals.is_eval(s.name)
+            else s.dataset
+        )
         return PromptSource(
-            DatasetConfig(d.path, d.prompt_field, epochs, d.shuffle, d.seed),
+            d,
             tuple(s.policy_ids),
             s.workflow,
             s.group_size,

@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from astra.dataflow.config import DatasetSettings
 from astra.dataflow.records import WorkItem
 
 
@@ -67,17 +67,6 @@ def load_records(path: str | Path) -> list[dict]:
     return records
 
 
-@dataclass(frozen=True, slots=True)
-class DatasetConfig:
-    """Where the prompts live and how to walk them; `num_epochs == 0` means unbounded."""
-
-    path: str
-    prompt_field: str = "prompt"
-    num_epochs: int = 1
-    shuffle: bool = True
-    seed: int = 0
-
-
 class PromptSource:
     """Yields one `WorkItem` per (epoch, record) in a seeded, restart-reproducible order.
 
@@ -90,7 +79,7 @@ class PromptSource:
 
     def __init__(
         self,
-        config: DatasetConfig,
+        config: DatasetSettings,
         policy_ids: tuple[str, ...],
         workflow: str,
         num_samples: int,

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from astra.dataflow.config import GateSettings
+
 
 class GateMode(Enum):
     ASYNC_RUNNING = "async_running"
@@ -45,37 +47,13 @@ class GateState:
         return self.mode is GateMode.ASYNC_RUNNING
 
 
-@dataclass
-class GateConfig:
-    """Thresholds of the mode gate (Flux defaults)."""
-
-    staleness_threshold: float = 0.3
-    """Enter SYNC_BARRIER when the staleness score exceeds this (> 0)."""
-    capacity_low_watermark: int = 0
-    """THROTTLED when the free capacity is at or below this."""
-    buffer_high_watermark: float = 0.9
-    """THROTTLED when the buffer fill ratio exceeds this, in (0, 1]."""
-    min_barrier_duration_s: float = 0.1
-    """A barrier lasts at least this long once entered (>= 0)."""
-    barrier_exit_ratio: float = 0.8
-    """Leave the barrier only once staleness <= ratio * threshold, in (0, 1] (hysteresis)."""
-
-    def __post_init__(self) -> None:
-        if not self.staleness_threshold > 0:
-            raise ValueError("staleness_threshold must be > 0")
-        if not 0 < self.buffer_high_watermark <= 1:
-            raise ValueError("buffer_high_watermark must be in (0, 1]")
-        if not self.min_barrier_duration_s >= 0:
-            raise ValueError("min_barrier_duration_s must be >= 0")
-        if not 0 < self.barrier_exit_ratio <= 1:
-            raise ValueError("barrier_exit_ratio must be in (0, 1]")
-
-
 class ModeGate:
     """The Flux mode gate. Not thread-safe: the caller serialises `evaluate`."""
 
-    def __init__(self, config: GateConfig | None = None, clock: Callable[[], float] | None = None):
-        self.config = config or GateConfig()
+    def __init__(
+        self, config: GateSettings | None = None, clock: Callable[[], float] | None = None
+    ):
+        self.config = config or GateSettings()
         self._clock = clock or time.monotonic
         self._barrier_since: float | None = None
         self._state = GateState(GateMode.ASYNC_RUNNING, "initial", 0.0, 0, 0.0, 0)

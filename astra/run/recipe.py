@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from astra.config import ConfigError
+from astra.config import ConfigError, Strict
 from astra.dataflow.config import POLICY_ID_PATTERN, BufferSettings
 from astra.run.overrides import OverrideError, apply_override, parse_overrides
 from astra.run.sections import (
@@ -36,7 +36,6 @@ from astra.run.sections import (
     TrainerSpec,
     WarmupSpec,
     WeightsSpec,
-    _Strict,
 )
 
 # The synthetic tasks' rewards: an arithmetic answer is right when the text before
@@ -77,7 +76,7 @@ __all__ = [
 ]
 
 
-class Recipe(_Strict):
+class Recipe(Strict):
     """One run of the whole system."""
 
     name: str = Field("default", pattern=POLICY_ID_PATTERN, description="Run name.")

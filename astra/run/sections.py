@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, Field, create_model, model_validator
 
+from astra.config import Strict
 from astra.dataflow.config import (
     POLICY_ID_PATTERN,
     BufferSettings,
@@ -25,14 +26,10 @@ from astra.trainer.config import LossConfig, OptimConfig, PublishConfig
 RUN_OWNED_DATAFLOW_FIELDS = frozenset({"host", "port", "state_dir", "policies", "streams"})
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 # Every DataflowConfig field the run does not own, with its type, default, bound and docs.
 DataflowSection: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "DataflowSection",
-    __base__=_Strict,
+    __base__=Strict,
     __doc__="Dataflow settings passed through to DataflowConfig (astra/dataflow/config.py).",
     **{
         name: (info.annotation, info)
@@ -42,7 +39,7 @@ DataflowSection: type[BaseModel] = create_model(  # type: ignore[call-overload]
 )
 
 
-class DatasetSpec(_Strict):
+class DatasetSpec(Strict):
     """The prompts: a synthetic task (astra.raas.tasks) written into the run dir, or a file."""
 
     kind: Literal["arithmetic", "countdown", "file"] = Field(
@@ -71,7 +68,7 @@ class DatasetSpec(_Strict):
         return {}
 
 
-class WarmupSpec(_Strict):
+class WarmupSpec(Strict):
     """Supervised warm-up (`astra sft`) of every policy's model before RL starts.
 
     The records are the synthetic task's, generated with `seed` and disjoint from
@@ -89,7 +86,7 @@ class WarmupSpec(_Strict):
     threads: int = Field(1, ge=0, le=1024, description="torch CPU threads; 0: torch default.")
 
 
-class EvalSpec(_Strict):
+class EvalSpec(Strict):
     """Evaluation on held-out problems while the run trains (Dataflow evaluation streams).
 
     For each stream of `streams` (default: the first), at every `every_steps`-th
@@ -119,7 +116,7 @@ class EvalSpec(_Strict):
     )
 
 
-class PolicySpec(_Strict):
+class PolicySpec(Strict):
     """One policy: trained by its own trainer process, served by the RaaS that name it."""
 
     id: str = Field(pattern=POLICY_ID_PATTERN, description="Policy id.")
@@ -130,7 +127,7 @@ class PolicySpec(_Strict):
     buffer: BufferSettings = Field(default_factory=BufferSettings, description="Its buffer.")
 
 
-class StreamSpec(_Strict):
+class StreamSpec(Strict):
     """A prompt stream over the recipe's dataset."""
 
     name: str = Field("main", pattern=POLICY_ID_PATTERN, description="Prefix of group ids.")
@@ -150,7 +147,7 @@ class StreamSpec(_Strict):
     )
 
 
-class WeightsSpec(_Strict):
+class WeightsSpec(Strict):
     """Options of `astra serve weights`."""
 
     full_every: int = Field(20, ge=1, le=64, description="A full version every K versions.")
@@ -158,7 +155,7 @@ class WeightsSpec(_Strict):
     keep_versions: int = Field(8, ge=1, description="Newest versions always kept.")
 
 
-class RaasSpec(_Strict):
+class RaasSpec(Strict):
     """One rollout service process (`astra serve raas`)."""
 
     name: str | None = Field(
@@ -206,14 +203,14 @@ class RaasSpec(_Strict):
         return self
 
 
-class CheckpointSpec(_Strict):
+class CheckpointSpec(Strict):
     """Trainer checkpoints under <run dir>/checkpoints/<policy>."""
 
     every_steps: int = Field(10, ge=0, description="A checkpoint every N steps; 0: never.")
     keep_last: int = Field(3, ge=1, description="Checkpoints kept per policy.")
 
 
-class TrainerSpec(_Strict):
+class TrainerSpec(Strict):
     """Settings of every trainer (one process per policy)."""
 
     num_steps: int = Field(300, ge=1, le=10_000_000, description="Steps; the run ends after.")
@@ -233,7 +230,7 @@ class TrainerSpec(_Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
 
 
-class SupervisionSpec(_Strict):
+class SupervisionSpec(Strict):
     """How children are started and stopped."""
 
     startup_timeout_s: float = Field(180.0, gt=0, description="Wait for a child's address line.")
@@ -304,7 +301,7 @@ class SupervisionSpec(_Strict):
     )
 
 
-class ObserveSpec(_Strict):
+class ObserveSpec(Strict):
     """The live view, metrics.jsonl and summary.json."""
 
     poll_interval_s: float = Field(1.0, gt=0, le=60, description="GetStatus period.")
@@ -319,7 +316,7 @@ class ObserveSpec(_Strict):
     )
 
 
-class ElasticEvent(_Strict):
+class ElasticEvent(Strict):
     """One scheduled change of the RaaS pool (`elastic:`).
 
     The events happen in list order, each once its trigger is reached and the one

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from astra.config import Strict
 
 POLICY_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LossConfig(_Strict):
+class LossConfig(Strict):
     """The policy loss (formulas in astra.trainer.losses)."""
 
     kind: Literal["ppo", "decoupled", "tis"] = Field(
@@ -57,7 +55,7 @@ class LossConfig(_Strict):
     )
 
 
-class OptimConfig(_Strict):
+class OptimConfig(Strict):
     """AdamW and gradient clipping."""
 
     lr: float = Field(1e-6, gt=0.0, description="Learning rate.")
@@ -67,7 +65,7 @@ class OptimConfig(_Strict):
     max_grad_norm: float = Field(1.0, ge=0.0, description="Global grad-norm clip; 0 disables.")
 
 
-class BatchConfig(_Strict):
+class BatchConfig(Strict):
     """What a step trains on."""
 
     num_groups: int = Field(8, ge=1, le=65536, description="Prompt groups fetched per step.")
@@ -89,7 +87,7 @@ class BatchConfig(_Strict):
     adv_eps: float = Field(1e-6, gt=0.0, description="Added to the std before dividing.")
 
 
-class PublishConfig(_Strict):
+class PublishConfig(Strict):
     """Weights out."""
 
     enabled: bool = Field(True, description="Publish every version to the WeightService.")
@@ -111,7 +109,7 @@ class PublishConfig(_Strict):
     )
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Strict):
     """Checkpoints: HF safetensors model + optimizer + RNG + trainer state."""
 
     dir: str | None = Field(None, description="Root directory; None disables checkpoints.")
@@ -127,7 +125,7 @@ class CheckpointConfig(_Strict):
     )
 
 
-class TrainerConfig(_Strict):
+class TrainerConfig(Strict):
     """One trainer process (one rank; FSDP2 across ranks under torchrun)."""
 
     policy_id: str = Field(pattern=POLICY_ID_PATTERN, description="Policy trained.")
