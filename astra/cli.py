@@ -124,7 +124,7 @@ def serve_dataflow(
 
 
 async def _serve_dataflow(config) -> None:
-    from astra.servers.dataflow import start_dataflow
+    from astra.servers.dataflow_serve import start_dataflow
     from astra.servers.runtime import serve_until_signal
 
     server, df, metrics = await start_dataflow(config)

@@ -85,7 +85,7 @@ def config(dataset: Path, tmp_path: Path) -> DataflowConfig:
 async def running_dataflow(config: DataflowConfig):
     """A real Dataflow gRPC server on 127.0.0.1:0 and a client to it."""
     from astra.clients.dataflow import DataflowClient
-    from astra.servers.dataflow import start_dataflow
+    from astra.servers.dataflow_serve import start_dataflow
 
     server, df, metrics = await start_dataflow(config)
     client = DataflowClient(server.address, timeout_s=5.0)

@@ -893,7 +893,7 @@ def test_a_crash_between_the_durable_ingest_and_the_ack_redelivers_and_drops_the
     """Dataflow commits results, then dies before its AckResults leaves: after the restart
     the RaaS (which still holds them) registers again and delivers them once more; they are
     recognised as done and dropped, never buffered or trained twice."""
-    from astra.servers.dataflow import start_dataflow
+    from astra.servers.dataflow_serve import start_dataflow
 
     n = 6
     config = dataflow_config(tmp_path, n).model_copy(update={"port": free_port()})

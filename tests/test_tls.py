@@ -143,7 +143,7 @@ def _creds(directory: Path, *, client_cert: bool = True, ca_from: Path | None = 
 
 
 def test_only_clients_of_the_run_ca_get_through(dataset, tmp_path, run_ca, monkeypatch):
-    from astra.servers.dataflow import start_dataflow as start_in_process
+    from astra.servers.dataflow_serve import start_dataflow as start_in_process
 
     monkeypatch.setenv("ASTRA_TLS_DIR", str(run_ca))
     stranger = tmp_path / "stranger"

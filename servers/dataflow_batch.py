@@ -1,0 +1,60 @@
+"""A leased batch as FetchBatch's stream: header, trajectory chunks, footer.
+
+The chunks are serialized ahead from the stored trajectory bytes, never parsed: one copy of
+the payloads, into the message (the server sends them as they are: `with_raw_responses`).
+Whole groups per message, at most CHUNK_BYTES unless one group is larger (then alone: at
+most a CollectResults message, within every default limit). Never decides what is in a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from astra.dataflow.batches import Batch
+from astra.dataflow.v1 import dataflow_service_pb2 as pb
+from astra.protowire import varint
+from astra.servers.convert import trajectories_parts
+
+CHUNK_BYTES = 8 << 20
+_TRAJECTORIES_TAG = bytes([(2 << 3) | 2])  # FetchBatchResponse.trajectories
+
+
+def batch_messages(batch: Batch) -> Iterator[pb.FetchBatchResponse | bytes]:
+    header = pb.BatchHeader(
+        batch_id=batch.batch_id,
+        policy_id=batch.policy_id,
+        num_groups=len(batch.groups),
+        num_trajectories=batch.num_trajectories,
+        policy_version=batch.policy_version,
+    )
+    header.lease_expire_time.FromNanoseconds(int(batch.lease_expire * 1e9))
+    yield pb.FetchBatchResponse(header=header)
+    pending: list[tuple[bytes, float]] = []
+    size = 0
+    max_staleness = 0
+    for g in batch.groups:
+        max_staleness = max(max_staleness, g.staleness(batch.policy_version))
+        group_size = sum(len(t.payload) for t in g.trajectories)
+        if pending and size + group_size > CHUNK_BYTES:
+            yield _chunk(pending)
+            pending, size = [], 0
+        # Stamped by the buffer (and stored with the batch): never made up here.
+        for t, adv in zip(g.trajectories, g.advantages, strict=True):
+            pending.append((t.payload, adv))
+        size += group_size
+    if pending:
+        yield _chunk(pending)
+    yield pb.FetchBatchResponse(
+        footer=pb.BatchFooter(
+            batch_id=batch.batch_id,
+            num_trajectories=batch.num_trajectories,
+            max_staleness=max_staleness,
+            num_replay_groups=sum(1 for g in batch.groups if g.replay),
+        )
+    )
+
+
+def _chunk(pending: list[tuple[bytes, float]]) -> bytes:
+    """A serialized FetchBatchResponse{trajectories} built from stored bytes."""
+    parts, size = trajectories_parts(pending)
+    return b"".join([_TRAJECTORIES_TAG, varint(size), *parts])
