@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from astra.dataflow.batches import Batch
+from astra.dataflow.records import Batch
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.protowire import varint
 from astra.servers.convert import trajectories_parts

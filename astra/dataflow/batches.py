@@ -17,11 +17,9 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from astra.dataflow.records import GroupRecord
-from astra.dataflow.store_schema import BatchRow
+from astra.dataflow.records import Batch, BatchRow, GroupRecord, rebuild
 from astra.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 if TYPE_CHECKING:
@@ -38,46 +36,6 @@ MAX_WAIT_S = 60.0
 TRAINER_RESTART = "TRAINER_RESTART"
 # Finished (acknowledged or expired) batches remembered for request-id replays.
 KEEP_FINISHED = 4096
-
-
-@dataclass(slots=True)
-class Batch:
-    batch_id: str
-    policy_id: str
-    request_id: str
-    trainer_id: str
-    groups: list[GroupRecord]
-    policy_version: int
-    lease_expire: float
-    state: str = "leased"
-    # Once acknowledged: its fresh groups (its `groups` are dropped), and why they are not
-    # in the trainer's weights ("": trained; an AckBatch untrained_reason; TRAINER_RESTART).
-    fresh: int = 0
-    untrained_reason: str = ""
-
-    @property
-    def num_trajectories(self) -> int:
-        return sum(len(g.trajectories) for g in self.groups)
-
-    def row(self) -> BatchRow:
-        return BatchRow(
-            self.batch_id,
-            self.policy_id,
-            self.request_id,
-            self.trainer_id,
-            self.state,
-            self.lease_expire,
-            self.policy_version,
-            # Advantages only while they may have to be served again.
-            [
-                (g.group_id, g.replay, list(g.advantages) if self.state == "leased" else None)
-                for g in self.groups
-            ],
-            self.untrained_reason,
-        )
-
-    def stored_keys(self) -> list[tuple[str, str]]:
-        return [(g.group_id, g.policy_id) for g in self.groups if not g.replay]
 
 
 class BatchDesk:
@@ -134,7 +92,7 @@ class BatchDesk:
                 )
                 continue
             stored = groups.pop(row.batch_id, [])
-            rebuilt = _rebuild(row, stored, replays.get(row.batch_id, {}))
+            rebuilt = rebuild(row, stored, replays.get(row.batch_id, {}))
             # Its trainer could neither extend nor acknowledge the lease while Dataflow was
             # down: the lease runs a full term from now, or a batch trained during an outage
             # longer than the lease would expire back to the buffer and be trained again.
@@ -482,22 +440,3 @@ class BatchDesk:
             tx.put_batch(batch.row())
             self.ledger.persist(tx)
         batch.groups = []
-
-
-def _rebuild(
-    row: BatchRow, stored: list[GroupRecord], replays: dict[int, GroupRecord]
-) -> list[GroupRecord] | None:
-    """The groups of a leased batch in the order served, with their advantages; None if the
-    store does not hold every one of them (or holds fresh groups the row does not list)."""
-    fresh = {g.group_id: g for g in stored}
-    out = []
-    for pos, (group_id, replay, advantages) in enumerate(row.group_keys):
-        group = replays.get(pos) if replay else fresh.pop(group_id, None)
-        if group is None or group.group_id != group_id:
-            return None
-        group.replay = replay
-        group.advantages = [] if advantages is None else list(advantages)
-        if advantages is not None and len(advantages) != len(group.trajectories):
-            return None
-        out.append(group)
-    return None if fresh else out

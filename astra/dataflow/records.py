@@ -1,4 +1,4 @@
-"""Domain records that flow through Dataflow: work items, trajectories, groups.
+"""Domain records that flow through Dataflow: work items, trajectories, groups, batches.
 
 Plain dataclasses with no gRPC or protobuf in them. A trajectory's token
 arrays travel as an opaque `payload` (the serialized wire message): Dataflow
@@ -74,3 +74,78 @@ class GroupRecord:
         """Current trainer version minus the oldest token version (0 if none)."""
         oldest = self.min_version
         return 0 if oldest < 0 else current_version - oldest
+
+
+@dataclass(slots=True)
+class BatchRow:
+    batch_id: str
+    policy_id: str
+    request_id: str
+    trainer_id: str
+    state: str
+    lease_expire: float
+    policy_version: int
+    # (group_id, replay, advantages) in batch order; advantages None in a schema-1 row and
+    # in a finished batch's row.
+    group_keys: list[tuple[str, bool, list[float] | None]]
+    # An acknowledged batch's groups not in the trainer's weights: why ("" trained).
+    untrained_reason: str = ""
+
+
+@dataclass(slots=True)
+class Batch:
+    batch_id: str
+    policy_id: str
+    request_id: str
+    trainer_id: str
+    groups: list[GroupRecord]
+    policy_version: int
+    lease_expire: float
+    state: str = "leased"
+    # Once acknowledged: its fresh groups (its `groups` are dropped), and why they are not
+    # in the trainer's weights ("": trained; an AckBatch untrained_reason; TRAINER_RESTART).
+    fresh: int = 0
+    untrained_reason: str = ""
+
+    @property
+    def num_trajectories(self) -> int:
+        return sum(len(g.trajectories) for g in self.groups)
+
+    def row(self) -> BatchRow:
+        return BatchRow(
+            self.batch_id,
+            self.policy_id,
+            self.request_id,
+            self.trainer_id,
+            self.state,
+            self.lease_expire,
+            self.policy_version,
+            # Advantages only while they may have to be served again.
+            [
+                (g.group_id, g.replay, list(g.advantages) if self.state == "leased" else None)
+                for g in self.groups
+            ],
+            self.untrained_reason,
+        )
+
+    def stored_keys(self) -> list[tuple[str, str]]:
+        return [(g.group_id, g.policy_id) for g in self.groups if not g.replay]
+
+
+def rebuild(
+    row: BatchRow, stored: list[GroupRecord], replays: dict[int, GroupRecord]
+) -> list[GroupRecord] | None:
+    """The groups of a leased batch in the order served, with their advantages; None if the
+    store does not hold every one of them (or holds fresh groups the row does not list)."""
+    fresh = {g.group_id: g for g in stored}
+    out = []
+    for pos, (group_id, replay, advantages) in enumerate(row.group_keys):
+        group = replays.get(pos) if replay else fresh.pop(group_id, None)
+        if group is None or group.group_id != group_id:
+            return None
+        group.replay = replay
+        group.advantages = [] if advantages is None else list(advantages)
+        if advantages is not None and len(advantages) != len(group.trajectories):
+            return None
+        out.append(group)
+    return None if fresh else out

@@ -18,9 +18,8 @@ from astra.dataflow.config import DataflowConfig
 from astra.dataflow.evals import EvalDesk
 from astra.dataflow.ledger import Ledger
 from astra.dataflow.quarantine import Redo, quarantine
-from astra.dataflow.records import GroupRecord
+from astra.dataflow.records import BatchRow, GroupRecord
 from astra.dataflow.store import StateStore
-from astra.dataflow.store_schema import BatchRow
 from astra.dataflow.versions import VersionBook
 from astra.dataflow.work import WorkTable
 

@@ -26,14 +26,13 @@ from typing import Any
 
 from astra.damage import Damaged
 from astra.dataflow.blobs import SEGMENT_BYTES, BlobLog, CorruptRecord, record_size, write_record
-from astra.dataflow.records import GroupRecord, TrajectoryRecord
+from astra.dataflow.records import BatchRow, GroupRecord, TrajectoryRecord
 from astra.dataflow.sealed import damaged, fix_for, is_damage, quick_check, seal, unseal
 from astra.dataflow.store_schema import (
     CHECKED_FROM,
     SCHEMA,
     SCHEMA_VERSION,
     BadRecord,
-    BatchRow,
     Staged,
     WorkRow,
     is_storage_error,

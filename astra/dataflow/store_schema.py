@@ -114,22 +114,6 @@ class WorkRow:
     outcome: str | None
 
 
-@dataclass(slots=True)
-class BatchRow:
-    batch_id: str
-    policy_id: str
-    request_id: str
-    trainer_id: str
-    state: str
-    lease_expire: float
-    policy_version: int
-    # (group_id, replay, advantages) in batch order; advantages None in a schema-1 row and
-    # in a finished batch's row.
-    group_keys: list[tuple[str, bool, list[float] | None]]
-    # An acknowledged batch's groups not in the trainer's weights: why ("" trained).
-    untrained_reason: str = ""
-
-
 def pack(trajectories: list[TrajectoryRecord]) -> tuple[str, list]:
     """(meta JSON, blob parts): each payload after its 4-byte length, the parts not joined
     (`BlobLog.append_parts` writes them with one writev)."""

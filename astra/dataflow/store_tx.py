@@ -13,13 +13,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from astra.dataflow.blobs import BlobLog
-from astra.dataflow.records import GroupRecord
+from astra.dataflow.records import BatchRow, GroupRecord
 from astra.dataflow.sealed import seal
 from astra.dataflow.store_schema import (
     OPEN_ROW_IN_SPAN,
     WORK_STATES,
     BadRecord,
-    BatchRow,
     Staged,
     pack,
     same,
