@@ -11,18 +11,29 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class Strict(BaseModel):
-    """The base of every config section: an unknown key is an error naming it."""
+    """The base of every config section: an unknown key is an error naming it, and a key
+    that was renamed (`renamed`: old -> new) one naming its new name."""
 
     model_config = ConfigDict(extra="forbid")
+    renamed: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in cls.renamed.items():
+                if old in data:
+                    raise ValueError(f"{old!r} was renamed: write {new}: {data[old]!r}")
+        return data
 
 
 class ConfigError(ValueError):

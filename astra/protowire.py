@@ -1,9 +1,10 @@
 """Protobuf wire-format primitives for the few hot paths that build or slice messages by hand.
 
 Base-128 varints (negative ints as int64 two's complement, as protobuf encodes
-them). Used where copying through generated message classes costs more than the
-work itself: batch chunks (Dataflow), weight chunks (WeightService), TensorBoard
-event records.
+them), field keys and length-delimited fields. Used where copying through generated
+message classes costs more than the work itself: batch chunks (Dataflow), rollout
+results (RaaS), weight chunks (WeightService), TensorBoard event records. Every
+hand-built message starts from these; nothing else in Astra encodes wire format.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import functools
 from typing import Any
 
 _INT64 = (1 << 64) - 1
+VARINT, I64, LEN = 0, 1, 2  # wire types
 
 
 @functools.lru_cache(maxsize=4096)
@@ -42,3 +44,13 @@ def read_varint(buf: Any, pos: int) -> tuple[int, int]:
         if byte < 0x80:
             return value, pos
         shift += 7
+
+
+def key(field: int, wire: int) -> bytes:
+    """A field's key: its number and wire type."""
+    return varint(field << 3 | wire)
+
+
+def length_delimited(field: int, inner: bytes) -> bytes:
+    """A length-delimited field (a submessage, bytes or a string), written even when empty."""
+    return key(field, LEN) + varint(len(inner)) + inner

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 
 from astra.dataflow.records import Batch
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
-from astra.protowire import varint
+from astra.protowire import LEN, key, varint
 from astra.servers.convert import trajectories_parts
 
 CHUNK_BYTES = 8 << 20
-_TRAJECTORIES_TAG = bytes([(2 << 3) | 2])  # FetchBatchResponse.trajectories
+_TRAJECTORIES_KEY = key(2, LEN)  # FetchBatchResponse.trajectories
 
 
 def batch_messages(batch: Batch) -> Iterator[pb.FetchBatchResponse | bytes]:
@@ -57,4 +57,4 @@ def batch_messages(batch: Batch) -> Iterator[pb.FetchBatchResponse | bytes]:
 def _chunk(pending: list[tuple[bytes, float]]) -> bytes:
     """A serialized FetchBatchResponse{trajectories} built from stored bytes."""
     parts, size = trajectories_parts(pending)
-    return b"".join([_TRAJECTORIES_TAG, varint(size), *parts])
+    return b"".join([_TRAJECTORIES_KEY, varint(size), *parts])

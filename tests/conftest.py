@@ -66,7 +66,7 @@ def make_config(dataset: Path, state_dir: Path, **over) -> DataflowConfig:
             "collect_wait_s": 0.1,
             "call_timeout_s": 2.0,
         },
-        "gate": {"max_offpolicyness": None},
+        "gate": {"max_version_lag": None},
     }
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(raw.get(key), dict):

@@ -97,14 +97,14 @@ def test_duplicate_id_counted_not_added_twice() -> None:
 
 
 def test_stale_group_dropped_on_add() -> None:
-    buf = PolicyBuffer(BufferSettings(max_staleness=2))
+    buf = PolicyBuffer(BufferSettings(max_version_lag=2))
     assert buf.add(group("a", [0.0, 1.0], version=1), 4) == "filtered_stale"
     assert buf.add(group("b", [0.0, 1.0], version=2), 4) == "accepted"
     assert buf.counters["filtered_stale"] == 1
 
 
 def test_nothing_stale_leaves_take_after_versions_advance() -> None:
-    buf = PolicyBuffer(BufferSettings(max_staleness=2, ordering="fifo"))
+    buf = PolicyBuffer(BufferSettings(max_version_lag=2, ordering="fifo"))
     for v in range(6):
         assert buf.add(group(f"g{v}", [0.0, 1.0], version=v), v) == "accepted"
     assert buf.take(3, 7) is None  # only g5 is fresh enough at version 7
@@ -118,7 +118,7 @@ def test_nothing_stale_leaves_take_after_versions_advance() -> None:
 
 
 def test_take_expires_waiting_groups() -> None:
-    buf = PolicyBuffer(BufferSettings(max_staleness=1))
+    buf = PolicyBuffer(BufferSettings(max_version_lag=1))
     for v in range(4):
         buf.add(group(f"g{v}", [0.0, 1.0], version=v), v)
     batch = buf.take(2, 3)
@@ -128,8 +128,8 @@ def test_take_expires_waiting_groups() -> None:
     assert buf.pop_dropped() == []
 
 
-def test_max_staleness_zero_is_synchronous() -> None:
-    buf = PolicyBuffer(BufferSettings(max_staleness=0))
+def test_max_version_lag_zero_is_synchronous() -> None:
+    buf = PolicyBuffer(BufferSettings(max_version_lag=0))
     buf.add(group("old", [0.0, 1.0], version=0), 0)
     buf.add(group("new", [0.0, 1.0], version=1), 1)
     batch = buf.take(1, 1)
@@ -138,7 +138,7 @@ def test_max_staleness_zero_is_synchronous() -> None:
 
 
 def test_drop_stale_returns_removed_groups() -> None:
-    buf = PolicyBuffer(BufferSettings(max_staleness=1))
+    buf = PolicyBuffer(BufferSettings(max_version_lag=1))
     for v in range(3):
         buf.add(group(f"g{v}", [0.0, 1.0], version=v), v)
     removed = buf.drop_stale(3)
@@ -213,7 +213,7 @@ def test_put_back_restores_original_order(ordering: str) -> None:
 
 
 def test_restore_keeps_seq_and_skips_filters() -> None:
-    buf = PolicyBuffer(BufferSettings(max_staleness=0))
+    buf = PolicyBuffer(BufferSettings(max_version_lag=0))
     old = group("old", [1.0, 1.0], version=0)
     old.seq = 41
     assert buf.restore(old)
@@ -302,10 +302,10 @@ def test_a_filter_that_raises_drops_the_group_and_counts_it(caplog) -> None:
         {"eviction": "random"},
         {"ordering": "lifo"},
         {"normalization": "rank"},
-        {"max_staleness": -1},
+        {"max_version_lag": -1},
         {"replay_ratio": 1.0},
         {"replay_ratio": 0.5},
-        {"max_staleness": 1, "replay_max_staleness": 2, "replay_capacity_groups": 4},
+        {"max_version_lag": 1, "replay_max_version_lag": 2, "replay_capacity_groups": 4},
         {"adv_eps": -1.0},
     ],
 )
@@ -323,7 +323,7 @@ def test_staleness_counts_from_the_oldest_token_of_any_trajectory_in_the_group()
         swapped = TrajectoryRecord(f"{gid}/1", 1.0, 4, 5, 8, b"x")  # tokens of 4 and of 5
         return GroupRecord(gid, "policy", 0, [swapped, old])
 
-    buf = PolicyBuffer(BufferSettings(max_staleness=1))
+    buf = PolicyBuffer(BufferSettings(max_version_lag=1))
     assert mixed("a").min_version == 3 and mixed("a").staleness(5) == 2
     assert buf.add(mixed("a"), 5) == "filtered_stale"  # newest token 5: staleness 0 if wrong
     assert buf.add(mixed("b"), 4) == "accepted"  # 4 - 3 = 1, within the bound
@@ -382,7 +382,7 @@ def test_replay_capacity_bounded_and_counted() -> None:
 
 def test_replay_respects_its_own_staleness_bound() -> None:
     cfg = BufferSettings(
-        max_staleness=3, replay_ratio=0.5, replay_capacity_groups=8, replay_max_staleness=1
+        max_version_lag=3, replay_ratio=0.5, replay_capacity_groups=8, replay_max_version_lag=1
     )
     buf = PolicyBuffer(cfg)
     for i in range(2):
@@ -396,8 +396,8 @@ def test_replay_respects_its_own_staleness_bound() -> None:
     assert sorted(buf.pop_replay_gone()) == ["old0", "old1"]
 
 
-def test_replay_inherits_max_staleness() -> None:
-    cfg = BufferSettings(max_staleness=1, replay_ratio=0.5, replay_capacity_groups=8)
+def test_replay_inherits_max_version_lag() -> None:
+    cfg = BufferSettings(max_version_lag=1, replay_ratio=0.5, replay_capacity_groups=8)
     assert cfg.replay_bound == 1
     buf = PolicyBuffer(cfg)
     buf.add(group("a", [0.0, 1.0], version=0), 0)
@@ -510,11 +510,11 @@ def test_random_operations_keep_invariants(seed: int) -> None:
     cfg = BufferSettings(
         capacity_groups=rng.choice([3, 8]),
         eviction=rng.choice(["drop_oldest", "reject_new"]),
-        max_staleness=bound,
+        max_version_lag=bound,
         ordering=rng.choice(["fifo", "oldest_version_first"]),
         replay_ratio=rng.choice([0.0, 0.3, 0.5]),
         replay_capacity_groups=6,
-        replay_max_staleness=rng.choice([None, 0]),
+        replay_max_version_lag=rng.choice([None, 0]),
         normalization=rng.choice(["group", "batch"]),
     )
     replay_bound = cfg.replay_bound

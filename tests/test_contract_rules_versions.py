@@ -45,7 +45,7 @@ def test_a_raas_started_on_its_own_weights_loads_the_trainers_version_0_before_a
     """The trainer announced version 0 ("0"); a RaaS starting claims (0, ""): it is sent
     LoadWeights of (0, "0"), and with eta = 0 runs nothing before that load is done. Once
     loaded it claims (0, "0") and is not sent the load again on its heartbeats."""
-    config = dataflow_config(tmp_path, 4, gate={"max_offpolicyness": 0})
+    config = dataflow_config(tmp_path, 4, gate={"max_version_lag": 0})
 
     async def body():
         async with running_dataflow(config) as (server, _df, client):

@@ -359,7 +359,7 @@ def assert_epoch_trained_once(consumed: list[str], n: int) -> None:
 def test_every_group_of_an_epoch_ends_in_exactly_one_counted_outcome(tmp_path):
     n = 30
     config = dataflow_config(
-        tmp_path, n, policies=[policy(drop_equal_rewards=True)], gate={"max_offpolicyness": None}
+        tmp_path, n, policies=[policy(drop_equal_rewards=True)], gate={"max_version_lag": None}
     )
 
     async def body():
@@ -415,10 +415,10 @@ def test_every_group_of_an_epoch_ends_in_exactly_one_counted_outcome(tmp_path):
 # ----- 2. staleness bound ----------------------------------------------------------------------
 
 
-def test_nothing_older_than_max_staleness_reaches_the_trainer(tmp_path):
+def test_nothing_older_than_max_version_lag_reaches_the_trainer(tmp_path):
     n = 40
     config = dataflow_config(
-        tmp_path, n, policies=[policy(max_staleness=1)], gate={"max_offpolicyness": None}
+        tmp_path, n, policies=[policy(max_version_lag=1)], gate={"max_version_lag": None}
     )
 
     async def body():
@@ -462,9 +462,9 @@ def test_nothing_older_than_max_staleness_reaches_the_trainer(tmp_path):
 
 @asynccontextmanager
 async def four_groups_at_version_0(tmp_path):
-    """Dataflow with max_staleness 1, no eta, version 0 announced and 4 groups buffered."""
+    """Dataflow with buffer max_version_lag 1, no gate bound, version 0 announced and 4 groups buffered."""
     config = dataflow_config(
-        tmp_path, 8, policies=[policy(max_staleness=1)], gate={"max_offpolicyness": None}
+        tmp_path, 8, policies=[policy(max_version_lag=1)], gate={"max_version_lag": None}
     )
     async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (df, c, _):
         await until(lambda: len(df.buffers[POLICY]) >= 4, what="4 buffered groups")
@@ -531,7 +531,7 @@ def train_in_sync(
 def test_synchronous_mode_trains_only_tokens_of_the_version_being_trained(tmp_path):
     n = 16
     config = dataflow_config(
-        tmp_path, n, policies=[policy(max_staleness=0)], gate={"max_offpolicyness": 0}
+        tmp_path, n, policies=[policy(max_version_lag=0)], gate={"max_version_lag": 0}
     )
 
     trainer, status = train_in_sync(config, SlowLoadGenerator(delay_s=0.02, load_delay_s=0.05))
@@ -545,7 +545,7 @@ def test_eta_zero_alone_is_synchronous_even_when_weight_loads_take_time(tmp_path
     """eta = 0 without any buffer staleness bound: the dispatcher itself must wait for the
     RaaS to hold the announced version (weight loads take time), or old tokens get trained."""
     n = 12
-    config = dataflow_config(tmp_path, n, gate={"max_offpolicyness": 0})
+    config = dataflow_config(tmp_path, n, gate={"max_version_lag": 0})
 
     trainer, status = train_in_sync(config, SlowLoadGenerator(delay_s=0.02, load_delay_s=0.2))
     assert_epoch_trained_once(trainer.consumed, n)
@@ -561,7 +561,7 @@ def test_eta_zero_dispatches_as_soon_as_the_new_version_is_loaded(tmp_path, monk
     config = dataflow_config(
         tmp_path,
         n,
-        gate={"max_offpolicyness": 0},
+        gate={"max_version_lag": 0},
         pool={"heartbeat_interval_s": 30.0, "heartbeat_timeout_s": 60.0},
     )
 
@@ -582,7 +582,7 @@ def test_a_batch_acknowledged_untrained_gives_its_slots_back(tmp_path, untrained
     another batch forms at the same version (else the run would wait for good for a version
     that cannot come)."""
     n = 12
-    config = dataflow_config(tmp_path, n, gate={"max_offpolicyness": 0})
+    config = dataflow_config(tmp_path, n, gate={"max_version_lag": 0})
 
     async def body():
         gen = ScriptedGenerator()
@@ -617,7 +617,7 @@ def test_a_batch_acknowledged_untrained_gives_its_slots_back(tmp_path, untrained
 def test_only_a_trained_batch_enters_replay_memory(tmp_path, untrained):
     """Replay holds copies of groups the trainer trained on: an untrained batch's do not enter."""
     pol = policy(replay_ratio=0.5, replay_capacity_groups=8)
-    config = dataflow_config(tmp_path, 8, policies=[pol], gate={"max_offpolicyness": None})
+    config = dataflow_config(tmp_path, 8, policies=[pol], gate={"max_version_lag": None})
 
     async def body():
         async with with_raas(config, ScriptedGenerator(), capacity=32, name="raas-a") as (
@@ -708,7 +708,7 @@ def test_an_expired_group_lease_dispatches_the_group_again_and_drops_the_late_re
         tmp_path,
         n,
         leases={"group_lease_s": 0.5, "max_dispatch_attempts": 3},
-        gate={"max_offpolicyness": None},
+        gate={"max_version_lag": None},
     )
 
     async def body():
@@ -1126,7 +1126,7 @@ def test_eta_zero_bounds_every_policy_of_a_stream_not_just_the_first(tmp_path):
     """Lockstep, eta = 0: trainer a runs ahead of trainer b. Its next batch must wait until
     the set (a:1, b:1) is loaded, never carry a's tokens of version 0 into a's version 1."""
     cfg = two_policy_config(tmp_path, 16).model_dump()
-    cfg["gate"]["max_offpolicyness"] = 0
+    cfg["gate"]["max_version_lag"] = 0
     config = DataflowConfig(**cfg)
 
     async def body():
@@ -1164,7 +1164,7 @@ def restart_config(tmp_path: Path, n: int) -> DataflowConfig:
         n,
         pool=probing_pool(1000),
         # Keeps the gate out of this test (see test_sync_barrier_is_left_...).
-        gate={"max_offpolicyness": None, "staleness_threshold": 1.0},
+        gate={"max_version_lag": None, "barrier_staleness_score": 1.0},
     )
 
 
@@ -1264,7 +1264,7 @@ def test_sync_barrier_is_left_once_in_flight_work_has_drained(tmp_path):
     """Two groups generated at v0 arrive after the trainer reached v2 (gap 2, score 0.4 > 0.3):
     the gate enters SYNC_BARRIER, in-flight work drains, and the run must go on."""
     n = 8
-    config = dataflow_config(tmp_path, n, gate={"max_offpolicyness": None})
+    config = dataflow_config(tmp_path, n, gate={"max_version_lag": None})
 
     async def body():
         gen = ScriptedGenerator(delay_s=0.3)
@@ -1387,7 +1387,7 @@ def test_with_no_trainer_dataflow_keeps_buffering_within_its_bounds(tmp_path, et
         tmp_path,
         400,
         policies=[policy(capacity_groups=capacity)],
-        gate={"max_offpolicyness": eta, "buffer_high_watermark": 0.5},
+        gate={"max_version_lag": eta, "buffer_high_watermark": 0.5},
     )
 
     async def body():

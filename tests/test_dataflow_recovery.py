@@ -82,7 +82,7 @@ def make_config(tmp_path: Path, n_prompts: int = 16, streams=None, **over) -> Da
                 "group_size": 2,
             }
         ],
-        "gate": {"max_offpolicyness": None},
+        "gate": {"max_version_lag": None},
     }
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(raw.get(k), dict):
@@ -592,7 +592,7 @@ def two_streams(tmp_path: Path, eta: int = 0) -> DataflowConfig:
             {"name": "s1", "dataset": {"path": str(a)}, "policy_ids": ["p"], "group_size": 2},
             {"name": "s2", "dataset": {"path": str(b)}, "policy_ids": ["p"], "group_size": 2},
         ],
-        gate={"max_offpolicyness": eta},
+        gate={"max_version_lag": eta},
     )
 
 
@@ -824,7 +824,7 @@ def test_an_instance_behind_the_trainer_does_not_add_its_lag_to_eta(tmp_path):
         tmp_path,
         n_prompts=64,
         policies=[{"id": "p", "batch_groups": 1, "buffer": {"drop_equal_rewards": False}}],
-        gate={"max_offpolicyness": 1},
+        gate={"max_version_lag": 1},
     )
 
     async def body():
@@ -877,7 +877,7 @@ def test_replay_with_eta_zero_keeps_every_fresh_group_on_policy(tmp_path):
 
 
 def test_groups_dropped_untrained_give_their_off_policy_slots_back(tmp_path):
-    """eta = 1, max_staleness = 0: a group generated ahead by version 0 expires at the take of
+    """eta = 1, buffer max_version_lag = 0: a group generated ahead by version 0 expires at the take of
     version 1. It was counted in `accepted`; kept there, every such expiry shrank AReaL's
     budget for good (after (eta + 1) * batch_groups of them nothing is dispatched again)."""
     cfg = make_config(
@@ -887,10 +887,10 @@ def test_groups_dropped_untrained_give_their_off_policy_slots_back(tmp_path):
             {
                 "id": "p",
                 "batch_groups": 1,
-                "buffer": {"drop_equal_rewards": False, "max_staleness": 0},
+                "buffer": {"drop_equal_rewards": False, "max_version_lag": 0},
             }
         ],
-        gate={"max_offpolicyness": 1},
+        gate={"max_version_lag": 1},
     )
 
     async def body():
@@ -1049,7 +1049,7 @@ def replay_eta_config(tmp_path: Path, eta: int = 0) -> DataflowConfig:
                 },
             }
         ],
-        gate={"max_offpolicyness": eta},
+        gate={"max_version_lag": eta},
     )
 
 

@@ -91,7 +91,7 @@ def test_a_resumed_trainer_is_not_held_by_batches_its_last_run_never_trained(tmp
     """eta = 1, 2 groups a batch: generation may run 4 groups ahead of version 0. A trainer
     acknowledges two batches (as if for versions 1 and 2), dies without publishing, and comes
     back at version 0: without `resumed` nothing more is ever dispatched."""
-    config = dataflow_config(tmp_path, 40, gate={"max_offpolicyness": 1})
+    config = dataflow_config(tmp_path, 40, gate={"max_version_lag": 1})
 
     async def body() -> None:
         async with with_raas(config, ScriptedGenerator(), capacity=16, name="r") as (df, client, _):

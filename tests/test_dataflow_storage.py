@@ -48,7 +48,7 @@ class Disk:
 def guarded_config(tmp_path, n: int, *, min_free_bytes: int, **over):
     """A Dataflow over `n` prompts whose free space is read every 50 ms."""
     storage = {"min_free_bytes": min_free_bytes, "check_interval_s": 0.05}
-    return dataflow_config(tmp_path, n, gate={"max_offpolicyness": None}, storage=storage, **over)
+    return dataflow_config(tmp_path, n, gate={"max_version_lag": None}, storage=storage, **over)
 
 
 def test_guard_pauses_below_min_and_resumes_at_the_resume_threshold(tmp_path):
@@ -220,7 +220,7 @@ def test_a_real_small_file_system_fills_pauses_and_recovers(tmp_path):
         "blob_segment_bytes": 1 << 20,
     }
     config = dataflow_config(
-        tmp_path, n, gate={"max_offpolicyness": None}, storage=storage,
+        tmp_path, n, gate={"max_version_lag": None}, storage=storage,
         policies=[{"id": "policy", "batch_groups": 2, "buffer": {"drop_equal_rewards": False,
                                                                   "capacity_groups": 4096}}],
     )  # fmt: skip

@@ -110,12 +110,12 @@ def test_raas_load_announced_version_and_stamp_tokens(dataset, tmp_path):
     config = make_config(
         dataset,
         tmp_path / "df-state",
-        gate={"max_offpolicyness": 0},
+        gate={"max_version_lag": 0},
         policies=[
             {
                 "id": "policy",
                 "batch_groups": 2,
-                "buffer": {"drop_equal_rewards": False, "max_staleness": 0},
+                "buffer": {"drop_equal_rewards": False, "max_version_lag": 0},
             }
         ],
         streams=[

@@ -113,7 +113,7 @@ def test_throttle_ends_a_barrier() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"staleness_threshold": 0.0},
+        {"barrier_staleness_score": 0.0},
         {"buffer_high_watermark": 1.5},
         {"min_barrier_duration_s": -1.0},
         {"barrier_exit_ratio": 0.0},
@@ -176,7 +176,7 @@ def test_eta_zero_allows_one_batch_per_version() -> None:
 def test_capacity_and_buffer_bound_trained_staleness(eta: int) -> None:
     """Generate only within capacity; every trained group is at most eta versions old."""
     batch = 3
-    buf = PolicyBuffer(BufferSettings(max_staleness=eta, drop_equal_rewards=False))
+    buf = PolicyBuffer(BufferSettings(max_version_lag=eta, drop_equal_rewards=False))
     version, accepted, started = 0, 0, 0
     running: list[GroupRecord] = []
     for _ in range(60):

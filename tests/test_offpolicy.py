@@ -61,7 +61,7 @@ def budget_for(tmp_path: Path, eta, batch_groups=2, max_concurrent=1024, **buffe
                 "sampling": {"max_new_tokens": 4},
             }
         ],
-        gate={"max_offpolicyness": eta, "max_concurrent_groups": max_concurrent},
+        gate={"max_version_lag": eta, "max_concurrent_groups": max_concurrent},
     )
     buffers = {"p": PolicyBuffer(BufferSettings(**config.policies[0].buffer.model_dump()))}
     versions = VersionBook(["p"], config.versions.barrier)

@@ -37,14 +37,14 @@ def test_dotted_overrides_apply_with_yaml_values_and_list_indexes(tmp_path: Path
             "raas.1.capacity=4",
             "raas.0.labels={zone: a}",
             "dataflow.pool.confirm_failures=5",
-            "dataflow.gate.max_offpolicyness=null",
+            "dataflow.gate.max_version_lag=null",
             "streams.0.sampling.stop_strings=[';']",
             "on_raas_death=stop",
         ],
     )
     assert r.name == "mine" and r.trainer.num_steps == 5
     assert [x.capacity for x in r.raas] == [16, 4] and r.raas[0].labels == {"zone": "a"}
-    assert r.dataflow.pool.confirm_failures == 5 and r.dataflow.gate.max_offpolicyness is None
+    assert r.dataflow.pool.confirm_failures == 5 and r.dataflow.gate.max_version_lag is None
     assert r.streams[0].sampling.stop_strings == [";"] and r.on_raas_death == "stop"
 
 
@@ -59,6 +59,16 @@ def test_dotted_overrides_apply_with_yaml_values_and_list_indexes(tmp_path: Path
         (["trainer.num_steps.x=1"], "", "trainer.num_steps: "),
         (["trainer.num_steps=0"], "", "trainer.num_steps: Input should be greater"),
         (["no_equals_sign"], "", "expected DOTTED.KEY=VALUE"),
+        (
+            ["dataflow.gate.max_offpolicyness=1"],
+            "",
+            "dataflow.gate: Value error, 'max_offpolicyness' was renamed: write max_version_lag: 1",
+        ),
+        (
+            [],
+            "policies:\n  - id: policy\n    buffer:\n      max_staleness: 2\n",
+            "'max_staleness' was renamed: write max_version_lag: 2",
+        ),
         (["dataset.kind=file"], "", "path is required"),
         (["raas.0.policies=[ghost]"], "", "unknown policies ['ghost']"),
         (["streams.0.sampling.temperature=0.7"], "", "differs from trainer.loss.temperature"),

@@ -109,11 +109,11 @@ class Admission:
         if self.pool.empty:
             return POOL_EMPTY
         state = self.state or self.evaluate()
-        eta = self.budget.eta
-        if state.capacity <= 0 and eta is not None and self.table.in_flight() == 0:
+        lag = self.budget.max_version_lag
+        if state.capacity <= 0 and lag is not None and self.table.in_flight() == 0:
             versions = {p.id: self.versions.current(p.id) for p in self.config.policies}
             return (
-                f"off-policy bound reached (eta={eta}, versions {versions}): "
+                f"off-policy bound reached (gate.max_version_lag={lag}, versions {versions}): "
                 "waiting for the trainer's next version"
             )
         return state.reason

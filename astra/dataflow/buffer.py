@@ -189,7 +189,7 @@ class PolicyBuffer:
         if not kept:
             self._counters["failed_groups"] += 1
             return FAILED
-        if _is_stale(group, self.config.max_staleness, current_version):
+        if _is_stale(group, self.config.max_version_lag, current_version):
             return self._count(FILTERED_STALE)
         if self.config.drop_equal_rewards and len(kept) >= 2 and len(set(group.rewards)) == 1:
             return self._count(FILTERED_EQUAL_REWARD)
@@ -225,7 +225,7 @@ class PolicyBuffer:
         if not trajectories:
             return False
         group = GroupRecord("", "", 0, trajectories)
-        if _is_stale(group, self.config.max_staleness, current_version):
+        if _is_stale(group, self.config.max_version_lag, current_version):
             return False
         return not (
             self.config.drop_equal_rewards
@@ -353,7 +353,7 @@ class PolicyBuffer:
 
     def drop_stale(self, current_version: int) -> list[GroupRecord]:
         """Remove and return the buffered groups above the staleness bound."""
-        bound = self.config.max_staleness
+        bound = self.config.max_version_lag
         if bound is None:
             return []
         stale = [g for g in self._groups.values() if _is_stale(g, bound, current_version)]

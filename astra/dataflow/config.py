@@ -5,7 +5,7 @@ Unknown keys fail loudly. Defaults are the documented defaults of docs/dataflow.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -16,7 +16,13 @@ POLICY_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 
 class BufferSettings(Strict):
     """How one policy's buffer admits, orders, replays and normalises groups
-    (astra.dataflow.buffer.PolicyBuffer reads it as is)."""
+    (astra.dataflow.buffer.PolicyBuffer reads it as is). A group's version lag is the
+    trainer's version minus the oldest weight version of any of its tokens (its staleness)."""
+
+    renamed: ClassVar[dict[str, str]] = {
+        "max_staleness": "max_version_lag",
+        "replay_max_staleness": "replay_max_version_lag",
+    }
 
     capacity_groups: int = Field(1024, ge=1, description="Buffer bound in groups.")
     """Most groups held at once. `put_back` and `restore` may exceed it briefly."""
@@ -25,11 +31,12 @@ class BufferSettings(Strict):
     )
     """When full: evict the buffered group with the oldest min_version (ties: lowest seq) and
     accept the new one (`evicted_full`), or refuse the new one (`rejected_full`)."""
-    max_staleness: int | None = Field(
-        None, ge=0, description="Max version gap (current - oldest token version); None: none."
+    max_version_lag: int | None = Field(
+        None, ge=0, description="Groups lagging more versions are dropped; None: none."
     )
-    """Groups with current_version - min_version above this are dropped, on add and on take.
-    0 is synchronous training."""
+    """Groups whose version lag is above this are dropped, on add and on take (counted
+    `filtered_stale`). 0 is synchronous training. Where `gate.max_version_lag` keeps groups
+    from starting too far ahead, this drops what still arrives too late."""
     drop_equal_rewards: bool = Field(True, description="Drop groups whose rewards are all equal.")
     """Dynamic sampling: drop a group of >= 2 trajectories whose rewards are all exactly equal.
     A single-trajectory group is kept (it has no within-group spread to measure, and carries
@@ -45,8 +52,10 @@ class BufferSettings(Strict):
     replay_capacity_groups: int = Field(0, ge=0, description="Replay buffer bound in groups.")
     """A group enters replay when its batch is acknowledged (trained); the oldest to enter
     leaves first (`replay_evicted`)."""
-    replay_max_staleness: int | None = Field(None, ge=0, description="Staleness bound of replay.")
-    """None inherits `max_staleness`. Must not exceed it, so nothing older than the
+    replay_max_version_lag: int | None = Field(
+        None, ge=0, description="Version-lag bound of replayed groups."
+    )
+    """None inherits `max_version_lag`. Must not exceed it, so nothing older than the
     configured bound reaches the trainer."""
     normalization: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage normalisation: per group, per batch, or raw rewards."
@@ -61,15 +70,17 @@ class BufferSettings(Strict):
     def _replay_bounds(self) -> BufferSettings:
         if self.replay_ratio > 0 and self.replay_capacity_groups == 0:
             raise ValueError("replay_ratio > 0 needs replay_capacity_groups > 0")
-        bound, replay = self.max_staleness, self.replay_max_staleness
+        bound, replay = self.max_version_lag, self.replay_max_version_lag
         if bound is not None and replay is not None and replay > bound:
-            raise ValueError("replay_max_staleness must not exceed max_staleness")
+            raise ValueError("replay_max_version_lag must not exceed max_version_lag")
         return self
 
     @property
     def replay_bound(self) -> int | None:
         return (
-            self.max_staleness if self.replay_max_staleness is None else self.replay_max_staleness
+            self.max_version_lag
+            if self.replay_max_version_lag is None
+            else self.replay_max_version_lag
         )
 
 
@@ -154,16 +165,25 @@ class GateSettings(Strict):
     """Admission: the Flux mode gate's thresholds (astra.dataflow.gate.ModeGate reads them as
     is) and AReaL's off-policy bound (astra.dataflow.offpolicy)."""
 
-    staleness_threshold: float = Field(0.3, gt=0, le=1, description="Score entering barrier.")
-    """Enter SYNC_BARRIER when the staleness score exceeds this."""
+    renamed: ClassVar[dict[str, str]] = {
+        "max_offpolicyness": "max_version_lag",
+        "staleness_threshold": "barrier_staleness_score",
+    }
+
+    barrier_staleness_score: float = Field(0.3, gt=0, le=1, description="Score entering barrier.")
+    """Enter SYNC_BARRIER when Flux's staleness score (the smoothed version lag at acceptance,
+    scaled to 0..1: astra.dataflow.gate.StalenessTracker) exceeds this."""
     barrier_exit_ratio: float = Field(0.8, gt=0, le=1, description="Hysteresis on leaving.")
-    """Leave the barrier only once staleness <= ratio * threshold."""
+    """Leave the barrier only once the score <= ratio * barrier_staleness_score."""
     capacity_low_watermark: int = Field(0, ge=0, description="Capacity at or below: throttle.")
     buffer_high_watermark: float = Field(0.9, gt=0, le=1, description="Fill above: throttle.")
     min_barrier_duration_s: float = Field(0.1, ge=0, description="Minimum time in barrier.")
-    max_offpolicyness: int | None = Field(
-        2, ge=0, description="AReaL eta; 0 is synchronous; None disables the bound."
+    max_version_lag: int | None = Field(
+        2, ge=0, description="AReaL's eta: versions a group may lag; 0 is synchronous; None: off."
     )
+    """AReaL's off-policy bound eta: no group starts unless it will be trained by the version
+    it started from + max_version_lag at the latest (astra.dataflow.offpolicy). 0 is
+    synchronous: every trained token is of the version trained."""
     max_concurrent_groups: int = Field(1024, ge=1, description="Groups in flight at most.")
 
 

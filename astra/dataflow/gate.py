@@ -82,15 +82,15 @@ class ModeGate:
         """
         cfg = self.config
         now = self._clock()
-        exit_level = cfg.barrier_exit_ratio * cfg.staleness_threshold
+        exit_level = cfg.barrier_exit_ratio * cfg.barrier_staleness_score
         in_barrier = self._barrier_since is not None
         held = now - self._barrier_since if self._barrier_since is not None else 0.0
         if capacity <= cfg.capacity_low_watermark:
             mode = GateMode.THROTTLED
             reason = f"capacity {capacity} <= low watermark {cfg.capacity_low_watermark}"
-        elif staleness > cfg.staleness_threshold:
+        elif staleness > cfg.barrier_staleness_score:
             mode = GateMode.SYNC_BARRIER
-            reason = f"staleness {staleness:.3f} > threshold {cfg.staleness_threshold:.3f}"
+            reason = f"staleness {staleness:.3f} > threshold {cfg.barrier_staleness_score:.3f}"
         elif buffer_fill_ratio > cfg.buffer_high_watermark:
             mode = GateMode.THROTTLED
             reason = (

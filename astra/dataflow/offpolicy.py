@@ -8,8 +8,8 @@ batch slots spoken for (astra.dataflow.ledger) and the groups in flight (astra.d
   with η = 0 only instances that loaded the target generate, which makes η = 0 synchronous);
 - `version_room`: how many groups an instance may start from the version it holds, so that what
   it generates is at most η versions old when trained.
-η is `gate.max_offpolicyness` (None: no bound). Pure arithmetic over the run's counts: it
-never changes them, never dispatches, never touches gRPC.
+η ("eta" below, as in AReaL's paper) is `gate.max_version_lag` (None: no bound). Pure
+arithmetic over the run's counts: it never changes them, never dispatches, never touches gRPC.
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ class OffPolicyBudget:
         self.ledger, self.table, self.is_eval = ledger, table, is_eval
 
     @property
-    def eta(self) -> int | None:
-        return self.config.gate.max_offpolicyness
+    def max_version_lag(self) -> int | None:
+        """η: `gate.max_version_lag`."""
+        return self.config.gate.max_version_lag
 
     def stream_capacity(self, stream: StreamSettings) -> int:
         g = self.config.gate
-        if self.eta is None or self.is_eval(stream.name):
+        if self.max_version_lag is None or self.is_eval(stream.name):
             return max(0, g.max_concurrent_groups - self.table.running(stream.name))
         # A group trains every policy of its stream: each policy's bound holds, so the most
         # constrained decides (with eta = 0 a policy whose trainer runs ahead waits for the
@@ -57,7 +58,7 @@ class OffPolicyBudget:
         # at once, so a round never leases past the budget either.
         return min(
             offpolicy_capacity(
-                self.eta,
+                self.max_version_lag,
                 self.versions.current(p),
                 self.config.policy(p).batch_groups,
                 self.slots_used(p),
@@ -84,7 +85,7 @@ class OffPolicyBudget:
         # (Never below 0: a state directory from before replay_slots may expire batches
         # whose replayed copies it never counted.)
         used = self.ledger.accepted[policy_id] + max(0, self.ledger.replay_slots[policy_id])
-        eta = self.eta
+        eta = self.max_version_lag
         buf = self.buffers[policy_id]
         size = self.config.policy(policy_id).batch_groups
         wanted = buf.replays_wanted(size)
@@ -115,11 +116,11 @@ class OffPolicyBudget:
         With eta = 0 only instances that loaded the current target generate, which is
         what makes eta = 0 synchronous.
         """
-        if self.eta is None:
+        if self.max_version_lag is None:
             return {}
         targets = self.versions.targets()
         return {
-            p: targets[p].version - self.eta
+            p: targets[p].version - self.max_version_lag
             for p in stream.policy_ids
             if p in targets and targets[p].weights_address
         }
@@ -136,7 +137,7 @@ class OffPolicyBudget:
         among the first (eta + u + 1) * batch_groups of its policy, so it is trained by
         version u + eta: staleness <= eta. The same bound when the instance is up to date.
         """
-        eta = self.eta
+        eta = self.max_version_lag
         if eta is None or not floor:
             return None
         # used[p][k]: with the replayed copies of the batches to come up to version

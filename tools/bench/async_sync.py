@@ -4,7 +4,7 @@
     python tools/bench/async_sync.py --quick    # smoke run (~30 s), BENCHMARKS.md untouched
 
 The same system on the same workload, twice, one mode after the other:
-- synchronous: Dataflow `gate.max_offpolicyness: 0` (eta = 0): one batch's worth of groups
+- synchronous: Dataflow `gate.max_version_lag: 0` (eta = 0): one batch's worth of groups
   may be generated per version, and only by rollout services that hold that version;
 - asynchronous: eta = 2 (AReaL's off-policy bound) with the mode gate at its defaults.
 
@@ -63,7 +63,7 @@ POLICY = "policy"
 WEIGHTS = "scripted://no-weights"
 TARGET_SPEEDUP = 2.5
 TARGET_IDLE = 0.10
-MODES = {"sync": 0, "async": 2}  # mode -> eta (gate.max_offpolicyness)
+MODES = {"sync": 0, "async": 2}  # mode -> eta (gate.max_version_lag)
 TITLES = {"sync": "synchronous (eta = 0)", "async": "asynchronous (eta = 2, mode gate)"}
 
 
@@ -87,7 +87,7 @@ def write_dataset(path: Path, n: int) -> None:
 
 
 def dataflow_config(p, state_dir: Path, dataset: Path, eta: int) -> dict:
-    """The Dataflow config of one mode: everything equal but `gate.max_offpolicyness`."""
+    """The Dataflow config of one mode: everything equal but `gate.max_version_lag`."""
     return {
         "host": "127.0.0.1",
         "port": 0,
@@ -99,7 +99,7 @@ def dataflow_config(p, state_dir: Path, dataset: Path, eta: int) -> dict:
                 "batch_groups": p.batch_groups,
                 # Every generated group is trained (no equal-reward filter, no staleness
                 # bound), so the two modes train the same groups and only the order differs.
-                "buffer": {"drop_equal_rewards": False, "max_staleness": None},
+                "buffer": {"drop_equal_rewards": False, "max_version_lag": None},
             }
         ],
         "streams": [
@@ -111,7 +111,7 @@ def dataflow_config(p, state_dir: Path, dataset: Path, eta: int) -> dict:
                 "sampling": {"max_new_tokens": p.tokens},
             }
         ],
-        "gate": {"max_offpolicyness": eta},
+        "gate": {"max_version_lag": eta},
     }
 
 
@@ -521,7 +521,7 @@ def markdown(p, res: dict[str, dict], started: str, took_s: float, load: tuple) 
         f"after they started. {a['beyond_eta']:.0%} are older than eta (max "
         f"{a['staleness_max']}): eta bounds how many groups may start ahead of the trainer, "
         "not how long one may take, so a group in the tail is trained later than the faster "
-        "groups that started after it. A buffer `max_staleness: 2` would drop those instead "
+        "groups that started after it. A buffer `max_version_lag: 2` would drop those instead "
         "(wasted generation); `ordering: oldest_version_first` would train them first."
         + (
             ""
@@ -535,7 +535,7 @@ def markdown(p, res: dict[str, dict], started: str, took_s: float, load: tuple) 
         f"of separate processes on loopback: `astra serve dataflow` and {p.raas} "
         "`python -m astra.testing.scripted_raas` processes (real RolloutService gRPC servers "
         "registered with Dataflow; `ScriptedGenerator`, no model), with the benchmark process "
-        "as the trainer. The two Dataflow configs differ only in `gate.max_offpolicyness` (0 "
+        "as the trainer. The two Dataflow configs differ only in `gate.max_version_lag` (0 "
         "or 2). The scripted engine draws each sample's generation time from the log-normal, "
         "seeded by (seed, group id, group seed, sample), sleeps for the slowest sample of the "
         "group and records that time in the trajectories' metadata (`latency_s`); the dataset "

@@ -319,7 +319,7 @@ def run_astra(p, tmp: Path, label: str, heartbeat_s: float | None) -> dict:
                 "buffer": {
                     "capacity_groups": p.buffer_groups,
                     "drop_equal_rewards": False,
-                    "max_staleness": None,
+                    "max_version_lag": None,
                 },
             }
         ],
@@ -332,7 +332,7 @@ def run_astra(p, tmp: Path, label: str, heartbeat_s: float | None) -> dict:
                 "sampling": {"max_new_tokens": p.tokens},
             }
         ],
-        "gate": {"max_offpolicyness": None, "max_concurrent_groups": 8192},
+        "gate": {"max_version_lag": None, "max_concurrent_groups": 8192},
     }
     if heartbeat_s is not None:
         config["pool"] = {"heartbeat_interval_s": heartbeat_s}

@@ -192,8 +192,8 @@ class DataflowServiceServicer:
         under the version barrier) whenever the counter it claims is lower OR
         its identity is not the one announced for that counter. Until such an
         instance holds the target, a stream whose version floor
-        (gate.max_offpolicyness) excludes it gives it no work: with
-        max_offpolicyness 0, nothing is generated on weights other than the
+        (gate.max_version_lag) excludes it gives it no work: with
+        max_version_lag 0, nothing is generated on weights other than the
         trainer's. Before any version of a policy is announced, instances
         generate with what they hold (their tokens carry its counter).
 
