@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SECTION = """## Example (a benchmark)
+SECTION = (
+    """## Example (a benchmark)
 
 Measured 2000-01-01 00:00 UTC with `python tools/bench/x.py` (1 s) on this machine: 2 cores. Load \
 average (1 min) 1.0 at the start, 2.0 at the end: other jobs shared the cores, so rates depend on \
@@ -37,10 +38,15 @@ phase: 4 s + 16 s, trainer paced.
 
 Observations:
 
-- tiny: a is faster. """ + "It gains 2x because it batches. " * 12 + """
+- tiny: a is faster. """
+    + "It gains 2x because it batches. " * 12
+    + """
 
 Method. One invocation runs both systems (a, then b), versions 0, 50, ... (summary.json). \
-""" + "Each system runs as separate processes on loopback and shares the 2 cores. " * 5 + "\n"
+"""
+    + "Each system runs as separate processes on loopback and shares the 2 cores. " * 5
+    + "\n"
+)
 
 
 def words(text: str) -> collections.Counter:
