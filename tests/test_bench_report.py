@@ -50,7 +50,7 @@ Method. One invocation runs both systems (a, then b), versions 0, 50, ... (summa
 
 
 def words(text: str) -> collections.Counter:
-    text = re.sub(r"(?m)^\\s*- ", " ", text)
+    text = re.sub(r"(?m)^\s*- ", " ", text)
     return collections.Counter(w.strip(";:.") for w in text.split() if w.strip(";:.-"))
 
 
@@ -98,3 +98,48 @@ def test_benchmarks_md_is_laid_out(report, tmp_path):
     copy.write_text((ROOT / "BENCHMARKS.md").read_text())
     report.layout_file(copy)
     assert copy.read_text() == (ROOT / "BENCHMARKS.md").read_text()
+
+
+def test_a_writer_renders_its_section_as_it_stands(tmp_path):
+    """tools/bench/dataflow_state.py's section, rendered from the figures BENCHMARKS.md shows and
+    written through `replace_section`, is the section BENCHMARKS.md holds (but for the line of
+    when and where it was measured)."""
+    path = ROOT / "tools" / "bench" / "dataflow_state.py"
+    spec = importlib.util.spec_from_file_location("bench_dataflow_state", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    try:
+        spec.loader.exec_module(bench)
+        mb = [3.4, 6.9, 10.3, 13.7, 17.2, 20.6, 24.0, 27.5]
+        mb_astra = [3.4, 6.9, 10.3, 10.4, 10.4, 10.4, 10.4, 10.4]
+        base = {
+            "sizes": [m * 1e6 for m in [*mb, 27.5]],
+            "rows": 320_000,
+            "done": 320_000,
+            "chunks": [],
+            "wall_s": 7.3,
+            "lookup_us": {"in the table": 7.1, "in a folded epoch": 7.0},
+        }
+        astra = {
+            "sizes": [m * 1e6 for m in [*mb_astra, 10.4]],
+            "rows": 80_000,
+            "done": 320_000,
+            "chunks": [0.0058] * 118 + [0.0062, 0.0063],
+            "wall_s": 8.3,
+            "lookup_us": {"in the table": 5.6, "in a folded epoch": 11.3},
+        }
+        out = tmp_path / "BENCHMARKS.md"
+        out.write_text((ROOT / "BENCHMARKS.md").read_text())
+        text = bench.section(base, astra, 8, 40_000, "1.7 / 2.6 / 2.2")
+        bench.replace_section(out, bench.SECTION, text)
+    finally:
+        sys.modules.pop(spec.name, None)
+
+    def own(page: str) -> str:
+        part = page[page.index(bench.SECTION) :]
+        part = part[: part.index("\n## ", 1)] if "\n## " in part[1:] else part
+        flat = " ".join(part.split())
+        return re.sub(r"Measured .*? on this machine: \d+ cores, Python [\d.]+,", "Measured", flat)
+
+    assert own(out.read_text()) == own((ROOT / "BENCHMARKS.md").read_text())
+    assert out.read_text().count("\n## ") == (ROOT / "BENCHMARKS.md").read_text().count("\n## ")
