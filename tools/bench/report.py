@@ -151,6 +151,7 @@ def _para(text: str) -> list[str]:
     if label:
         head = text[: label.end()].rstrip()
         rest = text[label.end() :]
+        rest = rest[:1].upper() + rest[1:]  # "Why: what ..." → "Why:" and "- What ..."
         return [head[:-1] + ":", "", *_bullets(rest, semicolons=label.group(1) == "Parameters")]
     return _bullets(text)
 
