@@ -73,7 +73,7 @@ def test_layout_opens_with_the_tables_and_keeps_every_word(report):
     assert body[0] == "**tiny** (0.1M parameters):"
     assert body[1].startswith("| metric")
     assert body[4] == "**~100M** (100M parameters):"  # the second table moves with the first
-    assert body[8].startswith("- Measured 2000-01-01")
+    assert body[8].startswith("Measured 2000-01-01")  # when and where: a paragraph
     assert words(out) == words(SECTION)
     assert all(len(ln) <= report.WIDTH for ln in lines if not ln.startswith("|"))
     assert "Method:" in lines and "Parameters:" in lines

@@ -147,6 +147,8 @@ def _caption(kind: str, items: list[str], nxt: str | None) -> bool:
 def _para(text: str) -> list[str]:
     if len(text) <= 200 or (text.startswith("**") and text.endswith("**")):
         return _wrap(text)
+    if text.startswith("Measured ") and len(text.split()) <= 120:
+        return _wrap(text)  # when and where: one short paragraph under the tables
     label = LABEL.match(text)
     if label:
         head = text[: label.end()].rstrip()
