@@ -3,7 +3,7 @@
 `layout` gives every section the same shape, whatever its writer: the section opens with its
 tables, and the prose after them is short bullets (one sentence each, source lines wrapped at
 100 characters). It only moves and breaks text: every word a writer wrote stays. It never runs
-a benchmark and never reads anything but the text it is given.
+a benchmark; `layout` reads nothing but the text it is given.
 
     python tools/bench/report.py BENCHMARKS.md   # lay out every section of a file in place
 """
