@@ -110,6 +110,41 @@ def test_a_flipped_token_byte_is_quarantined_counted_and_its_group_dispatched_ag
     run(body())
 
 
+def test_a_reward_changed_in_the_database_is_quarantined_not_trained(tmp_path, caplog):
+    """The facts beside a blob record (rewards, versions, token counts: the row's meta) are
+    sealed too: a reward edited in place, still valid JSON, would change every advantage of
+    its group. It is found at the next start and handled as a damaged record."""
+    cfg = make_config(tmp_path, n_prompts=4)
+
+    async def body():
+        df = new_dataflow(cfg)
+        gids = await buffered(df, 3)
+        crash(df)
+        victim = gids[0]
+        db = sqlite3.connect(db_path(cfg))
+        (meta,) = db.execute("SELECT meta FROM groups WHERE group_id=?", (victim,)).fetchone()
+        seal, text = meta.split(":", 1)
+        rows = json.loads(text)
+        rows[0][1] += 1.0  # the first trajectory's reward
+        db.execute(
+            "UPDATE groups SET meta=? WHERE group_id=?", (f"{seal}:{json.dumps(rows)}", victim)
+        )
+        db.commit()
+        db.close()
+        with caplog.at_level(logging.ERROR, "astra.dataflow"):
+            df = new_dataflow(cfg)
+        try:
+            assert victim not in df.buffers["p"] and victim in df.waiting
+            assert {g for g in gids if g != victim} <= set(df.buffers["p"]._groups)
+            assert df.counters["records_corrupt"] == 1
+            line = next(r.getMessage() for r in caplog.records if "quarantined" in r.getMessage())
+            assert "fails its checksum" in line and victim in line
+        finally:
+            crash(df)
+
+    run(body())
+
+
 def test_a_torn_last_record_after_a_crash_is_dropped_not_trained_not_fatal(tmp_path):
     """What the blob log's fsync policy guarantees: its tail may be lost by a machine crash
     while the row survives; the start goes on without it and the group is generated again."""

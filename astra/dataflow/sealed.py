@@ -8,7 +8,9 @@ formed (the dataset position 41 -> 40) passes any structural check, so every
 key/value entry (dataset positions, versions, counters, evaluation state) is
 stored sealed: the CRC-32 of its key and JSON text before the text. A seal
 that does not match is refused at read. The other tables' facts are checked
-where they are used: blob records carry their own CRC (astra.dataflow.blobs).
+where they are used: blob records carry their own CRC (astra.dataflow.blobs), and the
+facts beside them (rewards, versions, token counts: a row's `meta`) are sealed the same
+way, keyed by their group and policy (astra.dataflow.store_schema).
 Never imports gRPC.
 """
 
@@ -39,10 +41,24 @@ def _crc(key: str, text: str) -> str:
     return f"{zlib.crc32((key + chr(0) + text).encode()):08x}"
 
 
+def seal_text(key: str, text: str) -> str:
+    """`text` stored under `key`: its seal, a colon, the text."""
+    return f"{_crc(key, text)}:{text}"
+
+
+def open_text(key: str, stored: str) -> str:
+    """The text sealed under `key` (ValueError if its seal fails); unsealed text as it is."""
+    m = _SEALED.fullmatch(stored)
+    if m is None:
+        return stored
+    if _crc(key, m.group(2)) != m.group(1):
+        raise ValueError(f"{key}: fails its checksum")
+    return m.group(2)
+
+
 def seal(key: str, value: Any) -> str:
     """The stored text of `value` under `key`: its seal, a colon, its JSON."""
-    text = json.dumps(value)
-    return f"{_crc(key, text)}:{text}"
+    return seal_text(key, json.dumps(value))
 
 
 def unseal(db: Path, key: str, stored: str) -> Any:

@@ -65,7 +65,7 @@ class StateStore:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, 3, 4, 5, SCHEMA_VERSION):
+        if version not in (0, 1, 2, 3, 4, 5, 6, SCHEMA_VERSION):
             raise Damaged(
                 self.path,
                 f"schema {version}, this build reads up to {SCHEMA_VERSION}",
@@ -142,7 +142,7 @@ class StateStore:
 
     def stage(self, group: GroupRecord) -> Staged:
         """Reserves room for the group's bytes (see `Staged`); nothing is written yet."""
-        meta, parts = pack(group.trajectories)
+        meta, parts = pack(group)
         segment, offset, length, fd = self.blobs.reserve(record_size(sum(len(p) for p in parts)))
         return Staged(
             (group.group_id, group.policy_id),
@@ -181,7 +181,7 @@ class StateStore:
         try:
             blob = self.blobs.read(seg, off, n)
             try:
-                return unpack_trajectories(meta, blob)
+                return unpack_trajectories(meta, blob, gid, pid)
             except (ValueError, TypeError, struct.error) as exc:
                 where = self.blobs.dir / f"{seg:08d}.seg"
                 raise CorruptRecord(where, off, f"does not decode: {exc}") from exc

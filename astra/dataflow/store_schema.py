@@ -11,7 +11,8 @@ import struct
 from dataclasses import dataclass
 
 from astra.dataflow.blobs import CorruptRecord
-from astra.dataflow.records import TrajectoryRecord
+from astra.dataflow.records import GroupRecord, TrajectoryRecord
+from astra.dataflow.sealed import open_text, seal_text
 
 # 2: batch_replays; a batch row's groups carry their advantages. A schema-1 directory is
 # migrated on open (the new table is created; its batch rows are read without advantages).
@@ -21,7 +22,9 @@ from astra.dataflow.records import TrajectoryRecord
 # directory opens with its segments read unchecked (kv `blob_checked_from`: the first
 # segment written with checksums) and its unsealed values read as plain JSON.
 # 6: batches.untrained_reason (an older directory's batches read as trained).
-SCHEMA_VERSION = 6
+# 7: a row's meta sealed (the CRC-32 of its group, policy and JSON before the JSON); an
+# older row's unsealed meta is read as plain JSON.
+SCHEMA_VERSION = 7
 CHECKED_FROM = "blob_checked_from"
 WORK_STATES = ("pending", "leased", "done")  # what `Tx.set_work` writes
 OPEN_ROW_IN_SPAN = (
@@ -114,17 +117,23 @@ class WorkRow:
     outcome: str | None
 
 
-def pack(trajectories: list[TrajectoryRecord]) -> tuple[str, list]:
-    """(meta JSON, blob parts): each payload after its 4-byte length, the parts not joined
-    (`BlobLog.append_parts` writes them with one writev)."""
+def pack(group: GroupRecord) -> tuple[str, list]:
+    """(sealed meta, blob parts): each payload after its 4-byte length, the parts not joined
+    (`BlobLog.append_parts` writes them with one writev). The meta (each trajectory's id,
+    reward, versions, token count) is sealed under the group's and policy's ids, so a
+    reward changed at rest is found, not trained (astra.dataflow.sealed)."""
     meta = [
         [t.trajectory_id, t.reward, t.min_version, t.max_version, t.num_tokens, t.failed]
-        for t in trajectories
+        for t in group.trajectories
     ]
     parts = []
-    for t in trajectories:
+    for t in group.trajectories:
         parts += (_LENGTH.pack(len(t.payload)), t.payload)
-    return json.dumps(meta), parts
+    return seal_text(_meta_key(group.group_id, group.policy_id), json.dumps(meta)), parts
+
+
+def _meta_key(group_id: str, policy_id: str) -> str:
+    return f"meta {group_id} {policy_id}"
 
 
 _LENGTH = struct.Struct("<I")
@@ -134,10 +143,15 @@ def same(a: list[TrajectoryRecord], b: list[TrajectoryRecord]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
-def unpack_trajectories(meta_json: str, blob: bytes) -> list[TrajectoryRecord]:
+def unpack_trajectories(
+    meta: str, blob: bytes, group_id: str, policy_id: str
+) -> list[TrajectoryRecord]:
+    """The trajectories of a stored row; ValueError if its meta fails its seal or the record
+    does not decode."""
     out = []
     pos = 0
-    for tid, reward, vmin, vmax, ntok, failed in json.loads(meta_json):
+    text = open_text(_meta_key(group_id, policy_id), meta)
+    for tid, reward, vmin, vmax, ntok, failed in json.loads(text):
         (n,) = struct.unpack_from("<I", blob, pos)
         pos += 4
         if pos + n > len(blob):

@@ -112,7 +112,7 @@ class Tx:
 
     def _append(self, g: GroupRecord) -> tuple[str, int, int, int]:
         """Writes the group's trajectory bytes to the blob log: (meta, segment, offset, length)."""
-        meta, parts = pack(g.trajectories)
+        meta, parts = pack(g)
         seg, off, length = self.blobs.append_parts(parts)
         self.appended.append(seg)
         return meta, seg, off, length

@@ -80,7 +80,7 @@ def _check_records(conn: sqlite3.Connection, blobs: Path, checked_from: int) -> 
             path = segment_path(blobs, seg)
             try:
                 body = read_checked(path, off, length, checked=seg >= checked_from)
-                unpack_trajectories(meta, body)
+                unpack_trajectories(meta, body, gid, pid)
             except CorruptRecord as exc:
                 reason = f"offset {off}: {exc.reason} (group {gid}, policy {pid}, {table})"
                 yield Finding("dataflow blob record", path, False, reason)
