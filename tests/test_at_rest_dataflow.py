@@ -21,10 +21,12 @@ from astra.dataflow.store import StateStore
 from astra.raas.results import ResultStore
 from tests.test_dataflow_recovery import (
     crash,
+    fill_and_fetch,
     leased,
     make_config,
     new_dataflow,
     register,
+    replay_config,
     result,
     run,
     write_prompts,
@@ -229,6 +231,34 @@ def test_a_changed_dataset_position_stops_the_start_naming_the_file(tmp_path):
     assert info.value.path == str(db_path(cfg))
     assert "'dataset/s' fails its checksum" in str(info.value)
     assert "\n" not in info.value.line("dataflow")
+
+
+def test_a_changed_advantage_of_a_leased_batch_stops_the_start_naming_the_file(tmp_path):
+    """A leased batch is served again, as stored, to a trainer that retries its fetch: an
+    advantage edited in its row would be trained. The row's groups are sealed."""
+    cfg = replay_config(tmp_path)
+
+    async def body():
+        df = new_dataflow(cfg)
+        await fill_and_fetch(df, 1)
+        crash(df)
+
+    run(body())
+    db = sqlite3.connect(db_path(cfg))
+    batch_id, stored = db.execute("SELECT batch_id, groups FROM batches").fetchone()
+    seal, text = stored.split(":", 1)
+    groups = json.loads(text)
+    groups[0][2][0] = -groups[0][2][0] or 1.0  # the first trajectory's advantage
+    db.execute(
+        "UPDATE batches SET groups=? WHERE batch_id=?", (f"{seal}:{json.dumps(groups)}", batch_id)
+    )
+    db.commit()
+    db.close()
+    with pytest.raises(Damaged) as info:
+        new_dataflow(cfg)
+    assert info.value.path == str(db_path(cfg))
+    assert f"batch {batch_id}'s groups are damaged" in str(info.value)
+    assert "fails its checksum" in str(info.value)
 
 
 def test_a_damaged_database_page_stops_the_start_naming_the_file(tmp_path):

@@ -6,7 +6,6 @@ on disk: the next start is refused with one line naming the file, exit 65."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 import yaml
 
 from astra.damage import EXIT_DAMAGED
+from astra.dataflow.store_schema import batch_groups
 from tests.conftest import free_port
 from tests.procs import start_dataflow, start_scripted_raas
 from tests.test_at_rest_dataflow import flip
@@ -33,10 +33,12 @@ pytestmark = pytest.mark.slow
 def acked_group_ids(db_path) -> list[str]:
     db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT groups FROM batches WHERE state = 'acked'").fetchall()
+        rows = db.execute(
+            "SELECT batch_id, policy_id, policy_version, groups FROM batches WHERE state = 'acked'"
+        ).fetchall()
     finally:
         db.close()
-    return [entry[0] for (groups,) in rows for entry in json.loads(groups) if not entry[1]]
+    return [entry[0] for row in rows for entry in batch_groups(*row) if not entry[1]]
 
 
 def test_a_corrupt_record_is_regenerated_and_trained_once_across_a_restart(

@@ -22,6 +22,7 @@ from astra.dataflow.config import DataflowConfig
 from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.ports import IncomingGroup
 from astra.dataflow.records import TrajectoryRecord
+from astra.dataflow.store_schema import batch_groups
 
 # ----- harness -------------------------------------------------------------------------------
 
@@ -330,10 +331,11 @@ def test_a_state_directory_of_schema_1_still_opens_and_its_leased_batch_is_serve
         want = snapshot(before)
         crash(df)
         db = sqlite3.connect(Path(cfg.state_dir) / "dataflow.sqlite")
-        (keys,) = db.execute(
-            "SELECT groups FROM batches WHERE batch_id=?", (before.batch_id,)
+        row = db.execute(
+            "SELECT batch_id, policy_id, policy_version, groups FROM batches WHERE batch_id=?",
+            (before.batch_id,),
         ).fetchone()
-        old = [[gid, replay] for gid, replay, *_ in json.loads(keys)]
+        old = [[gid, replay] for gid, replay, *_ in batch_groups(*row)]
         db.execute(
             "UPDATE batches SET groups=? WHERE batch_id=?", (json.dumps(old), before.batch_id)
         )
@@ -1170,8 +1172,11 @@ def to_schema_1(state_dir: str) -> None:
     """Rewrites a state directory as the build before `replay_slots` (schema 1) left it: no
     replay_slots counter, no stored replayed copies, batch rows without advantages."""
     db = sqlite3.connect(Path(state_dir) / "dataflow.sqlite")
-    for batch_id, keys in db.execute("SELECT batch_id, groups FROM batches").fetchall():
-        old = [[gid, replay] for gid, replay, *_ in json.loads(keys)]
+    rows = db.execute("SELECT batch_id, policy_id, policy_version, groups FROM batches")
+    for batch_id, policy_id, version, keys in rows.fetchall():
+        old = [
+            [gid, replay] for gid, replay, *_ in batch_groups(batch_id, policy_id, version, keys)
+        ]
         db.execute("UPDATE batches SET groups=? WHERE batch_id=?", (json.dumps(old), batch_id))
     db.execute("DELETE FROM kv WHERE key='replay_slots'")
     db.execute("DROP TABLE batch_replays")

@@ -411,12 +411,16 @@ def trained_in_dataflows_records(state: Path) -> list[str]:
     trainer, in batch order (read-only; summary.json is not consulted)."""
     import sqlite3
 
+    from astra.dataflow.store_schema import batch_groups
+
     db = sqlite3.connect(f"file:{state / 'dataflow.sqlite'}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT groups FROM batches WHERE state = 'acked'").fetchall()
+        rows = db.execute(
+            "SELECT batch_id, policy_id, policy_version, groups FROM batches WHERE state = 'acked'"
+        ).fetchall()
     finally:
         db.close()
-    return [entry[0] for (groups,) in rows for entry in json.loads(groups) if not entry[1]]
+    return [entry[0] for row in rows for entry in batch_groups(*row) if not entry[1]]
 
 
 @pytest.mark.slow

@@ -16,7 +16,6 @@ loop. Knows nothing of gRPC or of the pool.
 from __future__ import annotations
 
 import contextlib
-import json
 import sqlite3
 import struct
 import threading
@@ -27,7 +26,14 @@ from typing import Any
 from astra.damage import Damaged
 from astra.dataflow.blobs import SEGMENT_BYTES, BlobLog, CorruptRecord, record_size, write_record
 from astra.dataflow.records import BatchRow, GroupRecord, TrajectoryRecord
-from astra.dataflow.sealed import damaged, fix_for, is_damage, quick_check, seal, unseal
+from astra.dataflow.sealed import (
+    damaged,
+    fix_for,
+    is_damage,
+    quick_check,
+    seal,
+    unseal,
+)
 from astra.dataflow.store_schema import (
     CHECKED_FROM,
     SCHEMA,
@@ -35,6 +41,7 @@ from astra.dataflow.store_schema import (
     BadRecord,
     Staged,
     WorkRow,
+    batch_groups,
     is_storage_error,
     pack,
     unpack_trajectories,
@@ -253,10 +260,11 @@ class StateStore:
             " policy_version, groups, untrained_reason FROM batches"
         ):
             *head, groups, reason = row
+            batch_id, policy_id, version = head[0], head[1], head[6]
             try:
-                entries = json.loads(groups)
+                entries = batch_groups(batch_id, policy_id, version, groups)
             except ValueError as exc:
-                what = f"batch {head[0]}'s groups are not JSON ({exc})"
+                what = f"batch {batch_id}'s groups are damaged ({exc})"
                 raise Damaged(self.path, what, fix_for(self.path)) from exc
             keys = [(k[0], bool(k[1]), k[2] if len(k) > 2 else None) for k in entries]
             out.append(BatchRow(*head, keys, reason))

@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass
 
 from astra.dataflow.blobs import CorruptRecord
-from astra.dataflow.records import GroupRecord, TrajectoryRecord
+from astra.dataflow.records import BatchRow, GroupRecord, TrajectoryRecord
 from astra.dataflow.sealed import open_text, seal_text
 
 # 2: batch_replays; a batch row's groups carry their advantages. A schema-1 directory is
@@ -22,8 +22,8 @@ from astra.dataflow.sealed import open_text, seal_text
 # directory opens with its segments read unchecked (kv `blob_checked_from`: the first
 # segment written with checksums) and its unsealed values read as plain JSON.
 # 6: batches.untrained_reason (an older directory's batches read as trained).
-# 7: a row's meta sealed (the CRC-32 of its group, policy and JSON before the JSON); an
-# older row's unsealed meta is read as plain JSON.
+# 7: a row's meta and a batch row's groups sealed (a CRC-32 of the row's ids and the JSON,
+# before the JSON); an older row's unsealed JSON is read as plain JSON.
 SCHEMA_VERSION = 7
 CHECKED_FROM = "blob_checked_from"
 WORK_STATES = ("pending", "leased", "done")  # what `Tx.set_work` writes
@@ -130,6 +130,21 @@ def pack(group: GroupRecord) -> tuple[str, list]:
     for t in group.trajectories:
         parts += (_LENGTH.pack(len(t.payload)), t.payload)
     return seal_text(_meta_key(group.group_id, group.policy_id), json.dumps(meta)), parts
+
+
+def batch_key(batch_id: str, policy_id: str, policy_version: int) -> str:
+    """What a batch row's groups (ids, replay flags, advantages) are sealed under (schema 7)."""
+    return f"batch {batch_id} {policy_id} {policy_version}"
+
+
+def groups_json(b: BatchRow) -> str:
+    return json.dumps([list(k) for k in b.group_keys])
+
+
+def batch_groups(batch_id: str, policy_id: str, policy_version: int, stored: str) -> list:
+    """A batch row's group entries ([group_id, replay] or [group_id, replay, advantages]),
+    its seal checked; ValueError if it fails or is not JSON. For every reader of the row."""
+    return json.loads(open_text(batch_key(batch_id, policy_id, policy_version), stored))
 
 
 def _meta_key(group_id: str, policy_id: str) -> str:

@@ -7,19 +7,20 @@ memory and sealed key/value state. It never commits on its own and never reads s
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Iterable
 from typing import Any
 
 from astra.dataflow.blobs import BlobLog
 from astra.dataflow.records import BatchRow, GroupRecord
-from astra.dataflow.sealed import seal
+from astra.dataflow.sealed import seal, seal_text
 from astra.dataflow.store_schema import (
     OPEN_ROW_IN_SPAN,
     WORK_STATES,
     BadRecord,
     Staged,
+    batch_key,
+    groups_json,
     pack,
     same,
 )
@@ -221,7 +222,7 @@ class Tx:
                 b.state,
                 b.lease_expire,
                 b.policy_version,
-                json.dumps([list(k) for k in b.group_keys]),
+                seal_text(batch_key(b.batch_id, b.policy_id, b.policy_version), groups_json(b)),
                 b.untrained_reason,
             ),
         )

@@ -26,7 +26,7 @@ import click
 from astra.damage import Damaged
 from astra.dataflow.blobs import CorruptRecord, read_checked, segment_path
 from astra.dataflow.sealed import unseal
-from astra.dataflow.store_schema import CHECKED_FROM, unpack_trajectories
+from astra.dataflow.store_schema import CHECKED_FROM, batch_groups, unpack_trajectories
 from astra.trainer.ckpt_verify import list_checkpoints, verify
 from astra.weights.records import RECORD_NAME, VersionRecord, tree_sha256
 from astra.weights.safetensors_io import FormatError
@@ -59,6 +59,15 @@ def check_dataflow(state: Path) -> Iterator[Finding]:
                 got = unseal(db, key, value)
                 if key == CHECKED_FROM:
                     checked_from = int(got)
+            for batch_id, policy_id, version, groups in conn.execute(
+                "SELECT batch_id, policy_id, policy_version, groups FROM batches"
+            ):
+                try:
+                    batch_groups(batch_id, policy_id, version, groups)
+                except ValueError as exc:
+                    what = f"batch {batch_id}'s groups are damaged ({exc})"
+                    yield Finding("dataflow database", db, False, what)
+                    return
         except sqlite3.DatabaseError as exc:
             yield Finding("dataflow database", db, False, f"SQLite: {exc}")
             return

@@ -20,6 +20,8 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from astra.dataflow.store_schema import batch_groups
+
 if TYPE_CHECKING:
     from astra.run.history import StepHistory
 
@@ -48,21 +50,27 @@ def read_state(state_dir: Path) -> dict[str, Any]:
         dispatched[1] = dispatched.get(1, 0) + folded
         try:
             batches = conn.execute(
-                "SELECT policy_id, state, groups, untrained_reason FROM batches"
+                "SELECT batch_id, policy_id, policy_version, state, groups, untrained_reason"
+                " FROM batches"
             ).fetchall()
         except sqlite3.OperationalError:  # a state directory of before schema 5
             batches = [
-                (*r, "") for r in conn.execute("SELECT policy_id, state, groups FROM batches")
+                (*r, "")
+                for r in conn.execute(
+                    "SELECT batch_id, policy_id, policy_version, state, groups FROM batches"
+                )
             ]
     finally:
         conn.close()
     acked: Counter[tuple[str, str]] = Counter()
     trained: Counter[str] = Counter()
     discarded: Counter[str] = Counter()
-    for policy_id, state, groups, reason in batches:
+    for batch_id, policy_id, version, state, groups, reason in batches:
         if state == "acked":
-            # Entries are [group_id, replay] or, from schema 2, [group_id, replay, advantages].
-            keys = [(policy_id, k[0]) for k in json.loads(groups) if not k[1]]
+            # Entries are [group_id, replay] or, from schema 2, [group_id, replay, advantages];
+            # sealed from schema 7 (a damaged row raises, never counted wrong).
+            entries = batch_groups(batch_id, policy_id, version, groups)
+            keys = [(policy_id, k[0]) for k in entries if not k[1]]
             acked.update(keys)
             if reason:
                 discarded[reason.lower()] += len(keys)
@@ -72,7 +80,7 @@ def read_state(state_dir: Path) -> dict[str, Any]:
         "dispatched": sum(dispatched.values()),
         "with_outcome": dispatched.get(1, 0),
         "unfinished": dispatched.get(0, 0),
-        "acked_batches": sum(1 for _, s, _, _ in batches if s == "acked"),
+        "acked_batches": sum(1 for b in batches if b[3] == "acked"),
         "trained_keys": sum(trained.values()),
         "trained_per_policy": dict(sorted(trained.items())),
         "discarded_keys": dict(sorted(discarded.items())),
