@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint generate bench clean vllm run-vllm chaos docs test-fast typecheck
+.PHONY: run test lint generate bench clean vllm run-vllm chaos docs
 
 $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
@@ -38,29 +38,31 @@ tools/raas-node/node_modules/.installed: tools/raas-node/package.json tools/raas
 test: $(VENV)/.installed $(NODE_DEPS)
 	$(PY) -m pytest -q
 
-test-fast: $(VENV)/.installed  ## the quick loop (~3 min on 2 cores): every test not marked slow
-	$(PY) -m pytest -q -m "not slow and not gpu"
-
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check astra servers clients tools tests
 	$(VENV)/bin/ruff format --check astra servers clients tools tests
 	$(PY) tools/codegen.py --check
-
-# mypy sees astra/, servers/ and clients/ as the one package they install as (astra.servers,
-# astra.clients) through a tree of links in build/typecheck: it cannot follow setuptools'
-# editable mapping. It reports paths as that package names them (astra/servers/x.py is servers/x.py).
-typecheck: $(VENV)/.installed  ## mypy, configured in pyproject.toml ([tool.mypy])
-	rm -rf build/typecheck/astra && mkdir -p build/typecheck/astra
-	ln -s $(CURDIR)/astra/* build/typecheck/astra/
-	ln -s $(CURDIR)/servers build/typecheck/astra/servers
-	ln -s $(CURDIR)/clients build/typecheck/astra/clients
-	cd build/typecheck && $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml -p astra
 
 docs: $(VENV)/.installed  ## the documentation site (mkdocs-material) into site/, warnings as errors
 	$(VENV)/bin/mkdocs build --strict
 
 generate: $(VENV)/.installed
 	$(PY) tools/codegen.py
+
+.PHONY: test-fast
+test-fast: $(VENV)/.installed  ## the quick loop (~3 min on 2 cores): every test not marked slow
+	$(PY) -m pytest -q -m "not slow and not gpu"
+
+# mypy sees astra/, servers/ and clients/ as the one package they install as (astra.servers,
+# astra.clients) through a tree of links in build/typecheck: it cannot follow setuptools'
+# editable mapping. It reports paths as that package names them (astra/servers/x.py is servers/x.py).
+.PHONY: typecheck
+typecheck: $(VENV)/.installed  ## mypy, configured in pyproject.toml ([tool.mypy])
+	rm -rf build/typecheck/astra && mkdir -p build/typecheck/astra
+	ln -s $(CURDIR)/astra/* build/typecheck/astra/
+	ln -s $(CURDIR)/servers build/typecheck/astra/servers
+	ln -s $(CURDIR)/clients build/typecheck/astra/clients
+	cd build/typecheck && $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml -p astra
 
 chaos: $(VENV)/.installed  ## the fault campaign (tools/chaos): astra run under real faults, audited (~15 min)
 	$(PY) tools/chaos/campaign.py
