@@ -394,6 +394,7 @@ def status(address: str | None, run_dir: str | None, timeout_s: float) -> None:
         raise click.UsageError("give --dataflow HOST:PORT or --run-dir RUN_DIR (one of them)")
     if run_dir is not None:
         address = _run_dataflow(run_dir)
+    assert address is not None  # one of the two, checked above
 
     async def fetch() -> dict:
         async with DataflowClient(address, timeout_s=timeout_s) as client:

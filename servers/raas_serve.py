@@ -86,7 +86,11 @@ async def serve_raas(opts: RaasOptions) -> None:
         metrics = servicer.metrics = RaasMetrics(servicer)
         metrics.also(server.roles.metrics)
         metrics.serve(opts.host, opts.metrics_port)
-    line = {"service": "raas", "address": server.address, "instance_id": servicer.instance_id}
+    line: dict[str, object] = {
+        "service": "raas",
+        "address": server.address,
+        "instance_id": servicer.instance_id,
+    }
     line["metrics_port"] = metrics.port if metrics is not None else None
     print(json.dumps(line), flush=True)
     log.info("raas %s serving %s on %s", servicer.instance_id, opts.policies, server.address)

@@ -198,7 +198,7 @@ async def serve_trainer(config: TrainerConfig) -> None:
         if server is not None:
             metrics.also(server.roles.metrics)
         metrics.serve(config.host, config.metrics_port)
-    line = {"service": "trainer", "address": address}
+    line: dict[str, object] = {"service": "trainer", "address": address}
     line["metrics_port"] = metrics.port if metrics is not None else None
     print(json.dumps(line), flush=True)
     loop = asyncio.get_running_loop()

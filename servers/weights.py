@@ -255,7 +255,7 @@ async def serve_weights(
         metrics = server.servicer.metrics = WeightMetrics(server.servicer)
         metrics.also(server.roles.metrics)
         metrics.serve(host, metrics_port)
-    line = {"service": "weights", "address": server.address}
+    line: dict[str, object] = {"service": "weights", "address": server.address}
     line["metrics_port"] = metrics.port if metrics is not None else None
     print(json.dumps(line), flush=True)
     log.info("weights serving %s on %s", store_dir, server.address)

@@ -11,6 +11,8 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from astra.run.summary import build_summary, read_state
 from astra.trainer.config import TrainerConfig
 from astra.trainer.loop import Trainer
@@ -51,6 +53,7 @@ def batch_rows(state_dir: Path) -> list[tuple[int, str, str]]:
         conn.close()
 
 
+@pytest.mark.slow
 def test_steps_lost_by_a_trainer_restart_are_counted_discarded_not_trained(
     tmp_path: Path, dataset: Path
 ) -> None:

@@ -80,6 +80,7 @@ def test_a_changed_optimizer_file_is_refused_and_the_supervisor_counts_from_the_
     assert checkpoint_step(tmp_path / "ck") == 1
 
 
+@pytest.mark.slow
 def test_with_every_checkpoint_damaged_the_trainer_exits_with_one_line(tmp_path):
     root = tmp_path / "ck"
     for ckpt in two_checkpoints(root):

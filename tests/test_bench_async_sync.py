@@ -31,6 +31,7 @@ TINY = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tiny_comparison_is_consistent(bench, tmp_path):
     p = bench.parse_args(TINY)

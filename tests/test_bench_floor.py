@@ -33,6 +33,7 @@ def bench():
     sys.path.remove(str(ROOT / "tools" / "bench"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_floor_moves_groups_the_trainer_parses(bench, tmp_path):
     p = bench.parse_args(TINY)

@@ -87,6 +87,7 @@ def test_guard_pauses_below_min_and_resumes_at_the_resume_threshold(tmp_path):
     assert free_bytes(tmp_path) > 0  # the real statvfs of this file system
 
 
+@pytest.mark.slow
 def test_short_of_space_dataflow_pauses_keeps_serving_and_loses_nothing(tmp_path):
     n = 24
     config = guarded_config(tmp_path, n, min_free_bytes=1_000_000)
@@ -165,6 +166,7 @@ def test_a_blob_write_failing_with_enospc_defers_the_results_without_loss(tmp_pa
     assert c["consumed_groups"] == n
 
 
+@pytest.mark.slow
 def test_leases_do_not_run_out_while_paused(tmp_path):
     """A pause longer than the group lease, one dispatch attempt allowed: the groups waiting
     on their RaaS are neither given up nor dispatched again, and all are trained once."""

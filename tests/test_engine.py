@@ -422,6 +422,7 @@ print(h.hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_tiny_model_is_identical_across_builds_and_processes() -> None:
     a, b = tiny_model(), tiny_model()
     pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)

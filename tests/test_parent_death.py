@@ -47,6 +47,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_tied_process_goes_with_its_sigkilled_parent(tied: bool) -> None:
     parent = subprocess.Popen(

@@ -67,6 +67,7 @@ WEIGHT_CHECKS = {
 }
 
 
+@pytest.mark.slow
 def test_astra_raas_passes_every_check() -> None:
     got = run_checks()
     assert len(got) == 28
@@ -78,6 +79,7 @@ def test_astra_raas_passes_every_check() -> None:
     assert "as Dataflow reads them" in got["collect"][1]
 
 
+@pytest.mark.slow
 def test_the_load_weights_checks_pass_with_a_weight_service(tmp_path: Path) -> None:
     got = run_checks(store=tmp_path / "store")
     assert {name: got[name][0] for name in WEIGHT_CHECKS} == dict.fromkeys(WEIGHT_CHECKS, "pass")
@@ -98,6 +100,7 @@ class TruncatedLogprobs(ScriptedGenerator):
         ]
 
 
+@pytest.mark.slow
 def test_a_result_dataflow_would_refuse_fails_collect() -> None:
     got = run_checks(backend=TruncatedLogprobs(delay_s=0.05))
     status, detail = got["collect"]
@@ -113,6 +116,7 @@ class EveryoneFails(ScriptedGenerator):
         return [replace(t, sequences=[], error="HTTP 404: no model 'policy'") for t in out]
 
 
+@pytest.mark.slow
 def test_samples_that_failed_fail_collect_with_the_engines_message() -> None:
     status, detail = run_checks(backend=EveryoneFails(delay_s=0.05))["collect"]
     assert status == "fail" and "2 of 2 samples failed" in detail and "HTTP 404" in detail

@@ -112,12 +112,14 @@ def check_switch(switch: str, weights: str) -> dict[str, tuple[str, str]]:
     return asyncio.run(asyncio.wait_for(body(), 60))
 
 
+@pytest.mark.slow
 def test_astra_raas_with_no_switch_passes_every_check(weights: str) -> None:
     got = check_switch("", weights)
     assert list(got) == list(CHECKS)
     assert {n: s for n, (s, _) in got.items() if s != "pass"} == {}, got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", sorted(SWITCHES))
 def test_each_switch_fails_the_check_named_for_it(switch: str, weights: str) -> None:
     got = check_switch(switch, weights)
@@ -143,6 +145,7 @@ def test_an_unknown_switch_is_refused_naming_the_known_ones() -> None:
         asyncio.run(start_broken_raas("nope"))
 
 
+@pytest.mark.slow
 def test_an_instance_with_groups_in_flight_is_refused_unless_allowed() -> None:
     """The checker never races a live Dataflow: groups it did not submit stop it at once."""
 

@@ -661,6 +661,7 @@ def test_registrar_registers_heartbeats_reregisters_and_deregisters():
     run(body())
 
 
+@pytest.mark.slow
 def test_registrar_waits_for_dataflow_to_come_up():
     async def body():
         with socket.socket() as s:

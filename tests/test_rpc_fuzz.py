@@ -559,6 +559,7 @@ async def _batch(svc: Service, request_id: str) -> str:
     return parts[0].header.batch_id
 
 
+@pytest.mark.slow
 def test_dataflow_survives_fuzzed_requests_on_every_rpc(dataset: Path, tmp_path: Path):
     stream = {"name": "s", "dataset": {"path": str(dataset), "num_epochs": 0},
               "policy_ids": ["policy"], "group_size": 4, "sampling": {"max_new_tokens": 8}}  # fmt: skip
@@ -605,6 +606,7 @@ def test_dataflow_survives_fuzzed_requests_on_every_rpc(dataset: Path, tmp_path:
     run(body())
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_on_every_rpc_leave_the_epoch_accounting_intact(tmp_path: Path):
     """Fuzzing is not only surviving: while a bounded epoch's rollouts flow, every Dataflow RPC
     gets the seeded malformed and random requests (fake instances register, heartbeat and leave;
@@ -832,6 +834,7 @@ async def _raas_sane(svc: Service, servicer, capacity: int) -> raas_pb.GetStatus
     return status
 
 
+@pytest.mark.slow
 def test_raas_survives_fuzzed_requests_on_every_rpc():
     capacity = 16
 
@@ -1082,6 +1085,7 @@ async def _weights_sane(svc: Service, server) -> w_pb.GetStatusResponse:
     return status
 
 
+@pytest.mark.slow
 def test_weight_service_survives_fuzzed_requests_on_every_rpc(tmp_path: Path):
     from astra.clients.weights_stream import Receiver, publish_version
 

@@ -16,6 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
 from astra.run.children import Child
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,6 +169,7 @@ def test_a_restart_kills_what_is_left_of_the_group_of_the_process_before(
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_dead_child_is_seen_while_a_descendant_of_its_own_session_holds_its_stdout(
     tmp_path: Path,
 ) -> None:
@@ -187,6 +190,7 @@ def test_a_dead_child_is_seen_while_a_descendant_of_its_own_session_holds_its_st
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_stop_does_not_wait_out_its_grace_for_a_pipe_held_open(tmp_path: Path) -> None:
     async def main() -> None:
         async with serving_child(tmp_path, "newsession_pipe") as (child, _):

@@ -450,6 +450,7 @@ def test_a_raas_removed_while_its_restart_starts_stays_removed(tmp_path: Path) -
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_raas_name_is_not_taken_while_its_restart_is_pending(tmp_path: Path) -> None:
     """`astra raas add raas-0` while raas-0 waits out its restart's backoff is refused (two
     processes would run as one instance); once raas-0 is removed, its restart goes with it and

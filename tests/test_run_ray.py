@@ -165,6 +165,7 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
             proc.wait(10)
 
 
+@pytest.mark.slow
 def test_a_sigkilled_supervisor_under_ray_leaves_nothing_running(
     tmp_path: Path, ray_tmp: Path
 ) -> None:

@@ -222,6 +222,7 @@ def _restarted(run, name: str, old_pid: int, timeout_s: float) -> int:
     raise AssertionError(f"{name} was not restarted: {run.output()}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(runs) -> None:
     steps = 120
@@ -265,6 +266,7 @@ def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(runs) -
     assert all(gone(c["pid"]) for c in run.children())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_trainer_stopped_by_a_sigterm_from_outside_is_restarted_not_taken_as_finished(
     runs,
@@ -289,6 +291,7 @@ def test_a_trainer_stopped_by_a_sigterm_from_outside_is_restarted_not_taken_as_f
     assert [(e["child"], e["exit"]) for e in s["restarts"]] == [("trainer-policy", 0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_restarts", [0])
 def test_without_restarts_a_dead_core_service_stops_the_run(runs, max_restarts) -> None:
     run = runs(

@@ -22,6 +22,7 @@ def grpcurl(*args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path(GRPCURL).exists(), reason="grpcurl not installed")
 def test_grpcurl_lists_describes_and_health_checks(config, tmp_path):
     proc = start_dataflow(config, tmp_path)

@@ -78,6 +78,7 @@ def _serve(args: list[str], cwd: Path) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, role",
     [

@@ -93,6 +93,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_ranks_take_the_same_steps_as_one(tmp_path: Path, dtype: str) -> None:
     ctx = mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), dtype), nprocs=2, join=False)

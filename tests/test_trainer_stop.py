@@ -14,6 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 from astra.trainer.checkpoint import latest_checkpoint
 from tests.conftest import save_tiny_trainer_model, scripted_system
 
@@ -36,6 +38,7 @@ async def version(client) -> int:
     return policy.current_version
 
 
+@pytest.mark.slow
 def test_a_sigterm_checkpoints_the_last_step_and_a_resume_retakes_nothing(
     tmp_path: Path, dataset: Path
 ) -> None:
@@ -81,6 +84,7 @@ def test_a_sigterm_checkpoints_the_last_step_and_a_resume_retakes_nothing(
     assert counters["consumed_groups"] == counters["trained_groups.policy"]
 
 
+@pytest.mark.slow
 def test_a_sigterm_to_a_two_rank_trainer_checkpoints_its_last_step(
     tmp_path: Path, dataset: Path
 ) -> None:

@@ -77,6 +77,7 @@ async def weight_service(tmp_path: Path):
 # ----- the receiver ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fetch_from_a_frozen_weight_service_fails_in_bounded_time_then_resumes(tmp_path):
     """The stall: the service goes silent mid-version with the connection open. The fetch must
     end within its deadline with a clear error, nothing half-fetched current; once the service
@@ -124,6 +125,7 @@ def test_fetch_from_a_frozen_weight_service_fails_in_bounded_time_then_resumes(t
     run(body())
 
 
+@pytest.mark.slow
 def test_survivor_fetch_is_not_held_up_by_a_peer_sigkilled_mid_stream(tmp_path):
     """Two receivers in their own processes fetch one version; one is SIGKILLed mid-stream.
     The survivor completes, and the service releases the dead stream."""
@@ -207,6 +209,7 @@ def _served(status) -> dict[str, int]:
     return {v.policy_id: v.version for v in status.loaded_versions}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_memory", [False, True], ids=["on-disk", "in-memory"])
 def test_load_weights_from_a_frozen_weight_service_fails_in_time_and_keeps_serving(
     tmp_path, monkeypatch, in_memory
@@ -353,6 +356,7 @@ def test_an_in_memory_loader_hands_the_engine_torch_tensors_and_follows_a_new_ad
 # ----- Dataflow ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dataflow_retries_a_load_that_cannot_complete_and_reports_the_instance(tmp_path):
     """A RaaS whose loads hang: each ends at the RaaS's deadline, Dataflow retries with a
     backoff, reports the instance in status after repeated failures, and the instance catches

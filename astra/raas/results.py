@@ -139,7 +139,7 @@ class ResultStore:
         if not self._finished and max_wait_s > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ready.wait(), max_wait_s)
-        out = []
+        out: list[object] = []
         for result in self._finished.values():
             if len(out) >= max_groups:
                 break

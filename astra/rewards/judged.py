@@ -191,7 +191,7 @@ def _int(text: str) -> int:
     return int(text)
 
 
-_SCALARS = {
+_SCALARS: dict[str, tuple[type, Any]] = {
     "b": (bool, bool),
     "i": (str, _int),
     "f": (str, _float),

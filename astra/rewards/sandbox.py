@@ -276,7 +276,7 @@ def _probe_no_network() -> tuple[str, ...]:
         log.warning("sandbox: no `unshare` on this machine: sandboxed code can use the network")
         return ()
     # Root may lack CAP_SYS_ADMIN (a container): a user namespace of its own then does it.
-    candidates = [(unshare, "--user", "--map-root-user", "--net")]
+    candidates: list[tuple[str, ...]] = [(unshare, "--user", "--map-root-user", "--net")]
     if os.geteuid() == 0:
         candidates.insert(0, (unshare, "--net"))
     errors = []

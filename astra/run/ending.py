@@ -194,7 +194,13 @@ async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> N
         obs.record_evals()
         summary["eval"] = obs.evals.summary()
     write_summary(sup.rd.summary, summary)
-    keys = ("steps", "groups_trained", "groups_lost", "groups_duplicated", "versions_published")
+    keys: tuple[str, ...] = (
+        "steps",
+        "groups_trained",
+        "groups_lost",
+        "groups_duplicated",
+        "versions_published",
+    )
     keys += ("accuracy_first10", "accuracy_last10")  # what the run learned, in its last line
     shown = {k: summary.get(k) for k in keys}
     if summary.get("eval", {}).get("results"):

@@ -111,7 +111,8 @@ class Observer(StatusPoller):
         self.logs: dict[str, list[Any]] = {
             p: [*where, b"", b"", b""] for p, where in trainer_logs.items()
         }
-        self.pending: list[tuple[str, int, int, float, str]] = []  # step lines not yet rows
+        # step lines not yet rows: policy, step, version, loss, skipped, logged accuracy
+        self.pending: list[tuple[str, int, int, float, str, float | None]] = []
         self.tty = out.isatty()
         self._last_print = 0.0
         self.plot_path = plot

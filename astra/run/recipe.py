@@ -161,8 +161,8 @@ class Recipe(Strict):
         for kind, names in (("streams", [s.name for s in self.streams]), ("raas", self.raas_names)):
             if len(set(names)) != len(names):
                 raise ValueError(f"{kind}: duplicate name")
-        if taken := [n for n in self.raas_names if reserved_name(n)]:
-            raise ValueError(f"raas: names {taken} are the run's other children's")
+        if reserved := [n for n in self.raas_names if reserved_name(n)]:
+            raise ValueError(f"raas: names {reserved} are the run's other children's")
         for label, refs in [(f"streams.{s.name}", s.policy_ids) for s in self.streams] + [
             (f"raas.{n}", r.policies) for n, r in zip(self.raas_names, self.raas, strict=True)
         ]:

@@ -123,7 +123,7 @@ def groups_discarded(counters: dict[str, int]) -> dict[str, int]:
     return dict(sorted(_per_key(counters, "groups_discarded").items()))
 
 
-SEGMENT_KEYS = ("status", "wall_seconds", "first_step", "steps")
+SEGMENT_KEYS: tuple[str, ...] = ("status", "wall_seconds", "first_step", "steps")
 SEGMENT_KEYS += ("accuracy_first10", "accuracy_last10")
 
 

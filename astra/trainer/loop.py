@@ -20,7 +20,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -291,7 +291,9 @@ class Trainer(StateMixin):
         self.last = result
         return result
 
-    async def run_training_async(self, num_steps: int | None = None) -> AsyncIterator[StepResult]:
+    async def run_training_async(
+        self, num_steps: int | None = None
+    ) -> AsyncGenerator[StepResult, None]:
         """Yields one StepResult per iteration (skipped ones included); None or 0: no end."""
         if not self.initialized:
             await self.initialize()

@@ -142,7 +142,7 @@ def supervised_warmup(
     started = time.monotonic()
     order: list[int] = []
     for step in range(1, settings.steps + 1):
-        batch = []
+        batch: list[Any] = []
         while len(batch) < settings.batch_size:  # epochs of a seeded shuffle
             if not order:
                 order = list(range(len(examples)))

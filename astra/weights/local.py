@@ -129,7 +129,7 @@ class LocalVersions:
         shutil.rmtree(out, ignore_errors=True)
         base = open_full(base_dir) if base_dir is not None else None
         try:
-            if base is not None:
+            if base is not None and base_dir is not None:  # one goes with the other
                 trusted = self._installed(base_dir)
                 for name, entry in base.entries.items():
                     if name in entries:

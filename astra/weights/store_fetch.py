@@ -96,7 +96,7 @@ def open_source(
             version, encoding = Version(store.cache.full_dir(policy, target)), RAW
             store.counters["fetch_plans_full"] += 1
         unknown = sorted(set(version.entries) - set(target.tensors)) if version else []
-        if unknown:
+        if unknown and version is not None:  # unknown is empty without a version
             version.close()
             raise FormatError("encoded tensor is not in the target", tensor=unknown[0])
         files = store.read_files(policy, target)
