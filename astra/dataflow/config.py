@@ -267,5 +267,9 @@ class DataflowConfig(Strict):
                 raise ValueError(f"streams.{s.name}.policy_ids: unknown policies {unknown}")
         return self
 
-    def policy(self, policy_id: str) -> PolicySettings | None:
-        return next((p for p in self.policies if p.id == policy_id), None)
+    def policy(self, policy_id: str) -> PolicySettings:
+        """The settings of a configured policy (KeyError for another)."""
+        for p in self.policies:
+            if p.id == policy_id:
+                return p
+        raise KeyError(policy_id)

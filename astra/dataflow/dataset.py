@@ -200,6 +200,7 @@ class PromptSource:
         epoch, position = state.get("epoch"), state.get("position")
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, position)):
             raise DatasetError(f"malformed dataset state: {state!r}")
+        assert isinstance(epoch, int) and isinstance(position, int)  # (for the type checker)
         if epoch < 0 or not 0 <= position <= self.size:
             raise DatasetError(f"dataset state out of range: {state!r}")
         if position == self.size:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -177,7 +177,7 @@ class Ingestor:
                 if not write.done():  # the thread may still write there: leave the room
                     raise
                 self.store.discard_staged(staged.values())
-                if not is_disk_full(exc):
+                if not isinstance(exc, OSError) or not is_disk_full(exc):
                     raise
                 return self._defer_disk_full(exc, results)
             self.storage.note_written(sum(s.length for s in staged.values()))
@@ -293,7 +293,7 @@ class Ingestor:
                 tx.add_groups([group], staged)
         return ",".join(outcomes) or "empty"
 
-    def _dropped(self, policy_ids: list[str], outcome: str) -> None:
+    def _dropped(self, policy_ids: Sequence[str], outcome: str) -> None:
         """A result that gives these policies nothing to train extends their runs of drops."""
         for policy_id in policy_ids:
             if (buf := self.buffers.get(policy_id)) is not None:

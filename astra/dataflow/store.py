@@ -259,15 +259,28 @@ class StateStore:
             "SELECT batch_id, policy_id, request_id, trainer_id, state, lease_expire,"
             " policy_version, groups, untrained_reason FROM batches"
         ):
-            *head, groups, reason = row
-            batch_id, policy_id, version = head[0], head[1], head[6]
+            batch_id, policy_id, request_id, trainer_id, state, expire, version, groups, reason = (
+                row
+            )
             try:
                 entries = batch_groups(batch_id, policy_id, version, groups)
             except ValueError as exc:
                 what = f"batch {batch_id}'s groups are damaged ({exc})"
                 raise Damaged(self.path, what, fix_for(self.path)) from exc
             keys = [(k[0], bool(k[1]), k[2] if len(k) > 2 else None) for k in entries]
-            out.append(BatchRow(*head, keys, reason))
+            out.append(
+                BatchRow(
+                    batch_id,
+                    policy_id,
+                    request_id,
+                    trainer_id,
+                    state,
+                    expire,
+                    version,
+                    keys,
+                    reason,
+                )
+            )
         return out
 
     def replays(self) -> dict[str, dict[int, GroupRecord]]:

@@ -126,7 +126,7 @@ def pack(group: GroupRecord) -> tuple[str, list]:
         [t.trajectory_id, t.reward, t.min_version, t.max_version, t.num_tokens, t.failed]
         for t in group.trajectories
     ]
-    parts = []
+    parts: list[bytes] = []
     for t in group.trajectories:
         parts += (_LENGTH.pack(len(t.payload)), t.payload)
     return seal_text(_meta_key(group.group_id, group.policy_id), json.dumps(meta)), parts
