@@ -35,7 +35,7 @@ class TensorPart:
     and raises the header's errors; it is called when the stream reaches the part."""
 
     name: str
-    adler32: int
+    adler32: str
     size_bytes: int
     layout: Callable[[], tuple[str, tuple[int, ...], int | None]]
 
