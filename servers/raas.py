@@ -14,18 +14,16 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from google.rpc import code_pb2, status_pb2
-
 from astra import __version__
-from astra.common.v1 import capabilities_pb2, rollout_pb2, version_pb2
+from astra.common.v1 import capabilities_pb2, version_pb2
 from astra.errors import invalid_field
-from astra.raas.backend import GroupSpec, RolloutBackend, TrajectorySpec
+from astra.raas.backend import RolloutBackend
 from astra.raas.groups import GroupRunner
 from astra.raas.results import ResultStore
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
 from astra.raas.versions import WeightVersions
-from astra.servers.raas_convert import check_ids, group_specs, load_versions
+from astra.servers.raas_convert import check_ids, failed_group_bytes, group_specs, load_versions
 from astra.servers.registrar import Registrar
 from astra.servers.result_wire import group_result_bytes
 from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, with_raw_responses
@@ -68,8 +66,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.groups = GroupRunner(
             backend,
             self.store,
-            encode=self._encode,
-            encode_failure=self._encode_failure,
+            # A result is stored once, as its CollectResultsResponse (field 1: result) bytes.
+            encode=lambda spec, out: group_result_bytes(
+                spec.group_id, self.instance_id, out, field=1
+            ),
+            encode_failure=lambda spec, code, message: failed_group_bytes(
+                spec.group_id, self.instance_id, code, message
+            ),
             # The largest GroupResult a message can carry (the send limit less its framing).
             max_result_bytes=DEFAULT_MAX_MESSAGE_BYTES - 64 * 1024,
             counters=self.counters,
@@ -110,20 +113,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def _version_protos(self, held=None) -> list[version_pb2.PolicyVersion]:
         return [
             version_pb2.PolicyVersion(policy_id=p, version=v.version, version_id=v.version_id)
-            for p, v in sorted((held or self.versions.held).items())
+            for p, v in sorted((self.versions.held if held is None else held).items())
         ]
-
-    # ----- results on the wire -----------------------------------------------------------------
-
-    def _encode(self, spec: GroupSpec, trajectories: list[TrajectorySpec]) -> bytes:
-        """Once per group, as its CollectResultsResponse (field 1: result) bytes."""
-        return group_result_bytes(spec.group_id, self.instance_id, trajectories, field=1)
-
-    def _encode_failure(self, spec: GroupSpec, code: str, message: str) -> bytes:
-        """The CollectResultsResponse bytes of a group that failed as a whole."""
-        result = rollout_pb2.GroupResult(group_id=spec.group_id, instance_id=self.instance_id)
-        result.error.CopyFrom(status_pb2.Status(code=code_pb2.Code.Value(code), message=message))
-        return pb.CollectResultsResponse(result=result).SerializeToString()
 
     # ----- RPCs ---------------------------------------------------------------------------------
 
@@ -143,7 +134,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if not 0 <= max_wait <= MAX_WAIT_S:
             raise invalid_field("max_wait", f"{max_wait}s outside 0..{MAX_WAIT_S}s")
         for response in await self.store.collect(request.max_groups, max_wait):
-            yield response  # a CollectResultsResponse's wire bytes (see _encode)
+            yield response  # a CollectResultsResponse's wire bytes (see encode above)
 
     async def AckResults(self, request: pb.AckResultsRequest, context):
         check_ids(request.group_ids)

@@ -1,4 +1,5 @@
-"""RolloutService wire <-> domain: prompt groups and weight loads in, with validation.
+"""RolloutService wire <-> domain: prompt groups and weight loads in, with validation;
+a failed group's result out.
 
 Field names in errors are wire names, so a RaaS in any language reports the same fields.
 Requests are checked against what the backend serves (workflows, policies, rewards) and
@@ -11,11 +12,13 @@ import math
 from dataclasses import replace
 
 from google.protobuf import json_format
+from google.rpc import code_pb2, status_pb2
 
 from astra.common.v1 import rollout_pb2
 from astra.engine.validate import MIN_TEMPERATURE
 from astra.errors import invalid_field
 from astra.raas.backend import GroupSpec, RolloutBackend, VersionSpec
+from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.servers.convert import Malformed, check_id, from_array
 from astra.servers.weights_convert import identity
 
@@ -173,3 +176,11 @@ def load_versions(request, policy_ids) -> dict[str, VersionSpec]:
             # This policy comes from its own WeightService; the set still switches together.
             wanted[p] = replace(wanted[p], weights_address=addr)
     return wanted
+
+
+def failed_group_bytes(group_id: str, instance_id: str, code: str, message: str) -> bytes:
+    """The CollectResultsResponse bytes of a group that failed as a whole (`code`: a
+    google.rpc.Code name)."""
+    result = rollout_pb2.GroupResult(group_id=group_id, instance_id=instance_id)
+    result.error.CopyFrom(status_pb2.Status(code=code_pb2.Code.Value(code), message=message))
+    return pb.CollectResultsResponse(result=result).SerializeToString()

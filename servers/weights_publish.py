@@ -122,25 +122,21 @@ async def publish_stream(
         session.close()
 
 
-def _parts(
+async def _parts(
     requests: AsyncIterator[pb.PublishVersionRequest], base_version_id: str
 ) -> AsyncIterator[Part]:
     """The stream's messages as publish parts; a TensorHeader is checked when it is reached."""
-
-    async def convert() -> AsyncIterator[Part]:
-        async for req in requests:
-            part = req.WhichOneof("part")
-            if part == "tensor":
-                t = req.tensor
-                layout = functools.partial(check_publish_tensor, t, base_version_id)
-                yield TensorPart(t.name, t.adler32, t.size_bytes, layout)
-            elif part == "chunk":
-                yield ChunkPart(req.chunk.offset, req.chunk.data)
-            elif part == "file":
-                yield FilePart(req.file.name, req.file.content)
-            elif part == "commit":
-                yield CommitPart(req.commit.num_tensors)
-            else:
-                yield OtherPart()
-
-    return convert()
+    async for req in requests:
+        part = req.WhichOneof("part")
+        if part == "tensor":
+            t = req.tensor
+            layout = functools.partial(check_publish_tensor, t, base_version_id)
+            yield TensorPart(t.name, t.adler32, t.size_bytes, layout)
+        elif part == "chunk":
+            yield ChunkPart(req.chunk.offset, req.chunk.data)
+        elif part == "file":
+            yield FilePart(req.file.name, req.file.content)
+        elif part == "commit":
+            yield CommitPart(req.commit.num_tensors)
+        else:
+            yield OtherPart()
