@@ -1,21 +1,31 @@
-"""RolloutService wire <-> domain: prompt groups in, group results out, with validation.
+"""RolloutService wire <-> domain: prompt groups and weight loads in, with validation;
+a failed group's result out.
 
 Field names in errors are wire names, so a RaaS in any language reports the same fields.
+Requests are checked against what the backend serves (workflows, policies, rewards) and
+its capacity; nothing here runs, admits or loads anything.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from google.protobuf import json_format
+from google.rpc import code_pb2, status_pb2
 
 from astra.common.v1 import rollout_pb2
 from astra.engine.validate import MIN_TEMPERATURE
 from astra.errors import invalid_field
-from astra.raas.backend import GroupSpec
-from astra.servers.convert import Malformed, from_array
+from astra.raas.backend import GroupSpec, RolloutBackend, VersionSpec
+from astra.raas.v1 import rollout_service_pb2 as pb
+from astra.servers.convert import Malformed, check_id, from_array
+from astra.servers.weights_convert import identity
 
 MAX_IDS = 4096
+MAX_GROUPS, MAX_SAMPLES = 1024, 1024
+MAX_GROUP_ID = 256
+MAX_POLICIES = 64
 
 
 def check_ids(ids, field: str = "group_ids") -> None:
@@ -91,3 +101,86 @@ def group_spec(g: rollout_pb2.PromptGroup, where: str) -> GroupSpec:
         reward=g.reward,
         epoch=g.epoch,
     )
+
+
+def group_specs(groups, backend: RolloutBackend, capacity: int) -> list[GroupSpec]:
+    """A SubmitGroupsRequest's groups as GroupSpecs, each checked against `backend`."""
+    if not 1 <= len(groups) <= MAX_GROUPS:
+        raise invalid_field("groups", f"{len(groups)} groups, expected 1..{MAX_GROUPS}")
+    specs, seen = [], set()
+    for i, g in enumerate(groups):
+        where = f"groups[{i}]"
+        check_id(g.group_id, f"{where}.group_id", MAX_GROUP_ID)
+        if g.group_id in seen:
+            raise invalid_field(f"{where}.group_id", f"{g.group_id!r} twice in one request")
+        seen.add(g.group_id)
+        check_bounds(g, where)  # sizes first: nothing looks a long name up
+        if g.workflow not in backend.workflows:
+            raise invalid_field(
+                f"{where}.workflow", f"unknown workflow {g.workflow!r}", reason="UNKNOWN_WORKFLOW"
+            )
+        if not g.policy_ids:
+            raise invalid_field(f"{where}.policy_ids", "at least one policy is required")
+        if len(g.policy_ids) > MAX_POLICIES or len(set(g.policy_ids)) != len(g.policy_ids):
+            raise invalid_field(
+                f"{where}.policy_ids", f"1-{MAX_POLICIES} policies, each listed once"
+            )
+        for j, p in enumerate(g.policy_ids):
+            if p not in backend.policy_ids:
+                raise invalid_field(
+                    f"{where}.policy_ids[{j}]", f"unknown policy {p!r}", reason="UNKNOWN_POLICY"
+                )
+        most = min(MAX_SAMPLES, capacity)
+        if not 1 <= g.num_samples <= most:
+            raise invalid_field(
+                f"{where}.num_samples", f"{g.num_samples} outside 1..{most} (capacity)"
+            )
+        if g.sampling_params.max_new_tokens < 1:
+            raise invalid_field(f"{where}.sampling_params.max_new_tokens", "must be >= 1")
+        check_reward = getattr(backend, "check_reward", None)
+        if check_reward is not None:
+            try:
+                check_reward(g.workflow, g.reward)
+            except LookupError as exc:
+                raise invalid_field(f"{where}.reward", str(exc), reason="UNKNOWN_REWARD") from exc
+        specs.append(group_spec(g, where))
+    return specs
+
+
+def load_versions(request, policy_ids) -> dict[str, VersionSpec]:
+    """A LoadWeightsRequest's versions by policy, each with the address it comes from when
+    that is not `request.weights_address`; ids and policies checked."""
+    if not request.versions:
+        raise invalid_field("versions", "at least one version is required")
+    check_id(request.weights_address, "weights_address", MAX_GROUP_ID)
+    check_id(request.request_id, "request_id")
+    wanted: dict[str, VersionSpec] = {}
+    for i, v in enumerate(request.versions):
+        where = f"versions[{i}]"
+        if v.policy_id not in policy_ids:
+            raise invalid_field(
+                f"{where}.policy_id", f"unknown policy {v.policy_id!r}", reason="UNKNOWN_POLICY"
+            )
+        if v.policy_id in wanted:
+            raise invalid_field(f"{where}.policy_id", f"{v.policy_id!r} listed twice")
+        if v.version < 0:
+            raise invalid_field(f"{where}.version", "must be >= 0")
+        identity(v.version_id, f"{where}.version_id", required=False)
+        wanted[v.policy_id] = VersionSpec(v.version, v.version_id or str(v.version))
+    for p, addr in sorted(request.policy_weights_addresses.items()):
+        where = f"policy_weights_addresses[{p}]"
+        if p not in policy_ids:
+            raise invalid_field(where, f"unknown policy {p!r}", reason="UNKNOWN_POLICY")
+        check_id(addr, where, MAX_GROUP_ID)
+        if p in wanted and addr != request.weights_address:
+            # This policy comes from its own WeightService; the set still switches together.
+            wanted[p] = replace(wanted[p], weights_address=addr)
+    return wanted
+
+
+def failed_group_bytes(group_id: str, instance_id: str, code: str, message: str) -> bytes:
+    """The CollectResultsResponse bytes of a group that failed as a whole (`code`: a
+    google.rpc.Code name)."""
+    result = rollout_pb2.GroupResult(group_id=group_id, instance_id=instance_id)
+    result.error.CopyFrom(status_pb2.Status(code=code_pb2.Code.Value(code), message=message))
+    return pb.CollectResultsResponse(result=result).SerializeToString()

@@ -9,7 +9,9 @@ SaveCheckpoint is idempotent by request_id and served between steps. Pause
 stops new steps after the one in progress (Resume lets them go on); both are
 idempotent. SIGTERM/SIGINT: the step in progress finishes, what is queued is
 published and the last step checkpointed (Trainer.stop, within
-checkpoint.stop_timeout_s), so a resume retakes nothing.
+checkpoint.stop_timeout_s), so a resume retakes nothing. The training steps
+and a follower's life are astra.trainer.serving's; here only the RPCs, the
+server and the signals of rank 0.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from astra.servers.convert import check_id
 from astra.servers.runtime import GrpcServer
 from astra.trainer.config import TrainerConfig
 from astra.trainer.loop import Trainer
+from astra.trainer.serving import follow, train_steps
+from astra.trainer.serving import train_steps as _train  # noqa: F401 (tests import it here)
 from astra.trainer.v1 import trainer_service_pb2 as pb
 from astra.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 
@@ -129,64 +133,10 @@ async def start_trainer(
     return server, trainer
 
 
-async def _train(trainer: Trainer, num_steps: int, metrics: Any = None) -> None:
-    """Trains until `num_steps` optimiser steps are done (0: no end). Iterations whose batch
-    was rejected or whose loss was not finite take no step and do not count."""
-    if not trainer.initialized:
-        await trainer.initialize()
-    target = trainer.step + num_steps if num_steps else None
-    steps = trainer.run_training_async(None)
-    try:
-        async for result in steps:
-            if metrics is not None:
-                metrics.observe_step(result)
-            # astra.run.observe reads this line: one metrics.jsonl row per step, with the
-            # step's accuracy even when no poll saw that step
-            acc = next((k for k in ("accuracy", "reward_mean") if k in result.metrics), None)
-            log.info(
-                "step %d version %d loss %s %s%s",
-                result.step,
-                result.version,
-                result.metrics.get("loss"),
-                result.skipped,
-                f" {acc}={result.metrics[acc]}" if acc else "",
-            )
-            if target is not None and trainer.step >= target:
-                break
-    finally:
-        await steps.aclose()
-    await trainer.publisher.drain()
-    await trainer.checkpoint_at_end()  # `astra run` reads "finished" from the checkpoints
-
-
-FOLLOWER_GRACE_S = 10.0  # beyond checkpoint.stop_timeout_s, for rank 0's "stop" plan
-
-
 async def serve_trainer(config: TrainerConfig) -> None:
     """`astra serve trainer`: train `num_steps` (0: until SIGTERM/SIGINT), serving status."""
     if int(os.environ.get("RANK", "0")) > 0:
-        follower = Trainer(config)
-        loop = asyncio.get_running_loop()
-        bound = config.checkpoint.stop_timeout_s + FOLLOWER_GRACE_S
-
-        exit_at: list[asyncio.TimerHandle] = []
-
-        def stopping() -> None:
-            # torchrun passes its SIGTERM to every rank: a follower goes on following rank 0,
-            # whose stop checkpoints the last step (a collective) and then sends "stop"; past
-            # the bound (rank 0 gone quiet) it exits anyway. A second signal changes nothing.
-            if exit_at:
-                return
-            log.info("rank %s: stopping; following rank 0 to its final checkpoint (%.0f s at "
-                     "most)", os.environ.get("RANK"), bound)  # fmt: skip
-            exit_at.append(loop.call_later(bound, os._exit, 128 + signal.SIGTERM))
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stopping)
-        try:
-            await follower.run_follower()
-        finally:
-            await follower.shutdown()
+        await follow(config)
         return
     server, trainer = await start_trainer(config)
     address = server.address if server is not None else None
@@ -205,7 +155,7 @@ async def serve_trainer(config: TrainerConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    training = asyncio.create_task(_train(trainer, config.num_steps, metrics))
+    training = asyncio.create_task(train_steps(trainer, config.num_steps, metrics))
     stopper = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({training, stopper}, return_when=asyncio.FIRST_COMPLETED)

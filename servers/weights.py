@@ -41,6 +41,7 @@ from astra.weights.store import Store, StoreConfig
 from astra.weights.store_fetch import stored_tensors
 from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.v1 import weight_service_pb2_grpc as pb_grpc
+from astra.weights.views import heads, receiver_versions, version_page
 from astra.weights.wire import deserializer, serialize
 
 log = logging.getLogger(__name__)
@@ -100,18 +101,14 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         size = request.page_size or 100
         if not 1 <= size <= 1000:
             raise invalid_field("page_size", "must be 1-1000")
-        before = _page_token(request.page_token)
-        records = [
-            r
-            for r in self.store.list_versions(request.policy_id)
-            if before is None or r.version < before
-        ]
-        page = records[:size]
+        page, next_below = version_page(
+            self.store, request.policy_id, _page_token(request.page_token), size
+        )
         resp = pb.ListVersionsResponse(
             versions=[version_info(r, self._is_current(request.policy_id, r)) for r in page]
         )
-        if len(records) > size:
-            resp.next_page_token = base64.urlsafe_b64encode(str(page[-1].version).encode()).decode()
+        if next_below is not None:
+            resp.next_page_token = base64.urlsafe_b64encode(str(next_below).encode()).decode()
         return resp
 
     async def GetVersion(self, request: pb.GetVersionRequest, context):
@@ -146,22 +143,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         )
 
     async def GetStatus(self, request: pb.GetStatusRequest, context):
-        currents = []
-        for policy in self.store.policies():
-            head = self.store.chain(policy).head
-            if head is not None:
-                currents.append(version_info(head, True))
-        receivers = {}
-        for policy, entries in self.store.receivers.snapshot().items():
-            chain = self.store.chain(policy) if policy in self.store.policies() else None
-            for receiver_id, held in entries.items():
-                known = [chain.get(h) for h in held] if chain else []
-                newest = max((r for r in known if r), key=lambda r: r.version, default=None)
-                receivers[f"{policy}/{receiver_id}"] = newest.identity if newest else ""
         return pb.GetStatusResponse(
-            current_versions=currents,
+            current_versions=[version_info(head, True) for head in heads(self.store)],
             active_fetches=self.active_fetches,
-            receivers=receivers,
+            receivers=receiver_versions(self.store),
             counters=dict(self.store.counters),
         )
 

@@ -8,7 +8,7 @@ the store is asked anything.
 from __future__ import annotations
 
 from astra.errors import InvalidArgument, invalid_field
-from astra.servers.convert import MAX_DIMS
+from astra.servers.convert import MAX_DIMS, check_id
 from astra.weights.layout import check_identity
 from astra.weights.records import VersionRecord
 from astra.weights.safetensors_io import safetensors_dtype, tensor_nbytes
@@ -115,3 +115,33 @@ def check_publish_tensor(
 def max_frame_bytes(size: int) -> int:
     """The largest zstd frame of `size` bytes (zstd's compress bound, plus header slack)."""
     return size + (size >> 8) + 512
+
+
+def check_publish_header(h: pb.PublishHeader) -> None:
+    """The bounds of a PublishHeader's fields."""
+    check_id(h.policy_id, "header.policy_id")
+    identity(h.version_id, "header.version_id")
+    identity(h.base_version_id, "header.base_version_id", required=False)
+    if h.version < 0:
+        raise invalid_field("header.version", "must be >= 0")
+    if not 0 <= h.num_tensors <= MAX_TENSORS:
+        raise invalid_field("header.num_tensors", f"must be 0-{MAX_TENSORS}")
+    if len(h.metadata) > MAX_METADATA:
+        raise invalid_field("header.metadata", f"more than {MAX_METADATA} entries")
+    for key, value in h.metadata.items():
+        check_id(key, "header.metadata")
+        if len(value) > MAX_METADATA_VALUE:
+            raise invalid_field(
+                f"header.metadata[{key}]", f"longer than {MAX_METADATA_VALUE} characters"
+            )
+
+
+def publish_accepted(session) -> pb.PublishAccepted:
+    """What an earlier attempt staged: names, and what the client compares before it skips."""
+    out = pb.PublishAccepted(held_tensors=session.held)
+    for name, rec in session.held_records():
+        out.held.add(
+            name=name, dtype=rec.dtype, shape=list(rec.shape), adler32=rec.adler32,
+            size_bytes=rec.size_bytes,
+        )  # fmt: skip
+    return out

@@ -1,24 +1,18 @@
 """The FetchVersion stream: start -> plan -> tensors -> acks -> done.
 
-The plan's encoded directory is built once by the store and read through
-mmap by every stream, so N receivers cost N reads of shared pages, never N
-encodings. Tensors go out in name order, skipping those the receiver already
-acknowledged; acknowledgements are read concurrently, and at most
-`window_bytes` of encoded data may wait for them, which bounds what a
-disconnect costs. A refused tensor (the receiver's checksum failed) ends the
-stream with DATA_LOSS naming it, after the store has checked what it served
-(astra.weights.store_health); the receiver resumes with a new stream.
+Here: the FetchStart is checked and converted, the receiver's TensorAcks
+become `Ack`s, and what astra.weights.fetch_stream.serve_fetch yields (the
+plan, tensors in name order, their chunks as wire bytes, files, done) becomes
+FetchVersionResponses. The window, the acknowledgements, resumption and what
+a refused tensor sets off are serve_fetch's and the store's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
-from astra.errors import AstraError, DataLoss, InvalidArgument, Unavailable, invalid_field
+from astra.errors import invalid_field
 from astra.servers.convert import check_id
 from astra.servers.weights_convert import (
     MAX_HELD,
@@ -28,99 +22,23 @@ from astra.servers.weights_convert import (
     version_info,
 )
 from astra.servers.weights_publish import first_message
+from astra.weights.fetch_stream import (
+    Ack,
+    ChunkOut,
+    Done,
+    FetchRequest,
+    FileOut,
+    Planned,
+    StreamSettings,
+    TensorOut,
+    serve_fetch,
+)
 from astra.weights.store import Store
-from astra.weights.store_fetch import open_source
-from astra.weights.throttle import TokenBucket
 from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.wire import chunk_message
 
-MiB = 1 << 20
-MAX_TENSOR_NAME = 1024  # characters of TensorAck.name (weight_service.proto)
 MIN_BYTES_PER_SECOND = 4096  # below, a cap would hold a stream (and the versions it pins) for weeks
-
-
-@dataclass(frozen=True)
-class StreamSettings:
-    """Stream tuning; the chunk size was chosen by measurement (servers/weights.py)."""
-
-    # Below 4 MiB, gRPC's default receive limit, so a stock receiver still reads every message.
-    chunk_bytes: int = 4 * MiB - 64 * 1024
-    # Encoded bytes sent but not yet acknowledged. A receiver acknowledges a tensor only once it
-    # is verified and fsynced, so the window must span more than the largest tensor (an embedding
-    # is ~130-500 MiB) or every big tensor stalls the stream for the receiver's fsync.
-    window_bytes: int = 256 * MiB
-    ack_timeout_s: float = 60.0
-    first_message_timeout_s: float = 30.0
-
-
-class AckReader:
-    """Reads a fetch stream's acknowledgements in the background."""
-
-    def __init__(
-        self, requests: AsyncIterator[pb.FetchVersionRequest], sizes: dict[str, int]
-    ) -> None:
-        self.sizes, self.acked, self.acked_bytes = sizes, set[str](), 0
-        self.error: AstraError | None = None
-        self.closed = False
-        self._event = asyncio.Event()
-        self._task = asyncio.create_task(self._run(requests))
-
-    async def _run(self, requests: AsyncIterator[pb.FetchVersionRequest]) -> None:
-        try:
-            async for req in requests:
-                if req.WhichOneof("part") != "ack":
-                    raise invalid_field("ack", "only TensorAck may follow FetchStart")
-                name, status = req.ack.name, req.ack.status
-                if not 1 <= len(name) <= MAX_TENSOR_NAME:
-                    raise invalid_field("ack.name", f"must be 1-{MAX_TENSOR_NAME} characters")
-                if name not in self.sizes:
-                    raise InvalidArgument(
-                        f"ack for {name!r}, which this stream did not send",
-                        reason="UNKNOWN_TENSOR",
-                        metadata={"tensor": name},
-                    )
-                if status.code != 0:
-                    raise DataLoss(
-                        f"{name}: the receiver refused it: {status.message}",
-                        reason="CHECKSUM_MISMATCH",
-                        metadata={"tensor": name},
-                    )
-                if name not in self.acked:
-                    self.acked.add(name)
-                    self.acked_bytes += self.sizes[name]
-                self._event.set()
-        except AstraError as exc:
-            self.error = exc
-        finally:
-            self.closed = True
-            self._event.set()
-
-    async def wait(self, ready: Callable[[], bool], timeout_s: float) -> None:
-        """Until ready(); raises the reader's error, or when the receiver stops acknowledging."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.error is not None:
-                raise self.error
-            if ready():
-                return
-            if self.closed:
-                raise Unavailable(
-                    "the receiver closed the stream before acknowledging every tensor",
-                    reason="ACKS_MISSING",
-                )
-            self._event.clear()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                # Unavailable: the receiver resumes from what it acknowledged (a slow disk
-                # verifying a large tensor is not the receiver's error).
-                raise Unavailable("no acknowledgement in time", reason="ACK_TIMEOUT")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._event.wait(), left)
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+__all__ = ["StreamSettings", "fetch_stream"]
 
 
 def _check_start(start: pb.FetchStart) -> None:
@@ -138,11 +56,41 @@ def _check_start(start: pb.FetchStart) -> None:
         raise invalid_field("start.receiver_id", "longer than 128 characters")
 
 
+async def _acks(requests: AsyncIterator[pb.FetchVersionRequest]) -> AsyncIterator[Ack]:
+    async for req in requests:
+        if req.WhichOneof("part") != "ack":
+            raise invalid_field("ack", "only TensorAck may follow FetchStart")
+        yield Ack(req.ack.name, req.ack.status.code, req.ack.status.message)
+
+
+def _response(
+    out: Planned | TensorOut | ChunkOut | FileOut | Done,
+) -> pb.FetchVersionResponse | bytes:
+    if isinstance(out, ChunkOut):
+        # The message's wire bytes, built with one copy of the piece (servers/weights.py
+        # registers a serializer that passes bytes through).
+        return chunk_message(out.offset, out.data)
+    if isinstance(out, TensorOut):
+        return pb.FetchVersionResponse(tensor=tensor_header(out.tensor))
+    if isinstance(out, Planned):
+        return pb.FetchVersionResponse(
+            plan=pb.FetchPlan(
+                target=version_info(out.target, out.is_head),
+                base_version_id=out.base_version_id,
+                num_tensors=out.num_tensors,
+                total_bytes=out.total_bytes,
+            )
+        )
+    if isinstance(out, FileOut):
+        return pb.FetchVersionResponse(file=pb.VersionFile(name=out.name, content=out.content))
+    return pb.FetchVersionResponse(done=pb.FetchDone(num_tensors=out.num_tensors))
+
+
 async def fetch_stream(
     store: Store,
     requests: AsyncIterator[pb.FetchVersionRequest],
     settings: StreamSettings,
-) -> AsyncIterator[pb.FetchVersionResponse]:
+) -> AsyncIterator[pb.FetchVersionResponse | bytes]:
     first = await first_message(requests, settings.first_message_timeout_s)
     if first is None or first.WhichOneof("part") != "start":
         raise invalid_field(
@@ -150,82 +98,15 @@ async def fetch_stream(
         )
     start = first.start
     _check_start(start)
-    held = list(start.held_version_ids)
-    source = await asyncio.to_thread(
-        open_source, store, start.policy_id, start.target_version_id, held, start.receiver_id
+    request = FetchRequest(
+        policy_id=start.policy_id,
+        target_version_id=start.target_version_id,
+        held_version_ids=list(start.held_version_ids),
+        acknowledged_tensors=list(start.acknowledged_tensors),
+        max_bytes_per_second=start.max_bytes_per_second,
+        receiver_id=start.receiver_id,
     )
-    reader: AckReader | None = None
-    try:
-        # Resumption needs an explicit target (the proto): with "" the current version may have
-        # changed since, and the names would skip that version's tensors.
-        acked = set(start.acknowledged_tensors) if start.target_version_id else set()
-        todo = [t for t in source.tensors() if t.name not in acked]
-        store.counters["fetch_tensors_resumed"] += len(source.tensors()) - len(todo)
-        target = source.target
-        yield pb.FetchVersionResponse(
-            plan=pb.FetchPlan(
-                target=version_info(target, target is store.chain(start.policy_id).head),
-                base_version_id=source.plan.base if source.plan.kind == "delta" else "",
-                num_tensors=len(todo),
-                total_bytes=sum(t.encoded_size for t in todo),
-            )
-        )
-        reader = AckReader(requests, {t.name: t.encoded_size for t in todo})
-        bucket = TokenBucket(start.max_bytes_per_second) if start.max_bytes_per_second else None
-        sent: dict[str, int] = {}
-        sent_bytes = 0
-
-        def room() -> bool:
-            return sent_bytes - reader.acked_bytes < settings.window_bytes or not sent
-
-        for t in todo:
-            await reader.wait(room, settings.ack_timeout_s)
-            yield pb.FetchVersionResponse(tensor=tensor_header(t))
-            offset = 0
-            for piece in source.chunks(t.name, settings.chunk_bytes):
-                if bucket is not None:
-                    await bucket.take(piece.nbytes)
-                # The message's wire bytes, built with one copy of the piece (servers/weights.py
-                # registers a serializer that passes bytes through).
-                yield chunk_message(offset, piece)
-                offset += piece.nbytes
-            sent[t.name] = t.encoded_size
-            sent_bytes += t.encoded_size
-            store.counters["fetch_tensors_sent"] += 1
-            store.counters["fetch_bytes_sent"] += t.encoded_size
-        if source.plan.kind != "none":
-            for name, content in sorted(source.files.items()):
-                yield pb.FetchVersionResponse(file=pb.VersionFile(name=name, content=content))
-        await reader.wait(lambda: reader.acked >= sent.keys(), settings.ack_timeout_s)
-        if start.receiver_id:
-            await asyncio.to_thread(
-                store.register_receiver,
-                start.policy_id,
-                start.receiver_id,
-                [*held, target.identity],
-            )
-        store.counters["fetches_completed"] += 1
-        yield pb.FetchVersionResponse(done=pb.FetchDone(num_tensors=len(source.tensors())))
-    except DataLoss as exc:
-        tensor = exc.metadata.get("tensor", "")
-        if exc.reason == "CHECKSUM_MISMATCH" and source.version is not None and tensor:
-            # What was served may be damaged: a cache entry is dropped (and rebuilt for the
-            # receiver's next attempt), a stored version that is bad is marked so.
-            served = source.version.path
-            await asyncio.to_thread(store.refused, start.policy_id, target.identity, served, tensor)
-        raise
-    except asyncio.CancelledError:
-        # The receiver hung up: a refusal it sent first is still acted on (off the loop).
-        refusal = reader.error if reader is not None else None
-        if isinstance(refusal, DataLoss) and refusal.reason == "CHECKSUM_MISMATCH":
-            tensor = refusal.metadata.get("tensor", "")
-            if source.version is not None and tensor:
-                asyncio.get_running_loop().run_in_executor(
-                    None, store.refused, start.policy_id, target.identity,
-                    source.version.path, tensor,
-                )  # fmt: skip
-        raise
-    finally:
-        if reader is not None:
-            await reader.close()
-        source.close()
+    # Closed with this stream, so its cleanup runs when this stream's does.
+    async with contextlib.aclosing(serve_fetch(store, request, _acks(requests), settings)) as outs:
+        async for out in outs:
+            yield _response(out)

@@ -851,10 +851,10 @@ def test_raas_survives_fuzzed_requests_on_every_rpc():
                 await fuzz(svc, method, base, i, tame=tame, vary=vary)
             # Every accepted group finishes; then a fresh one runs and is delivered whole.
             for _ in range(500):
-                if not servicer._tasks:
+                if not servicer.groups.tasks:
                     break
                 await asyncio.sleep(0.01)
-            assert not servicer._tasks, "groups still running after the fuzz"
+            assert not servicer.groups.tasks, "groups still running after the fuzz"
             status = await _raas_sane(svc, servicer, capacity)
             assert status.free_slots == capacity and status.running_groups == 0
             pending = [r.result.group_id async for r in client.stub.CollectResults(

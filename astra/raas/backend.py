@@ -1,8 +1,9 @@
 """What a RaaS needs from an inference engine plus workflow: the `RolloutBackend` protocol.
 
-The servicer (astra.servers.raas) owns admission, results, versions and the
-wire; a backend only turns one prompt group into trajectories with the
-weights it holds, and loads new weights when told. Everything here is plain
+Admission and results are astra.raas.groups' (over astra.raas.results),
+versions astra.raas.versions', the wire the servicer's (astra.servers.raas);
+a backend only turns one prompt group into trajectories with the weights it
+holds, and loads new weights when told. Everything here is plain
 Python and numpy: no gRPC, no protobuf, no torch.
 """
 

@@ -54,7 +54,7 @@ class RaasMetrics(Metrics):
         yield gauge(
             "astra_raas_pending_results", "Finished groups not acknowledged yet", store.pending
         )
-        versions = {p: v.version for p, v in s._versions.items()}
+        versions = s.loaded_versions
         yield gauge("astra_raas_policy_version", "Version in service", versions, "policy")
         yield counter(
             "astra_raas_events", "RaaS event counters", {**store.counters, **s.counters}, "event"

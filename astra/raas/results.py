@@ -3,7 +3,7 @@
 `ResultStore` is the RaaS half of at-least-once delivery: a finished result
 stays until AckResults names it and is returned by every collect until then.
 It also accounts for slots (samples that may run at once). It never runs
-anything and never touches the wire; the servicer drives it.
+anything and never touches the wire; astra.raas.groups drives it.
 
 Rules:
 - Admission is idempotent per group id: a group running, or finished and not

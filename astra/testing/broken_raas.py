@@ -398,18 +398,19 @@ def load_is_ignored(servicer, server) -> None:
     async def nothing(wanted, address):
         return 0
 
-    servicer._load = nothing
+    servicer.versions._load = nothing
 
 
 def allows_regression(servicer, server) -> None:
     """Swaps to any version asked, older ones included (rule: VERSION_REGRESSION)."""
-    load = servicer._load
+    versions = servicer.versions
+    load = versions._load
 
     async def reset_then_load(wanted, address):
-        servicer._versions = {p: replace(v, version=-1) for p, v in servicer._versions.items()}
+        versions.held = {p: replace(v, version=-1) for p, v in versions.held.items()}
         return await load(wanted, address)
 
-    servicer._load = reset_then_load
+    versions._load = reset_then_load
 
 
 def reload_refused(servicer, server) -> None:
@@ -417,7 +418,7 @@ def reload_refused(servicer, server) -> None:
 
     def refuse(request):
         held = servicer.loaded_versions
-        if request.request_id not in servicer._load_requests and all(
+        if request.request_id not in servicer.versions.requests and all(
             held.get(v.policy_id) == v.version for v in request.versions
         ):
             raise FailedPrecondition("already loaded", reason="ALREADY_LOADED")
@@ -427,7 +428,7 @@ def reload_refused(servicer, server) -> None:
 
 def forgets_request_ids(servicer, server) -> None:
     """A request id reused for other versions loads them (rule: REQUEST_ID_REUSED)."""
-    _wrap(servicer, "LoadWeights", lambda request: servicer._load_requests.clear())
+    _wrap(servicer, "LoadWeights", lambda request: servicer.versions.requests.clear())
 
 
 def skips_verification(servicer, server) -> None:
