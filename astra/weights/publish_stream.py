@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,8 +97,8 @@ async def receive_parts(
     def check_decoding() -> None:
         """Raises the first failure of a tensor still being decoded (the publish is refused)."""
         for busy in decoding.values():
-            if busy.done() and busy.exception() is not None:
-                raise busy.exception()
+            if busy.done() and (failure := busy.exception()) is not None:
+                raise failure
 
     def durable_acks() -> list[TensorAcked]:
         check_decoding()
@@ -113,7 +113,7 @@ async def receive_parts(
             acks.append(TensorAcked(done.name))
         return acks
 
-    async def reads() -> AsyncIterator[Part | None]:
+    async def reads() -> AsyncGenerator[Part | None, None]:
         """The parts, interleaved with None whenever the oldest syncing tensor became durable."""
         it = aiter(parts)
         pending = asyncio.ensure_future(anext(it))
