@@ -54,7 +54,12 @@ class BrokenTrainer:
         self.token, self.attempt = secrets.token_hex(3), 0
 
     async def publish(self, version: int) -> None:
-        await publish_version(self.weights, self.policy, str(version), version, _tensors(version))
+        try:
+            await publish_version(
+                self.weights, self.policy, str(version), version, _tensors(version)
+            )
+        except Exception as exc:  # refused: the next step publishes the next version
+            log.warning("publish %d failed: %s", version, exc)
 
     async def publish_corrupt(self, version: int) -> None:
         """One raw stream whose tensor's Adler-32 is not its bytes': the service refuses it."""
@@ -129,13 +134,18 @@ class BrokenTrainer:
         self.df, self.wc = DataflowClient(self.dataflow), WeightClient(self.weights)
         status = await self.df.get_status()
         version = next(p.current_version for p in status.policies if p.policy_id == self.policy)
-        if not await self._any():  # a first start
+        latest = await self._latest()
+        if latest is None:  # a first start
             await self.publish(0)
             await self.announce(0)
-        elif self.switch == "no_resume_flag":
-            await self.announce(version)
-        else:
-            await self.announce(version, resumed=True, resumed_from_version=version)
+        else:  # a restart: versions published but not announced first, as Astra's trainer does
+            for v in range(version + 1, latest + 1):
+                await self.announce(v)
+            version = max(version, latest)
+            if self.switch == "no_resume_flag":
+                await self.announce(version)
+            else:
+                await self.announce(version, resumed=True, resumed_from_version=version)
         step, last_rid = 0, ""
         while True:
             step += 1
@@ -146,17 +156,18 @@ class BrokenTrainer:
                 await self.release(nxt, step)
             await self.ack(batch_id, step)
             if self.switch == "stall":
+                self.attempt += 1  # no step: the next batch is of the same version
                 continue
             if self.switch != "announce_before_ack":
                 await self.release(nxt, step)
             version = nxt
 
-    async def _any(self) -> bool:
+    async def _latest(self) -> int | None:
         try:
             page = await self.wc.list_versions(self.policy, page_size=1)
         except grpc.aio.AioRpcError:
-            return False  # POLICY_NOT_FOUND: nothing published yet
-        return bool(page.versions)
+            return None  # POLICY_NOT_FOUND: nothing published yet
+        return page.versions[0].version if page.versions else None
 
 
 def main() -> None:
