@@ -102,6 +102,14 @@ class CheckingDataflow(pb_grpc.DataflowServiceServicer):
         info = {"request_id": request.request_id, "num_groups": request.num_groups}
         info["trainer_version"] = request.trainer_version
         event = self.rec.add("fetch", outcome="refused", **info)
+        try:
+            async for resp in self._batch(request, event):
+                yield resp
+        except AstraError as exc:
+            event.info["reason"] = exc.reason
+            raise
+
+    async def _batch(self, request: pb.FetchBatchRequest, event: Event):
         if not request.request_id:
             raise invalid_field("request_id", "required")
         if not 1 <= request.num_groups <= 65536:
@@ -117,21 +125,22 @@ class CheckingDataflow(pb_grpc.DataflowServiceServicer):
         lease.expire = now + self.shape.lease_s
         event.info.update(batch_id=lease.batch_id, expire=lease.expire)
         header = pb.BatchHeader(
-            batch_id=lease.batch_id, policy_id=self.policy, num_groups=lease.num_groups,
-            num_trajectories=len(lease.trajectories), policy_version=self.current,
-        )  # fmt: skip
+            batch_id=lease.batch_id,
+            policy_id=self.policy,
+            num_groups=lease.num_groups,
+            num_trajectories=len(lease.trajectories),
+            policy_version=self.current,
+        )
         header.lease_expire_time.FromNanoseconds(int((time.time() + self.shape.lease_s) * 1e9))
         yield pb.FetchBatchResponse(header=header)
         if self.rec.run not in self.broken_runs:  # once per run: a stream that breaks
             self.broken_runs.add(self.rec.run)
             event.info["outcome"] = "broken"
-            yield pb.FetchBatchResponse(
-                trajectories=pb.BatchTrajectories(trajectories=lease.trajectories[:1])
-            )
+            part = pb.BatchTrajectories(trajectories=lease.trajectories[:1])
+            yield pb.FetchBatchResponse(trajectories=part)
             raise Unavailable("the checker broke this stream: retry it", reason="STREAM_BROKEN")
-        yield pb.FetchBatchResponse(
-            trajectories=pb.BatchTrajectories(trajectories=lease.trajectories)
-        )
+        part = pb.BatchTrajectories(trajectories=lease.trajectories)
+        yield pb.FetchBatchResponse(trajectories=part)
         footer = pb.BatchFooter(batch_id=lease.batch_id, num_trajectories=len(lease.trajectories))
         event.info["outcome"] = "batch"
         yield pb.FetchBatchResponse(footer=footer)

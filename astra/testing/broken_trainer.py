@@ -31,7 +31,7 @@ log = logging.getLogger("broken_trainer")
 SWITCHES = {
     "stall": "trains",  # fetches and acknowledges, never publishes
     "new_request_id_on_retry": "retry_reuses_request_id",
-    "reuse_acked_request_id": "request_id_not_reused",  # once, at the second step
+    "retry_spent_request_id": "spent_request_id_replaced",  # step 2 asks step 1's id twice
     "late_ack": "batches_acknowledged_in_lease",  # the first batch, after its lease
     "ack_bad_reason": "acks_name_delivered_batches",  # untrained_reason "not trained!" first
     "announce_before_ack": "ack_before_announce",
@@ -88,8 +88,8 @@ class BrokenTrainer:
 
     async def fetch(self, version: int, step: int, last_rid: str) -> tuple[str, str]:
         rid = f"{self.token}-v{version + 1}-a{self.attempt}"
-        if self.switch == "reuse_acked_request_id" and step == 2:
-            rid = last_rid
+        again = 2 if self.switch == "retry_spent_request_id" and step == 2 else 0
+        rid = last_rid if again else rid
         while True:
             try:
                 header, _, _ = await self.df.fetch_batch(
@@ -104,6 +104,9 @@ class BrokenTrainer:
                 ):
                     await asyncio.sleep(0.05)
                     continue  # the same request_id: the same batch
+                if again:
+                    again -= 1
+                    continue  # a spent id asked again
                 log.info("fetch %s: %s; a new request id", rid, code)
                 self.attempt += 1
                 rid = f"{self.token}-v{version + 1}-a{self.attempt}"

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 REASON = re.compile(r"[A-Za-z0-9_]{1,64}")
+SPENT = ("REQUEST_ID_REUSED", "BATCH_LEASE_EXPIRED")  # FetchBatch: use a new request_id
 
 
 @dataclass
@@ -97,19 +98,22 @@ def retry_reuses_request_id(r: Recording) -> str:
     return f"{seen} broken stream(s) retried with the same request_id"
 
 
-def request_id_not_reused(r: Recording) -> str:
-    acked: set[str] = set()
-    by_batch = {
-        e.info["batch_id"]: e.info["request_id"] for e in r.of("fetch") if "batch_id" in e.info
-    }
-    for e in r.events:
-        if e.kind == "ack" and e.info["batch_id"] in by_batch:
-            acked.add(by_batch[e.info["batch_id"]])
-        if e.kind == "fetch" and e.info["request_id"] in acked:
+def spent_request_id_replaced(r: Recording) -> str:
+    fetches, seen = r.of("fetch"), 0
+    for i, e in enumerate(fetches):
+        if e.info.get("reason") not in SPENT:
+            continue
+        after = [f for f in fetches[i + 1 :] if f.run == e.run]
+        if not after:
+            continue
+        seen += 1
+        if after[0].info["request_id"] == e.info["request_id"]:
             raise Failed(
-                f"request_id {e.info['request_id']!r} fetched again after its batch was acknowledged"
+                f"request_id {e.info['request_id']!r} refused {e.info['reason']}, then asked again"
             )
-    return f"{len(acked)} acknowledged request ids, none fetched again"
+    if not seen:
+        raise Skip("no fetch was refused for a spent request_id")
+    return f"{seen} spent request id(s), each replaced by a new one"
 
 
 def batches_acknowledged_in_lease(r: Recording) -> str:
@@ -219,7 +223,7 @@ Rule = tuple[str, str, Callable[[Recording], str]]
 RULES: tuple[Rule, ...] = (
     ("trains", "each run commits the versions asked for (else the rules below see little)", trains),
     ("retry_reuses_request_id", "a broken FetchBatch stream is retried with the same request_id", retry_reuses_request_id),
-    ("request_id_not_reused", "a request_id whose batch was acknowledged is never fetched again", request_id_not_reused),
+    ("spent_request_id_replaced", "after REQUEST_ID_REUSED or BATCH_LEASE_EXPIRED a fetch takes a new request_id", spent_request_id_replaced),
     ("batches_acknowledged_in_lease", "every batch delivered is acknowledged (or extended) before its lease ends", batches_acknowledged_in_lease),
     ("acks_name_delivered_batches", "AckBatch names a delivered batch; untrained_reason is 1-64 [A-Za-z0-9_]", acks_name_delivered_batches),
     ("ack_before_announce", "the batch of a step is acknowledged before the version it made is announced", ack_before_announce),
