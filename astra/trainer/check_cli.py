@@ -4,7 +4,7 @@ Starts a checking DataflowService and a real WeightService on 127.0.0.1
 (servers/trainer_check.py), runs COMMAND with `{dataflow}`, `{weights}` and
 `{policy}` filled in (`{{`/`}}` are literal braces) until it has committed --steps
 new versions, and stops it (SIGTERM, then SIGKILL after --grace). With --restart it
-is SIGKILLed instead and started again for as many more. Then each rule of
+is stopped by --restart-signal (SIGKILL by default) and started again for as many more. Then each rule of
 astra.trainer.contract_rules is judged over what was recorded: one line per rule
 (PASS, FAIL, SKIP) or one JSON object with --json. Exit status: 0 when no rule
 failed, 1 when one did (or COMMAND could not start), 2 usage. The trainer runs in a
@@ -63,7 +63,8 @@ async def _one_run(argv: list[str], run: int, services, opts: dict, log) -> None
             break
         await asyncio.sleep(POLL_S)
     last = run == opts["runs"]
-    await _stop(proc, signal.SIGTERM if last else signal.SIGKILL, opts["grace_s"])
+    sig = signal.SIGTERM if last else getattr(signal, f"SIG{opts['restart_signal']}")
+    await _stop(proc, sig, opts["grace_s"])
     rec.add("run_end", returncode=proc.returncode)
 
 
@@ -97,7 +98,9 @@ def trainer_group() -> None:
 @trainer_group.command("check", context_settings={"ignore_unknown_options": True})
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True,
               help="New versions each run of the trainer must commit.")  # fmt: skip
-@click.option("--restart", is_flag=True, help="SIGKILL the trainer after --steps, start it again.")
+@click.option("--restart", is_flag=True, help="Stop the trainer after --steps, start it again.")
+@click.option("--restart-signal", type=click.Choice(["KILL", "TERM"]), default="KILL",
+              show_default=True, help="How --restart stops the first run.")  # fmt: skip
 @click.option("--policy", default="policy", show_default=True, help="The policy ({policy}).")
 @click.option("--vocab-size", type=click.IntRange(min=2), default=256, show_default=True,
               help="Token ids of the synthetic batches are below this.")  # fmt: skip
