@@ -14,7 +14,9 @@ stops the trainer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +67,16 @@ class Recorder:
         return event
 
 
+@contextlib.contextmanager
+def noted(event: Event) -> Iterator[None]:
+    """A refusal raised inside is noted on the event (its ErrorInfo reason), then raised."""
+    try:
+        yield
+    except AstraError as exc:
+        event.info["reason"] = exc.reason
+        raise
+
+
 class CheckingDataflow(pb_grpc.DataflowServiceServicer):
     def __init__(self, policy: str, shape: BatchShape, recorder: Recorder, store) -> None:
         self.policy, self.shape, self.rec, self.store = policy, shape, recorder, store
@@ -102,18 +114,18 @@ class CheckingDataflow(pb_grpc.DataflowServiceServicer):
         info = {"request_id": request.request_id, "num_groups": request.num_groups}
         info["trainer_version"] = request.trainer_version
         event = self.rec.add("fetch", outcome="refused", **info)
-        try:
+        with noted(event):
             async for resp in self._batch(request, event):
                 yield resp
-        except AstraError as exc:
-            event.info["reason"] = exc.reason
-            raise
 
     async def _batch(self, request: pb.FetchBatchRequest, event: Event):
         if not request.request_id:
             raise invalid_field("request_id", "required")
         if not 1 <= request.num_groups <= 65536:
             raise invalid_field("num_groups", "must be 1..65536")
+        if request.trainer_version < 0 or request.max_wait.ToNanoseconds() < 0:
+            field_name = "trainer_version" if request.trainer_version < 0 else "max_wait"
+            raise invalid_field(field_name, "must not be negative")
         self._policy(request.policy_id, "policy_id")
         lease = self.leases.get(request.request_id)
         now = time.monotonic()
@@ -145,7 +157,7 @@ class CheckingDataflow(pb_grpc.DataflowServiceServicer):
         event.info["outcome"] = "batch"
         yield pb.FetchBatchResponse(footer=footer)
 
-    def _leased(self, batch_id: str, event: Event) -> Lease:
+    def _leased(self, batch_id: str) -> Lease:
         lease = self.by_batch.get(batch_id)
         if lease is None:
             raise NotFound(f"unknown batch {batch_id!r}", reason="BATCH_NOT_FOUND")
@@ -158,18 +170,20 @@ class CheckingDataflow(pb_grpc.DataflowServiceServicer):
         event = self.rec.add(
             "ack", batch_id=request.batch_id, untrained_reason=why, outcome="refused"
         )
-        if why and not REASON.fullmatch(why):
-            raise invalid_field("untrained_reason", "1-64 letters, digits and underscores")
-        lease = self._leased(request.batch_id, event)
+        with noted(event):
+            if why and not REASON.fullmatch(why):
+                raise invalid_field("untrained_reason", "1-64 letters, digits and underscores")
+            lease = self._leased(request.batch_id)
         fresh = 0 if lease.acked else lease.num_groups
         lease.acked, event.info["outcome"] = True, "ok"
         return pb.AckBatchResponse(consumed_groups=fresh)
 
     async def ExtendBatchLease(self, request: pb.ExtendBatchLeaseRequest, context):
         event = self.rec.add("extend", batch_id=request.batch_id, outcome="refused")
-        lease = self._leased(request.batch_id, event)
-        if lease.acked:
-            raise FailedPrecondition("acknowledged", reason="BATCH_ACKNOWLEDGED")
+        with noted(event):
+            lease = self._leased(request.batch_id)
+            if lease.acked:
+                raise FailedPrecondition("acknowledged", reason="BATCH_ACKNOWLEDGED")
         lease.expire = time.monotonic() + self.shape.lease_s
         event.info.update(outcome="ok", expire=lease.expire)
         resp = pb.ExtendBatchLeaseResponse()
@@ -177,8 +191,11 @@ class CheckingDataflow(pb_grpc.DataflowServiceServicer):
         return resp
 
     def _held(self, version: int) -> str | None:
-        chain = self.store._chains.get(self.policy)
-        records = chain.records if chain is not None else []
+        """The identity the WeightService holds committed at `version`, or None."""
+        try:
+            records = self.store.list_versions(self.policy)
+        except NotFound:
+            return None
         return next((r.identity for r in records if r.version == version), None)
 
     async def AnnounceVersion(self, request: pb.AnnounceVersionRequest, context):
@@ -191,15 +208,18 @@ class CheckingDataflow(pb_grpc.DataflowServiceServicer):
             resumed_from_version=resumed_from, current_before=self.current,
             new=v.version == self.current + 1, held=self._held(v.version), outcome="refused",
         )  # fmt: skip
-        self._policy(v.policy_id, "version.policy_id")
-        if v.version < 0:
-            raise invalid_field("version.version", "negative")
-        if not request.weights_address:
-            raise invalid_field("weights_address", "required")
-        if v.version not in (self.current, self.current + 1):
-            raise FailedPrecondition(f"version {v.version} after {self.current}",
-                                     reason="VERSION_NOT_NEXT",
-                                     metadata={"current_version": str(self.current)})  # fmt: skip
+        with noted(event):
+            self._policy(v.policy_id, "version.policy_id")
+            if v.version < 0:
+                raise invalid_field("version.version", "negative")
+            if not request.weights_address:
+                raise invalid_field("weights_address", "required")
+            if v.version not in (self.current, self.current + 1):
+                raise FailedPrecondition(
+                    f"version {v.version} after {self.current}",
+                    reason="VERSION_NOT_NEXT",
+                    metadata={"current_version": str(self.current)},
+                )
         repeat = v.version == self.current
         self.current, event.info["outcome"] = v.version, "ok"
         return pb.AnnounceVersionResponse(current_version=self.current, already_announced=repeat)

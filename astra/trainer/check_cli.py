@@ -139,5 +139,7 @@ def check_command(
         width = max(len(v.name) for v in verdicts)
         for v in verdicts:
             click.echo(f"{v.status.upper():4}  {v.name:{width}}  {v.detail}")
+            if v.status == "fail":
+                click.echo(f"      {'':{width}}  (rule: {v.rule})")
         click.echo(f"{report['pass']} passed, {report['fail']} failed, {report['skip']} skipped")
     sys.exit(0 if report["ok"] else 1)

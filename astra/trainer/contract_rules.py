@@ -33,7 +33,8 @@ class Event:
 class Verdict:
     name: str
     status: str  # "pass", "fail" or "skip"
-    detail: str
+    detail: str  # what was seen
+    rule: str = ""  # the rule's one-line explanation
 
 
 @dataclass
@@ -236,13 +237,13 @@ RULES: tuple[Rule, ...] = (
 
 def evaluate(recording: Recording) -> list[Verdict]:
     out = []
-    for name, _, rule in RULES:
+    for name, text, rule in RULES:
         try:
-            out.append(Verdict(name, "pass", rule(recording)))
+            out.append(Verdict(name, "pass", rule(recording), text))
         except Failed as exc:
-            out.append(Verdict(name, "fail", str(exc)))
+            out.append(Verdict(name, "fail", str(exc), text))
         except Skip as exc:
-            out.append(Verdict(name, "skip", str(exc)))
+            out.append(Verdict(name, "skip", str(exc), text))
     return out
 
 
