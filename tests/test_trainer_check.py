@@ -63,6 +63,7 @@ def test_the_broken_trainer_without_a_switch_passes_every_rule(tmp_path: Path) -
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # two starts of a torch process, on a loaded machine
 def test_astras_trainer_passes_every_rule_across_a_restart(tmp_path: Path, monkeypatch) -> None:
     model = save_tiny_trainer_model(tmp_path / "model")
     monkeypatch.setenv("ASTRA_TRAINER__BATCH__NUM_GROUPS", "1")
