@@ -61,6 +61,7 @@ def _add_subcommands() -> None:
     from astra.run.raas_cli import raas
     from astra.run.top import top_command
     from astra.tls_cli import tls
+    from astra.trainer.check_cli import trainer_group
     from astra.trainer.cli import trainer_command
     from astra.trainer.sft_cli import sft_command
     from astra.weights.cli import weights
@@ -73,6 +74,7 @@ def _add_subcommands() -> None:
     main.add_command(doctor_command)
     main.add_command(sft_command)
     main.add_command(tls)
+    main.add_command(trainer_group)
     serve.add_command(trainer_command, "trainer")
 
 
