@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import secrets
+from typing import Any
 
 import grpc
 import numpy as np
@@ -80,7 +81,7 @@ class BrokenTrainer:
         except grpc.aio.AioRpcError as exc:
             log.info("corrupt publish refused: %s", exc.code().name)
 
-    async def announce(self, version: int, **more: object) -> None:
+    async def announce(self, version: int, **more: Any) -> None:
         try:
             await self.df.announce_version(self.policy, version, self.weights, **more)
         except grpc.aio.AioRpcError as exc:

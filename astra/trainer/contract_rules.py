@@ -120,7 +120,7 @@ def spent_request_id_replaced(r: Recording) -> str:
 def batches_acknowledged_in_lease(r: Recording) -> str:
     ends = {e.run: e.t for e in r.of("run_end")}
     whole = [e for e in r.of("fetch") if e.info["outcome"] == "batch"]
-    done = {}
+    done: dict[str, list[tuple]] = {}
     for e in r.events:  # the first accepted ack or extension after each lease grant
         if e.kind in ("ack", "extend") and e.info["outcome"] == "ok":
             done.setdefault(e.info["batch_id"], []).append((e.t, e.kind, e.info.get("expire")))
