@@ -362,7 +362,7 @@ def serve_weights(
     )
 
     async def run() -> None:
-        from astra.servers.weights import serve_weights as serve
+        from astra.servers.weights_serve import serve_weights as serve
 
         await serve(store_dir, host, port, config=config, metrics_port=metrics_port)
 

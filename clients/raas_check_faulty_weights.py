@@ -33,12 +33,8 @@ FAULTS = ("corrupt", "truncated")
 async def start_faulty_weights(store_dir: str, fault: str) -> Any:
     """A real WeightService over `store_dir` whose fetched chunks are damaged (a fake server):
     "corrupt" flips their first byte, "truncated" sends only their first half."""
-    from astra.servers.weights import (
-        SERVICE_NAME,
-        WeightServer,
-        WeightServicer,
-        add_weight_service,
-    )
+    from astra.servers.weights import SERVICE_NAME, WeightServicer
+    from astra.servers.weights_serve import WeightServer, add_weight_service
     from astra.weights.store import Store, StoreConfig
     from astra.weights.v1 import weight_service_pb2 as wpb
 

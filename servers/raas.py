@@ -9,7 +9,6 @@ the server's interceptor. Never generates, admits or loads anything itself.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -24,9 +23,8 @@ from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
 from astra.raas.versions import WeightVersions
 from astra.servers.raas_convert import check_ids, failed_group_bytes, group_specs, load_versions
-from astra.servers.registrar import Registrar
 from astra.servers.result_wire import group_result_bytes
-from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, with_raw_responses
+from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES
 
 CONTRACT_VERSION = "1.0.0"
 MAX_COLLECT = 4096
@@ -181,41 +179,3 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def close(self) -> None:
         """Cancels every running group (their results are not produced)."""
         await self.groups.close()
-
-
-async def start_raas(
-    backend: RolloutBackend,
-    *,
-    capacity: int,
-    dataflow_address: str | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    instance_id: str | None = None,
-    labels: dict[str, str] | None = None,
-    initial_versions: dict[str, int] | None = None,
-    grace_s: float = 5.0,
-    load_timeout_s: float = LOAD_TIMEOUT_S,
-) -> tuple[GrpcServer, RolloutServicer, Registrar | None]:
-    """Starts a RolloutService on host:port (0 = any); registers with Dataflow when given.
-
-    Health turns SERVING once the server listens. The Registrar (None
-    without `dataflow_address`) keeps trying in the background; stop it
-    before the server to deregister.
-    """
-    servicer = RolloutServicer(
-        backend, capacity, initial_versions=initial_versions, load_timeout_s=load_timeout_s
-    )
-    server = GrpcServer(host, port, grace_s=grace_s)
-    name = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
-    add = with_raw_responses(
-        pb_grpc.add_RolloutServiceServicer_to_server, name, ("CollectResults",)
-    )
-    server.add_service(add, servicer, name)
-    await server.start(serving=False)
-    servicer.instance_id = instance_id or f"raas-{server.address}-{time.time_ns() // 1_000_000}"
-    await server.set_serving(True)
-    registrar = None
-    if dataflow_address:
-        registrar = Registrar(dataflow_address, servicer, server.address, labels=labels)
-        registrar.start()
-    return server, servicer, registrar

@@ -10,8 +10,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from astra.raas.backend import RolloutBackend
+from astra.raas.v1 import rollout_service_pb2 as pb
+from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
+from astra.servers.raas import LOAD_TIMEOUT_S, RolloutServicer
+from astra.servers.registrar import Registrar
+from astra.servers.runtime import GrpcServer, with_raw_responses
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +55,6 @@ class RaasOptions:
 
 async def serve_raas(opts: RaasOptions) -> None:
     from astra.raas.engine_backend import EngineBackend
-    from astra.servers.raas import start_raas
     from astra.servers.raas_engines import build_engine
     from astra.servers.raas_weights import ReceiverWeightLoader
     from astra.servers.runtime import serve_until_signal
@@ -142,3 +149,41 @@ async def serve_raas(opts: RaasOptions) -> None:
     await serve_until_signal(server, on_stop=on_stop)
     if engine_died:
         raise SystemExit(ENGINE_DIED_EXIT)
+
+
+async def start_raas(
+    backend: RolloutBackend,
+    *,
+    capacity: int,
+    dataflow_address: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    instance_id: str | None = None,
+    labels: dict[str, str] | None = None,
+    initial_versions: dict[str, int] | None = None,
+    grace_s: float = 5.0,
+    load_timeout_s: float = LOAD_TIMEOUT_S,
+) -> tuple[GrpcServer, RolloutServicer, Registrar | None]:
+    """Starts a RolloutService on host:port (0 = any); registers with Dataflow when given.
+
+    Health turns SERVING once the server listens. The Registrar (None
+    without `dataflow_address`) keeps trying in the background; stop it
+    before the server to deregister.
+    """
+    servicer = RolloutServicer(
+        backend, capacity, initial_versions=initial_versions, load_timeout_s=load_timeout_s
+    )
+    server = GrpcServer(host, port, grace_s=grace_s)
+    name = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+    add = with_raw_responses(
+        pb_grpc.add_RolloutServiceServicer_to_server, name, ("CollectResults",)
+    )
+    server.add_service(add, servicer, name)
+    await server.start(serving=False)
+    servicer.instance_id = instance_id or f"raas-{server.address}-{time.time_ns() // 1_000_000}"
+    await server.set_serving(True)
+    registrar = None
+    if dataflow_address:
+        registrar = Registrar(dataflow_address, servicer, server.address, labels=labels)
+        registrar.start()
+    return server, servicer, registrar

@@ -27,7 +27,8 @@ from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
 from astra.errors import AstraError, FailedPrecondition, NotFound, Unavailable, invalid_field
 from astra.servers.runtime import GrpcServer
 from astra.servers.weights import SERVICE_NAME as WEIGHTS_SERVICE
-from astra.servers.weights import WeightServer, WeightServicer, add_weight_service
+from astra.servers.weights import WeightServicer
+from astra.servers.weights_serve import WeightServer, add_weight_service
 from astra.trainer.contract_rules import REASON, Event
 from astra.trainer.synthetic import random_group
 from astra.weights.store import Store

@@ -127,8 +127,8 @@ async def scripted_system(tmp_path: Path, dataset: Path):
     """What a trainer process needs, in process: a WeightService (not durable), a Dataflow and
     a scripted RaaS registered with it. Yields (Dataflow server, Dataflow client, weights)."""
     from astra.raas.scripted import ScriptedGenerator
-    from astra.servers.raas import start_raas
-    from astra.servers.weights import start_weights
+    from astra.servers.raas_serve import start_raas
+    from astra.servers.weights_serve import start_weights
     from astra.weights.store import StoreConfig
 
     weights = await start_weights(tmp_path / "store", config=StoreConfig(durable=False))

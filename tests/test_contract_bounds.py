@@ -404,7 +404,7 @@ def RolloutService(loop: Loop) -> Target:
 
 @pytest.fixture(scope="module")
 def TrainerService(loop: Loop, tmp_path_factory) -> Target:
-    from astra.servers.trainer import start_trainer
+    from astra.servers.trainer_serve import start_trainer
     from astra.trainer.synthetic import MemorySink, SyntheticSource
     from tests.test_trainer_service import config
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from astra.raas.scripted import ScriptedGenerator
-from astra.servers.raas import start_raas
+from astra.servers.raas_serve import start_raas
 from tests.conftest import running_dataflow
 from tests.test_dataflow_invariants import POLICY, dataflow_config, raas, run, until
 

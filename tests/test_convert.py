@@ -248,7 +248,7 @@ def test_a_dataflow_told_the_vocabulary_counts_out_of_vocabulary_groups_malforme
     import asyncio
 
     from astra.raas.scripted import ScriptedGenerator
-    from astra.servers.raas import start_raas
+    from astra.servers.raas_serve import start_raas
     from tests.conftest import make_config, running_dataflow
 
     config = make_config(dataset, tmp_path / "df", grace_s=0.1)

@@ -34,7 +34,7 @@ from astra.dataflow.pool import InstanceState
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.raas.scripted import ScriptedGenerator
 from astra.servers.convert import incoming_group
-from astra.servers.raas import start_raas
+from astra.servers.raas_serve import start_raas
 from tests.conftest import error_info, free_port, make_config, running_dataflow
 
 POLICY = "policy"

@@ -15,7 +15,7 @@ from astra.raas.backend import VersionSpec
 from astra.raas.engine_backend import EngineBackend
 from astra.rewards import UnknownReward
 from astra.servers.convert import incoming_group
-from astra.servers.raas import start_raas
+from astra.servers.raas_serve import start_raas
 from astra.workflows import WORKFLOWS, register_workflow, sample_seed
 from astra.workflows.registry import UnknownWorkflow
 from tests.test_workflows import ByteTokenizer, ScriptedTestEngine, make_group, run

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from astra.metrics import Metrics, counter, gauge
-from astra.servers.trainer import _train, start_trainer
+from astra.servers.trainer import _train
+from astra.servers.trainer_serve import start_trainer
 from astra.tls_certs import init_ca, issue
 from astra.trainer.config import TrainerConfig
 from astra.trainer.metrics import TrainerMetrics
@@ -84,7 +85,7 @@ def test_raas_metrics_follow_groups_and_weight_loads():
     from astra.raas.engine_backend import EngineBackend
     from astra.raas.metrics import RaasMetrics
     from astra.raas.v1 import rollout_service_pb2 as rpb
-    from astra.servers.raas import start_raas
+    from astra.servers.raas_serve import start_raas
     from tests.test_engine_backend import FakeLoader
     from tests.test_workflows import ScriptedTestEngine
 
@@ -139,7 +140,7 @@ def test_raas_metrics_follow_groups_and_weight_loads():
 
 def test_weight_service_metrics_follow_publishes_and_fetches(tmp_path):
     from astra.clients.weights_stream import Receiver, publish_version
-    from astra.servers.weights import start_weights
+    from astra.servers.weights_serve import start_weights
     from astra.weights.metrics import WeightMetrics
     from astra.weights.store import StoreConfig
     from tests.test_weights_store import chain_of

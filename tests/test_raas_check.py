@@ -21,8 +21,8 @@ from astra.clients.raas_check import CheckOptions, RaasChecker
 from astra.clients.raas_rules import summary
 from astra.clients.weights_publish import publish_version
 from astra.raas.scripted import ScriptedGenerator
-from astra.servers.raas import start_raas
-from astra.servers.weights import start_weights
+from astra.servers.raas_serve import start_raas
+from astra.servers.weights_serve import start_weights
 from astra.testing.fake_engines import FakeEngineServer
 from astra.weights.store import StoreConfig
 from tests.test_e2e_raas import perturbed_tiny

@@ -21,7 +21,7 @@ import pytest
 from astra.clients.raas_check import CHECKS, CheckOptions, RaasChecker
 from astra.clients.raas_rules import InstanceInUse
 from astra.clients.weights_publish import publish_version
-from astra.servers.weights import start_weights
+from astra.servers.weights_serve import start_weights
 from astra.testing.broken_raas import CATCHES, SWITCHES, start_broken_raas
 from astra.weights.store import StoreConfig
 

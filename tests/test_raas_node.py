@@ -36,7 +36,7 @@ from astra.common.v1 import version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
 from astra.raas.v1 import rollout_service_pb2 as rs_pb
 from astra.raas.v1 import rollout_service_pb2_grpc as rs_grpc
-from astra.servers.weights import start_weights
+from astra.servers.weights_serve import start_weights
 from astra.tls_certs import init_ca, issue
 from astra.tls_crl import revoke, serial_of
 from astra.weights.store import StoreConfig

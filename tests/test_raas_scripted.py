@@ -24,7 +24,7 @@ from astra.raas.results import ResultStore
 from astra.raas.scripted import PROMPT_LENGTH, LatencyModel, ScriptedGenerator
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.servers.convert import incoming_group
-from astra.servers.raas import start_raas
+from astra.servers.raas_serve import start_raas
 from astra.servers.registrar import Registrar
 from astra.servers.runtime import GrpcServer
 from astra.testing import scripted_raas

@@ -889,7 +889,7 @@ def test_raas_survives_fuzzed_requests_on_every_rpc():
 
 
 def test_trainer_survives_fuzzed_requests_on_every_rpc(tmp_path: Path):
-    from astra.servers.trainer import start_trainer
+    from astra.servers.trainer_serve import start_trainer
     from astra.trainer.synthetic import MemorySink, SyntheticSource
     from tests.test_trainer_service import config
 

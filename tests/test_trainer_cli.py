@@ -57,7 +57,7 @@ def test_two_rank_trainer_process_trains_announces_and_checkpoints(
 def test_flags_env_and_yaml_make_one_validated_config(tmp_path: Path, monkeypatch) -> None:
     from click.testing import CliRunner
 
-    import astra.servers.trainer as served
+    import astra.servers.trainer_serve as served
     from astra.trainer.cli import _argv, trainer_command
 
     seen = {}

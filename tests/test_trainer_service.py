@@ -17,8 +17,8 @@ from astra.engine.api import Sampling
 from astra.engine.tiny import TINY_CONFIG, load_model, random_model, save_model
 from astra.engine.torch_engine import TorchEngine
 from astra.engine.torch_weights import load_state
-from astra.servers.trainer import start_trainer
-from astra.servers.weights import start_weights
+from astra.servers.trainer_serve import start_trainer
+from astra.servers.weights_serve import start_weights
 from astra.trainer.config import TrainerConfig
 from astra.trainer.loop import Trainer
 from astra.trainer.parallel import full_state

@@ -14,7 +14,7 @@ from astra.clients.raas import RolloutClient
 from astra.common.v1 import version_pb2
 from astra.raas.backend import VersionSpec
 from astra.raas.engine_backend import EngineBackend
-from astra.servers.raas import start_raas
+from astra.servers.raas_serve import start_raas
 from astra.servers.raas_weights import ReceiverWeightLoader
 from astra.servers.rollout_port import GrpcRolloutPort
 from astra.trainer.setup import agree_version

@@ -19,7 +19,7 @@ import torch
 import zstandard
 
 from astra.clients.weights_stream import Receiver, publish_version
-from astra.servers.weights import start_weights
+from astra.servers.weights_serve import start_weights
 from astra.weights.checkpoint import apply_delta, inspect, load_tensors, write_delta, write_full
 from astra.weights.layout import INDEX_NAME, ChecksumMismatch
 from astra.weights.store import StoreConfig

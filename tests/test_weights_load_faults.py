@@ -30,7 +30,7 @@ from astra.errors import Unavailable
 from astra.raas.backend import VersionSpec
 from astra.raas.scripted import ScriptedGenerator
 from astra.servers import raas_weights
-from astra.servers.raas import start_raas
+from astra.servers.raas_serve import start_raas
 from astra.servers.raas_weights import ReceiverWeightLoader
 from astra.weights.deadline import DeadlineExceeded
 from tests.conftest import error_info, running_dataflow
@@ -42,7 +42,7 @@ from tests.test_weights_store import chain_of, same
 T = 30  # seconds: the bound of every test body
 
 SERVE = (
-    "import asyncio, sys; from astra.servers.weights import serve_weights; "
+    "import asyncio, sys; from astra.servers.weights_serve import serve_weights; "
     "asyncio.run(serve_weights(sys.argv[1], port=0))"
 )
 FETCH = "from astra.weights.cli import weights; weights()"

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from astra.clients.weights import WeightClient
 from astra.clients.weights_stream import Receiver, publish_version
 from astra.errors import AlreadyExists, DataLoss
-from astra.servers.weights import start_weights
 from astra.servers.weights_fetch import StreamSettings
+from astra.servers.weights_serve import start_weights
 from astra.weights.checkpoint import write_full
 from astra.weights.checksum import adler32_hex
 from astra.weights.cli import weights

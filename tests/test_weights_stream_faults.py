@@ -15,7 +15,7 @@ import pytest
 
 from astra.clients.weights import WeightClient
 from astra.clients.weights_stream import Receiver, publish_version
-from astra.servers.weights import start_weights
+from astra.servers.weights_serve import start_weights
 from astra.weights.checksum import adler32_hex
 from astra.weights.layout import Version
 from astra.weights.store import Store, StoreConfig
@@ -124,7 +124,7 @@ def test_receiver_killed_by_sigkill_resumes_in_a_new_process(tmp_path: Path) -> 
 
 
 SERVE = (
-    "import asyncio, sys; from astra.servers.weights import serve_weights; "
+    "import asyncio, sys; from astra.servers.weights_serve import serve_weights; "
     "asyncio.run(serve_weights(sys.argv[1], port=int(sys.argv[2])))"
 )
 

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from astra.raas.scripted import LatencyModel, ScriptedGenerator
-from astra.servers.raas import start_raas
+from astra.servers.raas_serve import start_raas
 from astra.servers.runtime import install_event_loop_policy, serve_until_signal
 
 

@@ -91,7 +91,7 @@ def trainer_command(
 
         held = acquire_or_exit(config.checkpoint.dir, "trainer")  # one writer per root
     from astra.damage import exit_if_damaged
-    from astra.servers.trainer import serve_trainer
+    from astra.servers.trainer_serve import serve_trainer
 
     with exit_if_damaged("trainer"):
         asyncio.run(serve_trainer(config))

@@ -2,7 +2,7 @@
 
     python tools/bench/raas_host.py --dataflow HOST:PORT --count 16 --capacity 64 --tokens 1024
 
-Each server is a real astra.raas.v1.RolloutService (`astra.servers.raas.start_raas`) over a
+Each server is a real astra.raas.v1.RolloutService (`astra.servers.raas_serve.start_raas`) over a
 `ScriptedGenerator(tokens_override=N, delay_s=0)`, registered with Dataflow by its own
 Registrar; all share one event loop. Prints one JSON line when every server is up
 (`{"service": "raas_host", "addresses": [...], "instance_ids": [...]}`) and runs until
@@ -22,7 +22,7 @@ import signal
 import sys
 
 from astra.raas.scripted import ScriptedGenerator
-from astra.servers.raas import start_raas
+from astra.servers.raas_serve import start_raas
 from astra.servers.runtime import install_event_loop_policy
 
 

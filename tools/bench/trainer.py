@@ -115,7 +115,7 @@ def service_main(store: str) -> None:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     from astra.servers.runtime import install_event_loop_policy
-    from astra.servers.weights import start_weights
+    from astra.servers.weights_serve import start_weights
     from astra.weights.store import StoreConfig
 
     install_event_loop_policy()

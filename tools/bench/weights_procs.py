@@ -339,7 +339,7 @@ def service(store: str) -> None:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     load_event_loop_policy()
-    from astra.servers.weights import start_weights
+    from astra.servers.weights_serve import start_weights
     from astra.weights.store import StoreConfig
 
     async def main() -> None:
