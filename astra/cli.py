@@ -42,7 +42,8 @@ def main(ctx: click.Context, tls_dir: str | None) -> None:
     """Astra: asynchronous RL post-training over gRPC services."""
     import os
 
-    from astra.tls import ENV_DIR, TlsConfigError, current_tls
+    from astra.tls import current_tls
+    from astra.tls_material import ENV_DIR, TlsConfigError
 
     if tls_dir is not None:
         os.environ[ENV_DIR] = tls_dir

@@ -88,7 +88,8 @@ class Metrics:
     def serve(self, host: str, port: int) -> int:
         """Starts /metrics on (host, port) (0 picks a port); returns the bound port. HTTPS
         with client certificates required when this process runs with mutual TLS."""
-        from astra.tls import current_tls, tls_paths
+        from astra.tls import current_tls
+        from astra.tls_material import tls_paths
 
         if current_tls() is None:  # checked: a wrong setting fails here, naming the file
             server, _thread = start_http_server(port, addr=host, registry=self.registry)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from astra.authz import ROLE_URI_PREFIX, ROLES, RoleError, check_roles, roles_of_uris
 from astra.scopes import policies_of_uris, policy_uri
-from astra.tls import CRL_FILE, DIR_FILES, TlsConfigError, expires_in_s
+from astra.tls_material import CRL_FILE, DIR_FILES, TlsConfigError, expires_in_s
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")

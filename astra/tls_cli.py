@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from astra.authz import ROLES
-from astra.tls import DIR_FILES, ENV_DIR, TlsConfigError
 from astra.tls_crl import DEFAULT_DAYS
+from astra.tls_material import DIR_FILES, ENV_DIR, TlsConfigError
 
 
 @click.group("tls")
@@ -140,8 +140,9 @@ def show_command(directory: Path) -> None:
     even when expired or broken, which exits 1."""
     from cryptography import x509
 
-    from astra.tls import chains_to_ca, expires_in_s, load_tls
+    from astra.tls import load_tls
     from astra.tls_certs import cert_policies, cert_roles
+    from astra.tls_material import chains_to_ca, expires_in_s
 
     paths = {k: directory / name for k, name in DIR_FILES.items()}
     try:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from astra.tls import (
+from astra.tls_material import (
     CRL_FILE,
     ENV_CRL,
     ENV_DIR,
@@ -174,8 +174,8 @@ def revoke(
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
 
-    from astra.tls import chains_to_ca
     from astra.tls_certs import CA_CERT, CA_KEY, _write
+    from astra.tls_material import chains_to_ca
 
     try:
         ca_pem = (ca_dir / CA_CERT).read_bytes()

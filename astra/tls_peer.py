@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from cryptography import x509
 
-from astra.tls import TlsMaterial
+from astra.tls_material import TlsMaterial
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from typing import Any
 import grpc
 
 from astra.clients.revocation import check_server, peer_check, revocation_interceptors
-from astra.tls import TlsMaterial, current_tls
+from astra.tls import current_tls
+from astra.tls_material import TlsMaterial
 from astra.tls_peer import PeerCheck
 
 log = logging.getLogger(__name__)

@@ -38,10 +38,10 @@ from astra.clients.raas_rules import (
     Warned,
     rpc,
 )
+from astra.clients.rollout_port import decode_results
 from astra.common.v1 import rollout_pb2, version_pb2
 from astra.dataflow.ports import IncomingGroup
 from astra.raas.v1 import rollout_service_pb2 as pb
-from astra.servers.rollout_port import decode_results
 
 CONTRACT_MAJOR = "1"
 MAX_WAIT_S = 30.0  # CollectResults.max_wait bound (rollout_service.proto)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from astra.clients.raas_rules import CheckFailed
-from astra.servers.convert import from_array
+from astra.common.arrays import from_array
 
 if TYPE_CHECKING:
     from astra.clients.raas_check import RaasChecker

@@ -16,7 +16,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from astra.tls import TlsMaterial
+from astra.tls_material import TlsMaterial
 from astra.tls_peer import PeerCheck, RevokedPeer
 
 DOMAIN = "astra.tls"

@@ -17,7 +17,7 @@ from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
 from astra.servers import dataflow_checks as checks
-from astra.servers.convert import check_id
+from astra.servers.checks import check_id
 from astra.servers.dataflow_batch import batch_messages
 
 CONTRACT_VERSION = "1.0.0"

@@ -8,12 +8,12 @@ most a CollectResults message, within every default limit). Never decides what i
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 
 from astra.dataflow.records import Batch
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.protowire import LEN, key, varint
-from astra.servers.convert import trajectories_parts
 
 CHUNK_BYTES = 8 << 20
 _TRAJECTORIES_KEY = key(2, LEN)  # FetchBatchResponse.trajectories
@@ -58,3 +58,31 @@ def _chunk(pending: list[tuple[bytes, float]]) -> bytes:
     """A serialized FetchBatchResponse{trajectories} built from stored bytes."""
     parts, size = trajectories_parts(pending)
     return b"".join([_TRAJECTORIES_KEY, varint(size), *parts])
+
+
+_ADVANTAGE_TAG = bytes([(9 << 3) | 1])  # Trajectory.advantage, fixed64
+_REPEATED_TAG = bytes([(1 << 3) | 2])  # field 1, length-delimited
+_DOUBLE = struct.Struct("<d")
+
+
+def trajectories_parts(payloads_and_advantages) -> tuple[list, int]:
+    """The parts of a serialized BatchTrajectories (see `trajectories_blob`) and their
+    total length, not joined, so a caller can put its own header in front with one copy."""
+    parts: list = []
+    size = 0
+    pack = _DOUBLE.pack
+    for payload, adv in payloads_and_advantages:
+        n = len(payload) + 9
+        head = varint(n)
+        parts += (_REPEATED_TAG, head, payload, _ADVANTAGE_TAG, pack(adv))
+        size += 1 + len(head) + n
+    return parts, size
+
+
+def trajectories_blob(payloads_and_advantages: list[tuple[bytes, float]]) -> bytes:
+    """Serialized BatchTrajectories built from stored trajectory bytes, advantages set.
+
+    Appending a field to a serialized message overrides it (last value wins), so
+    stored payloads are never decoded on the batch path.
+    """
+    return b"".join(trajectories_parts(payloads_and_advantages)[0])

@@ -11,7 +11,7 @@ import re
 
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.errors import invalid_field
-from astra.servers.convert import MAX_ID_CHARS, check_id
+from astra.servers.checks import MAX_ID_CHARS, check_id
 from astra.servers.weights_convert import identity
 
 MAX_LIST = 256

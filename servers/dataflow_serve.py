@@ -34,8 +34,8 @@ def _settle_gc() -> None:
 
 async def start_dataflow(config, connector=None):
     """Builds and starts a Dataflow server; returns (GrpcServer, Dataflow, metrics server)."""
+    from astra.clients.rollout_port import connect
     from astra.dataflow.metrics import serve_metrics
-    from astra.servers.rollout_port import connect
     from astra.servers.runtime import GrpcServer, with_raw_responses
 
     vocab = {p.id: p.vocab_size for p in config.policies if p.vocab_size is not None}

@@ -14,12 +14,13 @@ from dataclasses import replace
 from google.protobuf import json_format
 from google.rpc import code_pb2, status_pb2
 
+from astra.common.arrays import Malformed, from_array
 from astra.common.v1 import rollout_pb2
 from astra.engine.validate import MIN_TEMPERATURE
 from astra.errors import invalid_field
 from astra.raas.backend import GroupSpec, RolloutBackend, VersionSpec
 from astra.raas.v1 import rollout_service_pb2 as pb
-from astra.servers.convert import Malformed, check_id, from_array
+from astra.servers.checks import check_id
 from astra.servers.weights_convert import identity
 
 MAX_IDS = 4096

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from astra.clients.registrar import Registrar
 from astra.raas.backend import RolloutBackend
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
 from astra.servers.raas import LOAD_TIMEOUT_S, RolloutServicer
-from astra.servers.registrar import Registrar
 from astra.servers.runtime import GrpcServer, with_raw_responses
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,9 @@ class RaasOptions:
 
 
 async def serve_raas(opts: RaasOptions) -> None:
+    from astra.clients.raas_weights import ReceiverWeightLoader
     from astra.raas.engine_backend import EngineBackend
     from astra.servers.raas_engines import build_engine
-    from astra.servers.raas_weights import ReceiverWeightLoader
     from astra.servers.runtime import serve_until_signal
 
     if not opts.engine_python and opts.engine != "vllm":

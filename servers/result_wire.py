@@ -21,10 +21,10 @@ import struct
 import numpy as np
 from google.rpc import code_pb2
 
+from astra.common.arrays import DTYPES, dtype_name
 from astra.common.v1 import rollout_pb2
 from astra.protowire import varint
 from astra.raas.backend import SequenceSpec, TrajectorySpec
-from astra.servers.convert import DTYPES, dtype_name
 
 _LEN, _VARINT, _I64 = 2, 0, 1
 _FINISH = {

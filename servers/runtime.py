@@ -23,7 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from astra.servers.authz import RoleGuard
 from astra.servers.errors import ErrorInterceptor, domain_from_method
 from astra.servers.reflection import Reflection
-from astra.tls import TlsFiles, TlsMaterial, tls_files
+from astra.tls import TlsFiles, tls_files
+from astra.tls_material import TlsMaterial
 
 
 class PortUnavailable(OSError):

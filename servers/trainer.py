@@ -22,7 +22,7 @@ from typing import Any
 from astra import __version__
 from astra.common.v1 import capabilities_pb2
 from astra.errors import FailedPrecondition, Unavailable, invalid_field
-from astra.servers.convert import check_id
+from astra.servers.checks import check_id
 from astra.trainer.loop import Trainer
 from astra.trainer.serving import train_steps as _train  # noqa: F401 (tests import it here)
 from astra.trainer.v1 import trainer_service_pb2 as pb

@@ -14,6 +14,7 @@ import os
 import signal
 from typing import Any
 
+from astra.clients.trainer_sources import GRPC
 from astra.servers.runtime import GrpcServer
 from astra.servers.trainer import SERVICE_NAME, TrainerServicer
 from astra.trainer.config import TrainerConfig
@@ -29,7 +30,7 @@ async def start_trainer(
     config: TrainerConfig, *, source: Any = None, sink: Any = None, grace_s: float = 5.0
 ) -> tuple[GrpcServer | None, Trainer]:
     """Starts the TrainerService (unless port is None), then loads the model; SERVING after."""
-    trainer = Trainer(config, source=source, sink=sink)
+    trainer = Trainer(config, source=source, sink=sink, connect=GRPC)
     server = None
     if config.port is not None:
         server = GrpcServer(config.host, config.port, grace_s=grace_s)

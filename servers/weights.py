@@ -27,7 +27,7 @@ from typing import Any
 from astra import __version__
 from astra.common.v1 import capabilities_pb2
 from astra.errors import invalid_field
-from astra.servers.convert import MAX_ID_CHARS, check_id
+from astra.servers.checks import MAX_ID_CHARS, check_id
 from astra.servers.weights_convert import identity, tensor_header, version_info
 from astra.servers.weights_fetch import StreamSettings, fetch_stream
 from astra.servers.weights_publish import publish_stream

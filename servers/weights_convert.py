@@ -7,8 +7,9 @@ the store is asked anything.
 
 from __future__ import annotations
 
+from astra.common.arrays import MAX_DIMS
 from astra.errors import InvalidArgument, invalid_field
-from astra.servers.convert import MAX_DIMS, check_id
+from astra.servers.checks import check_id
 from astra.weights.layout import check_identity
 from astra.weights.records import VersionRecord
 from astra.weights.safetensors_io import safetensors_dtype, tensor_nbytes

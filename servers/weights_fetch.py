@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from astra.errors import invalid_field
-from astra.servers.convert import check_id
+from astra.servers.checks import check_id
 from astra.servers.weights_convert import (
     MAX_HELD,
     MAX_TENSORS,

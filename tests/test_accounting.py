@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from astra.clients.trainer_sources import GRPC
 from astra.run.summary import build_summary, read_state
 from astra.trainer.config import TrainerConfig
 from astra.trainer.loop import Trainer
@@ -66,7 +67,8 @@ def test_steps_lost_by_a_trainer_restart_are_counted_discarded_not_trained(
     async def body() -> None:
         async with scripted_system(tmp_path, dataset) as (df_server, client, weights):
             first = Trainer(
-                trainer_config(tmp_path, df_server.address, weights.address, resume=False)
+                trainer_config(tmp_path, df_server.address, weights.address, resume=False),
+                connect=GRPC,
             )
             try:
                 await steps(first, 2)
@@ -76,7 +78,8 @@ def test_steps_lost_by_a_trainer_restart_are_counted_discarded_not_trained(
             finally:
                 await first.shutdown()  # no checkpoint of steps 3-5: they die with it
             again = Trainer(
-                trainer_config(tmp_path, df_server.address, weights.address, resume=True)
+                trainer_config(tmp_path, df_server.address, weights.address, resume=True),
+                connect=GRPC,
             )
             try:
                 await steps(again, 2)
@@ -128,7 +131,8 @@ def test_a_second_resume_from_the_same_checkpoint_counts_each_batch_once(
     async def body() -> dict[str, int]:
         async with scripted_system(tmp_path, dataset) as (df_server, client, weights):
             first = Trainer(
-                trainer_config(tmp_path, df_server.address, weights.address, resume=False)
+                trainer_config(tmp_path, df_server.address, weights.address, resume=False),
+                connect=GRPC,
             )
             try:
                 await steps(first, 1)
@@ -139,7 +143,8 @@ def test_a_second_resume_from_the_same_checkpoint_counts_each_batch_once(
                 await first.shutdown()
             for n in (1, 1):
                 again = Trainer(
-                    trainer_config(tmp_path, df_server.address, weights.address, resume=True)
+                    trainer_config(tmp_path, df_server.address, weights.address, resume=True),
+                    connect=GRPC,
                 )
                 try:
                     await steps(again, n)

@@ -7,9 +7,11 @@ import math
 import numpy as np
 import pytest
 
+from astra.common.arrays import from_array, to_array
+from astra.common.group_convert import incoming_group
 from astra.common.v1 import rollout_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
-from astra.servers.convert import from_array, incoming_group, to_array, trajectories_blob
+from astra.servers.dataflow_batch import trajectories_blob
 
 
 def sequence(

@@ -26,6 +26,7 @@ import pytest
 
 from astra.clients.dataflow import DataflowClient
 from astra.clients.raas import RolloutClient
+from astra.common.group_convert import incoming_group
 from astra.common.v1 import rollout_pb2
 from astra.dataflow import dispatch
 from astra.dataflow.config import DataflowConfig
@@ -33,7 +34,6 @@ from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.pool import InstanceState
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.raas.scripted import ScriptedGenerator
-from astra.servers.convert import incoming_group
 from astra.servers.raas_serve import start_raas
 from tests.conftest import error_info, free_port, make_config, running_dataflow
 
@@ -1312,9 +1312,9 @@ def test_a_storage_failure_during_ingest_stops_dataflow_before_it_acknowledges(
 def test_a_trainer_step_longer_than_the_batch_lease_keeps_its_batch(tmp_path):
     """The trainer extends the lease while it trains (Feed.leased): a step that outlasts
     leases.batch_lease_s does not send its groups back to be trained a second time."""
+    from astra.clients.trainer_sources import DataflowSource
     from astra.trainer.config import TrainerConfig
     from astra.trainer.feed import Feed
-    from astra.trainer.sources import DataflowSource
 
     config = dataflow_config(tmp_path, 8, leases={"batch_lease_s": 1.0})
 
@@ -1413,7 +1413,7 @@ def test_with_no_trainer_dataflow_keeps_buffering_within_its_bounds(tmp_path, et
 def test_a_collector_that_fails_on_a_bug_is_logged_restarted_and_loses_nothing(
     tmp_path, monkeypatch
 ):
-    from astra.servers.rollout_port import GrpcRolloutPort
+    from astra.clients.rollout_port import GrpcRolloutPort
 
     n = 8
     config = dataflow_config(tmp_path, n, pool={"heartbeat_interval_s": 0.2})

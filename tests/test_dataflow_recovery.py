@@ -927,7 +927,7 @@ def test_groups_dropped_untrained_give_their_off_policy_slots_back(tmp_path):
 def test_a_result_that_does_not_parse_is_counted_not_fatal_to_the_collector(tmp_path):
     """A RaaS bug sends bytes that are no GroupResult (a string with bad UTF-8): decoding
     raised in the collector, which was restarted and collected the same bytes forever."""
-    from astra.servers.rollout_port import GrpcRolloutPort
+    from astra.clients.rollout_port import GrpcRolloutPort
 
     bad_traj = b"\x12\x03\x0a\x01\xff"  # Trajectory.trajectory_id = b"\xff"
     named = b"\x0a\x03s/0" + bad_traj  # GroupResult.group_id = "s/0", then the bad part

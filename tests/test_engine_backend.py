@@ -9,12 +9,12 @@ from contextlib import asynccontextmanager
 import pytest
 
 from astra.clients.raas import RolloutClient
+from astra.common.group_convert import incoming_group
 from astra.common.v1 import rollout_pb2, version_pb2
 from astra.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 from astra.raas.backend import VersionSpec
 from astra.raas.engine_backend import EngineBackend
 from astra.rewards import UnknownReward
-from astra.servers.convert import incoming_group
 from astra.servers.raas_serve import start_raas
 from astra.workflows import WORKFLOWS, register_workflow, sample_seed
 from astra.workflows.registry import UnknownWorkflow

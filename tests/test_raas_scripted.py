@@ -15,6 +15,8 @@ import pytest
 from google.rpc import code_pb2, error_details_pb2
 
 from astra.clients.raas import RolloutClient
+from astra.clients.registrar import Registrar
+from astra.common.group_convert import incoming_group
 from astra.common.v1 import rollout_pb2, version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as df_grpc
@@ -23,9 +25,7 @@ from astra.raas.backend import GroupSpec
 from astra.raas.results import ResultStore
 from astra.raas.scripted import PROMPT_LENGTH, LatencyModel, ScriptedGenerator
 from astra.raas.v1 import rollout_service_pb2 as pb
-from astra.servers.convert import incoming_group
 from astra.servers.raas_serve import start_raas
-from astra.servers.registrar import Registrar
 from astra.servers.runtime import GrpcServer
 from astra.testing import scripted_raas
 from tests.conftest import error_info

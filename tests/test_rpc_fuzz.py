@@ -30,11 +30,12 @@ from google.protobuf.message_factory import GetMessageClass
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from astra.common.arrays import to_array
+from astra.common.group_convert import incoming_group
 from astra.common.v1 import array_pb2, rollout_pb2, version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
 from astra.raas.scripted import MAX_SEQ_LEN, ScriptedGenerator
 from astra.raas.v1 import rollout_service_pb2 as raas_pb
-from astra.servers.convert import incoming_group, to_array
 from astra.servers.weights_fetch import StreamSettings
 from astra.trainer.v1 import trainer_service_pb2 as trainer_pb
 from astra.weights.v1 import weight_service_pb2 as w_pb

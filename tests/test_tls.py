@@ -24,8 +24,9 @@ import pytest
 from astra.clients.dataflow import DataflowClient
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as pb_grpc
-from astra.tls import TlsConfigError, load_tls, tls_paths
+from astra.tls import load_tls
 from astra.tls_certs import cert_policies, cert_roles, init_ca, issue
+from astra.tls_material import TlsConfigError, tls_paths
 from tests.conftest import make_config
 from tests.procs import start_dataflow, start_scripted_raas
 

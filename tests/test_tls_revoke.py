@@ -26,9 +26,10 @@ from astra import tls
 from astra.cli import main
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as df_grpc
-from astra.tls import TlsConfigError, TlsFiles, load_tls
+from astra.tls import TlsFiles, load_tls
 from astra.tls_certs import child_credential, init_ca, issue
 from astra.tls_crl import revoke, serial_of
+from astra.tls_material import TlsConfigError
 from astra.weights.v1 import weight_service_pb2 as w_pb
 from astra.weights.v1 import weight_service_pb2_grpc as w_grpc
 from tests.conftest import error_info, make_config, running_dataflow

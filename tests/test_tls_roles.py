@@ -26,8 +26,8 @@ from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
 from astra.dataflow.v1 import dataflow_service_pb2_grpc as df_grpc
 from astra.raas.v1 import rollout_service_pb2 as raas_pb
 from astra.raas.v1 import rollout_service_pb2_grpc as raas_grpc
-from astra.tls import TlsConfigError
 from astra.tls_certs import cert_policies, cert_roles, child_credential, init_ca, issue
+from astra.tls_material import TlsConfigError
 from astra.trainer.v1 import trainer_service_pb2 as trainer_pb
 from astra.weights.v1 import weight_service_pb2 as w_pb
 from astra.weights.v1 import weight_service_pb2_grpc as w_grpc

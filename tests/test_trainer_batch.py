@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from astra.servers.convert import to_array
+from astra.common.arrays import to_array
 from astra.trainer.batch import (
     BatchRejected,
     build_batch,

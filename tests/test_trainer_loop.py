@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from astra.common.arrays import to_array
 from astra.config import ConfigError, load_config
 from astra.engine.tiny import tiny_model
-from astra.servers.convert import to_array
 from astra.trainer.checkpoint import list_checkpoints, read_checkpoint
 from astra.trainer.config import TrainerConfig
 from astra.trainer.loop import Trainer
@@ -274,8 +274,8 @@ def test_an_ack_refused_by_dataflow_is_counted_not_retried() -> None:
 def test_dataflow_source_reports_an_unreachable_dataflow_as_unavailable() -> None:
     import socket
 
+    from astra.clients.trainer_sources import DataflowSource
     from astra.errors import Unavailable
-    from astra.trainer.sources import DataflowSource
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -12,6 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from astra.clients.trainer import TrainerClient
+from astra.clients.trainer_sources import GRPC
 from astra.clients.weights_stream import Receiver
 from astra.engine.api import Sampling
 from astra.engine.tiny import TINY_CONFIG, load_model, random_model, save_model
@@ -150,7 +151,7 @@ def test_a_run_against_dataflow_and_a_scripted_rollout_service(tmp_path: Path, d
                 weights=service.address,
                 batch={"num_groups": 2, "max_wait_s": 5.0},
             )
-            trainer = Trainer(cfg)
+            trainer = Trainer(cfg, connect=GRPC)
             try:
                 results = [r async for r in trainer.run_training_async(2)]
                 assert [r.version for r in results] == [1, 2]

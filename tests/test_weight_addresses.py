@@ -11,14 +11,14 @@ import grpc
 import pytest
 
 from astra.clients.raas import RolloutClient
+from astra.clients.raas_weights import ReceiverWeightLoader
+from astra.clients.rollout_port import GrpcRolloutPort
+from astra.clients.trainer_sources import DataflowSource, WeightServiceSink
 from astra.common.v1 import version_pb2
 from astra.raas.backend import VersionSpec
 from astra.raas.engine_backend import EngineBackend
 from astra.servers.raas_serve import start_raas
-from astra.servers.raas_weights import ReceiverWeightLoader
-from astra.servers.rollout_port import GrpcRolloutPort
 from astra.trainer.setup import agree_version
-from astra.trainer.sources import DataflowSource, WeightServiceSink
 from tests.conftest import error_info, running_dataflow
 from tests.test_dataflow_invariants import POLICY, dataflow_config
 from tests.test_engine_backend import FakeLoader

@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from astra.clients.raas import RolloutClient
+from astra.clients.raas_weights import ReceiverWeightLoader
 from astra.clients.weights import WeightClient
 from astra.clients.weights_stream import Receiver, publish_version
 from astra.common.v1 import version_pb2
@@ -31,7 +32,6 @@ from astra.raas.backend import VersionSpec
 from astra.raas.scripted import ScriptedGenerator
 from astra.servers import raas_weights
 from astra.servers.raas_serve import start_raas
-from astra.servers.raas_weights import ReceiverWeightLoader
 from astra.weights.deadline import DeadlineExceeded
 from tests.conftest import error_info, running_dataflow
 from tests.procs import Proc

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from astra import parent_death
-from astra.tls import ENV_DIR, ENV_NODE_CA
 from astra.tls_certs import child_credential
+from astra.tls_material import ENV_DIR, ENV_NODE_CA
 
 log = logging.getLogger(__name__)
 

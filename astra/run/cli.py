@@ -161,8 +161,9 @@ def _tls(wanted: bool, root: Path) -> None:
     gave, which they inherit, else with `tls: true` a CA and a loopback credential of the
     run's own (the supervisor's), made once in RUN_DIR/tls, and a credential per child role
     (per node and role with --ray) issued from it as children start (astra.run.children)."""
-    from astra.tls import ENV_DIR, ENV_NODE_CA, current_tls
+    from astra.tls import current_tls
     from astra.tls_certs import DEFAULT_HOSTS, expiring, init_ca, issue
+    from astra.tls_material import ENV_DIR, ENV_NODE_CA
 
     if current_tls() is not None or not wanted:
         return

@@ -60,8 +60,8 @@ from typing import Any
 from astra.run.children import Child, ChildFailed
 from astra.run.ray_actor import process_actor
 from astra.run.recipe import Recipe
-from astra.tls import ENV_DIR, ENV_NODE_CA
 from astra.tls_certs import child_credential
+from astra.tls_material import ENV_DIR, ENV_NODE_CA
 
 log = logging.getLogger("astra.run")
 SERVE_ROLES = ("dataflow", "weights", "raas", "trainer")

@@ -23,7 +23,7 @@ def _run_tls(run_dir: Path) -> None:
     """A run made with `tls: true` is watched with its own credentials, unless others are set."""
     import os
 
-    from astra.tls import ENV_DIR, tls_paths
+    from astra.tls_material import ENV_DIR, tls_paths
 
     own = run_dir / "tls"
     if (own / "cert.pem").is_file() and tls_paths() is None:

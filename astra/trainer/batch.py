@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from astra.common.arrays import Malformed, from_array
 from astra.common.v1 import rollout_pb2
-from astra.servers.convert import Malformed, from_array
 
 
 class BatchRejected(Exception):

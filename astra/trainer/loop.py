@@ -35,7 +35,7 @@ from astra.trainer.feed import Feed
 from astra.trainer.losses import StalenessMetrics
 from astra.trainer.parallel import broadcast_object, full_state, init_distributed, world
 from astra.trainer.publisher import Publisher
-from astra.trainer.sources import BatchSource, WeightSink, retrying
+from astra.trainer.sources import BatchSource, Connect, WeightSink, retrying
 from astra.trainer.state import StateMixin
 from astra.trainer.step import TrainingStepResult, train_on_batch
 
@@ -69,8 +69,11 @@ class Trainer(StateMixin):
         *,
         source: BatchSource | None = None,
         sink: WeightSink | None = None,
+        connect: Connect | None = None,
     ) -> None:
-        self.config, self.source, self.sink = config, source, sink
+        """`connect` builds rank 0's source and sink from the config where none is given
+        (astra.clients.trainer_sources.GRPC: the services the config names)."""
+        self.config, self.source, self.sink, self.connect = config, source, sink, connect
         self.rank, self.world_size, self.step, self.version = 0, 1, 0, 0
         self.counters: Counter[str] = Counter()
         self.timings: Counter[str] = Counter()
@@ -116,8 +119,9 @@ class Trainer(StateMixin):
             await self._compute(self.load_checkpoint, c.checkpoint.dir)
         first = False
         if self.rank == 0:
-            self.source = self.source or setup.make_source(c)
-            self.sink = self.sink or setup.make_sink(c, self.hf_config)
+            if self.connect is not None:
+                self.source = self.source or self.connect.source(c)
+                self.sink = self.sink or self.connect.sink(c, self.hf_config)
             self.feed.source = self.source
             both = self.source is not None and self.sink is not None
             announce = self.source.announce if both else None  # type: ignore[union-attr]

@@ -28,10 +28,7 @@ from astra.trainer.config import TrainerConfig
 from astra.trainer.parallel import build_model
 from astra.trainer.sources import (
     BatchSource,
-    DataflowSource,
-    WeightServiceSink,
     WeightSink,
-    model_files,
 )
 
 log = logging.getLogger(__name__)
@@ -80,24 +77,6 @@ def make_optimizer(config: TrainerConfig, model: CausalLM) -> torch.optim.Optimi
     return torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
     )
-
-
-def make_source(config: TrainerConfig) -> BatchSource | None:
-    if config.dataflow is None:
-        return None
-    return DataflowSource(
-        config.dataflow,
-        config.policy_id,
-        trainer_id=config.trainer_id,
-        weights_address=config.weights or "",
-        max_wait_s=config.batch.max_wait_s,
-    )
-
-
-def make_sink(config: TrainerConfig, hf_config: dict[str, Any]) -> WeightSink | None:
-    if config.weights is None or not config.publish.enabled:
-        return None
-    return WeightServiceSink(config.weights, config.policy_id, model_files(config.model, hf_config))
 
 
 async def agree_version(

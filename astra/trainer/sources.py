@@ -1,16 +1,16 @@
 """Where the trainer's batches come from and where its versions go, behind two small protocols.
 
 `BatchSource` (fetch / ack / current version / announce) is Dataflow in
-production (`DataflowSource`); `WeightSink` (latest version / publish) is the
-WeightService (`WeightServiceSink`). Custom loops and tests pass their own.
-Transport failures surface as `BatchNotReady` (retry the same request id)
-or `RequestIdSpent` (use a new one); every other error propagates.
+production; `WeightSink` (latest version / publish) is the WeightService: both over gRPC in
+astra.clients.trainer_sources, handed to the trainer by whoever starts it (`Connect`).
+Custom loops and tests pass their own. Transport failures surface as `BatchNotReady` (retry
+the same request id) or `RequestIdSpent` (use a new one); every other error propagates as
+a domain error (astra.errors). Never imports gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import grpc
-
 from astra.common.v1 import rollout_pb2
-from astra.errors import AstraError, NotFound, Unavailable
+from astra.errors import AstraError, Unavailable
 
 log = logging.getLogger(__name__)
 MAX_FILE_BYTES = 8 << 20  # the WeightService's bound on an extra file
@@ -61,6 +59,14 @@ class BatchSource(Protocol):
     async def close(self) -> None: ...
 
 
+class Connect(Protocol):
+    """Builds rank 0's source and sink from the config (None where it names no service)."""
+
+    def source(self, config: Any) -> BatchSource | None: ...
+
+    def sink(self, config: Any, hf_config: Mapping[str, Any]) -> WeightSink | None: ...
+
+
 class WeightSink(Protocol):
     async def latest_version(self) -> int | None: ...
 
@@ -69,163 +75,6 @@ class WeightSink(Protocol):
     ) -> None: ...
 
     async def close(self) -> None: ...
-
-
-def _code(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
-    from astra.clients.weights import domain_error
-
-    return exc.code(), domain_error(exc).reason
-
-
-async def _batch_call(rpc: str, call: Callable[[str], Awaitable[Any]], batch_id: str) -> Any:
-    """`call(batch_id)`; Dataflow not answering is Unavailable (worth retrying), any other
-    failure its domain error (the batch was acknowledged, expired, unknown)."""
-    from astra.clients.weights import domain_error
-
-    try:
-        return await call(batch_id)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise Unavailable(
-                f"{rpc} {batch_id}: {exc.code().name}: {exc.details()}",
-                reason="DATAFLOW_UNREACHABLE",
-                metadata={"batch_id": batch_id},
-            ) from exc
-        raise domain_error(exc) from exc
-
-
-class DataflowSource:
-    """BatchSource over DataflowService."""
-
-    def __init__(
-        self,
-        address: str,
-        policy_id: str,
-        *,
-        trainer_id: str,
-        weights_address: str,
-        max_wait_s: float = 10.0,
-    ) -> None:
-        from astra.clients.dataflow import DataflowClient
-
-        self.client = DataflowClient(address)
-        self.policy_id, self.trainer_id = policy_id, trainer_id
-        self.weights_address, self.max_wait_s = weights_address, max_wait_s
-
-    async def fetch(
-        self, request_id: str, num_groups: int, trainer_version: int = 0
-    ) -> FetchedBatch:
-        try:
-            header, trajectories, footer = await self.client.fetch_batch(
-                self.policy_id,
-                num_groups,
-                request_id,
-                trainer_id=self.trainer_id,
-                max_wait_s=self.max_wait_s,
-                trainer_version=trainer_version,
-            )
-        except ConnectionError as exc:
-            raise BatchNotReady(str(exc)) from exc
-        except grpc.aio.AioRpcError as exc:
-            code, reason = _code(exc)
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise BatchNotReady(f"{code.name}: {exc.details()}") from exc
-            if reason in ("BATCH_LEASE_EXPIRED", "REQUEST_ID_REUSED"):
-                raise RequestIdSpent(reason) from exc
-            raise
-        return FetchedBatch(
-            header.batch_id,
-            header.policy_version,
-            list(trajectories),
-            footer.max_staleness,
-            header.lease_expire_time.ToNanoseconds() / 1e9,
-        )
-
-    async def extend_lease(self, batch_id: str) -> float:
-        """ExtendBatchLease: the new expiry (seconds since the epoch). Unavailable when
-        Dataflow does not answer, else its error (the batch was acknowledged or expired)."""
-        resp = await _batch_call("ExtendBatchLease", self.client.extend_batch_lease, batch_id)
-        return resp.lease_expire_time.ToNanoseconds() / 1e9
-
-    async def ack(self, batch_id: str, untrained_reason: str = "") -> None:
-        """Raises Unavailable when Dataflow does not answer (worth retrying), else its error.
-        `untrained_reason`: why no step was taken on the batch (empty: it was trained)."""
-        ack = functools.partial(self.client.ack_batch, untrained_reason=untrained_reason)
-        await _batch_call("AckBatch", ack, batch_id)
-
-    async def current_version(self) -> int | None:
-        status = await self.client.get_status()
-        return next(
-            (p.current_version for p in status.policies if p.policy_id == self.policy_id), None
-        )
-
-    async def announce(
-        self, version: int, identity: str, resumed: bool = False, resumed_from: int | None = None
-    ) -> None:
-        try:
-            await self.client.announce_version(
-                self.policy_id,
-                version,
-                self.weights_address,
-                version_id=identity,
-                trainer_id=self.trainer_id,
-                resumed=resumed,
-                resumed_from_version=resumed_from,
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                raise Unavailable(exc.details() or "", reason="DATAFLOW_UNAVAILABLE") from exc
-            raise
-
-    async def close(self) -> None:
-        await self.client.close()
-
-
-class WeightServiceSink:
-    """WeightSink over WeightService: each version as xor+zstd frames against the one before.
-
-    The sink keeps the host copy it published last (one more model's worth of
-    host memory in the publish dtype) and sends the next version as frames
-    against it; the first version, and any the service refuses as a delta
-    (its current version is another), go out raw, with the model's small files.
-    """
-
-    def __init__(
-        self, address: str, policy_id: str, files: Mapping[str, bytes], *, delta: bool = True
-    ) -> None:
-        from astra.clients.weights import WeightClient
-
-        self.address, self.policy_id, self.files = address, policy_id, dict(files)
-        self.delta = delta
-        self.client = WeightClient(address)
-        self._last: tuple[str, Mapping[str, tuple[str, tuple, Any]]] | None = None
-        self.bytes_sent = 0
-
-    async def latest_version(self) -> int | None:
-        from astra.clients.weights import domain_error
-
-        try:
-            page = await self.client.list_versions(self.policy_id, page_size=1)
-        except grpc.aio.AioRpcError as exc:
-            err = domain_error(exc)
-            if isinstance(err, NotFound):
-                return None
-            raise err from exc
-        return page.versions[0].version if page.versions else None
-
-    async def publish(
-        self, version: int, identity: str, tensors: Mapping[str, tuple[str, tuple, Any]]
-    ) -> None:
-        from astra.clients.weights_publish import publish_version
-
-        result = await publish_version(
-            self.address, self.policy_id, identity, version, tensors, self.files, base=self._last
-        )
-        self.bytes_sent += result.bytes_sent
-        self._last = (identity, tensors) if self.delta else None
-
-    async def close(self) -> None:
-        await self.client.close()
 
 
 def model_files(model: str, config: Mapping[str, Any]) -> dict[str, bytes]:
@@ -265,8 +114,6 @@ def is_retryable(exc: BaseException) -> bool:
     and losing the steps since its checkpoint at every restart."""
     if isinstance(exc, (Unavailable, ConnectionError, TimeoutError)):
         return True
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     if isinstance(exc, AstraError) and exc.code == "RESOURCE_EXHAUSTED":
         return exc.retry_after_s is not None
     return isinstance(exc, AstraError) and exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")

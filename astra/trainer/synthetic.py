@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from astra.common.arrays import to_array
 from astra.common.v1 import rollout_pb2
-from astra.servers.convert import to_array
 from astra.trainer.sources import BatchNotReady, FetchedBatch
 
 

@@ -9,59 +9,23 @@ imported inside the commands, so `--help` stays fast.
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import click
 
-from astra.errors import AstraError, InvalidArgument
+from astra.weights.cli_common import DIR, emit, identity_option, run_command
+from astra.weights.cli_remote import COMMANDS
 
 log = logging.getLogger("astra.weights")
 T = TypeVar("T")
-
-_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 
 
 def _new_path(ctx: click.Context, param: click.Parameter, value: Path) -> Path:
     if value.exists():
         raise click.BadParameter(f"{value} already exists; versions are never overwritten")
     return value
-
-
-def _identity(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    from astra.weights.layout import check_identity
-
-    if value is None:
-        return None
-    try:
-        return check_identity(value, allow_initial=param.name == "base_version")
-    except InvalidArgument as exc:
-        raise click.BadParameter(exc.message) from exc
-
-
-def _run(action: Callable[[], T]) -> T:
-    """Runs a command body: argument errors exit 2, operational failures exit 1."""
-    try:
-        return action()
-    except InvalidArgument as exc:
-        raise click.UsageError(exc.message) from exc
-    except (AstraError, OSError) as exc:
-        error: dict[str, Any] = {"message": str(exc)}
-        if isinstance(exc, AstraError):
-            error.update(code=exc.code, reason=exc.reason, **exc.metadata)
-        else:
-            error.update(code="INTERNAL", reason=type(exc).__name__)
-        log.debug("failure", exc_info=True)
-        click.echo(json.dumps({"error": error}), err=True)
-        sys.exit(1)
-
-
-def _emit(result: dict[str, Any]) -> None:
-    click.echo(json.dumps(result, indent=2))
 
 
 @click.group("weights")
@@ -74,7 +38,7 @@ def weights(log_level: str) -> None:
 
 
 @weights.command("inspect")
-@click.argument("directory", type=_DIR)
+@click.argument("directory", type=DIR)
 def inspect_command(directory: Path) -> None:
     """Validate a full or delta version directory and describe it.
 
@@ -84,19 +48,19 @@ def inspect_command(directory: Path) -> None:
 
     parts = [p for p in ("full", "delta") if (directory / p).is_dir()]
     if parts and not (directory / "model.safetensors.index.json").exists():
-        _emit(_run(lambda: {p: inspect(directory / p) for p in parts}))
+        emit(run_command(lambda: {p: inspect(directory / p) for p in parts}))
         return
-    _emit(_run(lambda: inspect(directory)))
+    emit(run_command(lambda: inspect(directory)))
 
 
 @weights.command("diff")
-@click.option("--base", "base_dir", type=_DIR, required=True, help="Full base version.")
-@click.option("--new", "new_dir", type=_DIR, required=True, help="Full new version.")
+@click.option("--base", "base_dir", type=DIR, required=True, help="Full base version.")
+@click.option("--new", "new_dir", type=DIR, required=True, help="Full new version.")
 @click.option(
     "--out", "out_dir", type=click.Path(path_type=Path), required=True, callback=_new_path
 )
-@click.option("--version", callback=_identity, help="Identity of the new version.")
-@click.option("--base-version", callback=_identity, help="Identity of the base version.")
+@click.option("--version", callback=identity_option, help="Identity of the new version.")
+@click.option("--base-version", callback=identity_option, help="Identity of the base version.")
 @click.option(
     "--level", type=click.IntRange(1, 22), default=1, show_default=True, help="zstd level."
 )
@@ -121,7 +85,7 @@ def diff_command(
     """Write the xor+zstd delta taking --base to --new."""
     from astra.weights.checkpoint import write_delta
 
-    result = _run(
+    result = run_command(
         lambda: write_delta(
             base_dir,
             new_dir,
@@ -135,12 +99,12 @@ def diff_command(
         )
     )
     log.info("wrote %s: %s changed tensors", out_dir, result["changed_tensor_count"])
-    _emit(result)
+    emit(result)
 
 
 @weights.command("apply")
-@click.option("--base", "base_dir", type=_DIR, required=True, help="Full base version.")
-@click.option("--delta", "delta_dir", type=_DIR, required=True, help="Delta against --base.")
+@click.option("--base", "base_dir", type=DIR, required=True, help="Full base version.")
+@click.option("--delta", "delta_dir", type=DIR, required=True, help="Delta against --base.")
 @click.option(
     "--out", "out_dir", type=click.Path(path_type=Path), required=True, callback=_new_path
 )
@@ -154,19 +118,12 @@ def apply_command(
     """Rebuild the full version --base + --delta at --out, every checksum verified first."""
     from astra.weights.checkpoint import apply_delta
 
-    result = _run(
+    result = run_command(
         lambda: apply_delta(base_dir, delta_dir, out_dir, workers=workers, durable=not no_fsync)
     )
     log.info("applied %s onto %s at %s", delta_dir, base_dir, out_dir)
-    _emit(result)
+    emit(result)
 
 
-def _add_server_commands() -> None:
-    """publish, fetch, list, rollback: the WeightService client commands (cli_remote.py)."""
-    from astra.weights.cli_remote import COMMANDS
-
-    for command in COMMANDS:
-        weights.add_command(command)
-
-
-_add_server_commands()
+for command in COMMANDS:  # publish, fetch, list, rollback: on a WeightService (cli_remote.py)
+    weights.add_command(command)

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from astra.weights.cli import _DIR, _emit, _identity, _run
+from astra.weights.cli_common import DIR, emit, identity_option, run_command
 
 _SERVER = click.option("--server", required=True, help="HOST:PORT of the WeightService.")
 _POLICY = click.option("--policy", required=True, help="Policy id.")
@@ -30,9 +30,11 @@ def _info(message: Any) -> dict[str, Any]:
 @click.command("publish")
 @_SERVER
 @_POLICY
-@click.option("--identity", required=True, callback=_identity, help="Identity of the version.")
+@click.option(
+    "--identity", required=True, callback=identity_option, help="Identity of the version."
+)
 @click.option("--version", "step", type=click.IntRange(min=0), required=True, help="Step counter.")
-@click.argument("directory", type=_DIR)
+@click.argument("directory", type=DIR)
 def publish_command(server: str, policy: str, identity: str, step: int, directory: Path) -> None:
     """Publish a full checkpoint DIRECTORY as a new version (resumes an interrupted publish)."""
     from astra.clients.weights_stream import publish_version
@@ -54,13 +56,13 @@ def publish_command(server: str, policy: str, identity: str, step: int, director
             "attempts": result.attempts,
         }
 
-    _emit(_run(run))
+    emit(run_command(run))
 
 
 @click.command("fetch")
 @_SERVER
 @_POLICY
-@click.option("--identity", callback=_identity, help="Version to fetch (default: current).")
+@click.option("--identity", callback=identity_option, help="Version to fetch (default: current).")
 @click.option(
     "--out",
     "out_dir",
@@ -68,7 +70,7 @@ def publish_command(server: str, policy: str, identity: str, step: int, director
     required=True,
     help="Receiver directory: versions/, a `current` link, resumable staging.",
 )
-@click.option("--held", "held_dir", type=_DIR, help="A full version to use as the delta base.")
+@click.option("--held", "held_dir", type=DIR, help="A full version to use as the delta base.")
 @click.option("--max-bytes-per-second", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--no-fsync", is_flag=True, help="Skip fsync (tests, scratch directories).")
 def fetch_command(
@@ -98,7 +100,7 @@ def fetch_command(
         body["current"] = str(out_dir / "current")
         return body
 
-    _emit(_run(lambda: asyncio.run(fetch())))
+    emit(run_command(lambda: asyncio.run(fetch())))
 
 
 @click.command("list")
@@ -123,14 +125,18 @@ def list_command(server: str, policy: str) -> None:
             except grpc.aio.AioRpcError as exc:
                 raise domain_error(exc) from exc
 
-    _emit(_run(lambda: asyncio.run(collect())))
+    emit(run_command(lambda: asyncio.run(collect())))
 
 
 @click.command("rollback")
 @_SERVER
 @_POLICY
-@click.option("--to", "source", required=True, callback=_identity, help="Identity to restore.")
-@click.option("--identity", required=True, callback=_identity, help="Identity of the new version.")
+@click.option(
+    "--to", "source", required=True, callback=identity_option, help="Identity to restore."
+)
+@click.option(
+    "--identity", required=True, callback=identity_option, help="Identity of the new version."
+)
 @click.option(
     "--version", "step", type=click.IntRange(min=0), help="Step counter (default: current + 1)."
 )
@@ -163,7 +169,7 @@ def rollback_command(
                 raise domain_error(exc) from exc
         return {"version": _info(resp.version)}
 
-    _emit(_run(lambda: asyncio.run(rollback())))
+    emit(run_command(lambda: asyncio.run(rollback())))
 
 
 COMMANDS = [publish_command, fetch_command, list_command, rollback_command]

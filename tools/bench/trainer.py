@@ -288,9 +288,10 @@ def cpu_self() -> float:
 
 
 async def make_run(mode: str, shape: Shape, model: str, hf: dict, service: Service) -> ModeRun:
+    from astra.clients.trainer_sources import WeightServiceSink
     from astra.trainer.config import TrainerConfig
     from astra.trainer.loop import Trainer
-    from astra.trainer.sources import WeightServiceSink, model_files
+    from astra.trainer.sources import model_files
 
     policy = f"bench-{shape.name.strip('~')}-{mode}"
     cfg = TrainerConfig.model_validate(

@@ -1,101 +1,27 @@
-"""Wire <-> domain conversions shared by the servicers: arrays, trajectories, groups.
+"""Dataflow <-> RaaS messages: a work item as a PromptGroup, a GroupResult as an IncomingGroup.
 
-Validation of what arrives on the wire lives here, so every service rejects
-the same malformed arrays with the same field-level messages.
+`prompt_group` is what Dataflow submits; `incoming_group` validates what a RaaS returns
+(shapes, dtypes, finite log-probs, versions, token ids inside the policy's vocabulary) and
+splits it per policy, keeping each trajectory's received bytes as its payload, so Dataflow
+never decodes or re-encodes arrays again. A result that breaks the contract raises
+`Malformed` naming the field. Protobuf messages only, no gRPC.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Mapping
 
 import numpy as np
 from google.protobuf import struct_pb2
 
+from astra.common.arrays import DTYPES, SEQUENCE_ARRAYS, Malformed
 from astra.common.v1 import array_pb2, rollout_pb2
 from astra.dataflow.config import StreamSettings
 from astra.dataflow.ports import IncomingGroup
 from astra.dataflow.records import TrajectoryRecord, WorkItem
-from astra.errors import invalid_field
-from astra.protowire import read_varint, varint
-
-DTYPES = {
-    "bool": np.dtype("bool"),
-    "uint8": np.dtype("<u1"),
-    "int8": np.dtype("<i1"),
-    "int16": np.dtype("<i2"),
-    "int32": np.dtype("<i4"),
-    "int64": np.dtype("<i8"),
-    "float16": np.dtype("<f2"),
-    "float32": np.dtype("<f4"),
-    "float64": np.dtype("<f8"),
-}
-# Sequence arrays: field -> accepted dtypes.
-SEQUENCE_ARRAYS = {
-    "token_ids": ("int32", "int64"),
-    "logprobs": ("float32", "float64"),
-    "loss_mask": ("uint8", "bool"),
-    "weight_versions": ("int64", "int32"),
-}
-
-
-MAX_ID_CHARS = 128
-MAX_DIMS = 64  # NDArray dimensions
-
-
-def check_id(value: str, field: str, limit: int = MAX_ID_CHARS) -> None:
-    """A required identifier of at most `limit` characters, else INVALID_ARGUMENT naming it."""
-    if not value:
-        raise invalid_field(field, "required")
-    if len(value) > limit:
-        raise invalid_field(field, f"longer than {limit} characters")
-
-
-class Malformed(ValueError):
-    """A wire message that breaks the contract; the message names the field."""
-
-
-_DTYPE_NAMES = {d: k for k, d in DTYPES.items()}
-
-
-def dtype_name(dtype: np.dtype) -> str:
-    """The NDArray dtype name of a numpy dtype of either byte order; ValueError if none."""
-    # A dict lookup for the usual (little-endian or native) dtypes: scanning DTYPES with
-    # newbyteorder() cost half of to_array.
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = next((k for k, d in DTYPES.items() if d == dtype.newbyteorder("<")), None)
-    if name is None:
-        raise ValueError(f"unsupported dtype {dtype}")
-    return name
-
-
-def to_array(values: np.ndarray) -> array_pb2.NDArray:
-    arr = np.ascontiguousarray(values)
-    name = dtype_name(arr.dtype)
-    return array_pb2.NDArray(
-        dtype=name, shape=list(arr.shape), data=arr.astype(DTYPES[name], copy=False).tobytes()
-    )
-
-
-def from_array(msg: array_pb2.NDArray, field: str) -> np.ndarray:
-    dtype = DTYPES.get(msg.dtype)
-    if dtype is None:
-        raise Malformed(f"{field}.dtype: unsupported dtype {msg.dtype!r}")
-    if len(msg.shape) > MAX_DIMS:
-        raise Malformed(f"{field}.shape: more than {MAX_DIMS} dimensions")
-    if any(d < 0 for d in msg.shape):
-        raise Malformed(f"{field}.shape: negative extent")
-    count = math.prod(msg.shape)
-    if len(msg.data) != count * dtype.itemsize:
-        raise Malformed(
-            f"{field}.data: {len(msg.data)} bytes, expected {count * dtype.itemsize} "
-            f"for {msg.dtype}{list(msg.shape)}"
-        )
-    return np.frombuffer(msg.data, dtype=dtype).reshape(tuple(msg.shape))
-
+from astra.protowire import read_varint
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -196,14 +122,14 @@ def _check_trajectory(
                     f"{where}.sequences[{j}].token_ids: id {bad} is outside the vocabulary of "
                     f"policy {policy_id} (0..{size - 1})"
                 )
-        logprobs = _array_data(logprobs, "logprobs", n, where, j)
+        lp = _array_data(logprobs, "logprobs", n, where, j)
         _array_length(loss_mask, "loss_mask", n, where, j)
-        weight_versions = _array_data(weight_versions, "weight_versions", n, where, j)
+        versions = _array_data(weight_versions, "weight_versions", n, where, j)
         if not 0 <= s.prompt_length <= n:
             raise Malformed(
                 f"{where}.sequences[{j}].prompt_length: {s.prompt_length} outside 0..{n}"
             )
-        arrays.add(f"{where}.sequences[{j}]", logprobs, weight_versions)
+        arrays.add(f"{where}.sequences[{j}]", lp, versions)
         out.append((policy_id, n))
     return out
 
@@ -241,7 +167,7 @@ def _array_data(msg: array_pb2.NDArray, name: str, n: int, where: str, j: int) -
     return np.frombuffer(data, dtype=DTYPES[dtype])
 
 
-def field_slices(buf: bytes, field_number: int, *, copy: bool = True) -> list:
+def field_slices(buf: bytes | memoryview, field_number: int, *, copy: bool = True) -> list:
     """The raw bytes of every length-delimited `field_number` at the top level of `buf`.
 
     With copy=False the slices are memoryviews into `buf`.
@@ -310,6 +236,7 @@ def incoming_group(
                 policies = {s.policy_id for s in t.sequences} or {""}
                 facts = dict.fromkeys(policies, (-1, -1, 0))
             else:
+                assert sequences is not None  # (checked above: not failed)
                 facts = _facts(sequences, ranges)
             single = len(facts) == 1
             for policy_id, (vmin, vmax, ntok) in facts.items():
@@ -383,31 +310,3 @@ def prompt_group(item: WorkItem, stream: StreamSettings) -> rollout_pb2.PromptGr
         epoch=item.epoch,
         regenerate=item.regenerate,
     )
-
-
-_ADVANTAGE_TAG = bytes([(9 << 3) | 1])  # Trajectory.advantage, fixed64
-_REPEATED_TAG = bytes([(1 << 3) | 2])  # field 1, length-delimited
-_DOUBLE = struct.Struct("<d")
-
-
-def trajectories_parts(payloads_and_advantages) -> tuple[list, int]:
-    """The parts of a serialized BatchTrajectories (see `trajectories_blob`) and their
-    total length, not joined, so a caller can put its own header in front with one copy."""
-    parts: list = []
-    size = 0
-    pack = _DOUBLE.pack
-    for payload, adv in payloads_and_advantages:
-        n = len(payload) + 9
-        head = varint(n)
-        parts += (_REPEATED_TAG, head, payload, _ADVANTAGE_TAG, pack(adv))
-        size += 1 + len(head) + n
-    return parts, size
-
-
-def trajectories_blob(payloads_and_advantages: list[tuple[bytes, float]]) -> bytes:
-    """Serialized BatchTrajectories built from stored trajectory bytes, advantages set.
-
-    Appending a field to a serialized message overrides it (last value wins), so
-    stored payloads are never decoded on the batch path.
-    """
-    return b"".join(trajectories_parts(payloads_and_advantages)[0])

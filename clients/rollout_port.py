@@ -18,11 +18,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from astra.clients.raas import RolloutClient
+from astra.common.arrays import Malformed
+from astra.common.group_convert import field_slices, incoming_group, prompt_group
 from astra.common.v1 import rollout_pb2, version_pb2
 from astra.dataflow.config import StreamSettings
 from astra.dataflow.ports import IncomingGroup, PortError
 from astra.dataflow.records import WorkItem
-from astra.servers.convert import Malformed, field_slices, incoming_group, prompt_group
 
 
 @contextlib.contextmanager
