@@ -42,6 +42,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check astra servers clients tools tests
 	$(VENV)/bin/ruff format --check astra servers clients tools tests
 	$(PY) tools/codegen.py --check
+	$(PY) tools/import_rules.py  # import-linter's contracts (pyproject.toml) and no import circle
 
 docs: $(VENV)/.installed  ## the documentation site (mkdocs-material) into site/, warnings as errors
 	$(VENV)/bin/mkdocs build --strict

@@ -1,9 +1,8 @@
 """What the `astra weights` commands share: argument types, the identity check, the exit codes.
 
 `run_command` runs a command body: argument errors exit 2, operational failures exit 1 with
-one JSON
-error on stderr; `emit` prints a result as JSON on stdout. Used by astra.weights.cli (local
-commands) and astra.weights.cli_remote (commands on a WeightService).
+one JSON error on stderr; `emit` prints a result as JSON on stdout. Used by astra.weights.cli
+(local commands) and astra.weights.cli_remote (commands on a WeightService).
 """
 
 from __future__ import annotations
