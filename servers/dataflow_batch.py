@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from astra.dataflow.records import Batch
 from astra.dataflow.v1 import dataflow_service_pb2 as pb
-from astra.protowire import LEN, key, varint
+from astra.protowire import I64, LEN, key, varint
 
 CHUNK_BYTES = 8 << 20
 _TRAJECTORIES_KEY = key(2, LEN)  # FetchBatchResponse.trajectories
@@ -60,8 +60,8 @@ def _chunk(pending: list[tuple[bytes, float]]) -> bytes:
     return b"".join([_TRAJECTORIES_KEY, varint(size), *parts])
 
 
-_ADVANTAGE_TAG = bytes([(9 << 3) | 1])  # Trajectory.advantage, fixed64
-_REPEATED_TAG = bytes([(1 << 3) | 2])  # field 1, length-delimited
+_ADVANTAGE_TAG = key(9, I64)  # Trajectory.advantage, fixed64
+_REPEATED_TAG = key(1, LEN)  # field 1, length-delimited
 _DOUBLE = struct.Struct("<d")
 
 

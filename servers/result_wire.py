@@ -23,25 +23,17 @@ from google.rpc import code_pb2
 
 from astra.common.arrays import DTYPES, dtype_name
 from astra.common.v1 import rollout_pb2
-from astra.protowire import varint
+from astra.protowire import I64, LEN, VARINT, varint
+from astra.protowire import key as _key
+from astra.protowire import length_delimited as _message
 from astra.raas.backend import SequenceSpec, TrajectorySpec
 
-_LEN, _VARINT, _I64 = 2, 0, 1
 _FINISH = {
     name: rollout_pb2.FinishReason.Value("FINISH_REASON_" + name.upper())
     for name in ("stop", "length", "aborted", "error")
 }
 _double = struct.Struct("<d").pack
 Encoded = tuple[list, int]  # a message's pieces (bytes or buffers) and their total length
-
-
-def _key(field: int, wire: int) -> bytes:
-    return varint(field << 3 | wire)
-
-
-def _message(field: int, inner: bytes) -> bytes:
-    """A length-delimited field (a submessage, bytes or a string), written even when empty."""
-    return _key(field, _LEN) + varint(len(inner)) + inner
 
 
 def _text(field: int, text: str) -> bytes:
@@ -54,21 +46,21 @@ _name = functools.lru_cache(maxsize=1024)(_text)  # strings that repeat: policy,
 
 def _double_field(field: int, value: float) -> bytes:
     if value or math.copysign(1.0, value) < 0:  # -0.0 is not the default's bits
-        return _key(field, _I64) + _double(float(value))
+        return _key(field, I64) + _double(float(value))
     return b""
 
 
 def _int_field(field: int, value: int) -> bytes:
     value = int(value)  # a numpy integer too, as the generated classes take it
-    return _key(field, _VARINT) + varint(value) if value else b""
+    return _key(field, VARINT) + varint(value) if value else b""
 
 
 # NDArray: dtype = 1 (string), shape = 2 (packed int64), data = 3 (bytes).
 _DTYPE_FIELDS = {dtype: _name(1, name) for name, dtype in DTYPES.items()}
-_SHAPE_KEY, _DATA_KEY = _key(2, _LEN), _key(3, _LEN)
+_SHAPE_KEY, _DATA_KEY = _key(2, LEN), _key(3, LEN)
 # Sequence fields 4-7 (the arrays) and Trajectory.sequences = 4, GroupResult.trajectories = 2.
-_ARRAY_KEYS = [_key(f, _LEN) for f in (4, 5, 6, 7)]
-_SEQUENCE_KEY, _TRAJECTORY_KEY = _key(4, _LEN), _key(2, _LEN)
+_ARRAY_KEYS = [_key(f, LEN) for f in (4, 5, 6, 7)]
+_SEQUENCE_KEY, _TRAJECTORY_KEY = _key(4, LEN), _key(2, LEN)
 
 
 def _nest(parts: list, key: bytes, inner: Encoded) -> int:
@@ -194,5 +186,5 @@ def group_result_bytes(
         size += _nest(parts, _TRAJECTORY_KEY, _trajectory(group_field, group_id, t))
     parts.append(_name(4, instance_id))
     if field:
-        parts[0] = _key(field, _LEN) + varint(size + len(parts[-1]))
+        parts[0] = _key(field, LEN) + varint(size + len(parts[-1]))
     return b"".join(parts)

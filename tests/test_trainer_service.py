@@ -80,7 +80,7 @@ def test_every_published_version_decodes_to_the_trainers_weights_bit_for_bit(
         store = StoreConfig(durable=False, full_every=2)
         service = await start_weights(tmp_path / "store", config=store, grace_s=0)
         cfg = config(weights=service.address, publish={"max_pending": 1})
-        trainer = Trainer(cfg, source=SyntheticSource("p", vocab_size=100))
+        trainer = Trainer(cfg, source=SyntheticSource("p", vocab_size=100), connect=GRPC)
         await trainer.initialize()
         expected = {0: full_state(trainer.model)}
         async for result in trainer.run_training_async(3):

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from astra.clients import raas_weights
 from astra.clients.raas import RolloutClient
 from astra.clients.raas_weights import ReceiverWeightLoader
 from astra.clients.weights import WeightClient
@@ -30,7 +31,6 @@ from astra.dataflow.versions import VersionBook
 from astra.errors import Unavailable
 from astra.raas.backend import VersionSpec
 from astra.raas.scripted import ScriptedGenerator
-from astra.servers import raas_weights
 from astra.servers.raas_serve import start_raas
 from astra.weights.deadline import DeadlineExceeded
 from tests.conftest import error_info, running_dataflow

@@ -89,7 +89,11 @@ def generate(out: Path) -> list[Path]:
 
 
 def committed_stubs() -> list[Path]:
-    stubs = [p.relative_to(ROOT) for p in (ROOT / "astra").rglob("*_pb2*") if p.is_file()]
+    stubs = [
+        p.relative_to(ROOT)
+        for p in (ROOT / "astra").rglob("*_pb2*")
+        if p.is_file() and p.suffix in (".py", ".pyi")  # not the interpreter's __pycache__
+    ]
     return sorted([*stubs, *([DESCRIPTORS] if (ROOT / DESCRIPTORS).is_file() else [])])
 
 

@@ -10,66 +10,39 @@ outside tests.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
-from astra.clients.weights_stream import Receiver
 from astra.errors import (
     AstraError,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     invalid_field,
 )
-from astra.raas.backend import RolloutBackend, VersionSpec
-from astra.raas.scripted import ScriptedGenerator
+from astra.raas.backend import RolloutBackend
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
 from astra.servers.raas import RolloutServicer
 from astra.servers.runtime import GrpcServer, with_raw_responses
+from astra.testing.broken_raas_loads import (
+    FetchingScripted,
+    allows_regression,
+    forgets_request_ids,
+    load_accepts_empty,
+    load_accepts_unknown_policy,
+    load_is_ignored,
+    reload_refused,
+    skips_verification,
+    stamps_version_zero,
+    wrap,
+)
 
 Switch = Callable[[RolloutServicer, GrpcServer], None]
-
-
-class FetchingScripted(ScriptedGenerator):
-    """The scripted generator, but LoadWeights really fetches each version with the streaming
-    Receiver (which verifies every tensor) into a temporary directory, as Astra's engines do."""
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self._dir = tempfile.TemporaryDirectory(prefix="broken-raas-")
-        self._receivers: dict[tuple[str, str], Receiver] = {}
-
-    async def load_weights(self, versions: dict[str, VersionSpec], weights_address: str) -> int:
-        fetched = 0
-        for p, spec in versions.items():
-            address = spec.weights_address or weights_address
-            rec = self._receivers.get((p, address))
-            if rec is None:
-                where = Path(self._dir.name) / f"{p}-{len(self._receivers)}"
-                rec = Receiver(address, p, directory=where, durable=False, timeout_s=8.0)
-                self._receivers[(p, address)] = rec
-            fetched += (await rec.fetch(spec.version_id or str(spec.version))).bytes_received
-        await super().load_weights(versions, weights_address)
-        return fetched
-
-
-def _wrap(servicer: RolloutServicer, method: str, before: Callable[[Any], Any]) -> None:
-    """Replaces a unary RPC: `before(request)` returns a response to send instead, or None."""
-    call = getattr(servicer, method)
-
-    async def wrapped(request, context):
-        out = before(request)
-        return out if out is not None else await call(request, context)
-
-    setattr(servicer, method, wrapped)
 
 
 def never_serving(servicer, server) -> None:
@@ -120,7 +93,7 @@ def loses_a_slot(servicer, server) -> None:
 
 def accepts_empty_submit(servicer, server) -> None:
     """SubmitGroups with no groups answers OK (rule: 1..1024 groups, else INVALID_ARGUMENT)."""
-    _wrap(servicer, "SubmitGroups", lambda r: pb.SubmitGroupsResponse() if not r.groups else None)
+    wrap(servicer, "SubmitGroups", lambda r: pb.SubmitGroupsResponse() if not r.groups else None)
 
 
 def accepts_duplicate_ids(servicer, server) -> None:
@@ -131,7 +104,7 @@ def accepts_duplicate_ids(servicer, server) -> None:
         del request.groups[:]
         request.groups.extend(seen.values())
 
-    _wrap(servicer, "SubmitGroups", dedupe)
+    wrap(servicer, "SubmitGroups", dedupe)
 
 
 def _drops_groups(servicer, bad: Callable[[Any], bool]) -> None:
@@ -140,7 +113,7 @@ def _drops_groups(servicer, bad: Callable[[Any], bool]) -> None:
             return pb.SubmitGroupsResponse(accepted_group_ids=[g.group_id for g in request.groups])
         return None
 
-    _wrap(servicer, "SubmitGroups", accept_silently)
+    wrap(servicer, "SubmitGroups", accept_silently)
 
 
 def accepts_unknown_policy(servicer, server) -> None:
@@ -247,7 +220,7 @@ def refuses_resubmission(servicer, server) -> None:
             if servicer.store.holds(g.group_id):
                 raise invalid_field(f"groups[{i}].group_id", "already submitted")
 
-    _wrap(servicer, "SubmitGroups", refuse)
+    wrap(servicer, "SubmitGroups", refuse)
 
 
 def fails_every_group(servicer, server) -> None:
@@ -346,7 +319,7 @@ def _refuses_unknown(servicer, method: str) -> None:
         if unknown:
             raise NotFound(f"unknown group ids {unknown}", reason="UNKNOWN_GROUP")
 
-    _wrap(servicer, method, refuse)
+    wrap(servicer, method, refuse)
 
 
 def ack_refuses_unknown_ids(servicer, server) -> None:
@@ -367,88 +340,7 @@ def cancel_keeps_running(servicer, server) -> None:
             cancelled=sum(servicer.store.is_running(g) for g in request.group_ids)
         )
 
-    _wrap(servicer, "CancelGroups", pretend)
-
-
-def load_accepts_empty(servicer, server) -> None:
-    """LoadWeights with no versions answers OK (rule: INVALID_ARGUMENT)."""
-
-    def ok(request):
-        if not request.versions:
-            return pb.LoadWeightsResponse(loaded_versions=servicer._version_protos())
-        return None
-
-    _wrap(servicer, "LoadWeights", ok)
-
-
-def load_accepts_unknown_policy(servicer, server) -> None:
-    """LoadWeights for a policy it does not serve answers OK (rule: UNKNOWN_POLICY)."""
-
-    def ok(request):
-        if any(v.policy_id not in servicer.policy_ids for v in request.versions):
-            return pb.LoadWeightsResponse(loaded_versions=servicer._version_protos())
-        return None
-
-    _wrap(servicer, "LoadWeights", ok)
-
-
-def load_is_ignored(servicer, server) -> None:
-    """LoadWeights answers OK without loading (rule: loaded_versions and GetStatus show it)."""
-
-    async def nothing(wanted, address):
-        return 0
-
-    servicer.versions._load = nothing
-
-
-def allows_regression(servicer, server) -> None:
-    """Swaps to any version asked, older ones included (rule: VERSION_REGRESSION)."""
-    versions = servicer.versions
-    load = versions._load
-
-    async def reset_then_load(wanted, address):
-        versions.held = {p: replace(v, version=-1) for p, v in versions.held.items()}
-        return await load(wanted, address)
-
-    versions._load = reset_then_load
-
-
-def reload_refused(servicer, server) -> None:
-    """The versions in service, asked under a new request id, are refused (rule: idempotent)."""
-
-    def refuse(request):
-        held = servicer.loaded_versions
-        if request.request_id not in servicer.versions.requests and all(
-            held.get(v.policy_id) == v.version for v in request.versions
-        ):
-            raise FailedPrecondition("already loaded", reason="ALREADY_LOADED")
-
-    _wrap(servicer, "LoadWeights", refuse)
-
-
-def forgets_request_ids(servicer, server) -> None:
-    """A request id reused for other versions loads them (rule: REQUEST_ID_REUSED)."""
-    _wrap(servicer, "LoadWeights", lambda request: servicer.versions.requests.clear())
-
-
-def skips_verification(servicer, server) -> None:
-    """LoadWeights swaps to a version without fetching and verifying it (rule: an engine
-    refuses weights whose bytes do not match their checksums and keeps its version)."""
-    backend = servicer.backend
-    servicer.backend.load_weights = lambda versions, address: ScriptedGenerator.load_weights(
-        backend, versions, address
-    )
-
-
-def stamps_version_zero(servicer, server) -> None:
-    """Loads new versions but stamps every token with version 0 (rule: tokens carry the
-    version that generated them)."""
-    generate = servicer.backend.generate
-
-    async def zero(spec, versions):
-        return await generate(spec, dict.fromkeys(versions, 0))
-
-    servicer.backend.generate = zero
+    wrap(servicer, "CancelGroups", pretend)
 
 
 SWITCHES: dict[str, Switch] = {

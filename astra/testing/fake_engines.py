@@ -37,14 +37,13 @@ returns `choices[0].token_ids` (as vLLM does with `return_token_ids`).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
@@ -52,6 +51,7 @@ import torch
 
 from astra.engine.tiny import load_model
 from astra.engine.torch_weights import load_state
+from astra.testing.fake_engine_http import make_handler
 
 Flavor = Literal["openai", "vllm", "sglang"]
 Route = Callable[[dict[str, str], Any], Any]  # (query, JSON body) -> answer
@@ -132,7 +132,7 @@ class FakeEngineServer:
         self._running: set[str] = set()
         self._aborted: set[str] = set()
         self._routes = self._route_table()
-        handler = _make_handler(self)
+        handler = make_handler(self)
         self._httpd = ThreadingHTTPServer((host, port), handler)
         self._httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -493,45 +493,3 @@ def _temperature(value: Any) -> float:
     if t < 0:
         raise FakeHTTPError(400, "temperature must be non-negative")
     return t
-
-
-def _make_handler(server: FakeEngineServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: Any) -> None:  # quiet
-            pass
-
-        def _serve(self, method: str) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            try:
-                body = json.loads(raw) if raw else None
-            except ValueError:
-                self._send(400, {"error": {"message": "body is not JSON", "code": 400}})
-                return
-            status, answer = server.handle(method, self.path, body)
-            self._send(status, answer)
-
-        def _send(self, status: int, answer: Any) -> None:
-            if isinstance(answer, str):
-                data, ctype = answer.encode(), "text/plain"
-            else:
-                data, ctype = json.dumps(answer).encode(), "application/json"
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.send_header("X-Fake-Engine", server.flavor)
-                self.end_headers()
-                self.wfile.write(data)
-            except OSError:
-                pass  # the client went away (a cancelled request)
-
-        def do_GET(self) -> None:
-            self._serve("GET")
-
-        def do_POST(self) -> None:
-            self._serve("POST")
-
-    return Handler

@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from astra.protowire import read_varint, varint
+from astra.protowire import LEN, VARINT, read_varint, varint
 
 # Field 3 (chunk) of FetchVersionResponse and of PublishVersionRequest, length-delimited.
-CHUNK_TAG = (3 << 3) | 2
-_OFFSET_TAG = (1 << 3) | 0  # TensorChunk.offset, varint
-_DATA_TAG = (2 << 3) | 2  # TensorChunk.data, length-delimited
+CHUNK_TAG = (3 << 3) | LEN
+_OFFSET_TAG = (1 << 3) | VARINT  # TensorChunk.offset, varint
+_DATA_TAG = (2 << 3) | LEN  # TensorChunk.data, length-delimited
 
 
 class WireChunk:
