@@ -18,7 +18,6 @@ per-message cost is what larger chunks save. gRPC's default flow control
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,8 +26,14 @@ from typing import Any
 from astra import __version__
 from astra.common.v1 import capabilities_pb2
 from astra.errors import invalid_field
-from astra.servers.checks import MAX_ID_CHARS, check_id
-from astra.servers.weights_convert import identity, tensor_header, version_info
+from astra.servers.checks import check_id
+from astra.servers.weights_convert import (
+    identity,
+    page_from_token,
+    page_token,
+    tensor_header,
+    version_info,
+)
 from astra.servers.weights_fetch import StreamSettings, fetch_stream
 from astra.servers.weights_publish import publish_stream
 from astra.weights.store import Store
@@ -41,17 +46,6 @@ log = logging.getLogger(__name__)
 CONTRACT_VERSION = "1.0.0"
 FEATURES = ["delta_xor_zstd", "chain_compose", "relay", "bandwidth_cap", "publish_xor_zstd"]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
-
-
-def _page_token(token: str) -> int | None:
-    if not token:
-        return None
-    if len(token) > MAX_ID_CHARS:
-        raise invalid_field("page_token", "not a token this service issued")
-    try:
-        return int(base64.urlsafe_b64decode(token.encode()).decode())
-    except ValueError as exc:
-        raise invalid_field("page_token", "not a token this service issued") from exc
 
 
 class WeightServicer(pb_grpc.WeightServiceServicer):
@@ -95,13 +89,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if not 1 <= size <= 1000:
             raise invalid_field("page_size", "must be 1-1000")
         page, next_below = version_page(
-            self.store, request.policy_id, _page_token(request.page_token), size
+            self.store, request.policy_id, page_from_token(request.page_token), size
         )
         resp = pb.ListVersionsResponse(
             versions=[version_info(r, self._is_current(request.policy_id, r)) for r in page]
         )
         if next_below is not None:
-            resp.next_page_token = base64.urlsafe_b64encode(str(next_below).encode()).decode()
+            resp.next_page_token = page_token(next_below)
         return resp
 
     async def GetVersion(self, request: pb.GetVersionRequest, context):

@@ -7,9 +7,11 @@ the store is asked anything.
 
 from __future__ import annotations
 
+import base64
+
 from astra.common.arrays import MAX_DIMS
 from astra.errors import InvalidArgument, invalid_field
-from astra.servers.checks import check_id
+from astra.servers.checks import MAX_ID_CHARS, check_id
 from astra.weights.layout import check_identity
 from astra.weights.records import VersionRecord
 from astra.weights.safetensors_io import safetensors_dtype, tensor_nbytes
@@ -146,3 +148,20 @@ def publish_accepted(session) -> pb.PublishAccepted:
             size_bytes=rec.size_bytes,
         )  # fmt: skip
     return out
+
+
+def page_from_token(token: str) -> int | None:
+    """ListVersions' page_token back to the version it continues below (None: the first)."""
+    if not token:
+        return None
+    if len(token) > MAX_ID_CHARS:
+        raise invalid_field("page_token", "not a token this service issued")
+    try:
+        return int(base64.urlsafe_b64decode(token.encode()).decode())
+    except ValueError as exc:
+        raise invalid_field("page_token", "not a token this service issued") from exc
+
+
+def page_token(below: int) -> str:
+    """The page_token of the page that continues below version `below`."""
+    return base64.urlsafe_b64encode(str(below).encode()).decode()
