@@ -13,22 +13,24 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from astra import __version__
-from astra.common.v1 import capabilities_pb2, version_pb2
-from astra.errors import invalid_field
 from astra.raas.backend import RolloutBackend
 from astra.raas.groups import GroupRunner
 from astra.raas.results import ResultStore
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
 from astra.raas.versions import WeightVersions
-from astra.servers.raas_convert import check_ids, failed_group_bytes, group_specs, load_versions
+from astra.servers.raas_convert import (
+    capabilities,
+    check_ids,
+    collect_limits,
+    failed_group_bytes,
+    group_specs,
+    load_versions,
+    version_protos,
+)
 from astra.servers.result_wire import group_result_bytes
 from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES
 
-CONTRACT_VERSION = "1.0.0"
-MAX_COLLECT = 4096
-MAX_WAIT_S = 30.0
 # A LoadWeights (waiting for an earlier one, fetching, swapping) ends by then with
 # DEADLINE_EXCEEDED and the versions in service unchanged; Dataflow's call allows more.
 LOAD_TIMEOUT_S = 300.0
@@ -108,12 +110,6 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def pending_results(self) -> int:
         return self.store.pending
 
-    def _version_protos(self, held=None) -> list[version_pb2.PolicyVersion]:
-        return [
-            version_pb2.PolicyVersion(policy_id=p, version=v.version, version_id=v.version_id)
-            for p, v in sorted((self.versions.held if held is None else held).items())
-        ]
-
     # ----- RPCs ---------------------------------------------------------------------------------
 
     async def SubmitGroups(self, request: pb.SubmitGroupsRequest, context):
@@ -126,12 +122,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def CollectResults(
         self, request: pb.CollectResultsRequest, context
     ) -> AsyncIterator[pb.CollectResultsResponse]:
-        if not 1 <= request.max_groups <= MAX_COLLECT:
-            raise invalid_field("max_groups", f"{request.max_groups} outside 1..{MAX_COLLECT}")
-        max_wait = request.max_wait.ToNanoseconds() / 1e9
-        if not 0 <= max_wait <= MAX_WAIT_S:
-            raise invalid_field("max_wait", f"{max_wait}s outside 0..{MAX_WAIT_S}s")
-        for response in await self.store.collect(request.max_groups, max_wait):
+        max_groups, max_wait = collect_limits(request)
+        for response in await self.store.collect(max_groups, max_wait):
             yield response  # a CollectResultsResponse's wire bytes (see encode above)
 
     async def AckResults(self, request: pb.AckResultsRequest, context):
@@ -147,7 +139,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         wanted = load_versions(request, self.backend.policy_ids)
         done = await self.versions.load(wanted, request.weights_address, request.request_id)
         return pb.LoadWeightsResponse(
-            loaded_versions=self._version_protos(done.versions), fetched_bytes=done.fetched_bytes
+            loaded_versions=version_protos(done.versions), fetched_bytes=done.fetched_bytes
         )
 
     async def GetStatus(self, request: pb.GetStatusRequest, context):
@@ -157,7 +149,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             free_slots=self.store.free_slots,
             running_groups=self.store.running,
             pending_results=self.store.pending,
-            loaded_versions=self._version_protos(),
+            loaded_versions=version_protos(self.versions.held),
             policy_ids=self.policy_ids,
             workflows=self.workflows,
             engine=self.backend.engine,
@@ -165,16 +157,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         )
 
     async def GetCapabilities(self, request: pb.GetCapabilitiesRequest, context):
-        engine = getattr(self.backend, "inference_engine", None)
-        partial = getattr(engine, "on_swap", None) == "continue"  # sequences span a swap
-        return pb.GetCapabilitiesResponse(
-            capabilities=capabilities_pb2.Capabilities(
-                contract_version=CONTRACT_VERSION,
-                features=["cancel", "multi_policy", *(["partial_rollout"] if partial else [])],
-                implementation=f"astra-raas-{self.backend.engine}",
-                implementation_version=__version__,
-            )
-        )
+        return pb.GetCapabilitiesResponse(capabilities=capabilities(self.backend))
 
     async def close(self) -> None:
         """Cancels every running group (their results are not produced)."""

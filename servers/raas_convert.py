@@ -14,8 +14,9 @@ from dataclasses import replace
 from google.protobuf import json_format
 from google.rpc import code_pb2, status_pb2
 
+from astra import __version__
 from astra.common.arrays import Malformed, from_array
-from astra.common.v1 import rollout_pb2
+from astra.common.v1 import capabilities_pb2, rollout_pb2, version_pb2
 from astra.engine.validate import MIN_TEMPERATURE
 from astra.errors import invalid_field
 from astra.raas.backend import GroupSpec, RolloutBackend, VersionSpec
@@ -27,6 +28,9 @@ MAX_IDS = 4096
 MAX_GROUPS, MAX_SAMPLES = 1024, 1024
 MAX_GROUP_ID = 256
 MAX_POLICIES = 64
+CONTRACT_VERSION = "1.0.0"
+MAX_COLLECT = 4096  # groups per CollectResults
+MAX_WAIT_S = 30.0  # CollectResults' longest wait
 
 
 def check_ids(ids, field: str = "group_ids") -> None:
@@ -185,3 +189,32 @@ def failed_group_bytes(group_id: str, instance_id: str, code: str, message: str)
     result = rollout_pb2.GroupResult(group_id=group_id, instance_id=instance_id)
     result.error.CopyFrom(status_pb2.Status(code=code_pb2.Code.Value(code), message=message))
     return pb.CollectResultsResponse(result=result).SerializeToString()
+
+
+def collect_limits(request: pb.CollectResultsRequest) -> tuple[int, float]:
+    """(max_groups, max_wait in seconds) of a CollectResults, each within its bounds."""
+    if not 1 <= request.max_groups <= MAX_COLLECT:
+        raise invalid_field("max_groups", f"{request.max_groups} outside 1..{MAX_COLLECT}")
+    max_wait = request.max_wait.ToNanoseconds() / 1e9
+    if not 0 <= max_wait <= MAX_WAIT_S:
+        raise invalid_field("max_wait", f"{max_wait}s outside 0..{MAX_WAIT_S}s")
+    return request.max_groups, max_wait
+
+
+def version_protos(held: dict) -> list[version_pb2.PolicyVersion]:
+    """The versions an instance holds, policy by policy (LoadWeights, GetStatus)."""
+    return [
+        version_pb2.PolicyVersion(policy_id=p, version=v.version, version_id=v.version_id)
+        for p, v in sorted(held.items())
+    ]
+
+
+def capabilities(backend: RolloutBackend) -> capabilities_pb2.Capabilities:
+    engine = getattr(backend, "inference_engine", None)
+    partial = getattr(engine, "on_swap", None) == "continue"  # sequences span a swap
+    return capabilities_pb2.Capabilities(
+        contract_version=CONTRACT_VERSION,
+        features=["cancel", "multi_policy", *(["partial_rollout"] if partial else [])],
+        implementation=f"astra-raas-{backend.engine}",
+        implementation_version=__version__,
+    )
