@@ -58,6 +58,7 @@ CHECKS = (
     "submit_rejects_bad_sampling",
     "submit_refuses_over_capacity",
     "collect_rejects_long_wait",
+    "collect_rejects_zero_max_groups",
     "submit",
     "submit_is_idempotent",
     "collect",
@@ -67,6 +68,7 @@ CHECKS = (
     "ack_removes_the_result",
     "ack_ignores_unknown_ids",
     "cancel",
+    "cancel_keeps_a_finished_result",
     "load_weights_rejects_bad_requests",
     "load_weights",
     "load_weights_is_idempotent",
@@ -316,6 +318,18 @@ class RaasChecker(WeightChecks, TrajectoryChecks, FaultyWeightChecks):
 
         return (await rpc(call())).expect(grpc.StatusCode.INVALID_ARGUMENT)
 
+    async def collect_rejects_zero_max_groups(self) -> str:
+        req = pb.CollectResultsRequest(max_groups=0)  # unset: required, not a default
+
+        async def call() -> list:
+            return [m async for m in self.client.stub.CollectResults(req, timeout=MAX_WAIT_S + 5)]
+
+        r = await rpc(call())
+        text = r.expect(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD")
+        if "max_groups" not in r.fields and "max_groups" not in r.details:
+            raise CheckFailed(f"refused, but naming no field max_groups: {r.details!r}")
+        return text
+
     async def submit(self) -> str:
         self._needs("policy", "capacity")
         g = self._group(num_samples=min(2, self.capacity))
@@ -410,6 +424,23 @@ class RaasChecker(WeightChecks, TrajectoryChecks, FaultyWeightChecks):
             await self.client.ack_results([g.group_id])
             return "unknown ids OK; the group finished before the cancel"
         return f"unknown ids OK; a running group cancelled ({cancelled}), no result"
+
+    async def cancel_keeps_a_finished_result(self) -> str:
+        """A group that finished before CancelGroups keeps its result until acknowledged, and
+        is not counted cancelled (rollout_service.proto, CancelGroups)."""
+        self._needs("policy")
+        g = self._group(num_samples=1)
+        (await self._submit(g)).expect(grpc.StatusCode.OK)
+        if missing := await self._until_collected(g.group_id):
+            raise CheckFailed(missing)
+        cancelled = (await self.client.cancel_groups([g.group_id])).cancelled
+        got = await self._collect(0.5)
+        await self.client.ack_results([g.group_id])
+        if cancelled:
+            raise CheckFailed(f"a finished group counted cancelled ({cancelled})")
+        if g.group_id not in got:
+            raise CheckFailed("CancelGroups dropped a finished, unacknowledged result")
+        return "finished, then cancelled: not counted, its result still sent until acknowledged"
 
     async def load_weights_rejects_bad_requests(self) -> str:
         self._needs("policy")

@@ -1,7 +1,7 @@
 """`astra raas check`: the RaaS contract checker passes Astra's own RaaS and fails broken ones.
 
 Here: Astra's RaaS passes, results Dataflow would refuse fail `collect`, and the CLI on each
-engine. One broken rule per check (36 switches of astra.testing.broken_raas, each caught by the
+engine. One broken rule per check (38 switches of astra.testing.broken_raas, each caught by the
 check named for it): tests/test_raas_check_broken.py.
 """
 
@@ -70,7 +70,7 @@ WEIGHT_CHECKS = {
 @pytest.mark.slow
 def test_astra_raas_passes_every_check() -> None:
     got = run_checks()
-    assert len(got) == 28
+    assert len(got) == 30
     not_passed = {name: status for name, (status, _) in got.items() if status != "pass"}
     # no --weights, no --serve-weights given
     assert not_passed == dict.fromkeys(
@@ -163,10 +163,10 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
         ok = subprocess.run([*check, *weight_args], capture_output=True, text=True, timeout=180)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         if weights is not None:
-            assert "27 passed, 0 failed, 0 warnings, 1 skipped" in ok.stdout, ok.stdout
+            assert "29 passed, 0 failed, 0 warnings, 1 skipped" in ok.stdout, ok.stdout
             assert "every generated token: version 1" in ok.stdout
         else:
-            assert "22 passed, 0 failed, 0 warnings, 6 skipped" in ok.stdout, ok.stdout
+            assert "24 passed, 0 failed, 0 warnings, 6 skipped" in ok.stdout, ok.stdout
         bad = subprocess.run(
             [*check, "--workflow", "no_such", "--json"], capture_output=True, text=True, timeout=60
         )

@@ -65,6 +65,8 @@ SAYS = {
     "stamps_version_zero": "expected (3, 3)",
     "skips_verification": "do not match",
     "loses_a_slot": "free 3 of 4",
+    "collect_accepts_zero_max_groups": "expected INVALID_ARGUMENT, got OK",
+    "cancel_drops_finished": "a finished group counted cancelled (1)",
 }
 
 

@@ -343,6 +343,32 @@ def cancel_keeps_running(servicer, server) -> None:
     wrap(servicer, "CancelGroups", pretend)
 
 
+def collect_accepts_zero_max_groups(servicer, server) -> None:
+    """Takes CollectResults' max_groups 0 as a default of 1 (rule: 0 is INVALID_ARGUMENT,
+    field max_groups: the field is required)."""
+    collect = servicer.CollectResults
+
+    async def lenient(request, context):
+        if request.max_groups == 0:
+            request = pb.CollectResultsRequest(max_groups=1, max_wait=request.max_wait)
+        async for message in collect(request, context):
+            yield message
+
+    servicer.CollectResults = lenient
+
+
+def cancel_drops_finished(servicer, server) -> None:
+    """CancelGroups also drops finished, unacknowledged results and counts them cancelled
+    (rule: only running groups are cancelled; a finished one keeps its result)."""
+    cancel = servicer.groups.cancel
+
+    def dropping(group_ids):
+        acknowledged, _ = servicer.store.ack(list(group_ids))
+        return cancel(group_ids) + acknowledged
+
+    servicer.groups.cancel = dropping
+
+
 SWITCHES: dict[str, Switch] = {
     f.__name__: f
     for f in (
@@ -382,6 +408,8 @@ SWITCHES: dict[str, Switch] = {
         stamps_version_zero,
         skips_verification,
         loses_a_slot,
+        collect_accepts_zero_max_groups,
+        cancel_drops_finished,
     )
 }
 
@@ -423,6 +451,8 @@ CATCHES: dict[str, str] = {
     "stamps_version_zero": "tokens_carry_the_loaded_version",
     "skips_verification": "load_weights_refuses_corrupt_data",
     "loses_a_slot": "settles",
+    "collect_accepts_zero_max_groups": "collect_rejects_zero_max_groups",
+    "cancel_drops_finished": "cancel_keeps_a_finished_result",
 }
 
 

@@ -22,6 +22,7 @@ from astra.raas.backend import VersionSpec
 from astra.raas.scripted import ScriptedGenerator
 from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.servers.raas import RolloutServicer
+from astra.servers.raas_convert import version_protos
 
 
 class FetchingScripted(ScriptedGenerator):
@@ -63,7 +64,7 @@ def load_accepts_empty(servicer, server) -> None:
 
     def ok(request):
         if not request.versions:
-            return pb.LoadWeightsResponse(loaded_versions=servicer._version_protos())
+            return pb.LoadWeightsResponse(loaded_versions=version_protos(servicer.versions.held))
         return None
 
     wrap(servicer, "LoadWeights", ok)
@@ -74,7 +75,7 @@ def load_accepts_unknown_policy(servicer, server) -> None:
 
     def ok(request):
         if any(v.policy_id not in servicer.policy_ids for v in request.versions):
-            return pb.LoadWeightsResponse(loaded_versions=servicer._version_protos())
+            return pb.LoadWeightsResponse(loaded_versions=version_protos(servicer.versions.held))
         return None
 
     wrap(servicer, "LoadWeights", ok)
