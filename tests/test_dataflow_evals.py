@@ -112,7 +112,9 @@ def test_evaluations_run_at_every_second_version_and_are_never_trained(
             status = await client.get_status()
         assert not [g for g in trainer.consumed if g.startswith("e/")], "evaluation trained"
         evals = [e for e in status.evals if e.complete]
-        assert [e.version for e in evals] == [e["version"] for e in finished()]
+        # (later evaluations may finish after the status was read: a prefix)
+        later = [e["version"] for e in finished()]
+        assert later[: len(evals)] == [e.version for e in evals]
         for e in evals:
             assert e.stream == "e" and e.policy_id == "policy" and e.version % 2 == 0
             assert e.groups == e.groups_done == EVAL_RECORDS
