@@ -55,15 +55,12 @@ test-fast: $(VENV)/.installed  ## the quick loop (~3 min on 2 cores): every test
 	$(PY) -m pytest -q -m "not slow and not gpu"
 
 # mypy sees astra/, servers/ and clients/ as the one package they install as (astra.servers,
-# astra.clients) through a tree of links in build/typecheck: it cannot follow setuptools'
-# editable mapping. It reports paths as that package names them (astra/servers/x.py is servers/x.py).
+# astra.clients) through the tree of links in build/imports (tools/import_rules.py --tree): it
+# cannot follow setuptools' editable mapping. It reports paths as that package names them (astra/servers/x.py is servers/x.py).
 .PHONY: typecheck
 typecheck: $(VENV)/.installed  ## mypy, configured in pyproject.toml ([tool.mypy])
-	rm -rf build/typecheck/astra && mkdir -p build/typecheck/astra
-	ln -s $(CURDIR)/astra/* build/typecheck/astra/
-	ln -s $(CURDIR)/servers build/typecheck/astra/servers
-	ln -s $(CURDIR)/clients build/typecheck/astra/clients
-	cd build/typecheck && $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml -p astra
+	$(PY) tools/import_rules.py --tree
+	cd build/imports && $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml -p astra
 
 chaos: $(VENV)/.installed  ## the fault campaign (tools/chaos): astra run under real faults, audited (~15 min)
 	$(PY) tools/chaos/campaign.py

@@ -119,7 +119,7 @@ class Dataflow:
             self._writer, self.data_ready, self.wake, self._spawn,
         )  # fmt: skip
         self.dispatcher = Dispatcher(
-            config, self.store, self.pool, self.table, self.ledger, self.versions, self.sources,
+            config, self.streams, self.store, self.pool, self.table, self.ledger, self.versions, self.sources,
             self.evals, self.admission, self.budget, self.storage_paused, self.turns,
         )  # fmt: skip
         recover(

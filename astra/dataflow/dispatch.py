@@ -40,6 +40,7 @@ class Dispatcher:
     def __init__(
         self,
         config: DataflowConfig,
+        streams: dict[str, StreamSettings],
         store: StateStore,
         pool: Pool,
         table: WorkTable,
@@ -56,7 +57,7 @@ class Dispatcher:
         self.counters, self.ledger, self.versions = ledger.counters, ledger, versions
         self.sources, self.evals, self.admission, self.budget = sources, evals, admission, budget
         self.storage_paused, self.turns = storage_paused, turns
-        self.streams: dict[str, StreamSettings] = {s.name: s for s in config.streams}
+        self.streams = streams
         self.woken = asyncio.Event()
 
     def wake(self) -> None:
