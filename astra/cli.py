@@ -224,6 +224,15 @@ async def _serve_dataflow(config) -> None:
     "full copy) or a directory under --state-dir; auto: memory for the torch engine, disk for "
     "HTTP engines (they load by path).",
 )
+@click.option(
+    "--fetch-timeout",
+    "fetch_timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=240.0,
+    show_default=True,
+    help="Seconds one weight fetch may take, every retry included, before LoadWeights fails "
+    "with DEADLINE_EXCEEDED (raise it for large models over slow links).",
+)
 @_metrics_and_log_level()
 def serve_raas(
     dataflow: str,
@@ -247,6 +256,7 @@ def serve_raas(
     device: str,
     on_swap: str,
     weights_receive: str,
+    fetch_timeout_s: float,
     metrics_port: int | None,
     log_level: str,
 ) -> None:
@@ -276,6 +286,7 @@ def serve_raas(
         device=device,
         on_swap=on_swap,
         weights_receive=weights_receive,
+        fetch_timeout_s=fetch_timeout_s,
         engine=engine,
         engine_url=engine_url,
         engine_args=engine_args,

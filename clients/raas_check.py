@@ -17,31 +17,28 @@ holds groups when the checks start is refused (InstanceInUse) unless
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
-from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf import struct_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from astra.clients.raas import RolloutClient
 from astra.clients.raas_check_faulty_weights import FaultyWeightChecks
+from astra.clients.raas_check_identity import IdentityChecks
+from astra.clients.raas_check_session import CheckOptions
 from astra.clients.raas_check_trajectories import TrajectoryChecks
 from astra.clients.raas_check_weights import WeightChecks
 from astra.clients.raas_rules import (
     Check,
     CheckFailed,
-    InstanceInUse,
-    Rpc,
     Skipped,
     Warned,
     rpc,
 )
-from astra.clients.rollout_port import decode_results
-from astra.common.v1 import rollout_pb2, version_pb2
-from astra.dataflow.ports import IncomingGroup
+from astra.common.v1 import version_pb2
 from astra.raas.v1 import rollout_service_pb2 as pb
+
+__all__ = ["CHECKS", "CheckOptions", "RaasChecker"]
 
 CONTRACT_MAJOR = "1"
 MAX_WAIT_S = 30.0  # CollectResults.max_wait bound (rollout_service.proto)
@@ -75,48 +72,14 @@ CHECKS = (
     "load_weights_refuses_regression",
     "load_weights_refuses_reused_request_id",
     "tokens_carry_the_loaded_version",
+    "load_weights_matches_by_identity",
     "load_weights_refuses_corrupt_data",
     "settles",
 )
 
 
-@dataclass
-class CheckOptions:
-    policy: str = ""  # default: the first policy the server lists
-    workflow: str = ""  # default: the first workflow it lists
-    reward: str = ""  # default: the workflow's
-    prompt: str = "1+1="
-    answer: str = "2"  # the dataset record's "answer", for rewards that need one
-    max_new_tokens: int = 8
-    result_timeout_s: float = 120.0  # for one group to finish
-    call_timeout_s: float = 10.0
-    # A WeightService holding `version_id` of the policy: the LoadWeights checks run with it.
-    weights: str = ""
-    version_id: str = ""
-    load_timeout_s: float = 300.0
-    # Run even when the instance has groups running or results pending that are not ours.
-    allow_busy: bool = False
-    # Serve corrupt weights from an in-process WeightService: the instance must refuse them.
-    serve_weights: bool = False
-
-
-@dataclass
-class RaasChecker(WeightChecks, TrajectoryChecks, FaultyWeightChecks):
-    address: str
-    options: CheckOptions = field(default_factory=CheckOptions)
-
-    def __post_init__(self) -> None:
-        self.client: RolloutClient  # opened by `run`, on its event loop
-        self.run_id = secrets.token_hex(4)
-        self.capacity = 0
-        self.features: set[str] = set()
-        self.policy, self.workflow = self.options.policy, self.options.workflow
-        self.loaded: version_pb2.PolicyVersion | None = None  # what `load_weights` loaded
-        # The group `submit` sent (group_id empty until it passes) and what collects decoded.
-        self.group, self.submitted = "", rollout_pb2.PromptGroup()
-        self.decoded: dict[str, tuple[IncomingGroup, pb.CollectResultsResponse]] = {}
-        self.results: list[Check] = []
-        self._n = 0
+class RaasChecker(WeightChecks, TrajectoryChecks, IdentityChecks, FaultyWeightChecks):
+    """Every check, in CHECKS order, against the instance at `address`."""
 
     async def run(self) -> list[Check]:
         """Every check in order, each on its own; the list of what they found."""
@@ -141,73 +104,6 @@ class RaasChecker(WeightChecks, TrajectoryChecks, FaultyWeightChecks):
         finally:
             await self.client.close()
         return self.results
-
-    # ----- helpers ---------------------------------------------------------------------------
-
-    async def _refuse_if_busy(self) -> None:
-        """InstanceInUse when groups run or wait there: a live Dataflow's, which the checks
-        would race (and whose counts they would misread)."""
-        if self.options.allow_busy:
-            return
-        try:
-            s = await self.client.get_status()
-        except grpc.aio.AioRpcError:
-            return  # the checks report what is wrong with GetStatus
-        if s.running_groups or s.pending_results:
-            raise InstanceInUse(
-                f"{self.address} has {s.running_groups} groups running and "
-                f"{s.pending_results} results pending that this checker did not submit: it looks "
-                "in use (registered with a Dataflow?). Check an instance no Dataflow dispatches "
-                "to, or pass --allow-busy to run anyway (later checks may then fail)"
-            )
-
-    def _group(
-        self, *, num_samples: int = 1, policy: str = "", workflow: str = ""
-    ) -> rollout_pb2.PromptGroup:
-        self._n += 1
-        data = struct_pb2.Struct()
-        data.update({"prompt": self.options.prompt, "answer": self.options.answer})
-        return rollout_pb2.PromptGroup(
-            group_id=f"conformance/{self.run_id}/{self._n}",
-            workflow=workflow or self.workflow,
-            policy_ids=[policy or self.policy],
-            prompt=rollout_pb2.Prompt(text=self.options.prompt, data=data),
-            num_samples=num_samples,
-            sampling_params=rollout_pb2.SamplingParams(
-                temperature=1.0, top_p=1.0, max_new_tokens=self.options.max_new_tokens, seed=self._n
-            ),
-            reward=self.options.reward,
-        )
-
-    def _needs(self, *attrs: str) -> None:
-        for attr in attrs:
-            if not getattr(self, attr):
-                raise Skipped(f"needs an earlier check ({attr} unknown)")
-
-    async def _submit(self, *groups: rollout_pb2.PromptGroup) -> Rpc:
-        return await rpc(self.client.submit_groups(list(groups)))
-
-    async def _collect(self, max_wait_s: float) -> dict[str, int]:
-        """group id -> results delivered for it by one CollectResults call (our groups only)."""
-        raw = await self.client.collect_results_raw(64, max_wait_s)
-        out: dict[str, int] = {}
-        for msg, group in zip(raw, decode_results(raw), strict=True):
-            if group.group_id.startswith(f"conformance/{self.run_id}/"):
-                out[group.group_id] = out.get(group.group_id, 0) + 1
-                self.decoded[group.group_id] = (group, pb.CollectResultsResponse.FromString(msg))
-        return out
-
-    async def _until_collected(self, group_id: str) -> str:
-        """Collects until `group_id`'s result arrives: "" then, else why it did not (none within
-        result_timeout_s); CheckFailed when one collect delivers it twice."""
-        deadline = time.monotonic() + self.options.result_timeout_s
-        while time.monotonic() < deadline:
-            got = await self._collect(min(5.0, max(0.1, deadline - time.monotonic())))
-            if got.get(group_id, 0) > 1:
-                raise CheckFailed(f"{got[group_id]} results for {group_id} in one collect")
-            if group_id in got:
-                return ""
-        return f"no result within {self.options.result_timeout_s:g} s"
 
     # ----- checks ----------------------------------------------------------------------------
 

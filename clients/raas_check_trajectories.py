@@ -1,7 +1,8 @@
 """The trajectory-shape check of `astra raas check`: what Dataflow's decoder lets through but
 the trainer refuses (rollout.proto, Sequence).
 
-A mixin of astra.clients.raas_check.RaasChecker, run on the group `collect` received:
+A set of checks on astra.clients.raas_check_session.CheckSession, joined in
+astra.clients.raas_check.RaasChecker, run on the group `collect` received:
 every sequence sets a finish reason (unset is a failed trajectory), starts with its
 prompt's tokens (prompt_length >= 1, loss_mask 0 there), trains on at least one
 generated token (loss_mask 1 after the prompt), carries a version >= 0 on every
@@ -11,19 +12,15 @@ trained token, and has no negative token id. The upper bound of token ids
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from astra.clients.raas_check_session import CheckSession
 from astra.clients.raas_rules import CheckFailed
 from astra.common.arrays import from_array
 
-if TYPE_CHECKING:
-    from astra.clients.raas_check import RaasChecker
 
-
-class TrajectoryChecks:
-    async def trajectories_are_well_formed(self: RaasChecker) -> str:
+class TrajectoryChecks(CheckSession):
+    async def trajectories_are_well_formed(self) -> str:
         self._needs("group")
         _, wire = self.decoded[self.group]
         n = 0

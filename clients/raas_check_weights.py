@@ -1,6 +1,7 @@
 """The LoadWeights checks of `astra raas check` (with --weights HOST:PORT --version ID).
 
-A mixin of astra.clients.raas_check.RaasChecker: with a WeightService that holds a
+A set of checks on astra.clients.raas_check_session.CheckSession, joined in
+astra.clients.raas_check.RaasChecker: with a WeightService that holds a
 version of the policy, the instance must load it and show it in GetStatus, answer
 retries and the same versions under a new request id at once, refuse an older
 version (VERSION_REGRESSION) and keep the loaded one, refuse a request id reused for
@@ -10,29 +11,15 @@ with the loaded version (what Dataflow's staleness bound reads).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING
-
 import grpc
 
+from astra.clients.raas_check_session import CheckSession
 from astra.clients.raas_rules import CheckFailed, Skipped, rpc
 from astra.common.v1 import version_pb2
 
-if TYPE_CHECKING:
-    from astra.clients.raas_check import RaasChecker
 
-
-class WeightChecks:
-    def _load(self: RaasChecker, versions: list, request_id: str) -> Awaitable:
-        return self.client.load_weights(
-            versions, self.options.weights, request_id, timeout_s=self.options.load_timeout_s
-        )
-
-    async def _held(self: RaasChecker) -> int | None:
-        s = await self.client.get_status()
-        return next((v.version for v in s.loaded_versions if v.policy_id == self.policy), None)
-
-    async def load_weights(self: RaasChecker) -> str:
+class WeightChecks(CheckSession):
+    async def load_weights(self) -> str:
         if not (self.options.weights and self.options.version_id):
             raise Skipped("needs --weights HOST:PORT and --version ID")
         self._needs("policy")
@@ -58,7 +45,7 @@ class WeightChecks:
         self.loaded = want
         return f"{self.policy} {want.version_id} (version {want.version}), {r.response.fetched_bytes:,} bytes fetched"
 
-    async def load_weights_is_idempotent(self: RaasChecker) -> str:
+    async def load_weights_is_idempotent(self) -> str:
         self._needs("loaded")
         again = await rpc(self._load([self.loaded], f"conformance-{self.run_id}-load"))
         again.expect(grpc.StatusCode.OK)
@@ -71,7 +58,7 @@ class WeightChecks:
                 raise CheckFailed(f"loaded_versions {list(r.response.loaded_versions)}")
         return "the same request again, and the same versions under a new request_id: OK"
 
-    async def load_weights_refuses_regression(self: RaasChecker) -> str:
+    async def load_weights_refuses_regression(self) -> str:
         self._needs("loaded")
         if self.loaded.version < 1:
             raise Skipped("the loaded version is 0: nothing older to ask for")
@@ -84,7 +71,7 @@ class WeightChecks:
             raise CheckFailed(f"after the refusal GetStatus says version {now}")
         return f"{text}; version {self.loaded.version} still in service"
 
-    async def load_weights_refuses_reused_request_id(self: RaasChecker) -> str:
+    async def load_weights_refuses_reused_request_id(self) -> str:
         self._needs("loaded")
         newer = version_pb2.PolicyVersion(
             policy_id=self.policy, version=self.loaded.version + 1, version_id="conformance-newer"
@@ -92,7 +79,7 @@ class WeightChecks:
         r = await rpc(self._load([newer], f"conformance-{self.run_id}-load"))
         return r.expect(grpc.StatusCode.INVALID_ARGUMENT, "REQUEST_ID_REUSED")
 
-    async def tokens_carry_the_loaded_version(self: RaasChecker) -> str:
+    async def tokens_carry_the_loaded_version(self) -> str:
         self._needs("loaded")
         g = self._group()
         (await self._submit(g)).expect(grpc.StatusCode.OK)

@@ -42,6 +42,7 @@ class RaasOptions:
     device: str = "cpu"
     on_swap: str = "continue"
     weights_receive: str = "auto"  # memory | disk | auto (memory for the torch engine)
+    fetch_timeout_s: float = 240.0  # one weight fetch, every retry (clients.raas_weights)
     grace_s: float = 5.0
     engine: str = "torch"
     engine_url: str = ""
@@ -73,7 +74,10 @@ async def serve_raas(opts: RaasOptions) -> None:
         opts.weights_receive == "auto" and opts.engine == "torch"
     )
     loader = ReceiverWeightLoader(
-        state / "weights", receiver_prefix=opts.instance_id or "raas", in_memory=in_memory
+        state / "weights",
+        receiver_prefix=opts.instance_id or "raas",
+        in_memory=in_memory,
+        fetch_timeout_s=opts.fetch_timeout_s,
     )
     backend = EngineBackend(engine, opts.workflows, loader, rewards=opts.rewards)
     server, servicer, registrar = await start_raas(

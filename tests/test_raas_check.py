@@ -1,7 +1,7 @@
 """`astra raas check`: the RaaS contract checker passes Astra's own RaaS and fails broken ones.
 
 Here: Astra's RaaS passes, results Dataflow would refuse fail `collect`, and the CLI on each
-engine. One broken rule per check (38 switches of astra.testing.broken_raas, each caught by the
+engine. One broken rule per check (39 switches of astra.testing.broken_raas, each caught by the
 check named for it): tests/test_raas_check_broken.py.
 """
 
@@ -70,11 +70,12 @@ WEIGHT_CHECKS = {
 @pytest.mark.slow
 def test_astra_raas_passes_every_check() -> None:
     got = run_checks()
-    assert len(got) == 30
+    assert len(got) == 31
     not_passed = {name: status for name, (status, _) in got.items() if status != "pass"}
     # no --weights, no --serve-weights given
     assert not_passed == dict.fromkeys(
-        {*WEIGHT_CHECKS, "load_weights_refuses_corrupt_data"}, "skip"
+        {*WEIGHT_CHECKS, "load_weights_matches_by_identity", "load_weights_refuses_corrupt_data"},
+        "skip",
     )
     assert "as Dataflow reads them" in got["collect"][1]
 
@@ -148,10 +149,12 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
         )  # fmt: skip
         address = json.loads(weights.stdout.readline())["address"]
         asyncio.run(publish_version(address, "policy", "v1", 1, perturbed_tiny()))
-        weight_args = ["--weights", address, "--version", "v1"]
+        weight_args = ["--weights", address, "--version", "v1", "--serve-weights"]
     else:
         fake = FakeEngineServer(engine).start()
         args = ["--engine", engine, "--engine-url", fake.url, "--served-model-name", "FAKE-tiny"]
+    if weights is not None:  # truncated weights are refused when the fetch deadline passes
+        args += ["--fetch-timeout", "8"]
     raas = subprocess.Popen(
         [sys.executable, "-m", "astra.cli", "serve", "raas", *args, "--capacity", "4",
          "--state-dir", str(tmp_path / "state")],
@@ -163,10 +166,13 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
         ok = subprocess.run([*check, *weight_args], capture_output=True, text=True, timeout=180)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         if weights is not None:
-            assert "29 passed, 0 failed, 0 warnings, 1 skipped" in ok.stdout, ok.stdout
+            assert "31 passed, 0 failed, 0 warnings, 0 skipped" in ok.stdout, ok.stdout
             assert "every generated token: version 1" in ok.stdout
+            # its own version offered as the delta's base: the wrong base found, refused
+            assert "wrong-base: DATA_LOSS CHECKSUM_MISMATCH" in ok.stdout, ok.stdout
+            assert "truncated: DEADLINE_EXCEEDED" in ok.stdout, ok.stdout
         else:
-            assert "24 passed, 0 failed, 0 warnings, 6 skipped" in ok.stdout, ok.stdout
+            assert "24 passed, 0 failed, 0 warnings, 7 skipped" in ok.stdout, ok.stdout
         bad = subprocess.run(
             [*check, "--workflow", "no_such", "--json"], capture_output=True, text=True, timeout=60
         )

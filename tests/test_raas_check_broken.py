@@ -64,6 +64,7 @@ SAYS = {
     "forgets_request_ids": "expected INVALID_ARGUMENT",
     "stamps_version_zero": "expected (3, 3)",
     "skips_verification": "do not match",
+    "loaded_by_counter_only": "yet GetStatus names 'v3'",
     "loses_a_slot": "free 3 of 4",
     "collect_accepts_zero_max_groups": "expected INVALID_ARGUMENT, got OK",
     "cancel_drops_finished": "a finished group counted cancelled (1)",
@@ -96,7 +97,7 @@ def weights(tmp_path_factory) -> Iterator[str]:
 
 def check_switch(switch: str, weights: str) -> dict[str, tuple[str, str]]:
     # Serving faulty weights takes seconds of the engine's retries: only where it is asked.
-    faulty = switch in ("", "skips_verification")
+    faulty = switch in ("", "skips_verification", "loaded_by_counter_only")
     options = CheckOptions(
         result_timeout_s=5.0, weights=weights, version_id="v3", serve_weights=faulty
     )

@@ -427,8 +427,8 @@ def test_a_raas_removed_while_its_restart_starts_stays_removed(tmp_path: Path) -
     sup, factory = _supervisor(tmp_path, {"raas-0": "serve,slow,serve", "raas": "serve"}, 0.05)
 
     async def main() -> None:
-        r0 = sup._child("raas-0", "raas", ["unused"])
-        r1 = sup._child("raas-1", "raas", ["unused"])
+        r0 = sup.add_child("raas-0", "raas", ["unused"])
+        r1 = sup.add_child("raas-1", "raas", ["unused"])
         await sup.start_children([r0, r1])
         try:
             os.kill(r0.pid, signal.SIGKILL)
@@ -458,9 +458,9 @@ def test_a_raas_name_is_not_taken_while_its_restart_is_pending(tmp_path: Path) -
     sup, factory = _supervisor(tmp_path, {"dataflow": "serve", "raas": "serve"}, 0.5)
 
     async def main() -> None:
-        df = sup._child("dataflow", "dataflow", ["unused"])
-        r0 = sup._child("raas-0", "raas", ["unused"])
-        r1 = sup._child("raas-1", "raas", ["unused"])
+        df = sup.add_child("dataflow", "dataflow", ["unused"])
+        r0 = sup.add_child("raas-0", "raas", ["unused"])
+        r1 = sup.add_child("raas-1", "raas", ["unused"])
         await sup.start_children([df, r0, r1])
         elastic = Elastic(sup)
         try:

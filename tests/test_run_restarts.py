@@ -114,7 +114,7 @@ def test_a_core_service_keeps_its_port_after_a_restart_that_failed(tmp_path: Pat
 
     async def main() -> None:
         sup = Supervisor(_fast_recipe("supervision.max_restarts=3"), rd, child_factory=factory)
-        ws = sup._child("weights", "weights", ["unused"])
+        ws = sup.add_child("weights", "weights", ["unused"])
         await sup.start_children([ws])
         try:
             os.kill(ws.pid, signal.SIGKILL)
@@ -147,8 +147,8 @@ def test_dataflows_address_is_kept_when_the_weightservice_beside_it_fails_to_sta
 
     async def main() -> None:
         sup = Supervisor(_fast_recipe(), _run_dir(tmp_path), child_factory=factory)
-        df = sup._child("dataflow", "dataflow", ["unused"])
-        ws = sup._child("weights", "weights", ["unused"])
+        df = sup.add_child("dataflow", "dataflow", ["unused"])
+        ws = sup.add_child("weights", "weights", ["unused"])
         try:
             with pytest.raises(ChildFailed, match="weights exited"):
                 await sup.start_children([df, ws])
@@ -176,10 +176,10 @@ def test_a_trainer_restarted_while_dataflow_restarts_is_given_dataflows_address(
         recipe = _fast_recipe()
         sup = Supervisor(recipe, rd, child_factory=factory)
         sup.dataset = rd.dataset
-        df = sup._child("dataflow", "dataflow", ["unused"])
-        ws = sup._child("weights", "weights", ["unused"])
+        df = sup.add_child("dataflow", "dataflow", ["unused"])
+        ws = sup.add_child("weights", "weights", ["unused"])
         await sup.start_children([df, ws])
-        tr = sup._child(f"trainer-{recipe.policies[0].id}", "trainer", ["unused"])
+        tr = sup.add_child(f"trainer-{recipe.policies[0].id}", "trainer", ["unused"])
         await sup.start_children([tr])
         try:
             for c in (df, tr):

@@ -20,16 +20,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
 from astra.run import control, layout
 from astra.run.children import Child, ChildFailed
 from astra.run.recipe import RaasSpec, reserved_name
-
-if TYPE_CHECKING:
-    from astra.run.supervisor import Supervisor
+from astra.run.run_view import RunView
 
 log = logging.getLogger("astra.run")
 WORK_COUNTERS = ("groups_accepted", "groups_finished", "results_acknowledged")
@@ -59,7 +57,7 @@ class ElasticError(Exception):
 
 
 class Elastic:
-    def __init__(self, sup: Supervisor) -> None:
+    def __init__(self, sup: RunView) -> None:
         self.sup = sup
         self.up_at = time.monotonic()
         self.next_event = 0
@@ -171,7 +169,7 @@ class Elastic:
         # A RaaS of the same name that died or was removed before: its entry goes.
         sup.children["raas"] = [c for c in sup.children["raas"] if c.name != name]
         command = layout.raas_spec_command(recipe, spec, name, sup.rd, dataflow)
-        child = sup._child(name, "raas", command, recipe.raas_policies(spec))
+        child = sup.add_child(name, "raas", command, recipe.raas_policies(spec))
         child.extra = {"capacity": spec.capacity, "labels": dict(spec.labels), "joined": source}
         try:
             await sup.start_children([child])

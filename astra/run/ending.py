@@ -20,22 +20,20 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from astra.run import layout
 from astra.run.children import stop_all
 from astra.run.elastic import raas_work
 from astra.run.evals import EvalLog, final_target
+from astra.run.observe import Observer
+from astra.run.run_view import RunView
 from astra.run.summary import build_summary, read_state, trainer_final_step, write_summary
-
-if TYPE_CHECKING:
-    from astra.run.observe import Observer
-    from astra.run.supervisor import Supervisor
 
 log = logging.getLogger("astra.run")
 
 
-async def final_eval(sup: Supervisor, obs: Observer, evals: EvalLog) -> None:
+async def final_eval(sup: RunView, obs: Observer, evals: EvalLog) -> None:
     """Waits (eval.final_wait_s at most) for each evaluation of the last multiple of
     eval.every_steps that its stream's first policy reached, while the RaaS still run."""
     recipe = sup.recipe
@@ -65,7 +63,7 @@ async def final_eval(sup: Supervisor, obs: Observer, evals: EvalLog) -> None:
         )
 
 
-def final_steps(sup: Supervisor) -> dict[str, int | None]:
+def final_steps(sup: RunView) -> dict[str, int | None]:
     """Each policy's last step: what its trainer logged when it stopped, or its newest
     checkpoint's step (a trainer writes one at its last step), whichever is later. A run
     resumed only to take its summary has no trainer running."""
@@ -104,7 +102,7 @@ def keep_summary(path: Path, status: str) -> None:
     )
 
 
-async def shutdown(sup: Supervisor, status: str, wall: float, dataset: Any) -> None:
+async def shutdown(sup: RunView, status: str, wall: float, dataset: Any) -> None:
     """Stops everything in order (see astra.run.supervisor) and writes summary.json."""
     obs = sup.observer
     await sup.restarts.close()  # none starts while everything stops

@@ -31,13 +31,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from astra.run import layout
 from astra.run.children import Child, ChildFailed
-
-if TYPE_CHECKING:
-    from astra.run.supervisor import Supervisor
+from astra.run.run_view import RunView
 
 log = logging.getLogger("astra.run")
 MAX_BACKOFF_S = 60.0
@@ -46,7 +44,7 @@ MAX_BACKOFF_S = 60.0
 class Restarts:
     """Decides whether a dead child comes back, and brings it back."""
 
-    def __init__(self, sup: Supervisor) -> None:
+    def __init__(self, sup: RunView) -> None:
         self.sup = sup
         self.events: list[dict[str, Any]] = []  # summary.json `restarts`
         self.pending: dict[Child, asyncio.Task[None]] = {}  # one restart under way per child

@@ -97,7 +97,9 @@ class Supervisor:
     def spec_of(self, child: Child) -> RaasSpec:
         return self.raas_specs.get(child.name) or RaasSpec(name=child.name)
 
-    def _child(self, name: str, role: str, args: list[str], policies: Sequence[str] = ()) -> Child:
+    def add_child(
+        self, name: str, role: str, args: list[str], policies: Sequence[str] = ()
+    ) -> Child:
         child = self.new_child(name, role, args, self.rd.log(name), self.recipe.env)
         child.policies = tuple(policies)  # its credential's scope, with `tls: true`
         self.children["core" if role in ("dataflow", "weights") else role].append(child)
@@ -207,9 +209,9 @@ class Supervisor:
 
     async def _start_all(self, dataset: Any, steps: dict[str, int]) -> None:
         r, rd = self.started_recipe, self.rd
-        df = self._child("dataflow", "dataflow", layout.dataflow_command(r, rd, dataset))
+        df = self.add_child("dataflow", "dataflow", layout.dataflow_command(r, rd, dataset))
         port = self.weights_port
-        weights = self._child("weights", "weights", layout.weights_command(r, rd, port))
+        weights = self.add_child("weights", "weights", layout.weights_command(r, rd, port))
         try:
             await self.start_children([df, weights])
         except ChildFailed:
@@ -218,18 +220,18 @@ class Supervisor:
             log.warning("WeightService could not take port %d again; any port instead", port)
             await weights.stop(0)
             self.children["core"].remove(weights)
-            weights = self._child("weights", "weights", layout.weights_command(r, rd))
+            weights = self.add_child("weights", "weights", layout.weights_command(r, rd))
             await self.start_children([weights])
         raas = []
         for i, name in enumerate(r.raas_names):
             spec = self.raas_specs[name] = r.raas[i]
             command = layout.raas_command(r, i, rd, df.address)
-            raas.append(self._child(name, "raas", command, r.raas_policies(spec)))
+            raas.append(self.add_child(name, "raas", command, r.raas_policies(spec)))
             raas[-1].extra = {"capacity": spec.capacity, "labels": spec.labels, "joined": "recipe"}
         await self.start_children(raas)
         await self.start_children(
             [
-                self._child(
+                self.add_child(
                     f"trainer-{p.id}",
                     "trainer",
                     layout.trainer_command(

@@ -36,6 +36,7 @@ from astra.testing.broken_raas_loads import (
     load_accepts_empty,
     load_accepts_unknown_policy,
     load_is_ignored,
+    loaded_by_counter_only,
     reload_refused,
     skips_verification,
     stamps_version_zero,
@@ -402,6 +403,7 @@ SWITCHES: dict[str, Switch] = {
         load_accepts_empty,
         load_accepts_unknown_policy,
         load_is_ignored,
+        loaded_by_counter_only,
         allows_regression,
         reload_refused,
         forgets_request_ids,
@@ -453,6 +455,7 @@ CATCHES: dict[str, str] = {
     "loses_a_slot": "settles",
     "collect_accepts_zero_max_groups": "collect_rejects_zero_max_groups",
     "cancel_drops_finished": "cancel_keeps_a_finished_result",
+    "loaded_by_counter_only": "load_weights_matches_by_identity",
 }
 
 

@@ -115,6 +115,19 @@ def reload_refused(servicer, server) -> None:
     wrap(servicer, "LoadWeights", refuse)
 
 
+def loaded_by_counter_only(servicer, server) -> None:
+    """A version whose counter is in service counts as loaded whatever its identity (rule:
+    "already loaded" means by counter AND identity)."""
+
+    def same_counter(request):
+        held = servicer.loaded_versions
+        if request.versions and all(held.get(v.policy_id) == v.version for v in request.versions):
+            return pb.LoadWeightsResponse(loaded_versions=version_protos(servicer.versions.held))
+        return None
+
+    wrap(servicer, "LoadWeights", same_counter)
+
+
 def forgets_request_ids(servicer, server) -> None:
     """A request id reused for other versions loads them (rule: REQUEST_ID_REUSED)."""
     wrap(servicer, "LoadWeights", lambda request: servicer.versions.requests.clear())

@@ -15,13 +15,23 @@ same batch; it never publishes, acknowledges or writes files.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from astra.common.v1 import rollout_pb2
+from astra.trainer.feed import Feed
 from astra.trainer.parallel import broadcast_object
 
-if TYPE_CHECKING:
-    from astra.trainer.loop import Trainer
+
+class Follower(Protocol):
+    """What a follower rank needs of its trainer (astra.trainer.loop.Trainer)."""
+
+    feed: Feed
+    step: int
+    version: int
+
+    async def _compute(self, fn: Any, *args: Any) -> Any: ...
+    def _write_checkpoint(self, root: str) -> Any: ...
+    def _train(self, batch: Any, version: int, publish: bool) -> Any: ...
 
 
 def train_plan(
@@ -31,7 +41,7 @@ def train_plan(
     return {"kind": "train", "batch": wire, "version": version, "publish": publish}
 
 
-async def follow(trainer: Trainer) -> None:
+async def follow(trainer: Follower) -> None:
     """Runs rank 0's plans on this rank until a "stop" plan."""
     while True:
         plan = await trainer._compute(broadcast_object, None)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,15 +28,37 @@ from astra.errors import DataLoss, InvalidArgument
 from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
 from astra.weights.delta import DeltaError, XorZstdChunks, XorZstdEncoder, frame_content_size
 from astra.weights.digest import DEFAULT, finish, hasher, kind_of
+from astra.weights.hot import HotBuilder
+from astra.weights.layout import Version
 from astra.weights.records import TensorRecord, disk_full
 from astra.weights.safetensors_io import METADATA_KEY, tensor_nbytes
 from astra.weights.tensor_files import ALIGN, ShardWriter, tensor_header
 
-if TYPE_CHECKING:
-    from astra.weights.publish_stage import PublishStage
-
 log = logging.getLogger(__name__)
 _HASHERS = ThreadPoolExecutor(2, thread_name_prefix="publish-digest")
+
+
+class Stage(Protocol):
+    """What a TensorSink needs of the publish it belongs to (astra.weights.publish_stage)."""
+
+    path: Path
+    expected: dict[str, TensorRecord] | None
+    base: Version | None
+    base_suspect: bool
+    frames: dict[str, tuple[bytes, int] | None]
+    held: dict[str, tuple[str, TensorRecord]]
+    received: dict[str, tuple[str, TensorRecord]]
+    hot_new: HotBuilder | None
+    lock: threading.Lock
+
+    def base_bytes(self, name: str, size: int) -> Any: ...
+    def encoder(
+        self, name: str, dtype: str, shape: tuple[int, ...], size: int
+    ) -> XorZstdEncoder | None: ...
+    def next_file(self) -> str: ...
+    def accept(self, sink: TensorSink, record: TensorRecord) -> None: ...
+
+
 _ENCODERS = ThreadPoolExecutor(2, thread_name_prefix="publish-encode")
 MAX_TENSOR_NAME_CHARS = 1024
 
@@ -49,7 +72,7 @@ class TensorSink:
 
     def __init__(
         self,
-        stage: PublishStage,
+        stage: Stage,
         name: str,
         dtype: str,
         shape: tuple[int, ...],
@@ -214,7 +237,7 @@ class TensorSink:
             close = getattr(pieces, "close", None)
             if close is not None:
                 close()
-        with self.stage._lock:
+        with self.stage.lock:
             self.stage.frames[self.name] = (frame, self._adler) if chunks.changed else None
 
     def _corrupt(self, exc: DeltaError) -> DataLoss:
@@ -256,7 +279,7 @@ class TensorSink:
                 log.warning("%s: %s; encoded from disk at the commit", self.name, exc)
                 self.stage.base_suspect = True
             else:
-                with self.stage._lock:
+                with self.stage.lock:
                     self.stage.frames[self.name] = frame
         return final
 

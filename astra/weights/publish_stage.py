@@ -79,7 +79,7 @@ class PublishStage:
         # xor+zstd frame against the base and Adler-32 of each tensor received in this
         # session (None: identical to the base); tensors held from an earlier session have none.
         self.frames: dict[str, tuple[bytes, int] | None] = {}
-        self._lock = threading.Lock()  # tensors of one stage may be received on several threads
+        self.lock = threading.Lock()  # tensors of one stage may be received on several threads
         self._next = 0
         self._pending: list[Future[None]] = []
         self.held: dict[str, tuple[str, TensorRecord]] = {}
@@ -175,7 +175,7 @@ class PublishStage:
         )
 
     def next_file(self) -> str:
-        with self._lock:
+        with self.lock:
             index, self._next = self._next, self._next + 1
         return f"t-{index:06d}.bin"
 
@@ -199,7 +199,7 @@ class PublishStage:
         if self.expected is not None:
             if self.expected[sink.name] != record:
                 raise content_mismatch(self.header["identity"], "tensor bytes differ", sink.name)
-            with self._lock:
+            with self.lock:
                 self.received[sink.name] = ("", record)
             return
         sink.close_file()
@@ -207,7 +207,7 @@ class PublishStage:
         line["offset"] = sink.offset
         line.update(dtype=record.dtype, shape=list(record.shape))
         line.update(adler32=record.adler32, digest=record.digest)
-        with self._lock:
+        with self.lock:
             self.received[sink.name] = (sink.file, record)
             self.offsets[sink.name] = sink.offset
             sink.synced = _SYNCERS.submit(self._record, sink.file, json.dumps(line))
@@ -216,13 +216,13 @@ class PublishStage:
     def _record(self, file: str, line: str) -> None:
         if self.durable:
             fsync_path(self.path / file)  # concurrent syncs share journal commits
-        with self._lock, open(self.path / MANIFEST, "a") as f:
+        with self.lock, open(self.path / MANIFEST, "a") as f:
             f.write(line + "\n")
 
     def flush(self) -> None:
         """Until every accepted tensor is durable and in the manifest; raises the first failure."""
         while True:
-            with self._lock:
+            with self.lock:
                 pending, self._pending = self._pending, []
             if not pending:
                 return

@@ -8,7 +8,7 @@ marked bad, durably (policies/<policy>/bad.json: identity -> the path and the
 reason). A bad version is never served (FAILED_PRECONDITION VERSION_BAD,
 naming its directory), and the next publish on top of it is stored as a full
 version, which needs no base: the chain heals with the trainer's next step.
-A mixin of `Store`; never touches gRPC.
+A part of `Store` (astra.weights.store), on the state of StoreCore; never touches gRPC.
 """
 
 from __future__ import annotations
@@ -16,26 +16,23 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from astra.errors import FailedPrecondition
 from astra.weights.checksum import adler32_hex
 from astra.weights.layout import Version
 from astra.weights.records import write_json_atomic
-
-if TYPE_CHECKING:
-    from astra.weights.store import Store
+from astra.weights.store_core import StoreCore
 
 log = logging.getLogger(__name__)
 
 
-class StoreHealth:
+class StoreHealth(StoreCore):
     """Bad versions and the dropping of damaged cache entries."""
 
-    def _bad_path(self: Store, policy: str) -> Path:
+    def _bad_path(self, policy: str) -> Path:
         return self.policy_dir(policy) / "bad.json"
 
-    def bad_versions(self: Store, policy: str) -> dict[str, str]:
+    def bad_versions(self, policy: str) -> dict[str, str]:
         """identity -> why it is bad (its path and what is wrong), for one policy."""
         path = self._bad_path(policy)
         try:
@@ -43,7 +40,7 @@ class StoreHealth:
         except FileNotFoundError:
             return {}
 
-    def mark_bad(self: Store, policy: str, identity: str, why: str) -> None:
+    def mark_bad(self, policy: str, identity: str, why: str) -> None:
         bad = self.bad_versions(policy)
         if identity in bad:
             return
@@ -52,7 +49,7 @@ class StoreHealth:
         self.counters["versions_marked_bad"] += 1
         log.error("policy %s: version %s marked bad: %s", policy, identity, why)
 
-    def check_not_bad(self: Store, policy: str, identity: str) -> None:
+    def check_not_bad(self, policy: str, identity: str) -> None:
         why = self.bad_versions(policy).get(identity)
         if why is not None:
             raise FailedPrecondition(
@@ -61,7 +58,7 @@ class StoreHealth:
                 metadata={"policy": policy, "identity": identity},
             )
 
-    def refused(self: Store, policy: str, identity: str, served: Path, tensor: str) -> None:
+    def refused(self, policy: str, identity: str, served: Path, tensor: str) -> None:
         """A receiver refused `tensor` of `identity`, served from the directory `served`."""
         cache = self.policy_dir(policy) / "cache"
         if served.is_relative_to(cache):

@@ -10,7 +10,7 @@ with deltas. Collection removes versions older than the full root of the
 oldest version that must stay (the newest few, anything a live receiver
 holds, anything a running stream uses); a collected identity leaves a
 tombstone with its content digest, so it can never return with other bytes.
-A mixin of `Store`; never touches gRPC.
+A part of `Store` (astra.weights.store), on the state of StoreCore; never touches gRPC.
 """
 
 from __future__ import annotations
@@ -21,23 +21,20 @@ import logging
 import os
 import shutil
 import uuid
-from typing import TYPE_CHECKING
 
 from astra.errors import AlreadyExists
 from astra.weights.chain import Chain
 from astra.weights.layout import Tensor, Version, check_identity
 from astra.weights.records import VersionRecord, write_json_atomic
-
-if TYPE_CHECKING:
-    from astra.weights.store import Store
+from astra.weights.store_core import StoreCore
 
 log = logging.getLogger(__name__)
 
 
-class StoreLifecycle:
+class StoreLifecycle(StoreCore):
     """Recovery, rollback, receiver registration, stream pins and collection."""
 
-    def _recover(self: Store, policy: str) -> None:
+    def _recover(self, policy: str) -> None:
         pdir = self.policy_dir(policy)
         for junk in [*pdir.glob("versions/.*.staging-*"), pdir / "trash"]:
             shutil.rmtree(junk, ignore_errors=True)
@@ -59,26 +56,26 @@ class StoreLifecycle:
             log.warning("policy %s: current pointer repaired to %s", policy, chain.head.identity)
             self._set_current(policy, chain.head)
 
-    def _pointer(self: Store, policy: str) -> str | None:
+    def _pointer(self, policy: str) -> str | None:
         try:
             return json.loads((self.policy_dir(policy) / "current.json").read_text())["identity"]
         except (OSError, ValueError, KeyError):
             return None
 
-    def _set_current(self: Store, policy: str, record: VersionRecord) -> None:
+    def _set_current(self, policy: str, record: VersionRecord) -> None:
         body = {"identity": record.identity, "version": record.version}
         write_json_atomic(
             self.policy_dir(policy) / "current.json", body, durable=self.config.durable
         )
 
-    def _tombstones(self: Store, policy: str) -> dict[str, str]:
+    def _tombstones(self, policy: str) -> dict[str, str]:
         try:
             return json.loads((self.policy_dir(policy) / "tombstones.json").read_text())
         except (OSError, ValueError):
             return {}
 
     def rollback(
-        self: Store,
+        self,
         policy: str,
         source: str,
         new_identity: str,
@@ -94,7 +91,7 @@ class StoreLifecycle:
             return self._rollback(policy, source, new_identity, new_version, request_id)
 
     def _rollback(
-        self: Store, policy: str, source: str, new_identity: str, new_version: int, request_id: str
+        self, policy: str, source: str, new_identity: str, new_version: int, request_id: str
     ) -> VersionRecord:
         chain = self.chain(policy)
         for rec in chain.records:
@@ -132,10 +129,10 @@ class StoreLifecycle:
         self.counters["rollbacks"] += 1
         return record
 
-    def register_receiver(self: Store, policy: str, receiver_id: str, held: list[str]) -> None:
+    def register_receiver(self, policy: str, receiver_id: str, held: list[str]) -> None:
         self.receivers.register(policy, receiver_id, held)
 
-    def pin(self: Store, policy: str, identities: set[str], delta: int) -> None:
+    def pin(self, policy: str, identities: set[str], delta: int) -> None:
         """Counts a stream's use of versions, so collection spares them while it runs."""
         with self._guard:
             pins = self._inflight.setdefault(policy, collections.Counter())
@@ -143,11 +140,11 @@ class StoreLifecycle:
                 pins[identity] += delta
             self._inflight[policy] = +pins
 
-    def _inflight_ids(self: Store, policy: str) -> set[str]:
+    def _inflight_ids(self, policy: str) -> set[str]:
         with self._guard:
             return set(self._inflight.get(policy, ()))
 
-    def gc(self: Store, policy: str) -> list[str]:
+    def gc(self, policy: str) -> list[str]:
         """Collects versions no retention rule needs; returns their identities."""
         with self._lock(policy):
             chain = self.chain(policy)

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from astra.errors import (
     AlreadyExists,
@@ -41,15 +41,13 @@ from astra.weights.publish_stage import PublishStage, content_mismatch
 from astra.weights.records import (
     RECORD_NAME,
     TensorRecord,
+    VersionRecord,
     check_policy,
     dirname_for,
 )
 from astra.weights.safetensors_io import tensor_nbytes
+from astra.weights.store_core import StoreCore
 from astra.weights.tensor_files import read_range
-
-if TYPE_CHECKING:
-    from astra.weights.records import VersionRecord
-    from astra.weights.store import Store
 
 log = logging.getLogger(__name__)
 MAX_FILES = 64
@@ -119,7 +117,7 @@ class PublishSession:
 
     def __init__(
         self,
-        store: Store,
+        store: StoreCore,
         policy: str,
         identity: str,
         version: int,
@@ -263,7 +261,7 @@ class PublishSession:
             self.store._publishing.discard(self._key)
 
 
-def _open_base(store: Store, policy: str) -> tuple[Version | None, str]:
+def _open_base(store: StoreCore, policy: str) -> tuple[Version | None, str]:
     """The current version's full form, which the new tensors are encoded against as they arrive."""
     chain = store._chains.get(policy)
     head = chain.head if chain is not None else None
@@ -276,11 +274,11 @@ def _open_base(store: Store, policy: str) -> tuple[Version | None, str]:
         return None, ""
 
 
-class StorePublishing:
+class StorePublishing(StoreCore):
     """The ways into the store: a streamed session, in-memory tensors, a checkpoint directory."""
 
     def begin_publish(
-        self: Store,
+        self,
         policy: str,
         identity: str,
         version: int,
@@ -302,7 +300,7 @@ class StorePublishing:
         )
 
     def publish(
-        self: Store,
+        self,
         policy: str,
         identity: str,
         version: int,
@@ -324,7 +322,7 @@ class StorePublishing:
             items.clear()
 
     def publish_dir(
-        self: Store, policy: str, identity: str, version: int, directory: str | Path
+        self, policy: str, identity: str, version: int, directory: str | Path
     ) -> tuple[VersionRecord, bool]:
         """Publishes a full checkpoint directory (a relay importing what it fetched)."""
         with open_full(directory) as source:
@@ -338,7 +336,7 @@ class StorePublishing:
             return self._publish_tensors(policy, identity, version, sources, files, {})
 
     def _publish_tensors(
-        self: Store,
+        self,
         policy: str,
         identity: str,
         version: int,
