@@ -139,7 +139,8 @@ class FaultyWeightChecks(CheckSession):
                     f"{fault} weights refused ({r.code.name}), yet GetStatus says version {now}"
                 )
             seen.append(f"{fault}: {r.code.name} {r.reason}")
-        return f"{'; '.join(seen)}; version {self.loaded.version} in service"
+        now = self.loaded or loaded
+        return f"{'; '.join(seen)}; version {now.version} in service"
 
     @staticmethod
     def _recovered(plans: list[str], base: str, newer: Any) -> str:
