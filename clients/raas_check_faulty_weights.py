@@ -139,8 +139,8 @@ class FaultyWeightChecks(CheckSession):
                     f"{fault} weights refused ({r.code.name}), yet GetStatus says version {now}"
                 )
             seen.append(f"{fault}: {r.code.name} {r.reason}")
-        now = self.loaded or loaded
-        return f"{'; '.join(seen)}; version {now.version} in service"
+        serving = self.loaded or loaded
+        return f"{'; '.join(seen)}; version {serving.version} in service"
 
     @staticmethod
     def _recovered(plans: list[str], base: str, newer: Any) -> str:
