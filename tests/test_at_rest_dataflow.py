@@ -293,3 +293,31 @@ def test_a_raas_runs_an_acknowledged_group_again_only_when_told_to_regenerate():
     assert store.try_accept([("s/0/1", 2)]).new == []  # a delayed retry: not run twice
     assert store.try_accept([("s/0/1", 2)], regenerate=["s/0/1"]).new == ["s/0/1"]
     assert store.try_accept([("s/0/1", 2)], regenerate=["s/0/1"]).new == []  # running now
+
+
+def test_a_batch_acknowledgement_is_fsynced_before_it_returns(tmp_path):
+    """Power loss: every other commit may be among the last few a power cut takes back (WAL,
+    synchronous=NORMAL), but a trainer's acknowledgement is committed with synchronous=FULL,
+    which fsyncs the WAL with every commit before it: a batch acknowledged stays so."""
+    cfg = make_config(tmp_path, n_prompts=4)
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            await buffered(df, 2)
+            batch = await df.batches.fetch("p", 1, "req", "t", 0.1)
+            statements: list[str] = []
+            df.store.conn.set_trace_callback(statements.append)
+            df.batches.ack(batch.batch_id)
+            df.store.conn.set_trace_callback(None)
+            full = statements.index("PRAGMA synchronous=FULL")
+            commit = statements.index("COMMIT", full)
+            assert statements[full + 1] == "BEGIN IMMEDIATE"
+            assert statements[commit + 1] == "PRAGMA synchronous=NORMAL"
+            assert any("replay" in s or "DELETE FROM groups" in s for s in statements[full:commit])
+            (mode,) = df.store.conn.execute("PRAGMA synchronous").fetchone()
+            assert mode == 1  # NORMAL again for everything else
+        finally:
+            crash(df)
+
+    run(body())

@@ -375,7 +375,8 @@ class BatchDesk:
             entered = buf.remember(fresh)
         kept = set(entered)
         # any_failure: memory (the batch acknowledged, replay) is already ahead of the store.
-        with self.store.tx(any_failure=True) as tx:
+        # durable: fsynced before the trainer hears OK, so a power loss never takes it back.
+        with self.store.tx(any_failure=True, durable=True) as tx:
             tx.move_to_replay(batch.policy_id, entered)
             tx.delete_groups(k for k in batch.stored_keys() if k[0] not in kept)
             tx.delete_replays([batch.batch_id])

@@ -8,7 +8,10 @@ for replay, in the order they entered), and small key/value state (dataset posit
 versions, counters). Every change that
 Dataflow acknowledges to anyone is committed here first. WAL with
 synchronous=NORMAL is durable against a process crash; only a power loss can
-drop the last transactions. Checkpoints (WAL into the database file, with an
+drop the last transactions. A transaction opened `durable` (a trainer's batch
+acknowledgement) is committed with synchronous=FULL: the WAL is fsynced before it
+returns, and with it every transaction before it, so no power loss takes back a
+batch a trainer was told is acknowledged. Checkpoints (WAL into the database file, with an
 fsync) run on a thread of their own, so they never stall the committing event
 loop. Knows nothing of gRPC or of the pool.
 """
@@ -117,14 +120,17 @@ class StateStore:
         self.on_failure: Callable[[BaseException], None] | None = None
 
     @contextlib.contextmanager
-    def tx(self, *, any_failure: bool = False) -> Iterator[Tx]:
+    def tx(self, *, any_failure: bool = False, durable: bool = False) -> Iterator[Tx]:
         """One transaction. A storage failure in it (SQLite or the blob log: a full disk, an
         I/O error), at COMMIT too, is rolled back and reported to `on_failure` before it is
         raised: the caller's in-memory state may already hold what the store does not.
         `any_failure`: any other exception raised in the block is reported too (the caller
-        changes its memory as it goes, which the rollback cannot undo)."""
+        changes its memory as it goes, which the rollback cannot undo).
+        `durable`: the commit fsyncs the WAL (synchronous=FULL for this transaction)."""
         tx: Tx | None = None
         try:
+            if durable:
+                self.conn.execute("PRAGMA synchronous=FULL")
             self.conn.execute("BEGIN IMMEDIATE")
             tx = Tx(self.conn, self.blobs)
             yield tx
@@ -141,6 +147,10 @@ class StateStore:
             if reported and self.on_failure is not None:
                 self.on_failure(exc)
             raise
+        finally:
+            if durable:
+                with contextlib.suppress(sqlite3.Error):
+                    self.conn.execute("PRAGMA synchronous=NORMAL")
         for seg in tx.released:
             self.blobs.release(seg)
         self._commits += 1
