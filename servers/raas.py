@@ -153,7 +153,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             policy_ids=self.policy_ids,
             workflows=self.workflows,
             engine=self.backend.engine,
-            counters={**self.store.counters, **self.counters},
+            # The backend's own (samples, weight swaps and their pause) under the servicer's.
+            counters={
+                **getattr(self.backend, "counters", {}),
+                **self.store.counters,
+                **self.counters,
+            },
         )
 
     async def GetCapabilities(self, request: pb.GetCapabilitiesRequest, context):

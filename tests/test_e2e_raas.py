@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from astra.clients.dataflow import DataflowClient
+from astra.clients.raas import RolloutClient
 from tests.conftest import make_config
 from tests.procs import Proc, start_dataflow
 
@@ -160,6 +161,10 @@ def test_raas_load_announced_version_and_stamp_tokens(dataset, tmp_path):
                     v = np.frombuffer(s.weight_versions.data, dtype="<i8")
                     seen.update(int(x) for x in v[v >= 0])
             assert seen == {1}, seen
+            async with RolloutClient(raas[0].address, timeout_s=10) as rc:
+                counters = (await rc.get_status()).counters
+            # one swap at least (version 1), and the time decoding stood still for it
+            assert counters["weight_swaps"] >= 1 and counters["weight_swap_pause_us"] > 0
             return status
 
     try:

@@ -310,8 +310,11 @@ def test_swap_continue_switches_versions_mid_sequence_and_keeps_the_cache() -> N
             engine.generate("p", prompt, Sampling(max_new_tokens=1200, temperature=0))
         )
         await until(lambda: engine.stats()["running"] == 1)
+        assert engine.swap_pause_s == 0.0
         await engine.swap_weights({"p": 1}, {"p": _other_weights()})
         assert engine.version("p") == 1
+        # decoding stood still while the swap was installed: counted, and well under a second
+        assert 0.0 < engine.swap_pause_s < 1.0
         after = await engine.generate("p", prompt, Sampling(max_new_tokens=30, temperature=0))
         return await task, after
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,6 +79,9 @@ class Scheduler:
         self._live = 0  # submitted, not finished, not cancelled
         self._closing = False
         self.error: BaseException | None = None
+        # Decoding stopped while swaps were installed (seconds, all swaps): what a weight
+        # sync costs generation here; the fetch before it runs beside decoding.
+        self.swap_pause_s = 0.0
         self._thread = threading.Thread(target=self._run, name="astra-torch-engine", daemon=True)
         self._thread.start()
 
@@ -170,6 +174,7 @@ class Scheduler:
         return True
 
     def _install(self, order: SwapOrder) -> None:
+        started = time.perf_counter()
         try:
             for policy, version in order.versions.items():
                 batch = self.current[policy]
@@ -187,6 +192,7 @@ class Scheduler:
         except BaseException as exc:
             order.done(exc)
             raise  # weights may be half-copied: the engine must stop serving
+        self.swap_pause_s += time.perf_counter() - started  # counted before the caller hears
         order.done(None)
 
     def _step(self) -> None:

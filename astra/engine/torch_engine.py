@@ -147,6 +147,11 @@ class TorchEngine:
         return self._sched.stats()
 
     @property
+    def swap_pause_s(self) -> float:
+        """Seconds decoding stood still while weight swaps were installed, in all."""
+        return self._sched.swap_pause_s
+
+    @property
     def healthy(self) -> bool:
         return self._sched.error is None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -169,11 +170,22 @@ class EngineBackend:
         fetched = sum(t.result()[1] for t in tasks.values())
         # Once handed to the engine the swap completes even if this call is cancelled (a load
         # timeout): `on_swapped` hears of it then too, so what is reported stays what is served.
+        engine = self.inference_engine
+        paused = getattr(engine, "swap_pause_s", None)
+        started = time.perf_counter()
         swap = asyncio.ensure_future(
-            self.inference_engine.swap_weights({p: s.version for p, s in versions.items()}, state)
+            engine.swap_weights({p: s.version for p, s in versions.items()}, state)
         )
         swap.add_done_callback(lambda done: self._swapped(done, versions))
         await asyncio.shield(swap)
+        # The time generation stood still for this swap: the engine's own count where it keeps
+        # one (the torch engine: installing between two decode steps), else the whole call
+        # (an HTTP engine pauses its generation while it reloads).
+        pause = (
+            engine.swap_pause_s - paused if paused is not None else time.perf_counter() - started
+        )
+        self.counters["weight_swap_pause_us"] += round(pause * 1e6)
+        self.counters["weight_swaps"] += 1
         self.counters["weight_loads"] += 1
         log.info("loaded %s (%d bytes)", {p: s.version for p, s in versions.items()}, fetched)
         return fetched

@@ -30,7 +30,13 @@ from astra.run.recipe import RaasSpec, reserved_name
 from astra.run.run_view import RunView
 
 log = logging.getLogger("astra.run")
-WORK_COUNTERS = ("groups_accepted", "groups_finished", "results_acknowledged")
+WORK_COUNTERS = (
+    "groups_accepted",
+    "groups_finished",
+    "results_acknowledged",
+    "weight_swaps",
+    "weight_swap_pause_us",  # decoding stopped for weight swaps, in all (astra.raas)
+)
 
 
 RESTORED = "resume: added by hand before"
