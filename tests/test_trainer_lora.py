@@ -327,3 +327,19 @@ def test_two_fsdp_ranks_train_the_adapter_as_one_rank(tmp_path: Path) -> None:
     ckpt = read_checkpoint(two["ckpt"])  # written by two ranks: the adapter only
     assert set(ckpt.model) == adapter_names(alone)
     alone.close()
+
+
+def test_a_recipes_trainer_lora_reaches_the_trainer_config(tmp_path: Path):
+    from astra.run import layout
+    from astra.run.recipe import load_recipe
+
+    r = load_recipe(None, ["trainer.lora={rank: 8, target_modules: [q_proj]}"])
+    rd = layout.RunDir(tmp_path / "run")
+    cfg = layout.trainer_config(r, r.policies[0], rd, dataflow="h:1", weights="h:2", resume=False)
+    assert cfg.lora is not None and (cfg.lora.rank, cfg.lora.target_modules) == (8, ["q_proj"])
+    assert cfg.lora.alpha == 32.0  # the trainer's default
+    plain = load_recipe(None, [])
+    cfg = layout.trainer_config(
+        plain, plain.policies[0], rd, dataflow="h:1", weights="h:2", resume=False
+    )
+    assert cfg.lora is None
