@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from click.testing import CliRunner
 
+from astra.cli import main
 from astra.clients.trainer_sources import GRPC
 from astra.clients.weights_stream import Receiver
 from astra.config import ConfigError, load_config
@@ -239,18 +241,34 @@ def test_a_resume_refuses_another_base_another_adapter_or_full_fine_tuning(tmp_p
 
 
 def test_the_merged_export_computes_the_adapted_models_logits(tmp_path: Path):
-    t = Trainer(config(), source=source(), sink=None)
+    t = Trainer(config(checkpoint={"dir": str(tmp_path / "ckpt")}), source=source(), sink=None)
     list(t.run_training(3))
-    path = lora.export_merged(tmp_path / "merged", full_state(t.model), t.hf_config, t.adapter)
-    merged, _ = load_model(path)
+    ckpt = t.save_checkpoint()
+    path = lora.export_merged(
+        tmp_path / "merged", full_state(t.model), t.hf_config, t.adapter.config
+    )
+    out = tmp_path / "from-cli"
+    cli = CliRunner().invoke(
+        main, ["trainer", "merge-lora", str(ckpt), "--model=tiny", f"--out={out}"]
+    )
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.output)["out"] == str(out.resolve())
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         adapted = t.model.eval()(ids)
         base = tiny_model()(ids)
-        got = merged(ids)
+        merged = load_model(path)[0](ids)
+        from_checkpoint = load_model(out)[0](ids)
     assert not torch.allclose(adapted, base, atol=1e-4)  # training moved the adapter
-    torch.testing.assert_close(got, adapted, rtol=1e-5, atol=1e-5)
-    assert "merged_from" in json.loads((path / "astra_lora_merge.json").read_text())
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(from_checkpoint, adapted, rtol=1e-5, atol=1e-5)
+    assert "merged_from" in json.loads((path / lora.MERGE_FILE).read_text())
+    other = tmp_path / "other"
+    save_model(other, random_model(TINY_CONFIG, 7), TINY_CONFIG)
+    refused = CliRunner().invoke(
+        main, ["trainer", "merge-lora", str(ckpt), f"--model={other}", f"--out={tmp_path / 'x'}"]
+    )
+    assert refused.exit_code == 1 and "base_digest" in refused.output
     t.close()
 
 

@@ -9,6 +9,8 @@ adapter, a published version holds only the adapter tensors and `adapter_config.
 (`keep`, `version_files`); so does a checkpoint's `model/`, with its `config.json`.
 `check_checkpoint` refuses a resume from a checkpoint of another base (naming
 `base_digest`), of another adapter shape, or of the other kind of training.
+`export_merged` / `merge_checkpoint` write the merged full model (`astra trainer
+merge-lora`, astra.trainer.lora_cli).
 
 Never touches the optimiser, the network or the step.
 """
@@ -27,21 +29,25 @@ from torch import Tensor, nn
 from astra.config import ConfigError
 from astra.engine.model import CausalLM
 from astra.engine.model_config import ModelConfig
-from astra.engine.torch_weights import save_state
+from astra.engine.torch_weights import load_state, save_state
 from astra.lora.format import (
     ADAPTER_FILE,
     AdapterConfig,
     AdapterError,
     base_digest,
     is_adapter_tensor,
+    pair_tensors,
     target_modules,
 )
 from astra.lora.layer import Adapter, initial_tensors, merge
+from astra.trainer.ckpt_verify import verify
 from astra.trainer.config import TrainerConfig
+from astra.trainer.setup import load_weights
 from astra.trainer.sources import model_files
 from astra.weights import digest
 
 KEY = "trainer.lora"
+MERGE_FILE = "astra_lora_merge.json"  # in a merged export: the adapter config it holds
 
 
 def plan(config: TrainerConfig, cfg: ModelConfig, base: Mapping[str, Tensor]) -> Adapter | None:
@@ -151,21 +157,41 @@ def check_checkpoint(path: Path, adapter: Adapter | None) -> None:
             )
 
 
-def merged_state(state: Mapping[str, Tensor], adapter: Adapter) -> dict[str, Tensor]:
-    """The full model of a LoRA trainer's state (base + adapter tensors): W + scale * B @ A."""
-    return merge(state, adapter.config)
-
-
 def export_merged(
     directory: str | os.PathLike[str],
     state: Mapping[str, Tensor],
     hf_config: Mapping[str, Any],
-    adapter: Adapter,
+    config: AdapterConfig,
 ) -> Path:
-    """Writes the merged full model as a Hugging Face directory any engine loads."""
-    merged = merged_state(state, adapter)
-    info = {"merged_from": json.loads(adapter.config.to_json())}
-    save_state(
-        directory, merged, hf_config, files={"astra_lora_merge.json": json.dumps(info).encode()}
-    )
+    """Writes the merged full model of `state` (base + adapter tensors, as a LoRA trainer's
+    `full_state` gives them): every adapted W becomes W + alpha/rank * B @ A, in a Hugging
+    Face directory any engine loads, with MERGE_FILE saying which adapter it holds."""
+    merged = merge(state, config)
+    info = {"merged_from": json.loads(config.to_json())}
+    save_state(directory, merged, hf_config, files={MERGE_FILE: json.dumps(info).encode()})
     return Path(directory)
+
+
+def merge_checkpoint(
+    checkpoint: str | os.PathLike[str], model: str, out: str | os.PathLike[str]
+) -> Path:
+    """`export_merged` of a LoRA checkpoint's adapter on `model` ('tiny' or a directory),
+    the base it was trained on: verified first (Damaged), then refused naming `base_digest`
+    on another base."""
+    path = Path(checkpoint)
+    verify(path)
+    saved_file = path / "model" / ADAPTER_FILE
+    if not saved_file.is_file():
+        raise ConfigError(f"{path}: not a LoRA checkpoint (no model/{ADAPTER_FILE})")
+    saved = AdapterConfig.from_json(saved_file.read_bytes())
+    _, hf_config, base = load_weights(model)
+    held = base_digest(base)
+    if digest.normalized(saved.base_digest) != digest.normalized(held):
+        raise AdapterError(
+            "base_digest",
+            f"checkpoint {path} holds an adapter trained on base {saved.base_digest}; "
+            f"model {model!r} is base {held}: name the model it was trained on",
+        )
+    tensors = load_state(path / "model")
+    pair_tensors(tensors, {n: tuple(t.shape) for n, t in base.items()}, saved)
+    return export_merged(out, {**base, **tensors}, hf_config, saved)
