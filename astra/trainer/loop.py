@@ -9,7 +9,8 @@ announce (astra.trainer.publisher) — the step waits only for the copy.
 Version = optimiser steps, carried across restarts (setup.agree_version).
 Compute runs on one worker thread, so the event loop (and a TrainerService
 beside it) stays responsive. Ranks > 0 run `run_follower`. Checkpoints:
-astra.trainer.state.
+astra.trainer.state. With `lora:` the base is frozen and the optimiser, the versions
+and the checkpoints hold only the adapter (astra.trainer.lora).
 """
 
 from __future__ import annotations
