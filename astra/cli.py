@@ -64,6 +64,7 @@ def _add_subcommands() -> None:
     from astra.tls_cli import tls
     from astra.trainer.check_cli import trainer_group
     from astra.trainer.cli import trainer_command
+    from astra.trainer.lora_cli import merge_command
     from astra.trainer.sft_cli import sft_command
     from astra.weights.cli import weights
 
@@ -75,6 +76,7 @@ def _add_subcommands() -> None:
     main.add_command(doctor_command)
     main.add_command(sft_command)
     main.add_command(tls)
+    trainer_group.add_command(merge_command)
     main.add_command(trainer_group)
     serve.add_command(trainer_command, "trainer")
 

@@ -24,7 +24,6 @@ from astra.trainer.sources import (
     FetchedBatch,
     RequestIdSpent,
     WeightSink,
-    model_files,
 )
 
 
@@ -196,10 +195,9 @@ class GrpcConnect:
             max_wait_s=config.batch.max_wait_s,
         )
 
-    def sink(self, config: Any, hf_config: Mapping[str, Any]) -> WeightSink | None:
+    def sink(self, config: Any, files: Mapping[str, bytes]) -> WeightSink | None:
         if config.weights is None or not config.publish.enabled:
             return None
-        files = model_files(config.model, hf_config)
         return WeightServiceSink(config.weights, config.policy_id, files)
 
 

@@ -1,6 +1,7 @@
 """tools/bench/engine.py in a tiny configuration: the tiny model through both systems (the
 built-in engine and transformers' generate), and the consistency of what the benchmark
-reports. Skipped where transformers is not installed (it is the `bench` extra, not CI's)."""
+reports. Skipped where transformers is not installed (the `bench` extra; `dev` has it
+through peft)."""
 
 from __future__ import annotations
 

@@ -291,6 +291,7 @@ def trainer_config(
         "loss": t.loss.model_dump(),
         "optim": t.optim.model_dump(),
         "publish": t.publish.model_dump(),
+        "lora": t.lora.model_dump() if t.lora is not None else None,
         "batch": {
             "num_groups": recipe.batch_groups(policy),
             "max_wait_s": t.max_wait_s,

@@ -21,7 +21,7 @@ from astra.dataflow.config import (
     SamplingSettings,
 )
 from astra.run.external import check_command, check_labels
-from astra.trainer.config import LossConfig, OptimConfig, PublishConfig
+from astra.trainer.config import LoraConfig, LossConfig, OptimConfig, PublishConfig
 
 RUN_OWNED_DATAFLOW_FIELDS = frozenset({"host", "port", "state_dir", "policies", "streams"})
 
@@ -228,6 +228,9 @@ class TrainerSpec(Strict):
     )
     publish: PublishConfig = Field(default_factory=PublishConfig, description="Weights out.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
+    lora: LoraConfig | None = Field(
+        None, description="Train a LoRA adapter on the frozen model; None: full fine-tuning."
+    )
 
 
 class SupervisionSpec(Strict):

@@ -2,7 +2,9 @@
 
 Layout of one checkpoint, `<root>/step-<9 digits>/`:
     model/          Hugging Face safetensors (astra.weights.checkpoint.write_full:
-                    config.json, shards with Adler-32, index), loadable by the engine
+                    config.json, shards with Adler-32, index), loadable by the engine;
+                    a LoRA trainer's holds only its adapter and adapter_config.json
+                    (astra.trainer.lora)
     optimizer.pt    optimiser state keyed by parameter name (unsharded)
     rng.pt          torch (CPU and CUDA) and Python RNG states
     trainer.json    step, version, fetch attempt, counters
@@ -75,15 +77,17 @@ def write_checkpoint(
     trainer_state: Mapping[str, Any],
     *,
     keep_last: int | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> Path:
-    """Writes `<root>/step-N` atomically (replacing one of the same step); prunes to keep_last."""
+    """Writes `<root>/step-N` atomically (replacing one of the same step); prunes to keep_last.
+    `files` go into `model/` beside config.json (a LoRA adapter's adapter_config.json)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:09d}"
     tmp = root / f"{TMP_PREFIX}{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_state(tmp / "model", model_state, model_config, version=f"step-{step}")
+    save_state(tmp / "model", model_state, model_config, version=f"step-{step}", files=files)
     for name, obj in (("optimizer.pt", optimizer_state), ("rng.pt", capture_rng())):
         with open(tmp / name, "wb") as f:
             torch.save(obj, f)

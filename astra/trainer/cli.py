@@ -91,9 +91,13 @@ def trainer_command(
 
         held = acquire_or_exit(config.checkpoint.dir, "trainer")  # one writer per root
     from astra.damage import exit_if_damaged
+    from astra.lora.format import AdapterError
     from astra.servers.trainer_serve import serve_trainer
 
     with exit_if_damaged("trainer"):
-        asyncio.run(serve_trainer(config))
+        try:
+            asyncio.run(serve_trainer(config))
+        except (ConfigError, AdapterError) as exc:  # found at start-up (trainer.lora, say)
+            raise click.ClickException(str(exc)) from None
     if held is not None:
         held.release()

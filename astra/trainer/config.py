@@ -6,13 +6,16 @@ importing anything heavy, so `--help` and config errors are fast.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from astra.config import Strict
 
 POLICY_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+MODULE_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LossConfig(Strict):
@@ -125,6 +128,33 @@ class CheckpointConfig(Strict):
     )
 
 
+class LoraConfig(Strict):
+    """LoRA: train a low-rank adapter on a frozen base; versions hold the adapter only
+    (astra.lora.format). Absent: full fine-tuning."""
+
+    rank: int = Field(
+        16, ge=1, le=4096, description="Rank r of every adapter (A [r, in], B [out, r])."
+    )
+    alpha: float = Field(32.0, gt=0.0, description="The update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(ALL_LINEAR),
+        min_length=1,
+        description="Linear layers adapted, by the last component of their name (q_proj, "
+        "down_proj, ...): every layer of the model with that name.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.match(MODULE_NAME_PATTERN, name):
+                raise ValueError(f"{name!r} is not a module name like q_proj")
+        if len(set(value)) != len(value):
+            raise ValueError(f"{value} names a module twice")
+        return value
+
+
 class TrainerConfig(Strict):
     """One trainer process (one rank; FSDP2 across ranks under torchrun)."""
 
@@ -154,6 +184,9 @@ class TrainerConfig(Strict):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     publish: PublishConfig = Field(default_factory=PublishConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    lora: LoraConfig | None = Field(
+        None, description="Train a LoRA adapter on the frozen model; None: full fine-tuning."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:

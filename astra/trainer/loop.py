@@ -9,13 +9,15 @@ announce (astra.trainer.publisher) — the step waits only for the copy.
 Version = optimiser steps, carried across restarts (setup.agree_version).
 Compute runs on one worker thread, so the event loop (and a TrainerService
 beside it) stays responsive. Ranks > 0 run `run_follower`. Checkpoints:
-astra.trainer.state.
+astra.trainer.state. With `lora:` the base is frozen and the optimiser, the versions
+and the checkpoints hold only the adapter (astra.trainer.lora).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -28,7 +30,8 @@ from typing import Any
 import torch
 
 from astra.engine.torch_weights import torch_dtype
-from astra.trainer import ranks, setup
+from astra.lora.layer import Adapter
+from astra.trainer import lora, ranks, setup
 from astra.trainer.batch import BatchRejected, TrainBatch
 from astra.trainer.config import TrainerConfig
 from astra.trainer.feed import Feed
@@ -79,6 +82,7 @@ class Trainer(StateMixin):
         self.timings: Counter[str] = Counter()
         self.feed = Feed(config, self.counters, on_wait=self._serve_checkpoint_requests)
         self.last: StepResult | None = None
+        self.adapter: Adapter | None = None  # trainer.lora's, once initialized
         self.initialized = False
         self.pause_reason = ""  # non-empty while paused (TrainerService.Pause)
         self.paused_s = 0.0  # in all, over finished pauses
@@ -112,7 +116,16 @@ class Trainer(StateMixin):
             setup.load_weights, c.model
         )
         self.feed.model_cfg = self.model_cfg
-        self.model = await self._compute(setup.make_model, c, self.model_cfg, initial, mesh)
+        # LoRA (trainer.lora): checked against the base, whose digest its versions carry.
+        self.adapter = await asyncio.to_thread(lora.plan, c, self.model_cfg, initial)
+        start = lora.start_state(self.adapter, initial, c.seed)
+        self.model = await self._compute(
+            functools.partial(setup.make_model, adapter=self.adapter),
+            c,
+            self.model_cfg,
+            start,
+            mesh,
+        )
         self.ref_model = await self._compute(setup.make_reference, c, initial, mesh)
         self.optimizer = setup.make_optimizer(c, self.model)
         if c.checkpoint.resume:
@@ -121,7 +134,8 @@ class Trainer(StateMixin):
         if self.rank == 0:
             if self.connect is not None:
                 self.source = self.source or self.connect.source(c)
-                self.sink = self.sink or self.connect.sink(c, self.hf_config)
+                files = lora.version_files(c, self.hf_config, self.adapter)
+                self.sink = self.sink or self.connect.sink(c, files)
             self.feed.source = self.source
             both = self.source is not None and self.sink is not None
             announce = self.source.announce if both else None  # type: ignore[union-attr]
@@ -164,7 +178,8 @@ class Trainer(StateMixin):
     def _host_copy(self) -> dict[str, torch.Tensor]:
         dtype = self.config.publish.dtype  # "model": the compute dtype, not the fp32 masters
         target = torch_dtype(self.config.dtype if dtype == "model" else dtype)
-        return full_state(self.model, target, pin=self.config.publish.pin_host_copy)
+        pin = self.config.publish.pin_host_copy
+        return full_state(self.model, target, pin=pin, keep=lora.keep(self.adapter))
 
     def _train(self, batch: TrainBatch, version: int, publish: bool) -> tuple[Any, ...]:
         """Every rank: one step on its share, then (if applied and published) the host copy."""

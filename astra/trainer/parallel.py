@@ -22,6 +22,7 @@ compute dtype itself: nothing updates it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from astra.engine.model import CausalLM
 from astra.engine.model_config import ModelConfig
+from astra.lora.layer import Adapter, inject
 
 DP = "dp"
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -88,12 +90,17 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     mesh: DeviceMesh | None = None,
     trainable: bool = True,
+    adapter: Adapter | None = None,
 ) -> CausalLM:
     """A model computing in `dtype`: meta -> (parallelize) -> materialise -> load the full
-    `state`. Trainable: fp32 master weights (see the module doc); frozen: held in `dtype`."""
+    `state`. Trainable: fp32 master weights (see the module doc); frozen: held in `dtype`.
+    With `adapter`: its LoRA layers are injected on the meta model (the base frozen, FSDP
+    sharding the adapters with their layer), and `state` holds the adapter tensors too."""
     param_dtype = torch.float32 if trainable else dtype
     with torch.device("meta"):
         model = CausalLM(cfg).to(param_dtype)
+        if adapter is not None:
+            inject(model, adapter)
     if mesh is not None:
         parallelize(model, mesh, dtype if trainable else None)
     model.to_empty(device=device)
@@ -127,8 +134,21 @@ def load_full_state(model: CausalLM, state: dict[str, Tensor]) -> None:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 
+def load_partial_state(model: CausalLM, state: dict[str, Tensor]) -> None:
+    """Loads some HF-named full tensors (a LoRA adapter's) into a plain or sharded model;
+    every other parameter keeps its value (every rank passes the same tensors)."""
+    model.check_state(state, partial=True)
+    ref = dict(model.named_parameters(remove_duplicate=False))
+    part = {k: v.to(ref[k].dtype) for k, v in state.items()}
+    set_model_state_dict(model, part, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
 def full_state(
-    model: CausalLM, dtype: torch.dtype | None = None, *, pin: bool = False
+    model: CausalLM,
+    dtype: torch.dtype | None = None,
+    *,
+    pin: bool = False,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, Tensor]:
     """HF-named full CPU tensors with their own memory (rank 0; other ranks get {}).
 
@@ -140,13 +160,16 @@ def full_state(
     cast on the CPU, took ~0.3 s a step for a 100M model on an H200); torch keeps freed
     pinned blocks for the next step's copy (`publish.pin_host_copy` says how many are held).
     Checkpoints, rare and fp32, stay pageable.
-    A tied lm_head is left out.
+    A tied lm_head is left out, and with `keep` every tensor whose name it refuses (every
+    rank skips the same ones: a LoRA trainer gathers only its adapter).
     """
     rank = world()[0]
     out: dict[str, Tensor] = {}
     devices: set[torch.device] = set()
     for name, value in model.state_dict().items():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        if keep is not None and not keep(name):
             continue
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if rank != 0:

@@ -24,6 +24,7 @@ from astra.engine.model import CausalLM
 from astra.engine.model_config import ModelConfig
 from astra.engine.tiny import TINY, TINY_CONFIG, tiny_model
 from astra.engine.torch_weights import load_state, torch_dtype
+from astra.lora.layer import Adapter
 from astra.trainer.config import TrainerConfig
 from astra.trainer.parallel import build_model
 from astra.trainer.sources import (
@@ -49,10 +50,19 @@ def make_model(
     mesh: DeviceMesh | None,
     *,
     frozen: bool = False,
+    adapter: Adapter | None = None,
 ) -> CausalLM:
+    """The trained model (with `adapter`: its LoRA layers, `state` holding their tensors
+    too), or a frozen one."""
     dtype = torch_dtype(config.dtype)
     model = build_model(
-        cfg, state, device=config.device, dtype=dtype, mesh=mesh, trainable=not frozen
+        cfg,
+        state,
+        device=config.device,
+        dtype=dtype,
+        mesh=mesh,
+        trainable=not frozen,
+        adapter=adapter,
     )
     if frozen:
         model.eval().requires_grad_(False)
@@ -73,9 +83,14 @@ def make_reference(
 
 
 def make_optimizer(config: TrainerConfig, model: CausalLM) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (all of them, or a LoRA trainer's adapters)."""
     o = config.optim
     return torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        [p for p in model.parameters() if p.requires_grad],
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
     )
 
 

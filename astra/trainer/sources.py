@@ -60,11 +60,13 @@ class BatchSource(Protocol):
 
 
 class Connect(Protocol):
-    """Builds rank 0's source and sink from the config (None where it names no service)."""
+    """Builds rank 0's source and sink from the config (None where it names no service);
+    `files`: what every published version carries beside its tensors (config.json and the
+    tokenizer's, or a LoRA version's adapter_config.json)."""
 
     def source(self, config: Any) -> BatchSource | None: ...
 
-    def sink(self, config: Any, hf_config: Mapping[str, Any]) -> WeightSink | None: ...
+    def sink(self, config: Any, files: Mapping[str, bytes]) -> WeightSink | None: ...
 
 
 class WeightSink(Protocol):

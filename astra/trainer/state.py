@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from astra.damage import Damaged
+from astra.trainer import lora
 from astra.trainer.checkpoint import read_checkpoint, restore_rng, write_checkpoint
 from astra.trainer.ckpt_verify import newest_good, verify
 from astra.trainer.parallel import (
@@ -27,6 +28,7 @@ from astra.trainer.parallel import (
     full_state,
     load_full_state,
     load_optimizer_state,
+    load_partial_state,
 )
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class StateMixin:
     last: Any
     initialized: bool
     publisher: Any
+    adapter: Any
     _compute: Any
 
     def _init_checkpoints(self) -> None:
@@ -70,7 +73,7 @@ class StateMixin:
 
     def _write_checkpoint(self, root: str | Path) -> Path | None:
         """Every rank: gather the full state; rank 0 writes it. Returns the path on rank 0."""
-        model_state = full_state(self.model)
+        model_state = full_state(self.model, keep=lora.keep(self.adapter))  # LoRA: the adapter
         optim_state = full_optimizer_state(self.model, self.optimizer)
         path = None
         if self.rank == 0:
@@ -89,6 +92,7 @@ class StateMixin:
                 optim_state,
                 trainer_state,
                 keep_last=self.config.checkpoint.keep_last,
+                files=lora.adapter_files(self.adapter),
             )
             self.last_checkpoint = path
             self._checkpointed_step = self.step
@@ -126,8 +130,12 @@ class StateMixin:
                 log.info("no checkpoint under %s: starting fresh", target)
                 return
             target = found
+        lora.check_checkpoint(target, self.adapter)  # another base, adapter or kind: refused
         ckpt = read_checkpoint(target)
-        load_full_state(self.model, ckpt.model)
+        if self.adapter is not None:
+            load_partial_state(self.model, ckpt.model)  # the adapter; the base is the model's
+        else:
+            load_full_state(self.model, ckpt.model)
         load_optimizer_state(self.model, self.optimizer, ckpt.optimizer)
         self._apply_optim_config()
         restore_rng(ckpt.rng)
