@@ -74,16 +74,23 @@ class ReceiverWeightLoader:
         self, policy_id: str, version: VersionSpec, weights_address: str
     ) -> tuple[dict[str, Any], int]:
         from astra.engine.http import WeightsDir
+        from astra.lora.format import ADAPTER_FILE
+        from astra.lora.serving import as_version
 
         receiver = await self._receiver(policy_id, weights_address)
         result = await receiver.fetch(version.version_id or str(version.version))
         if result.held is not None:
             from astra.engine.torch_weights import from_memory
 
-            return from_memory(result.held), result.bytes_received
+            tensors = from_memory(result.held)
+            return as_version(tensors, result.held.files.get(ADAPTER_FILE)), result.bytes_received
         # A verified local directory: HTTP engines load it by path, the torch engine
-        # reads its tensors lazily on its own worker thread.
-        return WeightsDir(result.path), result.bytes_received
+        # reads its tensors lazily on its own worker thread. A LoRA version carries
+        # adapter_config.json: an AdapterVersion over the directory's tensors.
+        assert result.path is not None
+        adapter = result.path / ADAPTER_FILE
+        text = adapter.read_bytes() if adapter.is_file() else None
+        return as_version(WeightsDir(result.path), text), result.bytes_received
 
     async def close(self) -> None:
         for rec in self._receivers.values():

@@ -211,3 +211,29 @@ def test_eval_streams_that_cannot_be_run_are_refused(overrides, message) -> None
         return
     with pytest.raises(RecipeError, match=message):
         load_recipe(None, overrides)
+
+
+def test_lora_recipe_trains_publishes_and_serves_adapters_only(tmp_path: Path) -> None:
+    """configs/recipes/lora.yaml in CI size: every published version holds the adapter only
+    (adapter_config.json naming the base's digest), the RaaS load each one (swapped unmerged),
+    and the run completes with nothing lost."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "astra.run", str(RECIPES / "lora.yaml"), "--run-dir", str(run_dir)]
+    for override in ("trainer.num_steps=3", "warmup.steps=20", "eval.size=8"):
+        cmd += ["--set", override]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "completed" and s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+    versions = run_dir / "state" / "weights" / "policies" / "policy" / "versions"
+    stored = sorted(versions.iterdir())
+    assert len(stored) >= 3
+    for version in stored:
+        record = json.loads((version / "record.json").read_text())
+        names = set(record["tensors"])
+        assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
+        primary = version / record["kind"]
+        config = json.loads((primary / "adapter_config.json").read_text())
+        assert config["rank"] == 8 and config["base_digest"].startswith("blake3:")
+    swaps = [r["work"]["weight_swaps"] for r in s["raas"].values()]
+    assert all(n >= 1 for n in swaps), s["raas"]

@@ -27,8 +27,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
@@ -36,6 +36,7 @@ from astra.engine.api import FinishReason
 from astra.engine.batch import Batch, Sequence
 from astra.engine.model import CausalLM
 from astra.errors import Unavailable
+from astra.lora.serving import install as install_adapter
 
 log = logging.getLogger(__name__)
 OnSwap = Literal["continue", "finish_old"]
@@ -49,6 +50,8 @@ class SwapOrder:
     states: Mapping[str, Mapping[str, torch.Tensor]]  # continue: converted tensors to copy in
     models: Mapping[str, CausalLM]  # finish_old: new model objects, already loaded
     done: Callable[[BaseException | None], None]
+    # continue: LoRA adapters (astra.lora.serving.PlannedAdapter) to install in place
+    adapters: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -178,7 +181,10 @@ class Scheduler:
         try:
             for policy, version in order.versions.items():
                 batch = self.current[policy]
-                if self.on_swap == "continue":
+                if self.on_swap == "continue" and policy in order.adapters:
+                    install_adapter(batch.model, order.adapters[policy])
+                    batch.version = version
+                elif self.on_swap == "continue":
                     batch.model.load_weights(order.states.get(policy, {}), partial=True)
                     batch.version = version
                 elif policy in order.models:

@@ -45,7 +45,9 @@ from astra.engine.model import CausalLM
 from astra.engine.scheduler import OnSwap, Scheduler, SwapOrder
 from astra.engine.torch_weights import as_torch_state
 from astra.engine.validate import check_request
-from astra.errors import invalid_field
+from astra.errors import FailedPrecondition, invalid_field
+from astra.lora import serving as lora
+from astra.lora.format import AdapterError
 
 ON_SWAP = ("continue", "finish_old")
 
@@ -77,6 +79,8 @@ class TorchEngine:
     """
 
     name = "torch"
+
+    serves_adapters = True  # LoRA adapter versions, unmerged (astra.lora.serving)
 
     def __init__(
         self,
@@ -126,6 +130,7 @@ class TorchEngine:
             num_threads=num_threads,
         )
         self._swap_lock = asyncio.Lock()
+        self._base_digests: dict[str, str] = {}  # per policy, taken at its first adapter
 
     def _policy(self, policy_id: str, field: str = "policy_id") -> str:
         if policy_id not in self._cfgs:
@@ -187,11 +192,29 @@ class TorchEngine:
     def _prepare(
         self, versions: Mapping[str, int], state: Mapping[str, Mapping[str, Any]]
     ) -> SwapOrder:
-        """Validates and converts off the event loop; builds new model objects for finish_old."""
-        states, models = {}, {}
+        """Validates and converts off the event loop; builds new model objects for finish_old.
+
+        An adapter version (astra.lora.serving) is checked against the policy's base and
+        installed unmerged; a policy that serves an adapter takes no full version."""
+        states, models, adapters = {}, {}, {}
         for policy in versions:
             model = self._sched.current[policy].model
-            tensors = as_torch_state(state.get(policy, {}))
+            given = state.get(policy, {})
+            if isinstance(given, lora.AdapterVersion):
+                planned = self._plan_adapter(policy, model, given)
+                adapters[policy] = planned
+                if self.on_swap == "finish_old":
+                    models[policy] = copy.deepcopy(model)
+                    lora.install(models[policy], planned)
+                continue
+            tensors = as_torch_state(given)
+            if tensors and lora.serves_adapters(model):
+                raise FailedPrecondition(
+                    f"policy {policy!r} serves a LoRA adapter: a full version would change "
+                    "the base it was trained on",
+                    reason="ADAPTER_POLICY",
+                    metadata={"field": "versions", "policy": policy},
+                )
             model.check_state(tensors, partial=True)
             own = dict(model.named_parameters(remove_duplicate=False))
             states[policy] = {
@@ -200,7 +223,19 @@ class TorchEngine:
             if self.on_swap == "finish_old" and tensors:
                 models[policy] = copy.deepcopy(model)
                 models[policy].load_weights(states[policy], partial=True)
-        return SwapOrder(versions, states, models, done=lambda exc: None)
+        return SwapOrder(versions, states, models, done=lambda exc: None, adapters=adapters)
+
+    def _plan_adapter(
+        self, policy: str, model: CausalLM, version: lora.AdapterVersion
+    ) -> lora.PlannedAdapter:
+        """Checks an adapter version against the policy's base (digest taken once, from the
+        base as served, before its first adapter); raises the refusal naming the field."""
+        if policy not in self._base_digests:
+            self._base_digests[policy] = lora.served_base_digest(model)
+        try:
+            return lora.plan(model, version, self._base_digests[policy])
+        except AdapterError as exc:
+            raise lora.refusal(exc) from None
 
     async def swap_weights(
         self, versions: Mapping[str, int], state: Mapping[str, Mapping[str, object]]

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from astra.engine.api import InferenceEngine
 from astra.errors import FailedPrecondition, InvalidArgument
+from astra.lora.serving import AdapterVersion
 from astra.raas.backend import GroupSpec, TrajectorySpec, VersionSpec
 from astra.rewards import UnknownReward, get_reward
 from astra.workflows import Workflow, WorkflowContext, get_workflow, run_episode
@@ -167,6 +168,14 @@ class EngineBackend:
             self.counters["weight_loads_failed"] += 1
             raise _first_leaf(group) from None
         state = {p: t.result()[0] for p, t in tasks.items()}
+        adapters = sorted(p for p, v in state.items() if isinstance(v, AdapterVersion))
+        if adapters and not getattr(self.inference_engine, "serves_adapters", False):
+            raise FailedPrecondition(
+                f"versions of {adapters} are LoRA adapters; the {self.engine} engine serves "
+                "full versions only (the built-in torch engine serves adapters)",
+                reason="ADAPTER_UNSUPPORTED",
+                metadata={"field": "versions"},
+            )
         fetched = sum(t.result()[1] for t in tasks.values())
         # Once handed to the engine the swap completes even if this call is cancelled (a load
         # timeout): `on_swapped` hears of it then too, so what is reported stays what is served.
