@@ -13,6 +13,7 @@ from astra.trainer.losses import (
     aggregate,
     clipped_surrogate,
     kl_penalty,
+    m2po_mask,
     staleness_score,
     token_losses,
 )
@@ -147,3 +148,49 @@ def test_on_policy_tokens_are_not_stale() -> None:
     m = acc.finish()
     assert (m.version_gap_max, m.kl_behaviour_current, m.importance_weight_variance) == (0, 0, 0)
     assert m.score == 0.0
+
+
+def test_m2po_masks_the_fewest_largest_squared_log_ratios() -> None:
+    log_r = t(0.1, -0.5, 0.3, 0.0, 1.0)  # (log r)^2 = .01 .25 .09 0 1, mean 1.35 / 5 = .27
+    every = torch.ones(5, dtype=torch.bool)
+    assert m2po_mask(log_r, every, 0.3).tolist() == [False] * 5  # .27 <= .3: nothing
+    # tau .1: without the 1.0 the mean is .35 / 4 = .0875 <= .1: one token masked
+    assert m2po_mask(log_r, every, 0.1).tolist() == [False, False, False, False, True]
+    # tau .05: .0875 > .05; without .25 as well: .10 / 3 = .0333: two masked
+    assert m2po_mask(log_r, every, 0.05).tolist() == [False, True, False, False, True]
+    # a position that is not trained (prompt, padding) is neither counted nor masked:
+    # trained .01 .25 .09 0, mean .0875 > .05; without .25: .0333
+    trained = torch.tensor([True, True, True, True, False])
+    assert m2po_mask(log_r, trained, 0.05).tolist() == [False, True, False, False, False]
+
+
+def test_m2po_and_the_ratio_band_zero_the_policy_term_of_the_tokens_they_mask() -> None:
+    logp = lg(0.5, 0.5, 0.5, 0.5).requires_grad_()
+    mu = lg(1.25, 0.5, 0.2, 0.8333333333333334)  # r_b = p / mu = 0.4, 1.0, 2.5, 0.6
+    adv = t(1.0, 1.0, 1.0, 1.0)
+    plain = token_losses(logp, mu, adv, LossConfig(kind="tis", behaviour_cap=None))
+    close(plain.loss.detach(), [-0.4 * math.log(0.5), -math.log(0.5), -2.5 * math.log(0.5),
+                                -0.6 * math.log(0.5)])  # fmt: skip
+    band = token_losses(
+        logp, mu, adv, LossConfig(kind="tis", behaviour_cap=None, ratio_band=(0.5, 2.0))
+    )
+    assert band.band_masked.tolist() == [True, False, True, False]
+    close(band.loss.detach(), [0.0, -math.log(0.5), 0.0, -0.6 * math.log(0.5)])
+    band.loss.sum().backward()
+    assert logp.grad[0] == 0 and logp.grad[2] == 0 and logp.grad[1] != 0
+    # M2PO after the band: the kept tokens' (log r_b)^2 = 0 and log(.6)^2 = .2609, mean .1305;
+    # tau .1: masking .2609 leaves 0 <= .1
+    both = token_losses(
+        logp.detach(), mu, adv,
+        LossConfig(kind="tis", behaviour_cap=None, ratio_band=(0.5, 2.0), m2po_tau=0.1),
+    )  # fmt: skip
+    assert both.m2po_masked.tolist() == [False, False, False, True]
+    close(both.loss, [0.0, -math.log(0.5), 0.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("ratio_band", (1.2, 3.0)), ("ratio_band", (0.5, 0.9)), ("m2po_tau", 0.0)]
+)
+def test_bad_off_policy_masks_are_refused_naming_the_key(key, value) -> None:
+    with pytest.raises(ValueError, match=key):
+        LossConfig(**{key: value})

@@ -56,6 +56,25 @@ class LossConfig(Strict):
         description="Log-probs are log_softmax(logits / temperature); must equal the rollout "
         "temperature so behaviour and trainer log-probs describe the same policy.",
     )
+    m2po_tau: float | None = Field(
+        None,
+        gt=0.0,
+        description="M2PO's second-moment trust region: the trained tokens with the largest "
+        "(log r)^2, r = trainer / behaviour probability, are masked until the mean over the "
+        "rest is <= m2po_tau (the paper uses 0.04); None: off.",
+    )
+    ratio_band: tuple[float, float] | None = Field(
+        None,
+        description="IcePop's acceptance band [low, high] of r = trainer / behaviour "
+        "probability: a token outside it gets no policy gradient (e.g. [0.5, 2.0]); None: off.",
+    )
+
+    @field_validator("ratio_band")
+    @classmethod
+    def _band(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not 0.0 < value[0] < 1.0 < value[1]:
+            raise ValueError(f"{list(value)}: needs 0 < low < 1 < high, e.g. [0.5, 2.0]")
+        return value
 
 
 class OptimConfig(Strict):

@@ -20,6 +20,14 @@ kinds:
                whose gradient is min(r, C) * A * grad(logp) (IMPALA's truncated rho);
                with "mask", tokens with r > C are dropped instead.
 
+Off-policy masks (any kind; with r_b = exp(prox - mu), the trainer's probability at the start
+of the step over the engine's that sampled the token: train/inference mismatch plus staleness):
+    ratio_band [lo, hi]  IcePop: a token with r_b outside [lo, hi] gets l = 0;
+    m2po_tau             M2PO: over the micro-batch's trained tokens, those with the largest
+                         (log r_b)^2 get l = 0, the fewest such that the mean (log r_b)^2 of
+                         the tokens left is <= tau (after the band's, when both are set).
+A masked token stays in the normaliser (N_tokens), as in M2PO's objective.
+
 KL to a frozen reference, d = ref - logp: k1 = -d, k2 = d^2 / 2,
 k3 = exp(d) - d - 1 (unbiased and non-negative; d clamped to [-20, 20] and k3 to
 at most 10, as verl does, so it stays finite). Per-token total:
@@ -64,6 +72,8 @@ class TokenLosses:
     capped: Tensor
     kl: Tensor | None
     entropy: Tensor | None
+    band_masked: Tensor | None = None  # outside `ratio_band` (IcePop)
+    m2po_masked: Tensor | None = None  # masked by M2PO's second-moment bound
 
 
 def clipped_surrogate(
@@ -106,6 +116,42 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     return (delta.exp() - delta - 1.0).clamp(max=KL_K3_BOUND)
 
 
+def m2po_mask(log_r: Tensor, valid: Tensor, tau: float) -> Tensor:
+    """M2PO's mask: among `valid` tokens, the fewest with the largest (log r)^2 such that the
+    mean (log r)^2 of the valid tokens left is <= tau. Boolean, True where masked."""
+    out = torch.zeros_like(valid, dtype=torch.bool)
+    sq = log_r.detach().float().square()[valid]
+    n = sq.numel()
+    if n == 0 or float(sq.mean()) <= tau:
+        return out
+    values, order = sq.sort(descending=True)
+    # mean of the tokens left after masking the k largest, k = 1..n (the last one: none left)
+    left = values.sum() - values.cumsum(0)
+    count = torch.arange(n - 1, -1, -1, device=sq.device, dtype=sq.dtype)
+    mean_left = torch.where(count > 0, left / count.clamp(min=1.0), torch.zeros_like(left))
+    k = int(torch.nonzero(mean_left <= tau)[0]) + 1
+    flat = torch.zeros(n, dtype=torch.bool, device=sq.device)
+    flat[order[:k]] = True
+    out[valid] = flat
+    return out
+
+
+def off_policy_masks(
+    log_r: Tensor, cfg: LossConfig, mask: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """(outside ratio_band, masked by M2PO) for r = exp(log_r); None where off."""
+    band = m2 = None
+    valid = torch.ones_like(log_r, dtype=torch.bool) if mask is None else mask.bool()
+    if cfg.ratio_band is not None:
+        low, high = cfg.ratio_band
+        r = log_r.detach().exp()
+        band = (r < low) | (r > high)
+        valid = valid & ~band
+    if cfg.m2po_tau is not None:
+        m2 = m2po_mask(log_r, valid, cfg.m2po_tau)
+    return band, m2
+
+
 def token_losses(
     logp: Tensor,
     behaviour_logp: Tensor,
@@ -115,6 +161,7 @@ def token_losses(
     proximal_logp: Tensor | None = None,
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> TokenLosses:
     """Per-token loss of the configured kind (see the module docstring); same shapes in and out."""
     behaviour_logp = behaviour_logp.to(logp.dtype)
@@ -138,6 +185,12 @@ def token_losses(
             policy = weight * policy
         else:
             weight, capped = torch.ones_like(ratio).detach(), torch.zeros_like(clip_active)
+    # IcePop's band and M2PO's bound on r = trainer / behaviour (train vs inference, plus
+    # staleness): a masked token keeps its place in the normaliser but gets no policy gradient.
+    band, m2 = off_policy_masks(prox - behaviour_logp, cfg, mask)
+    for dropped in (band, m2):
+        if dropped is not None:
+            policy = torch.where(dropped, torch.zeros_like(policy), policy)
     loss = policy
     kl = None
     if ref_logp is not None and cfg.kl_coef > 0:
@@ -155,6 +208,8 @@ def token_losses(
         capped=capped,
         kl=None if kl is None else kl.detach(),
         entropy=None if entropy is None else entropy.detach(),
+        band_masked=band,
+        m2po_masked=m2,
     )
 
 

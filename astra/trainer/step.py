@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,7 +32,10 @@ from astra.trainer.losses import StalenessAccumulator, StalenessMetrics, aggrega
 from astra.trainer.parallel import all_reduce, compute, world
 
 # Order of the figures summed across micro-batches and ranks.
-SUMS = ("loss", "policy_loss", "kl_ref", "entropy", "clipped", "dual_clipped", "capped", "tokens")
+SUMS = (
+    "loss", "policy_loss", "kl_ref", "entropy", "clipped", "dual_clipped", "capped", "tokens",
+    "band_masked", "m2po_masked",
+)  # fmt: skip
 
 
 @dataclass
@@ -62,6 +66,11 @@ def sequence_logprobs(model: CausalLM, ids_BT: Tensor, temperature: float = 1.0)
     with torch.no_grad(), compute(model):
         logits = model(ids_BT[:, :-1].to(model.device))
         return token_logprobs(logits, ids_BT[:, 1:].to(model.device), temperature)[0]
+
+
+def _count(flags: Any, mask: Tensor) -> float:
+    """Trained tokens where `flags` (a boolean tensor, or None: none) is set."""
+    return 0.0 if flags is None else float((flags * mask).sum())
 
 
 def _share(x: Tensor | None, mask: Tensor, num_tokens: int) -> float:
@@ -117,6 +126,7 @@ def train_step(
             cfg,
             ref_logp=ref,
             entropy=ent if want_entropy else None,
+            mask=mask,
         )
         loss = aggregate(out.loss, mask, cfg.aggregation, num_tokens, num_sequences)
         (loss * world_size).backward()  # FSDP averages over ranks; we want the sum
@@ -130,6 +140,8 @@ def train_step(
             float((out.dual_clipped * m).sum()),
             float((out.capped * m).sum()),
             float(m.sum()),
+            _count(out.band_masked, m),
+            _count(out.m2po_masked, m),
         )
         sums += torch.tensor(figures, dtype=torch.float64)
         stale.add(logp.cpu(), mb.behaviour_logprobs, mb.versions, mb.loss_mask, version)
@@ -151,6 +163,8 @@ def train_step(
         "clip_fraction": figures["clipped"] / tokens,
         "dual_clip_fraction": figures["dual_clipped"] / tokens,
         "behaviour_capped_fraction": figures["capped"] / tokens,
+        "ratio_band_masked_fraction": figures["band_masked"] / tokens,
+        "m2po_masked_fraction": figures["m2po_masked"] / tokens,
         "grad_norm": grad_norm,
         "lr": float(optimizer.param_groups[0]["lr"]),
     }
