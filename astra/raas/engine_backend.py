@@ -179,7 +179,7 @@ class EngineBackend:
         fetched = sum(t.result()[1] for t in tasks.values())
         # Once handed to the engine the swap completes even if this call is cancelled (a load
         # timeout): `on_swapped` hears of it then too, so what is reported stays what is served.
-        engine = self.inference_engine
+        engine: Any = self.inference_engine
         paused = getattr(engine, "swap_pause_s", None)
         started = time.perf_counter()
         swap = asyncio.ensure_future(

@@ -1,0 +1,84 @@
+"""The agent endpoint's work: one OpenAI-style call of an episode, run on the RaaS's engine.
+
+The key selects the episode (401 when none is open under it); the model names a policy the
+engine serves (404 otherwise). A chat request is rendered with the policy's chat template
+(generation prompt added) and tokenized by the policy's tokenizer; a text request is
+tokenized as given. The engine generates at the policy's current version, and the episode
+records the exact prompt ids and the generation (tokens, log-probs, versions) before the
+answer goes out. A streamed answer is the same generation sent in pieces once it is done (the
+engine API returns whole generations): the protocol streams, the latency does not.
+Knows nothing of HTTP framing (servers/agent_http.py) or gRPC.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from astra.agents import openai_api as api
+from astra.agents.recorder import EpisodeLimit, Episodes, check_room
+from astra.engine.api import InferenceEngine, Sampling
+from astra.engine.chat import render_chat
+from astra.workflows.episode import generated_text
+
+
+class AgentEndpoint:
+    def __init__(self, engine: InferenceEngine, episodes: Episodes | None = None) -> None:
+        self.engine = engine
+        self.episodes = episodes if episodes is not None else Episodes()
+        self.served = tuple(engine.policy_ids)
+
+    def models(self) -> dict[str, Any]:
+        data = [{"id": p, "object": "model", "owned_by": "astra"} for p in self.served]
+        return {"object": "list", "data": data}
+
+    async def complete(self, key: str, raw: bytes, *, chat: bool) -> tuple[api.Request, Any]:
+        """(the request, its body: a dict, or the list of stream events); raises ApiError."""
+        episode = self.episodes.get(key)
+        if episode is None:
+            raise api.ApiError(
+                401, "no episode is open under this API key (unknown, or the episode ended)",
+                code="invalid_api_key",
+            )  # fmt: skip
+        req = api.parse(raw, chat=chat, served=self.served)
+        try:
+            check_room(episode)
+        except EpisodeLimit as exc:
+            raise api.ApiError(429, str(exc), code="episode_call_limit") from None
+        tokenizer = self.engine.tokenizer(req.model)
+        if req.messages is not None:
+            try:
+                text = render_chat(tokenizer, req.messages)  # with the generation prompt
+            except ValueError as exc:
+                raise api.ApiError(400, str(exc), param="messages") from None
+        else:
+            assert req.prompt is not None
+            text = req.prompt
+        prompt_ids = tokenizer.encode(text)
+        room = self.engine.max_seq_len(req.model) - len(prompt_ids)
+        if room < 1:
+            raise api.ApiError(
+                400, f"the prompt is {len(prompt_ids)} tokens, the model's context is full",
+                param="messages" if chat else "prompt", code="context_length_exceeded",
+            )  # fmt: skip
+        sampling = Sampling(
+            max_new_tokens=min(req.max_tokens, room),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            stop_strings=req.stop,
+            seed=req.seed,
+        )
+        gen = await self.engine.generate(req.model, prompt_ids, sampling)
+        if not episode.open:
+            raise api.ApiError(401, "the episode ended during the call", code="invalid_api_key")
+        episode.record(prompt_ids, gen, req.model)
+        out = generated_text(gen, tokenizer)
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        if req.stream:
+            pieces = [tokenizer.decode([t]) for t in gen.token_ids] if out else []
+            joined = "".join(pieces)
+            if joined != out:  # a multi-token character, or a stop string cut: one piece
+                pieces = [out] if out else []
+            return req, api.stream_events(req, rid, pieces, gen.finish_reason)
+        body = api.response(req, rid, out, gen.finish_reason, len(prompt_ids), len(gen.token_ids))
+        return req, body
