@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shlex
 import sys
 from collections.abc import Callable
 
@@ -227,6 +228,20 @@ async def _serve_dataflow(config) -> None:
     "HTTP engines (they load by path).",
 )
 @click.option(
+    "--agent-command",
+    default="",
+    help="Workflow agent: the program run per sample (shell words, e.g. 'python agent.py'); it "
+    "gets OPENAI_BASE_URL and OPENAI_API_KEY of this RaaS's endpoint.",
+)
+@click.option(
+    "--agent-timeout",
+    "agent_timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Workflow agent: seconds one run of the agent command may take.",
+)
+@click.option(
     "--fetch-timeout",
     "fetch_timeout_s",
     type=click.FloatRange(min=0, min_open=True),
@@ -259,6 +274,8 @@ def serve_raas(
     on_swap: str,
     weights_receive: str,
     fetch_timeout_s: float,
+    agent_command: str,
+    agent_timeout_s: float,
     metrics_port: int | None,
     log_level: str,
 ) -> None:
@@ -289,6 +306,8 @@ def serve_raas(
         on_swap=on_swap,
         weights_receive=weights_receive,
         fetch_timeout_s=fetch_timeout_s,
+        agent_command=shlex.split(agent_command),
+        agent_timeout_s=agent_timeout_s,
         engine=engine,
         engine_url=engine_url,
         engine_args=engine_args,

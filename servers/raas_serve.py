@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from astra.clients.registrar import Registrar
 from astra.raas.backend import RolloutBackend
@@ -43,6 +44,9 @@ class RaasOptions:
     on_swap: str = "continue"
     weights_receive: str = "auto"  # memory | disk | auto (memory for the torch engine)
     fetch_timeout_s: float = 240.0  # one weight fetch, every retry (clients.raas_weights)
+    # workflow `agent`: the program run per sample, its time limit (astra.workflows.agent)
+    agent_command: list[str] = field(default_factory=list)
+    agent_timeout_s: float = 60.0
     grace_s: float = 5.0
     engine: str = "torch"
     engine_url: str = ""
@@ -52,6 +56,24 @@ class RaasOptions:
     served_model_name: str = "policy"
     hot_loaded: bool = False
     metrics_port: int | None = None
+
+
+async def start_agents(opts: RaasOptions, engine: Any) -> tuple[Any, Any]:
+    """The agent endpoint (servers.agent_http) when the `agent` workflow is served: (its
+    Gateway, its server); (None, None) otherwise. A command that cannot run is refused now."""
+    if "agent" not in opts.workflows:
+        return None, None
+    from astra.agents.endpoint import AgentEndpoint, Gateway
+    from astra.servers.agent_http import AgentHTTPServer
+    from astra.workflows.agent import check_command
+
+    try:
+        check_command(opts.agent_command)
+    except ValueError as exc:
+        raise ValueError(f"--agent-command: {exc}") from None
+    endpoint = AgentEndpoint(engine)
+    server = await AgentHTTPServer(endpoint, "127.0.0.1", 0).start()
+    return Gateway(server.base_url, endpoint.episodes), server
 
 
 async def serve_raas(opts: RaasOptions) -> None:
@@ -79,7 +101,17 @@ async def serve_raas(opts: RaasOptions) -> None:
         in_memory=in_memory,
         fetch_timeout_s=opts.fetch_timeout_s,
     )
-    backend = EngineBackend(engine, opts.workflows, loader, rewards=opts.rewards)
+    agents, agent_server = await start_agents(opts, engine)
+    backend = EngineBackend(
+        engine,
+        opts.workflows,
+        loader,
+        rewards=opts.rewards,
+        agents=agents,
+        workflow_options={
+            "agent": {"command": opts.agent_command, "timeout_s": opts.agent_timeout_s}
+        },
+    )
     server, servicer, registrar = await start_raas(
         backend,
         capacity=opts.capacity,
@@ -145,6 +177,8 @@ async def serve_raas(opts: RaasOptions) -> None:
         if registrar is not None:
             await registrar.stop()
         await servicer.close()
+        if agent_server is not None:
+            await agent_server.stop()
         await loader.close()
         await engine.close()
         if metrics is not None:

@@ -14,11 +14,11 @@ import openai
 import pytest
 
 from astra.agents.endpoint import AgentEndpoint
-from astra.agents.recorder import trajectories
 from astra.engine.chat import ChatTemplate
 from astra.engine.tiny import load_model
 from astra.engine.torch_engine import TorchEngine
 from astra.servers.agent_http import AgentHTTPServer
+from astra.workflows.agent import trajectories
 
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

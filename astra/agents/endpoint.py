@@ -13,6 +13,7 @@ Knows nothing of HTTP framing (servers/agent_http.py) or gRPC.
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from astra.agents import openai_api as api
@@ -20,6 +21,14 @@ from astra.agents.recorder import EpisodeLimit, Episodes, check_room
 from astra.engine.api import InferenceEngine, Sampling
 from astra.engine.chat import render_chat
 from astra.workflows.episode import generated_text
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """What the `agent` workflow is given: where agents call, and the episodes behind it."""
+
+    base_url: str
+    episodes: Episodes
 
 
 class AgentEndpoint:

@@ -6,10 +6,8 @@ applied by the endpoint, never the agent's text tokenized again) and what it gen
 log-probs and per-token weight versions. A call with a key that is unknown, or whose episode
 ended, is refused.
 
-`trajectories` turns an episode's calls into sequences: a call whose prompt starts with the
-whole previous sequence (its prompt and generation) of the same policy continues it, the new tokens in between
-masked as context (tool output, the next user turn); any other call starts a new sequence.
-Every sequence of the episode carries the episode's reward. Knows nothing of HTTP or gRPC.
+The `agent` workflow turns an episode's calls into sequences (astra.workflows.agent
+`trajectories`). Knows nothing of HTTP, gRPC or workflows.
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from astra.engine.api import Generation
-from astra.raas.backend import SequenceSpec
-from astra.workflows.episode import SequenceBuilder
 
 KEY_PREFIX = "astra-ep-"
 
@@ -80,24 +76,3 @@ class Episodes:
 def check_room(episode: Episode) -> None:
     if len(episode.calls) >= episode.max_calls:
         raise EpisodeLimit(f"the episode made {len(episode.calls)} calls, its limit")
-
-
-def trajectories(episode: Episode, reward: float, agent_id: str = "") -> list[SequenceSpec]:
-    """The episode's sequences (see the module docstring), each with `reward`."""
-    out: list[SequenceSpec] = []
-    builder: SequenceBuilder | None = None
-    for call in episode.calls:
-        prompt = list(call.prompt_ids)
-        so_far = builder.token_ids if builder is not None else None
-        same = builder is not None and builder.policy_id == call.policy_id
-        if same and so_far is not None and prompt[: len(so_far)] == so_far:
-            assert builder is not None
-            builder.add_context(prompt[len(so_far) :])
-        else:
-            if builder is not None:
-                out.append(builder.build(reward))
-            builder = SequenceBuilder(call.policy_id, prompt, agent_id)
-        builder.add_generation(call.generation)
-    if builder is not None:
-        out.append(builder.build(reward))
-    return out

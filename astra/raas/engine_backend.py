@@ -63,7 +63,9 @@ class EngineBackend:
         *,
         workflow_options: Mapping[str, Mapping[str, Any]] | None = None,
         rewards: Sequence[str] | None = None,
+        agents: Any = None,
     ) -> None:
+        """`agents`: the agent endpoint's Gateway (astra.agents.endpoint) for `agent`."""
         if not workflows:
             raise ValueError("at least one workflow is required")
         if not engine.policy_ids:
@@ -75,6 +77,7 @@ class EngineBackend:
         self._workflows: dict[str, Workflow] = {name: get_workflow(name) for name in self.workflows}
         self._options = {k: dict(v) for k, v in (workflow_options or {}).items()}
         self.weight_loader = weight_loader
+        self.agents = agents
         # Called with the versions of every swap the engine completed (the RaaS servicer's
         # bookkeeping of what it serves), also for a swap whose load call was cancelled.
         self.on_swapped: Callable[[dict[str, VersionSpec]], None] | None = None
@@ -132,6 +135,7 @@ class EngineBackend:
                 workflow=group.workflow,
                 versions=dict(versions),
                 options=options,
+                agents=self.agents,
             )
             for i in range(group.num_samples)
         ]

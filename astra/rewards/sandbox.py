@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import fcntl
 import functools
+import json
 import logging
 import math
 import os
@@ -61,6 +62,12 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 os.write(ready, b"1")
 os.close(ready)
+if os.path.exists("command.json"):
+    import json
+    with open("command.json") as f:
+        argv = json.load(f)
+    os.remove("command.json")
+    os.execvp(argv[0], argv)
 os.execv(sys.executable, [sys.executable, "-I", "-B", "main.py"])
 """
 )
@@ -127,20 +134,45 @@ def run_python(
     return _run(code, stdin, limits, keep, *isolation(limits))
 
 
+def run_command(
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    stdin: str = "",
+    limits: SandboxLimits | None = None,
+) -> SandboxResult:
+    """Runs a program (any language: `argv`, found on PATH) under `limits` with `env` added to
+    the sandbox's environment (LANG, and PATH for the lookup); blocks until it ends or is
+    killed. The same limits as `run_python`; a program that needs the machine's interpreters
+    and its own files wants `files=True`, one that calls back into this machine (an agent on
+    the RaaS's endpoint) `network=True`."""
+    limits = limits or SandboxLimits()
+    if not argv:
+        raise ValueError("argv is empty")
+    extra = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(env or {})}
+    return _run(None, stdin, limits, (), *isolation(limits), argv=argv, env=extra)
+
+
 def _run(
-    code: str,
+    code: str | None,
     stdin: str,
     limits: SandboxLimits,
     keep: tuple[str, ...],
     prefix: tuple[str, ...],
     no_net: bool,
     own_files: bool,
+    *,
+    argv: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> SandboxResult:
-    """`run_python` under the given isolation (`isolation`'s answer)."""
+    """`run_python` (or `run_command`, given `argv`) under the given isolation."""
     with tempfile.TemporaryDirectory(prefix="astra-sandbox-") as tmp:
         root = Path(tmp) / "work"  # the code's directory; Path(tmp) / "view": its file system
         root.mkdir()
-        (root / "main.py").write_text(code, encoding="utf-8")
+        if argv is not None:
+            (root / "command.json").write_text(json.dumps(argv), encoding="utf-8")
+        else:
+            (root / "main.py").write_text(code or "", encoding="utf-8")
         (root / "stdin").write_text(stdin, encoding="utf-8")
         cpu_s = math.ceil(limits.time_s) + 1
         view = []
@@ -163,7 +195,7 @@ def _run(
                     stdout=fout,
                     stderr=ferr,
                     cwd=root,
-                    env={"LANG": "C.UTF-8"},
+                    env={"LANG": "C.UTF-8", **(env or {})},
                     start_new_session=True,
                     close_fds=True,
                     pass_fds=(started_w,),

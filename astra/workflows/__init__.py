@@ -6,7 +6,7 @@ sandbox tools), multi_agent (solver and verifier). Plugins: entry-point group
 `astra.workflows` (workflows) and `astra.tools` (tools).
 """
 
-from astra.workflows import chat, multi_agent, multi_turn, single_turn
+from astra.workflows import agent, chat, multi_agent, multi_turn, single_turn
 from astra.workflows.base import (
     RewardFailed,
     Workflow,
@@ -35,6 +35,7 @@ __all__ = [
     "UnknownWorkflow",
     "Workflow",
     "WorkflowContext",
+    "agent",
     "chat",
     "get_workflow",
     "known_workflows",

@@ -55,6 +55,7 @@ class WorkflowContext:
     workflow: str
     versions: Mapping[str, int] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
+    agents: Any = None  # astra.agents.endpoint.Gateway where the RaaS serves agents
 
     @property
     def record(self) -> dict[str, Any]:
