@@ -113,3 +113,13 @@ def test_a_failing_agent_fails_its_sample_in_time(tmp_path, behaviour, says) -> 
 def test_an_agent_command_that_does_not_exist_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="no-such-agent"):
         check_command(["no-such-agent", "--x"])
+
+
+def test_the_agents_page_shows_the_agent_the_recipe_runs() -> None:
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "agents.md").read_text()
+    block = page.split("```python\n", 1)[1].split("```", 1)[0]
+    assert block.strip() in (root / "examples" / "agents" / "arithmetic_agent.py").read_text()
+    assert (
+        '"examples/agents/arithmetic_agent.py"' in (root / "configs/recipes/agent.yaml").read_text()
+    )

@@ -237,3 +237,32 @@ def test_lora_recipe_trains_publishes_and_serves_adapters_only(tmp_path: Path) -
         assert config["rank"] == 8 and config["base_digest"].startswith("blake3:")
     swaps = [r["work"]["weight_swaps"] for r in s["raas"].values()]
     assert all(n >= 1 for n in swaps), s["raas"]
+
+
+def test_agent_recipe_trains_on_an_agent_program_s_calls(tmp_path: Path) -> None:
+    """configs/recipes/agent.yaml in CI size: the example agent (the `openai` client) runs per
+    sample, its calls are trained, the run completes with nothing lost."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "astra.run",
+        str(RECIPES / "agent.yaml"),
+        "--run-dir",
+        str(run_dir),
+    ]
+    for override in ("trainer.num_steps=2", "warmup.steps=20", "eval.size=8"):
+        cmd += ["--set", override]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "completed" and s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+    assert s["steps_per_policy"] == {"policy": 2} and s["groups_trained"] == 2 * 4
+    assert s["counters"]["failed_groups"] == 0, s["counters"]
+
+
+def test_an_agent_command_that_does_not_exist_fails_the_recipe_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(RecipeError, match=r"agent_command.*no-such-agent"):
+        load_recipe(RECIPES / "agent.yaml", ["raas.0.agent_command=[no-such-agent]"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -412,6 +413,9 @@ def raas_spec_command(
     args += ["--engine-python", spec.engine_python] if spec.engine_python else []
     args += [a for p in policies for a in ("--policy", p)]
     args += [a for w in recipe.raas_workflows(spec) for a in ("--workflow", w)]
+    if spec.agent_command:
+        args += ["--agent-command", shlex.join(spec.agent_command)]
+        args += ["--agent-timeout", str(spec.agent_timeout_s)]
     args += [a for k, v in sorted(spec.labels.items()) for a in ("--label", f"{k}={v}")]
     args += ["--metrics-port", "0"] if recipe.observe.prometheus else []
     return serve_command("raas", *args)

@@ -155,6 +155,21 @@ class WeightsSpec(Strict):
     keep_versions: int = Field(8, ge=1, description="Newest versions always kept.")
 
 
+def resolve_agent_command(argv: list[str]) -> list[str]:
+    """`{python}` as this Python, and relative paths that exist as absolute ones (the agent
+    runs in a directory of its own)."""
+    import sys
+    from pathlib import Path
+
+    out = []
+    for arg in argv:
+        arg = arg.replace("{python}", sys.executable)
+        if not arg.startswith("-") and "/" in arg and Path(arg).exists():
+            arg = str(Path(arg).absolute())  # not resolve(): a venv's python is a link
+        out.append(arg)
+    return out
+
+
 class RaasSpec(Strict):
     """One rollout service process (`astra serve raas`)."""
 
@@ -182,9 +197,24 @@ class RaasSpec(Strict):
         description="An external RaaS instead of `astra serve raas`: its command line, with "
         "placeholders (astra.run.external); empty: the built-in one.",
     )
+    agent_command: list[str] = Field(
+        default_factory=list,
+        description="Workflow agent: the program run per sample ({python}: this Python; "
+        "relative paths from where `astra run` starts); it gets OPENAI_BASE_URL, "
+        "OPENAI_API_KEY, ASTRA_MODEL, ASTRA_PROMPT and ASTRA_RECORD.",
+    )
+    agent_timeout_s: float = Field(60.0, gt=0.0, description="Workflow agent: time per run.")
 
     @model_validator(mode="after")
     def _external(self) -> RaasSpec:
+        if self.agent_command:
+            from astra.workflows.agent import check_command as check_agent
+
+            self.agent_command = resolve_agent_command(self.agent_command)
+            try:
+                check_agent(self.agent_command)
+            except ValueError as exc:
+                raise ValueError(f"agent_command: {exc}") from None
         if not self.command:
             return self
         check_command(self.command)
