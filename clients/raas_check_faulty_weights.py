@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 
 from astra.clients.raas_check_session import CheckSession
-from astra.clients.raas_rules import CheckFailed, Skipped, rpc
+from astra.clients.raas_rules import CheckFailed, Skipped
 from astra.common.v1 import version_pb2
 
 FAULTS = ("corrupt", "truncated", "wrong-base")
@@ -114,14 +114,7 @@ class FaultyWeightChecks(CheckSession):
                 server = await start_own_weights(store, fault)
                 try:
                     await self._publish_fault(server.address, fault, newer)
-                    r = await rpc(
-                        self.client.load_weights(
-                            [newer],
-                            server.address,
-                            f"conformance-{self.run_id}-{fault}",
-                            timeout_s=self.options.load_timeout_s,
-                        )
-                    )
+                    r = await self._load_from(server.address, newer, fault)
                     plans = list(server.servicer.plans)
                 finally:
                     await server.stop(0)

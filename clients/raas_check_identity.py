@@ -19,7 +19,7 @@ import grpc
 
 from astra.clients.raas_check_faulty_weights import start_own_weights
 from astra.clients.raas_check_session import CheckSession
-from astra.clients.raas_rules import CheckFailed, Skipped, rpc
+from astra.clients.raas_rules import CheckFailed, Skipped
 from astra.clients.weights_publish import publish_version
 from astra.common.v1 import version_pb2
 
@@ -45,14 +45,7 @@ class IdentityChecks(CheckSession):
                     server.address, self.policy, same.version_id, same.version, tensors,
                     dict(held.files),
                 )  # fmt: skip
-                r = await rpc(
-                    self.client.load_weights(
-                        [same],
-                        server.address,
-                        f"conformance-{self.run_id}-identity",
-                        timeout_s=self.options.load_timeout_s,
-                    )
-                )
+                r = await self._load_from(server.address, same, "identity")
             finally:
                 await server.stop(0)
         what = f"version {same.version} as {same.version_id!r} while serving {loaded.version_id!r}"

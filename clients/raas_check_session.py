@@ -12,6 +12,7 @@ import secrets
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf import struct_pb2
@@ -133,6 +134,15 @@ class CheckSession:
     def _load(self, versions: list, request_id: str) -> Awaitable:
         return self.client.load_weights(
             versions, self.options.weights, request_id, timeout_s=self.options.load_timeout_s
+        )
+
+    async def _load_from(self, address: str, version: Any, tag: str) -> Rpc:
+        """LoadWeights of one version from the checker's own WeightService at `address`."""
+        request_id = f"conformance-{self.run_id}-{tag}"
+        return await rpc(
+            self.client.load_weights(
+                [version], address, request_id, timeout_s=self.options.load_timeout_s
+            )
         )
 
     async def _held_id(self) -> str | None:
