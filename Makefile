@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint generate bench clean vllm run-vllm chaos docs
+.PHONY: run test lint generate bench clean vllm run-vllm chaos docs trl
 
 $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
@@ -21,6 +21,15 @@ $(VLLM_VENV)/.installed: tools/vllm/install.sh
 	bash tools/vllm/install.sh $(VLLM_VENV)
 
 vllm: $(VLLM_VENV)/.installed  ## builds .venv-vllm (~2.5 GB, a few minutes)
+
+# Hugging Face TRL in an environment of its own (never in .venv): tools/bench/vs_trl.py runs its
+# GRPOTrainer against `astra run`; tests/test_bench_vs_trl.py is skipped where it does not exist.
+TRL_VENV ?= .venv-trl
+
+$(TRL_VENV)/.installed: tools/trl/install.sh
+	bash tools/trl/install.sh $(TRL_VENV)
+
+trl: $(TRL_VENV)/.installed  ## builds .venv-trl (~1.5 GB, ~2 min): TRL 1.16.0 on the CPU torch
 
 run-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed  ## the default task with its rollouts on real vLLM
 	$(VENV)/bin/astra run configs/recipes/vllm_cpu.yaml  # into runs/vllm_cpu-<UTC time>/
@@ -76,6 +85,7 @@ bench: $(VENV)/.installed  ## every benchmark in turn (~70 min); each rewrites i
 	$(PY) tools/bench/dataflow_state.py
 	$(PY) tools/bench/engine.py  # needs: pip install -e ".[bench]"
 	$(PY) tools/bench/vllm_engine.py  # needs: make vllm
+	$(PY) tools/bench/vs_trl.py  # needs: make trl
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build astra-state runs tools/raas-node/node_modules
+	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) build astra-state runs tools/raas-node/node_modules

@@ -1,0 +1,66 @@
+"""tools/bench/vs_trl.py: without a TRL environment it refuses (exit 2) or, with
+--skip-missing, skips writing nothing; with .venv-trl (`make trl`) its --quick form runs a real
+`astra run` and TRL's GRPOTrainer from that run's warm-up checkpoint and reports both curves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "tools" / "bench" / "vs_trl.py"
+TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+
+
+def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_missing_trl_is_refused_or_skipped_and_writes_nothing(tmp_path):
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    out, fig = tmp_path / "B.md", tmp_path / "f.png"
+    common = ("--trl-python", str(missing), "--output", str(out), "--plot", str(fig))
+    refused = run(*common, timeout=120)
+    assert refused.returncode == 2
+    assert "no TRL environment" in refused.stderr and "make trl" in refused.stderr
+    skipped = run(*common, "--skip-missing", timeout=120)
+    assert skipped.returncode == 0 and "skipped" in skipped.stderr
+    assert not out.exists() and not fig.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not TRL_PYTHON.is_file(), reason="no .venv-trl here (make trl)")
+def test_quick_form_measures_both_systems(tmp_path):
+    out, fig, data = tmp_path / "B.md", tmp_path / "f.png", tmp_path / "curves.json"
+    proc = run(
+        "--quick",
+        "--no-write",
+        "--plot",
+        str(fig),
+        "--json",
+        str(data),
+        "--output",
+        str(out),
+        timeout=850,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not out.exists() and fig.stat().st_size > 0
+    curves = json.loads(data.read_text())
+    for name in ("Astra", "TRL"):
+        side = curves[name]
+        assert side["steps"] == 8 and side["tokens"] > 0 and side["train_s"] > 0
+        steps = [s for _, _, s in side["curve"]]
+        assert steps[0] == 0 and max(steps) >= 4  # the start and at least one later evaluation
+        assert all(0.0 <= acc <= 1.0 for _, acc, _ in side["curve"])
+    assert "## Astra vs TRL" in proc.stdout and "QUICK" in proc.stdout
