@@ -114,9 +114,10 @@ def test_node_raas_passes_every_contract_check(tmp_path):
     results, loaded, status = run_then_close(asyncio.wait_for(body(), 90), [node])
     report = summary(results)
     failed = {r.name: r.status for r in results if r.status != "pass"}
-    # Every check passes but the corrupt-weights one, which runs only with --serve-weights.
-    assert failed == {"load_weights_refuses_corrupt_data": "skip"}, failed
-    assert report["pass"] == len(results) - 1
+    # Every check passes but the two that run only with --serve-weights.
+    serve_weights_only = ("load_weights_matches_by_identity", "load_weights_refuses_corrupt_data")
+    assert failed == dict.fromkeys(serve_weights_only, "skip"), failed
+    assert report["pass"] == len(results) - 2
     load = next(r for r in results if r.name == "load_weights")
     assert "16,390 bytes fetched" in load.detail  # 4096 x 4 + 3 x 2 + 0: the whole version
     assert 0 < loaded.fetched_bytes < 1000  # one frame of w's change, not 16,390 bytes
