@@ -17,13 +17,9 @@ apart) and what each RaaS fetched per load (its log's `loaded ... (N bytes)`), m
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import runs
 from report import replace_section
+from runs import astra_run, measured
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## LoRA (adapter versions) vs full fine-tuning"
@@ -63,14 +61,7 @@ def fetched(run_dir: Path) -> list[int]:
 
 def run_variant(name: str, recipe: str, steps: int, root: Path, timeout_s: float) -> dict:
     run_dir = root / name
-    cmd = [sys.executable, "-m", "astra.run", recipe, "--run-dir", str(run_dir)]
-    cmd += ["--set", f"trainer.num_steps={steps}"]
-    started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    wall = time.monotonic() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name}: astra run exited {proc.returncode}\n{proc.stderr[-3000:]}")
-    s = json.loads((run_dir / "summary.json").read_text())
+    s, _, wall = astra_run([recipe], run_dir, timeout_s, [f"trainer.num_steps={steps}"])
     evals = s.get("eval", {}).get("results", [])
     return {
         "variant": name,
@@ -119,13 +110,10 @@ def section(rows: list[dict[str, Any]], load: str, total: float) -> str:
         )
     ):
         gap = by["full"]["held_out_last"] - by["lora"]["held_out_last"]
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     verdict = "not measured" if gap is None else ("met" if gap <= 0.05 else "missed")
     lines += [
         "",
-        f"Measured {now} with `python tools/bench/lora.py` ({total:.0f} s) on this machine: "
-        f"{os.cpu_count()} cores, no GPU, Python {platform.python_version()}; load average "
-        f"before the runs {load}.",
+        measured("lora.py", total, load),
         "",
         f"**Target (LoRA's held-out accuracy within 0.05 of full fine-tuning at the same step "
         f"count): {verdict}" + ("" if gap is None else f"; full minus LoRA is {gap:+.2f}") + ".**",
@@ -155,14 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
     ap.add_argument("--no-write", action="store_true", help="print the section only")
     args = ap.parse_args(argv)
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    before = runs.load()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="astra-lora-bench-") as tmp:
         rows = []
         for name, recipe in VARIANTS.items():
             rows.append(run_variant(name, recipe, args.steps, Path(tmp), args.timeout))
             print(json.dumps(rows[-1]), flush=True)
-    text = section(rows, load, time.monotonic() - started)
+    text = section(rows, before, time.monotonic() - started)
     print(text)
     if not args.no_write:
         replace_section(ROOT / "BENCHMARKS.md", SECTION, text)

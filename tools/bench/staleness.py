@@ -22,12 +22,8 @@ eta 2's held-out accuracy within 0.02 while the trainer idles less.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import runs
 from report import replace_section
+from runs import astra_run, measured
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Staleness: eta with off-policy masks (real runs)"
@@ -53,16 +51,7 @@ def mean(xs: list[float]) -> float | None:
 
 def run_variant(name: str, sets: list[str], steps: int, root: Path, timeout_s: float) -> dict:
     run_dir = root / name.replace(" ", "").replace("+", "-")
-    cmd = [sys.executable, "-m", "astra.run", "--run-dir", str(run_dir)]
-    for s in [f"trainer.num_steps={steps}", *sets]:
-        cmd += ["--set", s]
-    started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    wall = time.monotonic() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name}: astra run exited {proc.returncode}\n{proc.stderr[-3000:]}")
-    s = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    s, rows, wall = astra_run([], run_dir, timeout_s, [f"trainer.num_steps={steps}", *sets])
     seen = [r["trainer"] for r in rows if r.get("trainer")]
     fetch = sum(m.get("fetch_ms", 0.0) for m in seen)
     total = sum(m.get("total_ms", 0.0) for m in seen)
@@ -116,12 +105,9 @@ def section(rows: list[dict[str, Any]], load: str, total: float) -> str:
             f"{best['held_out_last']:.2f} vs {base['held_out_last']:.2f}, trainer idle "
             f"{fmt(best['idle'], '.1%')} vs {fmt(base['idle'], '.1%')})"
         )
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines += [
         "",
-        f"Measured {now} with `python tools/bench/staleness.py` ({total:.0f} s) on this machine: "
-        f"{os.cpu_count()} cores, no GPU, Python {platform.python_version()}; load average "
-        f"before the runs {load}.",
+        measured("staleness.py", total, load),
         "",
         "**Target (eta 8 with the best mask: held-out within 0.02 of eta 2 while the trainer "
         f"idles less): {verdict}.**",
@@ -151,14 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
     ap.add_argument("--no-write", action="store_true", help="print the section only")
     args = ap.parse_args(argv)
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    before = runs.load()
     started = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory(prefix="astra-staleness-") as tmp:
         for name, sets in VARIANTS.items():
             rows.append(run_variant(name, sets, args.steps, Path(tmp), args.timeout))
             print(json.dumps(rows[-1]), flush=True)
-    text = section(rows, load, time.monotonic() - started)
+    text = section(rows, before, time.monotonic() - started)
     print(text)
     if not args.no_write:
         replace_section(ROOT / "BENCHMARKS.md", SECTION, text)

@@ -22,11 +22,8 @@ vLLM environment ends the run non-zero unless --skip-missing, which reports it a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import runs
 from report import replace_section
+from runs import astra_run, measured
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Weight sync pause (generation stopped per version swap)"
@@ -53,15 +52,7 @@ def vllm_python() -> Path | None:
 
 def run_engine(name: str, recipe: list[str], steps: int, root: Path, timeout_s: float) -> dict:
     run_dir = root / name.split()[0]
-    cmd = [sys.executable, "-m", "astra.run", *recipe, "--run-dir", str(run_dir)]
-    cmd += ["--set", f"trainer.num_steps={steps}"]
-    started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    wall = time.monotonic() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name}: astra run exited {proc.returncode}\n{proc.stderr[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    summary, rows, wall = astra_run(recipe, run_dir, timeout_s, [f"trainer.num_steps={steps}"])
     times = sorted(r["time"] for r in rows if "time" in r)
     works = [r["work"] for r in summary["raas"].values() if r.get("work")]
     swaps = sum(int(w.get("weight_swaps", 0)) for w in works)
@@ -97,12 +88,9 @@ def section(results: list[dict[str, Any]], missing: list[str], load: str, total:
         )
     for name in missing:
         lines.append(f"| {name} | - | - | - | not measured: .venv-vllm missing | - | - |")
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines += [
         "",
-        f"Measured {now} with `python tools/bench/swap_pause.py` ({total:.0f} s) on this machine: "
-        f"{os.cpu_count()} cores, no GPU, Python {platform.python_version()}; load average "
-        f"before the runs {load}.",
+        measured("swap_pause.py", total, load),
         "",
     ]
     met = [r for r in results if r["share"] <= TARGET]
@@ -140,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print the section only")
     ap.add_argument("--skip-missing", action="store_true", help="report vLLM missing, exit 0")
     args = ap.parse_args(argv)
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    before = runs.load()
     started = time.monotonic()
     results, missing = [], []
     with tempfile.TemporaryDirectory(prefix="astra-swap-pause-") as tmp:
@@ -150,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results.append(run_engine(name, recipe, args.steps, Path(tmp), args.timeout))
             print(json.dumps(results[-1]), flush=True)
-    text = section(results, missing, load, time.monotonic() - started)
+    text = section(results, missing, before, time.monotonic() - started)
     print(text)
     if not args.no_write:
         replace_section(ROOT / "BENCHMARKS.md", SECTION, text)
