@@ -24,8 +24,10 @@ from astra.servers.raas_convert import (
     check_ids,
     collect_limits,
     failed_group_bytes,
+    forward,
     group_specs,
     load_versions,
+    status_response,
     version_protos,
 )
 from astra.servers.result_wire import group_result_bytes
@@ -34,16 +36,6 @@ from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES
 # A LoadWeights (waiting for an earlier one, fetching, swapping) ends by then with
 # DEADLINE_EXCEEDED and the versions in service unchanged; Dataflow's call allows more.
 LOAD_TIMEOUT_S = 300.0
-
-
-def _forward(name: str, *owners: str) -> property:
-    """`self.<name>` reads `self.<owners[0]>.<name>` and sets it on every owner."""
-
-    def put(self, value) -> None:
-        for owner in owners:
-            setattr(getattr(self, owner), name, value)
-
-    return property(lambda self: getattr(getattr(self, owners[0]), name), put)
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -90,9 +82,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     # ----- state the Registrar, metrics and tests read (and set) -----------------------------
 
     # Why groups cannot run here (the engine failed), or "": SubmitGroups is UNAVAILABLE.
-    unavailable = _forward("unavailable", "groups")
-    max_result_bytes = _forward("max_result_bytes", "groups")
-    metrics = _forward("metrics", "groups", "versions")  # a RaasMetrics when /metrics is served
+    unavailable = forward("unavailable", "groups")
+    max_result_bytes = forward("max_result_bytes", "groups")
+    metrics = forward("metrics", "groups", "versions")  # a RaasMetrics when /metrics is served
 
     @property
     def loaded_versions(self) -> dict[str, int]:
@@ -143,23 +135,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         )
 
     async def GetStatus(self, request: pb.GetStatusRequest, context):
-        return pb.GetStatusResponse(
-            instance_id=self.instance_id,
-            capacity=self.capacity,
-            free_slots=self.store.free_slots,
-            running_groups=self.store.running,
-            pending_results=self.store.pending,
-            loaded_versions=version_protos(self.versions.held),
-            policy_ids=self.policy_ids,
-            workflows=self.workflows,
-            engine=self.backend.engine,
-            # The backend's own (samples, weight swaps and their pause) under the servicer's.
-            counters={
-                **getattr(self.backend, "counters", {}),
-                **self.store.counters,
-                **self.counters,
-            },
-        )
+        return status_response(self)
 
     async def GetCapabilities(self, request: pb.GetCapabilitiesRequest, context):
         return pb.GetCapabilitiesResponse(capabilities=capabilities(self.backend))

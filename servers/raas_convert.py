@@ -1,5 +1,5 @@
 """RolloutService wire <-> domain: prompt groups and weight loads in, with validation;
-a failed group's result out.
+a failed group's result and GetStatus out.
 
 Field names in errors are wire names, so a RaaS in any language reports the same fields.
 Requests are checked against what the backend serves (workflows, policies, rewards) and
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 from google.protobuf import json_format
 from google.rpc import code_pb2, status_pb2
@@ -217,4 +218,37 @@ def capabilities(backend: RolloutBackend) -> capabilities_pb2.Capabilities:
         features=["cancel", "multi_policy", *(["partial_rollout"] if partial else [])],
         implementation=f"astra-raas-{backend.engine}",
         implementation_version=__version__,
+    )
+
+
+def forward(name: str, *owners: str) -> property:
+    """A servicer property: `self.<name>` reads `self.<owners[0]>.<name>` and sets it on every
+    owner (state the Registrar, metrics and tests read and set through the servicer)."""
+
+    def put(self, value) -> None:
+        for owner in owners:
+            setattr(getattr(self, owner), name, value)
+
+    return property(lambda self: getattr(getattr(self, owners[0]), name), put)
+
+
+def status_response(servicer: Any) -> pb.GetStatusResponse:
+    """GetStatus of a RolloutServicer: its slots, results, versions and counters (the
+    backend's own, such as samples and weight swaps and their pause, under the servicer's)."""
+    store = servicer.store
+    return pb.GetStatusResponse(
+        instance_id=servicer.instance_id,
+        capacity=servicer.capacity,
+        free_slots=store.free_slots,
+        running_groups=store.running,
+        pending_results=store.pending,
+        loaded_versions=version_protos(servicer.versions.held),
+        policy_ids=servicer.policy_ids,
+        workflows=servicer.workflows,
+        engine=servicer.backend.engine,
+        counters={
+            **getattr(servicer.backend, "counters", {}),
+            **store.counters,
+            **servicer.counters,
+        },
     )
