@@ -16,19 +16,15 @@ apart) and what each RaaS fetched per load (its log's `loaded ... (N bytes)`), m
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runs
-from report import replace_section
 from runs import astra_run, measured
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,23 +134,7 @@ def section(rows: list[dict[str, Any]], load: str, total: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
-    ap.add_argument("--no-write", action="store_true", help="print the section only")
-    args = ap.parse_args(argv)
-    before = runs.load()
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="astra-lora-bench-") as tmp:
-        rows = []
-        for name, recipe in VARIANTS.items():
-            rows.append(run_variant(name, recipe, args.steps, Path(tmp), args.timeout))
-            print(json.dumps(rows[-1]), flush=True)
-    text = section(rows, before, time.monotonic() - started)
-    print(text)
-    if not args.no_write:
-        replace_section(ROOT / "BENCHMARKS.md", SECTION, text)
-    return 0
+    return runs.variants_main(argv, __doc__, VARIANTS, run_variant, section, SECTION)
 
 
 if __name__ == "__main__":

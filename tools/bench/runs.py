@@ -53,3 +53,37 @@ def measured(tool: str, total_s: float, load_before: str) -> str:
         f"{os.cpu_count()} cores, no GPU, Python {platform.python_version()}; load average "
         f"before the runs {load_before}."
     )
+
+
+def variants_main(
+    argv: list[str] | None,
+    doc: str,
+    variants: dict[str, Any],
+    run_variant: Any,
+    section: Any,
+    heading: str,
+) -> int:
+    """The command line of a bench that runs each variant once (`--steps`, `--timeout`,
+    `--no-write`), prints each row as JSON, then its section, and writes the section."""
+    import argparse
+    import tempfile
+
+    from report import replace_section
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
+    ap.add_argument("--no-write", action="store_true", help="print the section only")
+    args = ap.parse_args(argv)
+    before = load()
+    started = time.monotonic()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="astra-bench-") as tmp:
+        for name, spec in variants.items():
+            rows.append(run_variant(name, spec, args.steps, Path(tmp), args.timeout))
+            print(json.dumps(rows[-1]), flush=True)
+    text = section(rows, before, time.monotonic() - started)
+    print(text)
+    if not args.no_write:
+        replace_section(ROOT / "BENCHMARKS.md", heading, text)
+    return 0
