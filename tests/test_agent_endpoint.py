@@ -29,7 +29,8 @@ TEMPLATE = (
 class Served:
     """The tiny engine and the endpoint on an event loop of their own (the client is sync)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prepare: Any = None) -> None:
+        self.prepare = prepare  # (model, tokenizer) -> (model, tokenizer), before serving
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -41,6 +42,8 @@ class Served:
     async def _start(self) -> None:
         model, tok = load_model("tiny")
         tok.chat_template = ChatTemplate(TEMPLATE, {}, "test")
+        if self.prepare is not None:
+            model, tok = self.prepare(model, tok)
         self.tok = tok
         self.engine = TorchEngine({"policy": (model, tok)})
         self.endpoint = AgentEndpoint(self.engine)

@@ -5,7 +5,10 @@ engine serves (404 otherwise). A chat request is rendered with the policy's chat
 (generation prompt added) and tokenized by the policy's tokenizer; a text request is
 tokenized as given. The engine generates at the policy's current version, and the episode
 records the exact prompt ids and the generation (tokens, log-probs, versions) before the
-answer goes out. A streamed answer is the same generation sent in pieces once it is done (the
+answer goes out. With `tools`, the prompt is rendered with them (refused with 400 when the
+template has no tool support) and the answer's tool calls are parsed by the template's
+convention (astra.agents.tool_calls); the recorded tokens are the engine's, untouched. A
+streamed answer is the same generation sent in pieces once it is done (the
 engine API returns whole generations): the protocol streams, the latency does not.
 Knows nothing of HTTP framing (servers/agent_http.py) or gRPC.
 """
@@ -13,10 +16,12 @@ Knows nothing of HTTP framing (servers/agent_http.py) or gRPC.
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from astra.agents import openai_api as api
+from astra.agents import tool_calls as tc
 from astra.agents.recorder import EpisodeLimit, Episodes, check_room
 from astra.engine.api import InferenceEngine, Sampling
 from astra.engine.chat import render_chat
@@ -55,15 +60,7 @@ class AgentEndpoint:
         except EpisodeLimit as exc:
             raise api.ApiError(429, str(exc), code="episode_call_limit") from None
         tokenizer = self.engine.tokenizer(req.model)
-        if req.messages is not None:
-            try:
-                text = render_chat(tokenizer, req.messages)  # with the generation prompt
-            except ValueError as exc:
-                raise api.ApiError(400, str(exc), param="messages") from None
-        else:
-            assert req.prompt is not None
-            text = req.prompt
-        prompt_ids = tokenizer.encode(text)
+        prompt_ids, tool_format = self._prompt(req, tokenizer)
         room = self.engine.max_seq_len(req.model) - len(prompt_ids)
         if room < 1:
             raise api.ApiError(
@@ -82,12 +79,44 @@ class AgentEndpoint:
             raise api.ApiError(401, "the episode ended during the call", code="invalid_api_key")
         episode.record(prompt_ids, gen, req.model)
         out = generated_text(gen, tokenizer)
+        content, calls = out, []
+        if tool_format is not None:
+            content, found = tool_format.parse(out)
+            calls = tc.openai_calls(found)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         if req.stream:
-            pieces = [tokenizer.decode([t]) for t in gen.token_ids] if out else []
-            joined = "".join(pieces)
-            if joined != out:  # a multi-token character, or a stop string cut: one piece
-                pieces = [out] if out else []
-            return req, api.stream_events(req, rid, pieces, gen.finish_reason)
-        body = api.response(req, rid, out, gen.finish_reason, len(prompt_ids), len(gen.token_ids))
-        return req, body
+            if calls:
+                pieces = [content] if content else []
+            else:
+                pieces = [tokenizer.decode([t]) for t in gen.token_ids] if out else []
+                if "".join(pieces) != out:  # a multi-token character, or a stop string cut
+                    pieces = [out] if out else []
+            created = int(time.time())
+            events = [api.chunk(req, rid, created)] if chat else []
+            events += [api.chunk(req, rid, created, text=p) for p in pieces]
+            if calls:
+                events.append(api.chunk(req, rid, created, calls=calls))
+            finish = api.finish_reason(gen.finish_reason, calls)
+            events += [api.chunk(req, rid, created, finish=finish), api.DONE]
+            return req, events
+        tokens = api.usage(len(prompt_ids), len(gen.token_ids))
+        return req, api.response(req, rid, content, gen.finish_reason, tokens, calls)
+
+    def _prompt(self, req: api.Request, tokenizer: Any) -> tuple[list[int], Any]:
+        """(the prompt ids, the tool-call format to parse the answer by, or None)."""
+        if req.messages is None:
+            assert req.prompt is not None
+            return tokenizer.encode(req.prompt), None
+        template = getattr(tokenizer, "chat_template", None)
+        tool_format, variables = None, {}
+        if req.tools:
+            try:
+                tool_format = tc.format_for(template)
+            except tc.ToolRequestError as exc:
+                raise api.ApiError(400, exc.message, param=exc.param) from None
+            variables["tools"] = list(req.tools)
+        try:  # with the generation prompt
+            text = render_chat(tokenizer, tc.template_messages(req.messages), **variables)
+        except ValueError as exc:
+            raise api.ApiError(400, str(exc), param="messages") from None
+        return tokenizer.encode(text), tool_format if req.tool_choice == "auto" else None

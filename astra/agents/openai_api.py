@@ -7,7 +7,9 @@ the HTTP status it goes with: 400 naming the parameter, 401 for a key that opens
 episode, 404 for a model the RaaS does not serve (listing those it does), 429 for an
 episode past its call limit. Only what the endpoint honours is accepted: an unknown
 parameter is ignored as OpenAI's own servers do, a value it cannot honour (n > 1, logprobs
-of alternatives) is refused. Pure functions: no I/O, no engine.
+of alternatives) is refused. Tool calls (`tools`, `tool_choice`, the conversation's tool
+turns) are checked by astra.agents.tool_calls; an answer that calls tools carries
+`message.tool_calls` and finish_reason "tool_calls". Pure functions: no I/O, no engine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import math
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from astra.agents import tool_calls as tc
 
 MAX_TOKENS_DEFAULT = 256
 
@@ -61,6 +65,8 @@ class Request:
     stop: tuple[str, ...]
     seed: int | None
     stream: bool
+    tools: tuple[dict[str, Any], ...] = ()  # chat only: the functions the model may call
+    tool_choice: str = "auto"  # "auto" or "none"
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -91,6 +97,7 @@ def parse(raw: bytes, *, chat: bool, served: tuple[str, ...]) -> Request:
             param="model", code="model_not_found",
         )  # fmt: skip
     messages = prompt = None
+    tools, tool_choice = (), "auto"
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -103,6 +110,12 @@ def parse(raw: bytes, *, chat: bool, served: tuple[str, ...]) -> Request:
                     400, f"messages[{i}].content must be a string (text only)",
                     param=f"messages[{i}].content",
                 )  # fmt: skip
+        try:
+            for i, m in enumerate(messages):
+                tc.check_message(i, m)
+            tools, tool_choice = tc.check_tools(body)
+        except tc.ToolRequestError as exc:
+            raise ApiError(400, exc.message, param=exc.param) from None
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -135,66 +148,82 @@ def parse(raw: bytes, *, chat: bool, served: tuple[str, ...]) -> Request:
         stop=tuple(stop),
         seed=seed,
         stream=stream,
+        tools=tools,
+        tool_choice=tool_choice,
     )
 
 
-def finish_reason(engine_reason: str) -> str:
+def finish_reason(engine_reason: str, calls: list[dict[str, Any]] | None = None) -> str:
+    if calls:
+        return "tool_calls"
     return "length" if engine_reason == "length" else "stop"
 
 
-def response(
-    req: Request, rid: str, text: str, reason: str, prompt_tokens: int, completion_tokens: int
-) -> dict[str, Any]:
-    """The non-streaming body of a chat or text completion."""
-    usage = {
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def response(
+    req: Request,
+    rid: str,
+    text: str | None,
+    reason: str,
+    tokens: dict[str, int],
+    calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The non-streaming body of a chat or text completion (`tokens`: its usage); `calls`:
+    the tool calls found in a chat answer (`text` is then the content before them, or None)."""
     created = int(time.time())
     if req.messages is not None:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish_reason(reason),
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason(reason, calls)}
         kind = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish_reason(reason)}
         kind = "text_completion"
     return {
         "id": rid, "object": kind, "created": created, "model": req.model,
-        "choices": [choice], "usage": usage,
+        "choices": [choice], "usage": tokens,
     }  # fmt: skip
 
 
-def stream_events(req: Request, rid: str, pieces: list[str], reason: str) -> list[bytes]:
-    """The server-sent events of a streamed completion: its pieces, the finish, [DONE]."""
-    created = int(time.time())
+def chunk(
+    req: Request,
+    rid: str,
+    created: int,
+    *,
+    text: str | None = None,
+    calls: list[dict[str, Any]] | None = None,
+    finish: str | None = None,
+) -> bytes:
+    """One server-sent event of a streamed completion: a piece of text, the tool calls (chat),
+    or the finish (`finish` set: an empty delta). A chat stream opens with the role: `text`
+    None and nothing else given."""
     chat = req.messages is not None
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    out: list[bytes] = []
-
-    def event(choice: dict[str, Any]) -> bytes:
-        body = {"id": rid, "object": kind, "created": created, "model": req.model}
-        body["choices"] = [choice]
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-    if chat:
-        out.append(event({"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}))
-    for piece in pieces:
-        delta = {"content": piece} if chat else None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": None}
-        if chat:
-            choice["delta"] = delta
-        else:
-            choice["text"] = piece
-        out.append(event(choice))
-    last: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(reason)}
-    if chat:
-        last["delta"] = {}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if not chat:
+        choice["text"] = text or ""
+    elif calls:
+        choice["delta"] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+    elif text is not None:
+        choice["delta"] = {"content": text}
     else:
-        last["text"] = ""
-    out.append(event(last))
-    out.append(b"data: [DONE]\n\n")
-    return out
+        choice["delta"] = {} if finish else {"role": "assistant"}
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    body = {"id": rid, "object": kind, "created": created, "model": req.model}
+    body["choices"] = [choice]
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def error_event(err: ApiError) -> bytes:
+    """An error after a stream began (its status already sent): OpenAI's error body."""
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\n"

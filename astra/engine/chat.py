@@ -40,6 +40,7 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str], origin: str = "") -> None:
         import jinja2
         import jinja2.ext
+        import jinja2.meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
@@ -64,6 +65,8 @@ class ChatTemplate:
         self.origin = origin
         self.special_tokens = dict(special_tokens)
         self._template = env.from_string(source)
+        # the variables the template reads (`tools` among them when it supports tool calls)
+        self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
     def render(self, messages: list[dict[str, Any]], **variables: Any) -> str:
         """The prompt text of `messages`, the assistant's turn opened; `variables` reach the
