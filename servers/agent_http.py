@@ -3,7 +3,8 @@
 
 Thin: it frames requests and responses; astra.agents.endpoint does the work. The API key is
 the `Authorization: Bearer` token. Connections are kept alive between requests; a streamed
-answer (`text/event-stream`) ends its connection. Request bodies above MAX_BODY_BYTES and
+answer (`text/event-stream`) is written event by event as the endpoint yields them, and ends
+its connection. Request bodies above MAX_BODY_BYTES and
 header blocks above MAX_HEADER_BYTES are refused (413 / 431), and a client that sends nothing
 for IDLE_S is dropped, so a flooding or stuck agent cannot hold the server.
 """
@@ -124,9 +125,10 @@ class AgentHTTPServer:
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
             b"Connection: close\r\n\r\n"
         )
-        for event in out:
-            writer.write(event)
-            await writer.drain()
+        async with contextlib.aclosing(out):  # a client that leaves ends the generation
+            async for event in out:
+                writer.write(event)
+                await writer.drain()
         return False
 
 

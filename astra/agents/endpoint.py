@@ -7,25 +7,33 @@ tokenized as given. The engine generates at the policy's current version, and th
 records the exact prompt ids and the generation (tokens, log-probs, versions) before the
 answer goes out. With `tools`, the prompt is rendered with them (refused with 400 when the
 template has no tool support) and the answer's tool calls are parsed by the template's
-convention (astra.agents.tool_calls); the recorded tokens are the engine's, untouched. A
-streamed answer is the same generation sent in pieces once it is done (the
-engine API returns whole generations): the protocol streams, the latency does not.
+convention (astra.agents.tool_calls); the recorded tokens are the engine's, untouched.
+A streamed answer goes out as the engine samples it when the engine tells each token
+(`streams_tokens`, the built-in engine), in pieces astra.agents.streaming holds back until
+no later token can change them; it is recorded when the generation ends, before the finish
+event. Another engine's answer is generated whole, then sent in the same pieces.
 Knows nothing of HTTP framing (servers/agent_http.py) or gRPC.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from astra.agents import openai_api as api
 from astra.agents import tool_calls as tc
 from astra.agents.recorder import EpisodeLimit, Episodes, check_room
-from astra.engine.api import InferenceEngine, Sampling
+from astra.agents.streaming import TextDeltas
+from astra.engine.api import Generation, InferenceEngine, Sampling
 from astra.engine.chat import render_chat
 from astra.workflows.episode import generated_text
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,8 @@ class AgentEndpoint:
         return {"object": "list", "data": data}
 
     async def complete(self, key: str, raw: bytes, *, chat: bool) -> tuple[api.Request, Any]:
-        """(the request, its body: a dict, or the list of stream events); raises ApiError."""
+        """(the request, its body: a dict, or an async iterator of stream events); raises
+        ApiError."""
         episode = self.episodes.get(key)
         if episode is None:
             raise api.ApiError(
@@ -74,33 +83,71 @@ class AgentEndpoint:
             stop_strings=req.stop,
             seed=req.seed,
         )
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        call = (episode, req, prompt_ids, sampling)
+        if req.stream and getattr(self.engine, "streams_tokens", False):
+            return req, self._stream(call, rid, tokenizer, tool_format, None)
         gen = await self.engine.generate(req.model, prompt_ids, sampling)
+        self._record(call, gen)
+        if req.stream:  # an engine that returns whole generations: sent in pieces once done
+            return req, self._stream(call, rid, tokenizer, tool_format, gen)
+        content, calls = _answer(generated_text(gen, tokenizer), tool_format)
+        tokens = api.usage(len(prompt_ids), len(gen.token_ids))
+        return req, api.response(req, rid, content, gen.finish_reason, tokens, calls)
+
+    def _record(self, call: tuple, gen: Generation) -> None:
+        episode, req, prompt_ids, _ = call
         if not episode.open:
             raise api.ApiError(401, "the episode ended during the call", code="invalid_api_key")
         episode.record(prompt_ids, gen, req.model)
-        out = generated_text(gen, tokenizer)
-        content, calls = out, []
-        if tool_format is not None:
-            content, found = tool_format.parse(out)
-            calls = tc.openai_calls(found)
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        if req.stream:
-            if calls:
-                pieces = [content] if content else []
+
+    async def _stream(
+        self, call: tuple, rid: str, tokenizer: Any, tool_format: Any, gen: Generation | None
+    ) -> AsyncIterator[bytes]:
+        """The events of a streamed answer: text as it is sampled (`gen` None), or the finished
+        `gen` in pieces; an error after the stream began is an error event (no [DONE])."""
+        _, req, prompt_ids, sampling = call
+        created = int(time.time())
+        markers = (tool_format.marker,) if tool_format is not None else ()
+        deltas = TextDeltas(tokenizer, req.stop, markers)
+        if req.messages is not None:
+            yield api.chunk(req, rid, created)
+        try:
+            if gen is None:
+                queue: asyncio.Queue[int | None] = asyncio.Queue()
+                task = asyncio.ensure_future(
+                    self.engine.generate(  # type: ignore[call-arg]
+                        req.model, prompt_ids, sampling, on_token=queue.put_nowait
+                    )
+                )
+                task.add_done_callback(lambda _: queue.put_nowait(None))
+                try:
+                    while (token := await queue.get()) is not None:
+                        if piece := deltas.add(token):
+                            yield api.chunk(req, rid, created, text=piece)
+                    gen = task.result()
+                finally:
+                    task.cancel()  # the client left: the engine frees the slot
+                self._record(call, gen)
             else:
-                pieces = [tokenizer.decode([t]) for t in gen.token_ids] if out else []
-                if "".join(pieces) != out:  # a multi-token character, or a stop string cut
-                    pieces = [out] if out else []
-            created = int(time.time())
-            events = [api.chunk(req, rid, created)] if chat else []
-            events += [api.chunk(req, rid, created, text=p) for p in pieces]
-            if calls:
-                events.append(api.chunk(req, rid, created, calls=calls))
-            finish = api.finish_reason(gen.finish_reason, calls)
-            events += [api.chunk(req, rid, created, finish=finish), api.DONE]
-            return req, events
-        tokens = api.usage(len(prompt_ids), len(gen.token_ids))
-        return req, api.response(req, rid, content, gen.finish_reason, tokens, calls)
+                for token in gen.token_ids:
+                    if piece := deltas.add(token):
+                        yield api.chunk(req, rid, created, text=piece)
+        except api.ApiError as exc:
+            yield api.error_event(exc)
+            return
+        except Exception as exc:
+            log.exception("agent endpoint: a streamed call failed")
+            yield api.error_event(api.ApiError(500, f"the engine failed: {exc!r}"))
+            return
+        out = generated_text(gen, tokenizer)
+        _, calls = _answer(out, tool_format)
+        if rest := deltas.rest(out[: out.index(markers[0])] if calls else out):
+            yield api.chunk(req, rid, created, text=rest)
+        if calls:
+            yield api.chunk(req, rid, created, calls=calls)
+        yield api.chunk(req, rid, created, finish=api.finish_reason(gen.finish_reason, calls))
+        yield api.DONE
 
     def _prompt(self, req: api.Request, tokenizer: Any) -> tuple[list[int], Any]:
         """(the prompt ids, the tool-call format to parse the answer by, or None)."""
@@ -120,3 +167,11 @@ class AgentEndpoint:
         except ValueError as exc:
             raise api.ApiError(400, str(exc), param="messages") from None
         return tokenizer.encode(text), tool_format if req.tool_choice == "auto" else None
+
+
+def _answer(out: str, tool_format: Any) -> tuple[str | None, list[dict[str, Any]]]:
+    """(the content, the tool calls in OpenAI's form) of the generated text."""
+    if tool_format is None:
+        return out, []
+    content, found = tool_format.parse(out)
+    return content, tc.openai_calls(found)

@@ -72,7 +72,11 @@ class InferenceEngine(Protocol):
     async def generate(
         self, policy_id: str, prompt_ids: list[int], sampling: Sampling
     ) -> Generation:
-        """Samples one continuation. Cancel-safe: cancelling frees the slot at once."""
+        """Samples one continuation. Cancel-safe: cancelling frees the slot at once.
+
+        An engine whose `streams_tokens` is True also takes `on_token=f` (keyword): f(token)
+        on the caller's loop as each token is sampled, all before the result returns.
+        """
         ...
 
     async def swap_weights(

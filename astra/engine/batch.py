@@ -37,6 +37,7 @@ class Sequence:
     stop_ids: frozenset[int]
     deliver: Callable[[Generation | BaseException], None]
     generator: torch.Generator | None = None
+    on_token: Callable[[int], None] | None = None  # told each token as it is sampled
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     sampling_logprobs: list[float] = field(default_factory=list)
@@ -56,6 +57,8 @@ class Sequence:
         self.logprobs.append(logprob)
         self.sampling_logprobs.append(sampling_logprob)
         self.versions.append(version)
+        if self.on_token is not None:
+            self.on_token(token)
         if token in self.stop_ids:
             self.stop = token
             return "stop"

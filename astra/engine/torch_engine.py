@@ -31,16 +31,16 @@ once (capacity counts drop immediately, the cache row before the next step).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from astra.engine.api import Generation, Sampling, Tokenizer
 from astra.engine.batch import Sequence
+from astra.engine.loop_calls import deliverer, teller
 from astra.engine.model import CausalLM
 from astra.engine.scheduler import OnSwap, Scheduler, SwapOrder
 from astra.engine.torch_weights import as_torch_state
@@ -50,24 +50,6 @@ from astra.lora import serving as lora
 from astra.lora.format import AdapterError
 
 ON_SWAP = ("continue", "finish_old")
-
-
-def _deliverer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> Any:
-    """A thread-safe callback settling `fut` on its own loop (ignored once cancelled)."""
-
-    def settle(outcome: Any) -> None:
-        if fut.done():
-            return
-        if isinstance(outcome, BaseException):
-            fut.set_exception(outcome)
-        else:
-            fut.set_result(outcome)
-
-    def deliver(outcome: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
-            loop.call_soon_threadsafe(settle, outcome)
-
-    return deliver
 
 
 class TorchEngine:
@@ -81,6 +63,7 @@ class TorchEngine:
     name = "torch"
 
     serves_adapters = True  # LoRA adapter versions, unmerged (astra.lora.serving)
+    streams_tokens = True  # generate(..., on_token=f): f(token) as each is sampled
 
     def __init__(
         self,
@@ -161,9 +144,16 @@ class TorchEngine:
         return self._sched.error is None
 
     async def generate(
-        self, policy_id: str, prompt_ids: list[int], sampling: Sampling
+        self,
+        policy_id: str,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        *,
+        on_token: Callable[[int], None] | None = None,
     ) -> Generation:
-        """Samples one continuation; raises InvalidArgument (field named) for bad input."""
+        """Samples one continuation; raises InvalidArgument (field named) for bad input.
+        `on_token` (see `streams_tokens`) is called on the caller's loop with each token
+        as it is sampled, before the result is returned."""
         cfg = self._cfgs[self._policy(policy_id)]
         check_request(
             prompt_ids, sampling, vocab_size=cfg.vocab_size, max_seq_len=self._limits[policy_id]
@@ -179,8 +169,9 @@ class TorchEngine:
             seed=seed,
             tokenizer=self._tokenizers[policy_id],
             stop_ids=self._eos[policy_id] | frozenset(sampling.stop_token_ids),
-            deliver=_deliverer(loop, fut),
+            deliver=deliverer(loop, fut),
             generator=gen,
+            on_token=teller(loop, on_token) if on_token is not None else None,
         )
         self._sched.submit(seq)
         try:
@@ -260,7 +251,7 @@ class TorchEngine:
             order = await asyncio.to_thread(self._prepare, dict(versions), state)
             loop = asyncio.get_running_loop()
             fut: asyncio.Future[None] = loop.create_future()
-            order.done = _deliverer(loop, fut)
+            order.done = deliverer(loop, fut)
             self._sched.swap(order)
         except BaseException:
             self._swap_lock.release()
