@@ -194,3 +194,13 @@ def test_hermes_parsing(text: str, content: str | None, calls: list) -> None:
     got_content, got = tc.HERMES.parse(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+def test_a_calling_turn_is_given_to_the_template_as_templates_expect() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+    (given,) = tc.template_messages([turn])
+    assert given["content"] == "" and given["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert turn["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # the request untouched
+    qwen_like = "{% for m in messages %}{% if '</think>' in m.content %}!{% endif %}{% endfor %}"
+    assert ChatTemplate(qwen_like, {}, "t").render([given]) == ""

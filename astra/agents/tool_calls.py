@@ -159,7 +159,8 @@ def check_message(i: int, m: dict[str, Any]) -> None:
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` as chat templates expect them: a call's arguments as an object, not the
-    JSON text OpenAI sends (templates write them with `tojson`); the rest as given."""
+    JSON text OpenAI sends (templates write them with `tojson`), and a calling turn's null
+    content as "" (templates test it as a string, Qwen3's among them); the rest as given."""
     out = []
     for m in messages:
         if m.get("tool_calls"):
@@ -168,7 +169,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 fn = dict(call["function"])
                 fn["arguments"] = json.loads(fn.get("arguments") or "{}")
                 calls.append({**call, "function": fn})
-            m = {**m, "tool_calls": calls}
+            m = {**m, "content": m.get("content") or "", "tool_calls": calls}
         out.append(m)
     return out
 
