@@ -28,23 +28,23 @@ def served() -> Iterator[Served]:
 def test_pieces_arrive_while_the_engine_is_still_generating(served: Served) -> None:
     episode = served.endpoint.episodes.open("policy")
     stream = served.client(episode.key).completions.create(
-        model="policy", prompt="go", max_tokens=300, temperature=0, stream=True
+        model="policy", prompt="go", max_tokens=200, temperature=0, stream=True
     )
     chunks = iter(stream)
     first = next(chunks)
     assert first.choices[0].text == CALL  # the first token, sent on its own
     assert served.engine.stats()["running"] == 1 and episode.calls == []  # still generating
     rest = [c.choices[0].text for c in chunks]
-    assert "".join([first.choices[0].text, *rest]) == CALL * 300
-    assert len(rest) == 300  # a piece for each later token, then the finish
+    assert "".join([first.choices[0].text, *rest]) == CALL * 200
+    assert len(rest) == 200  # a piece for each later token, then the finish
     (call,) = episode.calls
-    assert call.generation.token_ids == [0] * 300
+    assert call.generation.token_ids == [0] * 200
 
 
 def test_a_client_that_leaves_frees_the_engine(served: Served) -> None:
     episode = served.endpoint.episodes.open("policy")
     stream = served.client(episode.key).completions.create(
-        model="policy", prompt="go", max_tokens=1500, temperature=0, stream=True
+        model="policy", prompt="go", max_tokens=1000, temperature=0, stream=True
     )
     next(iter(stream))
     assert served.engine.stats()["running"] == 1
