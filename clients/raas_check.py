@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from astra.clients.raas import RolloutClient
 from astra.clients.raas_check_faulty_weights import FaultyWeightChecks
 from astra.clients.raas_check_identity import IdentityChecks
+from astra.clients.raas_check_registration import RegistrationChecks
 from astra.clients.raas_check_session import CheckOptions
 from astra.clients.raas_check_trajectories import TrajectoryChecks
 from astra.clients.raas_check_weights import WeightChecks
@@ -48,6 +49,9 @@ CHECKS = (
     "reflection",
     "capabilities",
     "status",
+    "registers",
+    "registration_matches_status",
+    "heartbeats",
     "submit_rejects_empty",
     "submit_rejects_duplicate_ids",
     "submit_rejects_unknown_policy",
@@ -68,17 +72,21 @@ CHECKS = (
     "cancel_keeps_a_finished_result",
     "load_weights_rejects_bad_requests",
     "load_weights",
+    "claims_loaded_version",
     "load_weights_is_idempotent",
     "load_weights_refuses_regression",
     "load_weights_refuses_reused_request_id",
     "tokens_carry_the_loaded_version",
     "load_weights_matches_by_identity",
     "load_weights_refuses_corrupt_data",
+    "reregisters_on_not_found",
     "settles",
 )
 
 
-class RaasChecker(WeightChecks, TrajectoryChecks, IdentityChecks, FaultyWeightChecks):
+class RaasChecker(
+    WeightChecks, TrajectoryChecks, IdentityChecks, FaultyWeightChecks, RegistrationChecks
+):
     """Every check, in CHECKS order, against the instance at `address`."""
 
     async def run(self) -> list[Check]:

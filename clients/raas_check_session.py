@@ -45,6 +45,10 @@ class CheckOptions:
     allow_busy: bool = False
     # Serve corrupt weights from an in-process WeightService: the instance must refuse them.
     serve_weights: bool = False
+    # The checker's own DataflowService records what the instance registers (--as-dataflow):
+    # an astra.raas.registration_record.Recording; None skips the registration checks.
+    recording: Any = None
+    register_timeout_s: float = 60.0
 
 
 @dataclass

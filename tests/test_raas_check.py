@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -58,6 +59,13 @@ def run_checks(patch=None, backend=None, store: Path | None = None) -> dict[str,
     return asyncio.run(asyncio.wait_for(body(), 90))
 
 
+REGISTRATION_CHECKS = {
+    "registers",
+    "registration_matches_status",
+    "heartbeats",
+    "claims_loaded_version",
+    "reregisters_on_not_found",
+}
 WEIGHT_CHECKS = {
     "load_weights",
     "load_weights_is_idempotent",
@@ -70,13 +78,14 @@ WEIGHT_CHECKS = {
 @pytest.mark.slow
 def test_astra_raas_passes_every_check() -> None:
     got = run_checks()
-    assert len(got) == 31
+    assert len(got) == 36
     not_passed = {name: status for name, (status, _) in got.items() if status != "pass"}
-    # no --weights, no --serve-weights given
+    # no --weights, no --serve-weights, no --as-dataflow given
     assert not_passed == dict.fromkeys(
-        {*WEIGHT_CHECKS, "load_weights_matches_by_identity", "load_weights_refuses_corrupt_data"},
+        {*WEIGHT_CHECKS, "load_weights_matches_by_identity", "load_weights_refuses_corrupt_data",
+         *REGISTRATION_CHECKS},
         "skip",
-    )
+    )  # fmt: skip
     assert "as Dataflow reads them" in got["collect"][1]
 
 
@@ -139,7 +148,7 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
     """`astra raas check` against `astra serve raas`: the built-in engine on the tiny model, and
     the vLLM and SGLang adapters on their FAKE servers; exit 0. Told to run a workflow the
     instance does not serve, exit 1 naming the check."""
-    fake = weights = None
+    fake = weights = checker = None
     args, weight_args = ["--model", "tiny"], []
     if engine == "torch":  # the LoadWeights checks too, with version 1 of a WeightService
         weights = subprocess.Popen(
@@ -153,8 +162,16 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
     else:
         fake = FakeEngineServer(engine).start()
         args = ["--engine", engine, "--engine-url", fake.url, "--served-model-name", "FAKE-tiny"]
+    check = [sys.executable, "-m", "astra.cli", "raas", "check"]
     if weights is not None:  # truncated weights are refused when the fetch deadline passes
         args += ["--fetch-timeout", "8"]
+        # and the registration rules: the checker is the Dataflow the RaaS registers with
+        dataflow = f"127.0.0.1:{free_port()}"
+        checker = subprocess.Popen(
+            [*check, "--as-dataflow", dataflow, *weight_args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        )  # fmt: skip
+        args += ["--dataflow", dataflow]
     raas = subprocess.Popen(
         [sys.executable, "-m", "astra.cli", "serve", "raas", *args, "--capacity", "4",
          "--state-dir", str(tmp_path / "state")],
@@ -162,17 +179,22 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
     )  # fmt: skip
     try:
         address = json.loads(raas.stdout.readline())["address"]
-        check = [sys.executable, "-m", "astra.cli", "raas", "check", address]
-        ok = subprocess.run([*check, *weight_args], capture_output=True, text=True, timeout=180)
+        check.append(address)
+        if checker is not None:  # the instance's address taken from its registration
+            out, err = checker.communicate(timeout=240)
+            ok = subprocess.CompletedProcess(checker.args, checker.returncode, out, err)
+        else:
+            ok = subprocess.run(check, capture_output=True, text=True, timeout=180)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         if weights is not None:
-            assert "31 passed, 0 failed, 0 warnings, 0 skipped" in ok.stdout, ok.stdout
+            assert "36 passed, 0 failed, 0 warnings, 0 skipped" in ok.stdout, ok.stdout
+            assert "registered again" in ok.stdout and "same incarnation" in ok.stdout
             assert "every generated token: version 1" in ok.stdout
             # its own version offered as the delta's base: the wrong base found, refused
             assert "wrong-base: DATA_LOSS CHECKSUM_MISMATCH" in ok.stdout, ok.stdout
             assert "truncated: DEADLINE_EXCEEDED" in ok.stdout, ok.stdout
         else:
-            assert "24 passed, 0 failed, 0 warnings, 7 skipped" in ok.stdout, ok.stdout
+            assert "24 passed, 0 failed, 0 warnings, 12 skipped" in ok.stdout, ok.stdout
         bad = subprocess.run(
             [*check, "--workflow", "no_such", "--json"], capture_output=True, text=True, timeout=60
         )
@@ -184,11 +206,20 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
     finally:
         raas.terminate()
         raas.wait(30)
+        if checker is not None and checker.poll() is None:
+            checker.kill()
+            checker.wait(30)
         if fake is not None:
             fake.stop()
         if weights is not None:
             weights.terminate()
             weights.wait(30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_summary_counts() -> None:

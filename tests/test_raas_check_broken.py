@@ -21,6 +21,8 @@ import pytest
 from astra.clients.raas_check import CHECKS, CheckOptions, RaasChecker
 from astra.clients.raas_rules import InstanceInUse
 from astra.clients.weights_publish import publish_version
+from astra.raas.registration_record import Recording
+from astra.servers.raas_registration_check import start_checking_dataflow
 from astra.servers.weights_serve import start_weights
 from astra.testing.broken_raas import CATCHES, SWITCHES, start_broken_raas
 from astra.weights.store import StoreConfig
@@ -64,6 +66,12 @@ SAYS = {
     "forgets_request_ids": "expected INVALID_ARGUMENT",
     "stamps_version_zero": "expected (3, 3)",
     "skips_verification": "do not match",
+    "claims_unheld_version": "GetStatus says it holds",
+    "registers_other_capacity": "registered capacity 7, GetStatus says 4",
+    "claims_stale_versions": "a heartbeat claims",
+    "ignores_not_found": "no RegisterInstance within",
+    "new_incarnation_on_reregister": "the same process keeps both",
+    "no_heartbeats": "0 heartbeat(s)",
     "loaded_by_counter_only": "yet GetStatus names 'v3'",
     "loses_a_slot": "free 3 of 4",
     "collect_accepts_zero_max_groups": "expected INVALID_ARGUMENT, got OK",
@@ -98,19 +106,24 @@ def weights(tmp_path_factory) -> Iterator[str]:
 def check_switch(switch: str, weights: str) -> dict[str, tuple[str, str]]:
     # Serving faulty weights takes seconds of the engine's retries: only where it is asked.
     faulty = switch in ("", "skips_verification", "loaded_by_counter_only")
+    recording = Recording(interval_s=0.2)  # what it registers with the checker's own Dataflow
     options = CheckOptions(
-        result_timeout_s=5.0, weights=weights, version_id="v3", serve_weights=faulty
-    )
+        result_timeout_s=5.0, weights=weights, version_id="v3", serve_weights=faulty,
+        recording=recording, register_timeout_s=10.0,
+    )  # fmt: skip
 
     async def body() -> dict[str, tuple[str, str]]:
-        server, _ = await start_broken_raas(switch)
+        dataflow = await start_checking_dataflow(recording)
+        server, servicer = await start_broken_raas(switch, dataflow=dataflow.address)
         try:
             return {
                 r.name: (r.status, r.detail)
                 for r in await RaasChecker(server.address, options).run()
             }
         finally:
+            await servicer.registrar.stop()
             await server.stop(0)
+            await dataflow.stop(0)
 
     return asyncio.run(asyncio.wait_for(body(), 60))
 

@@ -16,7 +16,7 @@ import click
 
 
 @click.command("check")
-@click.argument("address")
+@click.argument("address", required=False, default="")
 @click.option("--policy", default="", help="Policy to run groups of (default: the first served).")
 @click.option("--workflow", default="", help="Workflow to run (default: the first served).")
 @click.option("--reward", default="", help="Reward to name (default: the workflow's).")
@@ -45,23 +45,37 @@ import click
     help="Run even when the instance has groups running or pending (refused otherwise: they "
     "are a live Dataflow's).",
 )  # fmt: skip
+@click.option(
+    "--as-dataflow", default="", metavar="HOST:PORT",
+    help="Serve a DataflowService there for the instance to register with, and check what it "
+    "registers and heartbeats (start the RaaS with this Dataflow address). ADDRESS may then "
+    "be left out: it is taken from the first registration.",
+)  # fmt: skip
+@click.option(
+    "--register-timeout", "register_timeout_s", type=click.FloatRange(min=1.0), default=120.0,
+    show_default=True, help="Seconds to wait for the instance to register (--as-dataflow).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
-def check_command(address: str, as_json: bool, result_timeout_s: float, **options: object) -> None:
+def check_command(
+    address: str, as_json: bool, result_timeout_s: float, as_dataflow: str, **options: object
+) -> None:
     """Checks the RolloutService at ADDRESS (host:port) against rollout_service.proto.
 
     Runs a few real groups of one or two samples, so point it at an instance no
     Dataflow dispatches to. With --weights and --version it also loads that version
     (the instance must not hold a newer one) and checks the LoadWeights rules.
     """
-    from astra.clients.raas_check import CheckOptions, RaasChecker
+    from astra.clients.raas_check import CheckOptions
     from astra.clients.raas_rules import InstanceInUse, summary
     from astra.servers.runtime import install_event_loop_policy
 
+    if not (address or as_dataflow):
+        raise click.UsageError("give the instance's ADDRESS, or --as-dataflow HOST:PORT")
     opts = CheckOptions(result_timeout_s=result_timeout_s, **options)  # type: ignore[arg-type]
     install_event_loop_policy()
     try:
-        results = asyncio.run(RaasChecker(address, opts).run())
-    except (OSError, InstanceInUse) as exc:
+        results = asyncio.run(run_checks(address, opts, as_dataflow))
+    except (OSError, InstanceInUse, TimeoutError) as exc:
         click.echo(f"astra raas check: {exc}", err=True)
         sys.exit(1)
     report = summary(results)
@@ -76,3 +90,29 @@ def check_command(address: str, as_json: bool, result_timeout_s: float, **option
             f"{report['skip']} skipped"
         )
     sys.exit(0 if report["ok"] else 1)
+
+
+async def run_checks(address: str, opts, as_dataflow: str):  # type: ignore[no-untyped-def]
+    """The checks, with the checker's own DataflowService on `as_dataflow` when given."""
+    from astra.clients.raas_check import RaasChecker
+    from astra.raas.registration_record import Recording
+    from astra.servers.raas_registration_check import start_checking_dataflow
+
+    if not as_dataflow:
+        return await RaasChecker(address, opts).run()
+    host, _, port = as_dataflow.rpartition(":")
+    opts.recording = Recording()
+    dataflow = await start_checking_dataflow(opts.recording, host or "127.0.0.1", int(port or 0))
+    try:
+        click.echo(f"checking Dataflow on {dataflow.address}: start the RaaS with it", err=True)
+        if not address:
+            first = await opts.recording.wait_for("register", opts.register_timeout_s)
+            if first is None:
+                raise TimeoutError(
+                    f"no RegisterInstance at {dataflow.address} within "
+                    f"{opts.register_timeout_s:.0f} s (--register-timeout)"
+                )
+            address = first.request.address
+        return await RaasChecker(address, opts).run()
+    finally:
+        await dataflow.stop(0)

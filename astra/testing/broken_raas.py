@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from astra.clients.registrar import Registrar
 from astra.errors import (
     AstraError,
     InvalidArgument,
@@ -42,6 +43,7 @@ from astra.testing.broken_raas_loads import (
     stamps_version_zero,
     wrap,
 )
+from astra.testing.broken_registrar import REGISTRATION_CATCHES, REGISTRATION_SWITCHES
 
 Switch = Callable[[RolloutServicer, GrpcServer], None]
 
@@ -413,7 +415,7 @@ SWITCHES: dict[str, Switch] = {
         collect_accepts_zero_max_groups,
         cancel_drops_finished,
     )
-}
+} | REGISTRATION_SWITCHES
 
 # The check of `astra raas check` that must fail for each switch.
 CATCHES: dict[str, str] = {
@@ -456,13 +458,17 @@ CATCHES: dict[str, str] = {
     "collect_accepts_zero_max_groups": "collect_rejects_zero_max_groups",
     "cancel_drops_finished": "cancel_keeps_a_finished_result",
     "loaded_by_counter_only": "load_weights_matches_by_identity",
+    **REGISTRATION_CATCHES,
 }
 
 
 async def start_broken_raas(
-    switch: str, backend: RolloutBackend | None = None, *, capacity: int = 4
+    switch: str, backend: RolloutBackend | None = None, *, capacity: int = 4, dataflow: str = ""
 ) -> tuple[GrpcServer, RolloutServicer]:
-    """Astra's RolloutService with SWITCHES[switch] applied ("" for none), on 127.0.0.1:0."""
+    """Astra's RolloutService with SWITCHES[switch] applied ("" for none), on 127.0.0.1:0.
+
+    With `dataflow`, it registers there (`servicer.registrar`, to stop before the server),
+    through a Registrar that a registration switch has broken."""
     if switch and switch not in SWITCHES:
         raise ValueError(f"unknown switch {switch!r}; one of {sorted(SWITCHES)}")
     servicer = RolloutServicer(backend or FetchingScripted(delay_s=0.05), capacity)
@@ -477,4 +483,9 @@ async def start_broken_raas(
     await server.start(serving=False)
     servicer.instance_id = f"broken-raas-{switch or 'none'}-{server.address}"
     await server.set_serving(True)
+    servicer.registrar = None
+    if dataflow:
+        servicer.registrar = Registrar(dataflow, servicer, server.address)
+        getattr(servicer, "registrar_switch", lambda registrar: None)(servicer.registrar)
+        servicer.registrar.start()
     return server, servicer
