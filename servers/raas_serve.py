@@ -62,8 +62,8 @@ class RaasOptions:
 
 async def start_agents(opts: RaasOptions, engine: Any) -> tuple[Any, Any]:
     """The agent endpoint (servers.agent_http) when the `agent` or `verifiers` workflow is
-    served: (its Gateway, its server); (None, None) otherwise. A command that cannot run is
-    refused now."""
+    served: (its Gateway, its server); (None, None) otherwise. A command that cannot run, or a
+    verifiers environment that cannot be built, is refused now."""
     if "agent" not in opts.workflows and "verifiers" not in opts.workflows:
         return None, None
     from astra.agents.endpoint import AgentEndpoint, Gateway
@@ -75,6 +75,10 @@ async def start_agents(opts: RaasOptions, engine: Any) -> tuple[Any, Any]:
             check_command(opts.agent_command)
         except ValueError as exc:
             raise ValueError(f"--agent-command: {exc}") from None
+    if "verifiers" in opts.workflows:
+        from astra.workflows.verifiers_env import load_env
+
+        load_env(opts.verifiers_env)  # built once here; its error names `verifiers_env`
     endpoint = AgentEndpoint(engine)
     server = await AgentHTTPServer(endpoint, "127.0.0.1", 0).start()
     return Gateway(server.base_url, endpoint.episodes), server

@@ -205,6 +205,17 @@ def test_an_env_that_cannot_load_fails_the_sample_naming_the_recipe_key(modules)
     assert "verifiers_env" in out[0].error and "astra_vf_no_such_module" in out[0].error
 
 
+def test_a_raas_refuses_at_start_up_an_env_that_cannot_load(modules) -> None:
+    from astra.servers.raas_serve import RaasOptions, start_agents
+
+    opts = RaasOptions(dataflow="", workflows=["verifiers"], verifiers_env={})
+    with pytest.raises(ValueError, match="verifiers_env: set it"):
+        asyncio.run(start_agents(opts, engine=None))
+    opts.verifiers_env = env_config("astra_vf_missing")
+    with pytest.raises(ValueError, match=r"verifiers_env: .*astra_vf_missing"):
+        asyncio.run(start_agents(opts, engine=None))
+
+
 def test_the_env_s_tasks_become_dataset_records(modules, tmp_path) -> None:
     records = task_records(env_config("astra_vf_single"))
     assert records[1] == {"prompt": "5+6=", "task": 1, "answer": "11"} and len(records) == 3
@@ -260,3 +271,4 @@ def test_a_recipe_trains_on_a_verifiers_environment(modules, tmp_path) -> None:
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["status"] == "completed" and s["groups_lost"] == 0, s
     assert s["steps_per_policy"] == {"policy": 2} and s["counters"]["failed_groups"] == 0
+    assert s["groups_trained"] == 2 * 2

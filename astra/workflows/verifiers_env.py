@@ -140,6 +140,8 @@ class VerifiersWorkflow:
             )
         loaded = load_env(ctx.options.get("env") or {})
         index = ctx.record.get("task")
+        if isinstance(index, float) and index.is_integer():
+            index = int(index)  # the record crossed the wire as a protobuf Struct (numbers float)
         if isinstance(index, bool) or not isinstance(index, int):
             raise ValueError(f"the record's `task` must be a task index, not {index!r}")
         if not 0 <= index < len(loaded.tasks):
