@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("verifiers.v1", reason="verifiers 0.4 (the dev extra) is not installed")
+pytest.importorskip(
+    "verifiers.v1", reason="verifiers 0.4 is not installed: pip install -e '.[dev,envs]'"
+)
 
 from astra.agents.endpoint import AgentEndpoint, Gateway
 from astra.agents.recorder import Episode, Episodes
@@ -158,20 +160,12 @@ def play(module: str, task: int, n: int = 2) -> tuple[list, list[Episode], Any]:
 def test_a_single_turn_env_s_call_is_the_trajectory_and_its_rewards_the_reward(modules) -> None:
     out, episodes, tok = play("astra_vf_single", task=1)
     assert [t.error for t in out] == [None, None] and len(episodes) == 2
-    calls = [e.calls for e in episodes]
-    assert [len(c) for c in calls] == [1, 1]
+    assert [len(e.calls) for e in episodes] == [1, 1]
+    recorded = {(*c.prompt_ids, *c.generation.token_ids): c for e in episodes for c in e.calls}
     for t in out:
         assert t.metadata["calls"] == 1 and t.metadata["task"] == 1
         (seq,) = t.sequences
-        # exact: the trajectory is one recorded call's prompt and generation, token for token
-        recorded = [c[0] for c in calls]
-        matches = [
-            c
-            for c in recorded
-            if [*c.prompt_ids, *c.generation.token_ids] == seq.token_ids.tolist()
-        ]
-        assert matches, "the trajectory is no recorded call"
-        call = matches[0]
+        call = recorded[tuple(seq.token_ids.tolist())]  # exact: a recorded call, token for token
         gen = call.generation
         assert seq.token_ids.tolist() == [*call.prompt_ids, *gen.token_ids]  # exact, recorded
         assert seq.loss_mask.tolist() == [0] * len(call.prompt_ids) + [1] * len(gen.token_ids)
@@ -225,32 +219,14 @@ def test_the_env_s_tasks_become_dataset_records(modules, tmp_path) -> None:
 
 RECIPE = """
 name: verifiers-test
-policies:
-  - id: policy
-    model: {model}
-    buffer:
-      drop_equal_rewards: false
-streams:
-  - name: main
-    workflow: verifiers
-    group_size: 2
-    sampling:
-      max_new_tokens: 4
-dataset:
-  kind: file
-  path: {data}
-raas:
-  - capacity: 4
-    verifiers_env: {env}
-trainer:
-  num_steps: 2
-  batch_groups: 2
-warmup:
-  steps: 0
-eval:
-  every_steps: 0
-env:
-  PYTHONPATH: {path}
+policies: [{{id: policy, model: {model}, buffer: {{drop_equal_rewards: false}}}}]
+streams: [{{workflow: verifiers, group_size: 2, sampling: {{max_new_tokens: 4}}}}]
+dataset: {{kind: file, path: {data}}}
+raas: [{{capacity: 4, verifiers_env: {env}}}]
+trainer: {{num_steps: 2, batch_groups: 2}}
+warmup: {{steps: 0}}
+eval: {{every_steps: 0}}
+env: {{PYTHONPATH: {path}}}
 """
 
 

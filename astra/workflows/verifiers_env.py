@@ -63,11 +63,13 @@ def load_env(config: Mapping[str, Any]) -> _Loaded:
     if key not in _LOADED:
         try:
             from verifiers.v1.utils.loaders import load_environment, resolve_env_config
-
+        except ImportError as exc:
+            raise EnvironmentNotLoaded(
+                f"{OPTION}: verifiers 0.4 is not installed (pip install 'astra-rl[envs]'): {exc}"
+            ) from None
+        try:
             env = load_environment(resolve_env_config(dict(config)))
             tasks = list(env.taskset)
-        except ImportError as exc:
-            raise EnvironmentNotLoaded(f"{OPTION}: {exc}") from None
         except Exception as exc:
             raise EnvironmentNotLoaded(f"{OPTION}: {type(exc).__name__}: {exc}") from None
         if not tasks:
