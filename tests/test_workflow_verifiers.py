@@ -231,6 +231,7 @@ env: {{PYTHONPATH: {path}}}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(320)  # five processes; ~45 s alone, ~95 s on a loaded 2-core machine
 def test_a_recipe_trains_on_a_verifiers_environment(modules, tmp_path) -> None:
     from astra.testing.toy_hf import make_toy_model
 
