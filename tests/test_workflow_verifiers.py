@@ -102,11 +102,10 @@ class GuessEnv(vf.Env[GuessConfig]):
 __all__ = ["AddTaskset", "ChatHarness", "GuessEnv"]
 '''
 )
-LOCAL = {"runtime": {"type": "subprocess"}}
 
 
-def env_config(module: str) -> dict[str, Any]:
-    return {"taskset": {"id": module}, "agent": LOCAL}
+def env_config(module: str) -> dict[str, Any]:  # the agent on this machine, no sandbox
+    return {"taskset": {"id": module}, "agent": {"runtime": {"type": "subprocess"}}}
 
 
 @pytest.fixture
@@ -158,9 +157,10 @@ def play(module: str, task: int, n: int = 2) -> tuple[list, list[Episode], Any]:
 
 
 def test_a_single_turn_env_s_call_is_the_trajectory_and_its_rewards_the_reward(modules) -> None:
-    out, episodes, tok = play("astra_vf_single", task=1)
-    assert [t.error for t in out] == [None, None] and len(episodes) == 2
-    assert [len(e.calls) for e in episodes] == [1, 1]
+    out, episodes, tok = play("astra_vf_single", task=1, n=4)
+    # four samples at once, one env (its serving resources shared: `Loaded.serving`)
+    assert [t.error for t in out] == [None] * 4 and len(episodes) == 4
+    assert [len(e.calls) for e in episodes] == [1] * 4
     recorded = {(*c.prompt_ids, *c.generation.token_ids): c for e in episodes for c in e.calls}
     for t in out:
         assert t.metadata["calls"] == 1 and t.metadata["task"] == 1

@@ -5,8 +5,9 @@ The environment is the recipe's `verifiers_env` (on a `raas:` entry): verifiers'
 as a mapping, e.g. `{taskset: {id: my_taskset}, agent: {runtime: {type: subprocess}}}`. The
 taskset id is an importable module exporting its `Taskset` (and, where it has them, its `Env`
 and `Harness`) through `__all__`, as verifiers loads it. It is built once per RaaS process
-(its tasks loaded once); a config verifiers refuses, or a module that does not import, fails
-the sample with an error naming `verifiers_env`.
+(its tasks loaded once), and its serving resources (the interception server its harnesses
+call) are held while any of its episodes runs (`Loaded.serving`); a config verifiers refuses,
+or a module that does not import, fails the sample with an error naming `verifiers_env`.
 
 Per sample: the record's `task` field is the index of the taskset's task to play (the records
 `task_records` writes, one per task). An episode is opened on the endpoint (astra.agents) and
@@ -24,8 +25,10 @@ Never touches gRPC, weights or the endpoint's HTTP framing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +46,44 @@ class EnvironmentNotLoaded(ValueError):
     """The verifiers environment of `verifiers_env` could not be built."""
 
 
-class _Loaded:
+class Loaded:
+    """An environment, its tasks, and its serving resources (verifiers' `Env.serving()`: the
+    interception server its harnesses call) held while any of its episodes runs: the env
+    object keeps them as its own state, so concurrent episodes share one entry."""
+
     def __init__(self, env: Any, tasks: list[Any]) -> None:
         self.env = env
         self.tasks = tasks
+        self._users = 0
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a new event loop (a test's asyncio.run): a fresh lock
+            self._loop, self._lock = loop, asyncio.Lock()
+        async with self._lock:
+            if self._users == 0:
+                stack = contextlib.AsyncExitStack()
+                await stack.enter_async_context(self.env.serving())
+                self._stack = stack
+            self._users += 1
+        try:
+            yield
+        finally:
+            async with self._lock:
+                self._users -= 1
+                if self._users == 0 and self._stack is not None:
+                    stack, self._stack = self._stack, None
+                    await stack.aclose()
 
 
-_LOADED: dict[str, _Loaded] = {}
+_LOADED: dict[str, Loaded] = {}
 
 
-def load_env(config: Mapping[str, Any]) -> _Loaded:
+def load_env(config: Mapping[str, Any]) -> Loaded:
     """The environment of `config` and its tasks, built once per process (per config)."""
     if not isinstance(config, Mapping) or not config:
         raise EnvironmentNotLoaded(
@@ -74,7 +105,7 @@ def load_env(config: Mapping[str, Any]) -> _Loaded:
             raise EnvironmentNotLoaded(f"{OPTION}: {type(exc).__name__}: {exc}") from None
         if not tasks:
             raise EnvironmentNotLoaded(f"{OPTION}: the taskset loaded no task")
-        _LOADED[key] = _Loaded(env, tasks)
+        _LOADED[key] = Loaded(env, tasks)
     return _LOADED[key]
 
 
@@ -159,7 +190,7 @@ class VerifiersWorkflow:
         )
         model = ModelContext(model=policy, client=client, sampling=SamplingConfig(**_sampling(ctx)))
         try:
-            async with loaded.env.serving():
+            async with loaded.serving():
                 result = await loaded.env.run_episode(loaded.tasks[index], model)
         finally:
             gateway.episodes.close(episode.key)
