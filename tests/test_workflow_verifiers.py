@@ -84,15 +84,13 @@ class ChatHarness(vf.Harness[vf.HarnessConfig]):
 SINGLE = TASKSET + '\n__all__ = ["AddTaskset", "ChatHarness"]\n'
 MULTI = (
     TASKSET
-    + '''
+    + """
 
 class GuessConfig(vf.EnvConfig):
     agent: vf.AgentConfig = vf.AgentConfig()
 
 
-class GuessEnv(vf.Env[GuessConfig]):
-    """The environment answers the model's first turn; the model tries again."""
-
+class GuessEnv(vf.Env[GuessConfig]):  # answers the model's first turn; the model tries again
     async def run(self, task, agents):
         async with agents.agent.interaction(task) as chat:
             first = await chat.turn()
@@ -100,7 +98,7 @@ class GuessEnv(vf.Env[GuessConfig]):
 
 
 __all__ = ["AddTaskset", "ChatHarness", "GuessEnv"]
-'''
+"""
 )
 
 
