@@ -114,25 +114,13 @@ def modules(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-class Kept(Episodes):
-    """The endpoint's episodes, each kept after it closes (to compare with the trajectory)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.all: list[Episode] = []
-
-    def open(self, policy_id: str, *, max_calls: int = 64) -> Episode:
-        episode = super().open(policy_id, max_calls=max_calls)
-        self.all.append(episode)
-        return episode
-
-
 def play(module: str, task: int, n: int = 2) -> tuple[list, list[Episode], Any]:
     async def body() -> tuple[list, list[Episode], Any]:
         model, tok = load_model("tiny")
         tok.chat_template = ChatTemplate(TEMPLATE, {}, "test")
         engine = TorchEngine({"policy": (model, tok)})
-        kept = Kept()
+        kept, opened, open_one = Episodes(), [], Episodes.open  # each episode kept once closed
+        kept.open = lambda *a, **k: opened.append(open_one(kept, *a, **k)) or opened[-1]
         server = await AgentHTTPServer(AgentEndpoint(engine, kept)).start()
         backend = EngineBackend(
             engine, ["verifiers"], agents=Gateway(server.base_url, kept),
@@ -146,7 +134,7 @@ def play(module: str, task: int, n: int = 2) -> tuple[list, list[Episode], Any]:
         try:
             out = await backend.generate(group, {"policy": 0})
             assert len(kept) == 0  # every episode closed
-            return out, kept.all, tok
+            return out, opened, tok
         finally:
             await server.stop()
             await engine.close()
@@ -198,6 +186,9 @@ def test_an_env_that_cannot_load_fails_the_sample_naming_the_recipe_key(modules)
 
 
 def test_a_raas_refuses_at_start_up_an_env_that_cannot_load(modules) -> None:
+    from click.testing import CliRunner
+
+    from astra.cli import main
     from astra.servers.raas_serve import RaasOptions, start_agents
 
     opts = RaasOptions(dataflow="", workflows=["verifiers"], verifiers_env={})
@@ -206,6 +197,9 @@ def test_a_raas_refuses_at_start_up_an_env_that_cannot_load(modules) -> None:
     opts.verifiers_env = env_config("astra_vf_missing")
     with pytest.raises(ValueError, match=r"verifiers_env: .*astra_vf_missing"):
         asyncio.run(start_agents(opts, engine=None))
+    args = ["serve", "raas", "--dataflow", "x", "--workflow", "verifiers", "--verifiers-env"]
+    got = CliRunner().invoke(main, [*args, "[1]"])  # the option is a JSON object, or refused
+    assert got.exit_code == 2 and "--verifiers-env: must be a JSON object" in got.output
 
 
 def test_the_env_s_tasks_become_dataset_records(modules, tmp_path) -> None:
