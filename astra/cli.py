@@ -12,6 +12,19 @@ from collections.abc import Callable
 import click
 
 
+def _json_object(text: str, option: str) -> dict:
+    """`text` as a JSON object ({} when empty); a BadParameter naming `option` otherwise."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint=option) from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=option)
+    return value
+
+
 def _logging(level: str) -> None:
     from astra.logs import configure
 
@@ -242,6 +255,12 @@ async def _serve_dataflow(config) -> None:
     help="Workflow agent: seconds one run of the agent command may take.",
 )
 @click.option(
+    "--verifiers-env",
+    default="",
+    help="Workflow verifiers: verifiers' env config as JSON, e.g. "
+    '\'{"taskset": {"id": "my_taskset"}, "agent": {"runtime": {"type": "subprocess"}}}\'.',
+)
+@click.option(
     "--fetch-timeout",
     "fetch_timeout_s",
     type=click.FloatRange(min=0, min_open=True),
@@ -276,6 +295,7 @@ def serve_raas(
     fetch_timeout_s: float,
     agent_command: str,
     agent_timeout_s: float,
+    verifiers_env: str,
     metrics_port: int | None,
     log_level: str,
 ) -> None:
@@ -308,6 +328,7 @@ def serve_raas(
         fetch_timeout_s=fetch_timeout_s,
         agent_command=shlex.split(agent_command),
         agent_timeout_s=agent_timeout_s,
+        verifiers_env=_json_object(verifiers_env, "--verifiers-env"),
         engine=engine,
         engine_url=engine_url,
         engine_args=engine_args,

@@ -2,9 +2,11 @@
 `/v1/models`, on asyncio streams (no web framework).
 
 Thin: it frames requests and responses; astra.agents.endpoint does the work. The API key is
-the `Authorization: Bearer` token. Connections are kept alive between requests; a streamed
-answer (`text/event-stream`) is written event by event as the endpoint yields them, and ends
-its connection. Request bodies above MAX_BODY_BYTES and
+the `Authorization: Bearer` token, or the `X-Astra-Episode` header where the caller's own
+bearer token is fixed (a verifiers environment's relay, astra.workflows.verifiers_env).
+Connections are kept alive between requests; a streamed answer (`text/event-stream`) is
+written event by event as the endpoint yields them, and ends its connection. Request bodies
+above MAX_BODY_BYTES and
 header blocks above MAX_HEADER_BYTES are refused (413 / 431), and a client that sends nothing
 for IDLE_S is dropped, so a flooding or stuck agent cannot hold the server.
 """
@@ -19,6 +21,7 @@ from typing import Any
 
 from astra.agents.endpoint import AgentEndpoint
 from astra.agents.openai_api import ApiError
+from astra.agents.recorder import EPISODE_HEADER
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20
@@ -107,7 +110,8 @@ class AgentHTTPServer:
             err = ApiError(status, f"{method} {path} is not served here")
             await _send_json(writer, status, err.body(), close=not keep)
             return keep
-        key = headers.get("authorization", "").removeprefix("Bearer ").strip()
+        bearer = headers.get("authorization", "").removeprefix("Bearer ").strip()
+        key = headers.get(EPISODE_HEADER, "").strip() or bearer
         try:
             req, out = await self.endpoint.complete(key, raw, chat=ROUTES[path])
         except ApiError as exc:

@@ -47,6 +47,8 @@ class RaasOptions:
     # workflow `agent`: the program run per sample, its time limit (astra.workflows.agent)
     agent_command: list[str] = field(default_factory=list)
     agent_timeout_s: float = 60.0
+    # workflow `verifiers`: verifiers' env config (astra.workflows.verifiers_env)
+    verifiers_env: dict[str, Any] = field(default_factory=dict)
     grace_s: float = 5.0
     engine: str = "torch"
     engine_url: str = ""
@@ -59,18 +61,24 @@ class RaasOptions:
 
 
 async def start_agents(opts: RaasOptions, engine: Any) -> tuple[Any, Any]:
-    """The agent endpoint (servers.agent_http) when the `agent` workflow is served: (its
-    Gateway, its server); (None, None) otherwise. A command that cannot run is refused now."""
-    if "agent" not in opts.workflows:
+    """The agent endpoint (servers.agent_http) when the `agent` or `verifiers` workflow is
+    served: (its Gateway, its server); (None, None) otherwise. A command that cannot run, or a
+    verifiers environment that cannot be built, is refused now."""
+    if "agent" not in opts.workflows and "verifiers" not in opts.workflows:
         return None, None
     from astra.agents.endpoint import AgentEndpoint, Gateway
     from astra.servers.agent_http import AgentHTTPServer
     from astra.workflows.agent import check_command
 
-    try:
-        check_command(opts.agent_command)
-    except ValueError as exc:
-        raise ValueError(f"--agent-command: {exc}") from None
+    if "agent" in opts.workflows:
+        try:
+            check_command(opts.agent_command)
+        except ValueError as exc:
+            raise ValueError(f"--agent-command: {exc}") from None
+    if "verifiers" in opts.workflows:
+        from astra.workflows.verifiers_env import load_env
+
+        load_env(opts.verifiers_env)  # built once here; its error names `verifiers_env`
     endpoint = AgentEndpoint(engine)
     server = await AgentHTTPServer(endpoint, "127.0.0.1", 0).start()
     return Gateway(server.base_url, endpoint.episodes), server
@@ -109,7 +117,8 @@ async def serve_raas(opts: RaasOptions) -> None:
         rewards=opts.rewards,
         agents=agents,
         workflow_options={
-            "agent": {"command": opts.agent_command, "timeout_s": opts.agent_timeout_s}
+            "agent": {"command": opts.agent_command, "timeout_s": opts.agent_timeout_s},
+            "verifiers": {"env": opts.verifiers_env},
         },
     )
     server, servicer, registrar = await start_raas(

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from astra.engine.api import Generation
 
 KEY_PREFIX = "astra-ep-"
+# The key in a header of its own (lower case, as the HTTP layer reads names), for callers
+# whose `Authorization` is not theirs to set (verifiers' relay); it wins over the bearer token.
+EPISODE_HEADER = "x-astra-episode"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ publishing are TrainerConfig's (astra.trainer.config).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model, model_validator
 
@@ -204,6 +204,11 @@ class RaasSpec(Strict):
         "OPENAI_API_KEY, ASTRA_MODEL, ASTRA_PROMPT and ASTRA_RECORD.",
     )
     agent_timeout_s: float = Field(60.0, gt=0.0, description="Workflow agent: time per run.")
+    verifiers_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Workflow verifiers: verifiers' env config (taskset id, agent runtime, ...), "
+        "as `verifiers eval` takes it (astra.workflows.verifiers_env).",
+    )
 
     @model_validator(mode="after")
     def _external(self) -> RaasSpec:

@@ -1,12 +1,13 @@
 """Workflows: how one prompt becomes one scored episode, found by name.
 
 Built-ins: single_turn (RLVR), chat (single_turn through the model's chat
-template), multi_turn_tools (calculator and Python
-sandbox tools), multi_agent (solver and verifier). Plugins: entry-point group
-`astra.workflows` (workflows) and `astra.tools` (tools).
+template), multi_turn_tools (calculator and Python sandbox tools), multi_agent (solver and
+verifier), agent (a program through the OpenAI endpoint), verifiers (a `verifiers`
+environment through the same endpoint). Plugins: entry-point group `astra.workflows`
+(workflows) and `astra.tools` (tools).
 """
 
-from astra.workflows import agent, chat, multi_agent, multi_turn, single_turn
+from astra.workflows import agent, chat, multi_agent, multi_turn, single_turn, verifiers_env
 from astra.workflows.base import (
     RewardFailed,
     Workflow,
@@ -47,4 +48,5 @@ __all__ = [
     "run_tool",
     "sample_seed",
     "single_turn",
+    "verifiers_env",
 ]
