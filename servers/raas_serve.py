@@ -47,6 +47,8 @@ class RaasOptions:
     # workflow `agent`: the program run per sample, its time limit (astra.workflows.agent)
     agent_command: list[str] = field(default_factory=list)
     agent_timeout_s: float = 60.0
+    # settings of the other served workflows by name (e.g. "openenv": astra.workflows.openenv_env)
+    workflow_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     grace_s: float = 5.0
     engine: str = "torch"
     engine_url: str = ""
@@ -109,7 +111,8 @@ async def serve_raas(opts: RaasOptions) -> None:
         rewards=opts.rewards,
         agents=agents,
         workflow_options={
-            "agent": {"command": opts.agent_command, "timeout_s": opts.agent_timeout_s}
+            **opts.workflow_options,
+            "agent": {"command": opts.agent_command, "timeout_s": opts.agent_timeout_s},
         },
     )
     server, servicer, registrar = await start_raas(

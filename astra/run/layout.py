@@ -416,6 +416,8 @@ def raas_spec_command(
     if spec.agent_command:
         args += ["--agent-command", shlex.join(spec.agent_command)]
         args += ["--agent-timeout", str(spec.agent_timeout_s)]
+    if spec.workflow_options:
+        args += ["--workflow-options", json.dumps(spec.workflow_options)]
     args += [a for k, v in sorted(spec.labels.items()) for a in ("--label", f"{k}={v}")]
     args += ["--metrics-port", "0"] if recipe.observe.prometheus else []
     return serve_command("raas", *args)

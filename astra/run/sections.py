@@ -9,7 +9,7 @@ publishing are TrainerConfig's (astra.trainer.config).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model, model_validator
 
@@ -204,6 +204,11 @@ class RaasSpec(Strict):
         "OPENAI_API_KEY, ASTRA_MODEL, ASTRA_PROMPT and ASTRA_RECORD.",
     )
     agent_timeout_s: float = Field(60.0, gt=0.0, description="Workflow agent: time per run.")
+    workflow_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Settings of the workflows it serves, by workflow name (e.g. openenv: "
+        "{url: ..., max_turns: 3}; docs/agents.md).",
+    )
 
     @model_validator(mode="after")
     def _external(self) -> RaasSpec:
@@ -215,6 +220,10 @@ class RaasSpec(Strict):
                 check_agent(self.agent_command)
             except ValueError as exc:
                 raise ValueError(f"agent_command: {exc}") from None
+        if "openenv" in self.workflow_options:
+            from astra.workflows.openenv_env import parse_options
+
+            parse_options(self.workflow_options["openenv"])  # says workflow_options.openenv.X
         if not self.command:
             return self
         check_command(self.command)

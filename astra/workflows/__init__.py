@@ -2,11 +2,12 @@
 
 Built-ins: single_turn (RLVR), chat (single_turn through the model's chat
 template), multi_turn_tools (calculator and Python
-sandbox tools), multi_agent (solver and verifier). Plugins: entry-point group
+sandbox tools), multi_agent (solver and verifier), agent (a user's program through the
+OpenAI endpoint), openenv (an OpenEnv environment through its client). Plugins: entry-point group
 `astra.workflows` (workflows) and `astra.tools` (tools).
 """
 
-from astra.workflows import agent, chat, multi_agent, multi_turn, single_turn
+from astra.workflows import agent, chat, multi_agent, multi_turn, openenv_env, single_turn
 from astra.workflows.base import (
     RewardFailed,
     Workflow,
@@ -41,6 +42,7 @@ __all__ = [
     "known_workflows",
     "multi_agent",
     "multi_turn",
+    "openenv_env",
     "register_tool",
     "register_workflow",
     "run_episode",
