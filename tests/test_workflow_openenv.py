@@ -22,10 +22,13 @@ import pytest
 core = pytest.importorskip("openenv.core", reason="the openenv package (dev extra)")
 uvicorn = pytest.importorskip("uvicorn")
 
+from astra.cli import main as astra_cli  # noqa: E402
 from astra.engine.tiny import load_model  # noqa: E402
 from astra.engine.torch_engine import TorchEngine  # noqa: E402
 from astra.raas.backend import GroupSpec  # noqa: E402
 from astra.raas.engine_backend import EngineBackend  # noqa: E402
+from astra.run import layout  # noqa: E402
+from astra.run.layout import RunDir  # noqa: E402
 from astra.run.recipe import RecipeError, load_recipe  # noqa: E402
 from astra.workflows.openenv_env import observation_text  # noqa: E402
 
@@ -224,6 +227,22 @@ def test_a_recipe_with_bad_openenv_options_is_refused_naming_the_key(options, sa
                 f"raas=[{{workflow_options: {{openenv: {json.dumps(options)}}}}}]",
             ],
         )
+
+
+def test_the_recipe_s_options_reach_astra_serve_raas(tmp_path: Path) -> None:
+    opts = {"url": "http://127.0.0.1:9", "max_turns": 2}
+    r = load_recipe(
+        ROOT / "configs/recipes/default.yaml",
+        [
+            "streams.0.workflow=openenv",
+            f"raas=[{{workflow_options: {{openenv: {json.dumps(opts)}}}}}]",
+        ],
+    )
+    args = layout.raas_command(r, 0, RunDir(tmp_path / "run"), "127.0.0.1:1")
+    serve = astra_cli.commands["serve"].commands["raas"]
+    params = serve.make_context("raas", list(args[5:])).params
+    assert json.loads(params["workflow_options"]) == {"openenv": opts}
+    assert "openenv" in params["workflows"]
 
 
 @pytest.mark.slow
