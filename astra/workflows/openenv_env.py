@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import json
 from collections.abc import Callable, Mapping
@@ -198,9 +199,8 @@ class OpenEnvWorkflow:
                         f"the action parser ({KEY}.action) raised on {said[:80]!r}: "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
-                result = await env_call(
-                    f"the action {said[:80]!r}", lambda a=action: client.step(a), o
-                )
+                step = functools.partial(client.step, action)
+                result = await env_call(f"the action {said[:80]!r}", step, o)
                 rewards.append(float(result.reward or 0.0))
                 if result.done:
                     ended = "done"
