@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint generate bench clean vllm run-vllm chaos docs trl
+.PHONY: run test lint generate bench clean vllm run-vllm chaos docs trl verifiers
 
 $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
@@ -44,8 +44,21 @@ tools/raas-node/node_modules/.installed: tools/raas-node/package.json tools/raas
 	cd tools/raas-node && npm ci --silent --no-audit --no-fund
 	touch $@
 
-test: $(VENV)/.installed $(NODE_DEPS)
+# Workflow `verifiers` in an environment of its own (verifiers 0.4 and OpenEnv, in dev, pin
+# incompatible versions of mcp): tests/test_workflow_verifiers.py runs there (skipped in .venv).
+VERIFIERS_VENV ?= .venv-verifiers
+
+$(VERIFIERS_VENV)/.installed: pyproject.toml setup.py
+	python3 -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERIFIERS_VENV)/bin/python -m pip install -q -e ".[verifiers]"
+	touch $@
+
+verifiers: $(VERIFIERS_VENV)/.installed  ## builds .venv-verifiers (~2 min): Astra + verifiers 0.4
+
+test: $(VENV)/.installed $(NODE_DEPS) $(VERIFIERS_VENV)/.installed
 	$(PY) -m pytest -q
+	$(VERIFIERS_VENV)/bin/python -m pytest -q tests/test_workflow_verifiers.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check astra servers clients tools tests

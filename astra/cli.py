@@ -261,6 +261,12 @@ async def _serve_dataflow(config) -> None:
     '\'{"taskset": {"id": "my_taskset"}, "agent": {"runtime": {"type": "subprocess"}}}\'.',
 )
 @click.option(
+    "--workflow-options",
+    default="",
+    help="Settings of the served workflows as JSON, by workflow name, e.g. "
+    '\'{"openenv": {"url": "http://127.0.0.1:8000"}}\' (docs/agents.md).',
+)
+@click.option(
     "--fetch-timeout",
     "fetch_timeout_s",
     type=click.FloatRange(min=0, min_open=True),
@@ -296,6 +302,7 @@ def serve_raas(
     agent_command: str,
     agent_timeout_s: float,
     verifiers_env: str,
+    workflow_options: str,
     metrics_port: int | None,
     log_level: str,
 ) -> None:
@@ -309,6 +316,14 @@ def serve_raas(
         if not sep or not key:
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
         parsed[key] = value
+    try:
+        options = json.loads(workflow_options) if workflow_options else {}
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--workflow-options") from None
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise click.BadParameter(
+            "a JSON object of objects, by workflow name", param_hint="--workflow-options"
+        )
     _logging(log_level)
     opts = RaasOptions(
         dataflow=dataflow,
@@ -329,6 +344,7 @@ def serve_raas(
         agent_command=shlex.split(agent_command),
         agent_timeout_s=agent_timeout_s,
         verifiers_env=_json_object(verifiers_env, "--verifiers-env"),
+        workflow_options=options,
         engine=engine,
         engine_url=engine_url,
         engine_args=engine_args,

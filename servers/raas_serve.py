@@ -49,6 +49,8 @@ class RaasOptions:
     agent_timeout_s: float = 60.0
     # workflow `verifiers`: verifiers' env config (astra.workflows.verifiers_env)
     verifiers_env: dict[str, Any] = field(default_factory=dict)
+    # settings of the other served workflows by name (e.g. "openenv": astra.workflows.openenv_env)
+    workflow_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     grace_s: float = 5.0
     engine: str = "torch"
     engine_url: str = ""
@@ -117,6 +119,7 @@ async def serve_raas(opts: RaasOptions) -> None:
         rewards=opts.rewards,
         agents=agents,
         workflow_options={
+            **opts.workflow_options,
             "agent": {"command": opts.agent_command, "timeout_s": opts.agent_timeout_s},
             "verifiers": {"env": opts.verifiers_env},
         },

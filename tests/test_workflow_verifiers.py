@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip(
-    "verifiers.v1", reason="verifiers 0.4 is not installed: pip install -e '.[dev,envs]'"
+    "verifiers.v1", reason="verifiers 0.4 is not here: it runs in .venv-verifiers (make verifiers)"
 )
 
 from astra.agents.endpoint import AgentEndpoint, Gateway

@@ -418,6 +418,8 @@ def raas_spec_command(
         args += ["--agent-timeout", str(spec.agent_timeout_s)]
     if spec.verifiers_env:
         args += ["--verifiers-env", json.dumps(spec.verifiers_env)]
+    if spec.workflow_options:
+        args += ["--workflow-options", json.dumps(spec.workflow_options)]
     args += [a for k, v in sorted(spec.labels.items()) for a in ("--label", f"{k}={v}")]
     args += ["--metrics-port", "0"] if recipe.observe.prometheus else []
     return serve_command("raas", *args)

@@ -209,6 +209,11 @@ class RaasSpec(Strict):
         description="Workflow verifiers: verifiers' env config (taskset id, agent runtime, ...), "
         "as `verifiers eval` takes it (astra.workflows.verifiers_env).",
     )
+    workflow_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Settings of the workflows it serves, by workflow name (e.g. openenv: "
+        "{url: ..., max_turns: 3}; docs/agents.md).",
+    )
 
     @model_validator(mode="after")
     def _external(self) -> RaasSpec:
@@ -220,6 +225,10 @@ class RaasSpec(Strict):
                 check_agent(self.agent_command)
             except ValueError as exc:
                 raise ValueError(f"agent_command: {exc}") from None
+        if "openenv" in self.workflow_options:
+            from astra.workflows.openenv_env import parse_options
+
+            parse_options(self.workflow_options["openenv"])  # says workflow_options.openenv.X
         if not self.command:
             return self
         check_command(self.command)

@@ -3,11 +3,19 @@
 Built-ins: single_turn (RLVR), chat (single_turn through the model's chat
 template), multi_turn_tools (calculator and Python sandbox tools), multi_agent (solver and
 verifier), agent (a program through the OpenAI endpoint), verifiers (a `verifiers`
-environment through the same endpoint). Plugins: entry-point group `astra.workflows`
-(workflows) and `astra.tools` (tools).
+environment through the same endpoint), openenv (an OpenEnv environment through its client).
+Plugins: entry-point group `astra.workflows` (workflows) and `astra.tools` (tools).
 """
 
-from astra.workflows import agent, chat, multi_agent, multi_turn, single_turn, verifiers_env
+from astra.workflows import (
+    agent,
+    chat,
+    multi_agent,
+    multi_turn,
+    openenv_env,
+    single_turn,
+    verifiers_env,
+)
 from astra.workflows.base import (
     RewardFailed,
     Workflow,
@@ -42,6 +50,7 @@ __all__ = [
     "known_workflows",
     "multi_agent",
     "multi_turn",
+    "openenv_env",
     "register_tool",
     "register_workflow",
     "run_episode",
