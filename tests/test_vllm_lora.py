@@ -1,0 +1,84 @@
+"""The vLLM engine's adapter slot without a server (astra.engine.http.vllm_lora): what it
+writes for vLLM's LoRA API, what it refuses before writing anything, and the launch flags.
+tests/test_vllm_lora_real.py serves what it writes on a real vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from astra.engine.http.vllm_lora import AdapterSlot, server_args
+from astra.engine.tiny import TINY_CONFIG, random_model, save_tiny, tiny_model
+from astra.errors import InvalidArgument
+from astra.lora.format import AdapterError, from_peft
+from tests.test_lora_serving import adapter
+
+BASE = {k: v.clone() for k, v in tiny_model().hf_state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("m") / "base")
+
+
+def test_prepare_writes_a_peft_directory_per_version_and_commit_keeps_the_last(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    slot = AdapterSlot("p", base_dir, tmp_path, max_rank=8)
+    v1 = adapter(BASE, seed=1)
+    path = slot.prepare(v1, 1)
+    assert slot.owns(path) and not slot.owns(base_dir)
+    body = json.loads((path / "adapter_config.json").read_text())
+    assert (body["peft_type"], body["r"], body["lora_alpha"]) == ("LORA", 4, 8.0)
+    tensors, config = from_peft(load_file(path / "adapter_model.safetensors"), body)
+    assert config == v1.config
+    assert all(torch.equal(tensors[n], v1.tensors[n]) for n in v1.tensors)
+    assert slot.load_body(path) == {
+        "lora_name": "p-lora",
+        "lora_path": str(path),
+        "load_inplace": True,
+    }
+    slot.committed(path, v1.config)
+    second = slot.prepare(adapter(BASE, seed=2), 2)
+    slot.committed(second, v1.config)
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["v2-2"]
+
+
+@pytest.mark.parametrize(
+    ("make", "field_name"),
+    [
+        (lambda: adapter(random_model(TINY_CONFIG, 7).hf_state_dict(), seed=1), "base_digest"),
+        (lambda: adapter(BASE, seed=1, rank=16), "rank"),
+    ],
+)
+def test_a_refused_adapter_names_the_field_and_writes_nothing(
+    base_dir: Path, tmp_path: Path, make, field_name: str
+) -> None:
+    slot = AdapterSlot("p", base_dir, tmp_path, max_rank=8)
+    with pytest.raises(AdapterError) as bad:
+        slot.prepare(make(), 1)
+    assert bad.value.field == field_name
+    assert not (tmp_path / "p").exists()
+
+
+def test_an_adapter_of_another_shape_than_the_one_served_is_refused(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    slot = AdapterSlot("p", base_dir, tmp_path, max_rank=16)
+    v1 = adapter(BASE, seed=1)
+    slot.committed(slot.prepare(v1, 1), v1.config)
+    with pytest.raises(AdapterError) as bad:
+        slot.prepare(adapter(BASE, seed=2, rank=8), 2)
+    assert bad.value.field == "rank"
+
+
+def test_server_args_pick_a_rank_vllm_accepts_and_keep_what_is_given() -> None:
+    assert server_args(4, []) == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"]
+    assert server_args(17, ["--enable-lora"]) == ["--max-lora-rank", "32", "--max-loras", "1"]
+    assert server_args(8, ["--max-lora-rank=64", "--max-loras", "2"]) == ["--enable-lora"]
+    with pytest.raises(InvalidArgument, match=r"trainer\.lora\.rank"):
+        server_args(1024, [])
