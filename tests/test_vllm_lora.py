@@ -4,6 +4,7 @@ tests/test_vllm_lora_real.py serves what it writes on a real vLLM."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -82,3 +83,23 @@ def test_server_args_pick_a_rank_vllm_accepts_and_keep_what_is_given() -> None:
     assert server_args(8, ["--max-lora-rank=64", "--max-loras", "2"]) == ["--enable-lora"]
     with pytest.raises(InvalidArgument, match=r"trainer\.lora\.rank"):
         server_args(1024, [])
+
+
+def test_a_vllm_engine_without_an_adapter_slot_refuses_adapter_versions() -> None:
+    """No --enable-lora: the RaaS backend sees serves_adapters False, and the engine itself
+    refuses the version before it calls the server (nothing listens at its address)."""
+    from astra.engine.http import VLLMEngine
+    from astra.engine.tokenizer import CharTokenizer
+    from astra.errors import FailedPrecondition
+
+    async def body() -> None:
+        engine = VLLMEngine("http://127.0.0.1:9", "policy", "p", CharTokenizer())
+        try:
+            assert not engine.serves_adapters
+            with pytest.raises(FailedPrecondition) as bad:
+                await engine.swap_weights({"p": 1}, {"p": adapter(BASE, seed=1)})
+            assert bad.value.reason == "ADAPTER_UNSUPPORTED" and engine.version("p") == 0
+        finally:
+            await engine.close()
+
+    asyncio.run(asyncio.wait_for(body(), 30))
