@@ -38,15 +38,18 @@ def test_prepare_writes_a_peft_directory_per_version_and_commit_keeps_the_last(
     tensors, config = from_peft(load_file(path / "adapter_model.safetensors"), body)
     assert config == v1.config
     assert all(torch.equal(tensors[n], v1.tensors[n]) for n in v1.tensors)
-    assert slot.load_body(path) == {
-        "lora_name": "p-lora",
-        "lora_path": str(path),
-        "load_inplace": True,
-    }
-    slot.committed(path, v1.config)
+    name = f"p-lora-{path.name}"
+    assert slot.load_body(path) == {"lora_name": name, "lora_path": str(path)}
+    assert slot.committed(path, v1.config) is None  # nothing to unload
     second = slot.prepare(adapter(BASE, seed=2), 2)
-    slot.committed(second, v1.config)
-    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["v2-2"]
+    assert slot.committed(second, v1.config) == name  # the replaced version's name
+    third = slot.prepare(adapter(BASE, seed=3), 3)
+    assert slot.committed(third, v1.config) == f"p-lora-{second.name}"
+    # vLLM may read the previous version's directory again; older ones go
+    assert sorted((tmp_path / "p").iterdir()) == sorted([second, third])
+    assert path.name.startswith("v1-") and third.name.startswith("v3-")
+    other = AdapterSlot("p", base_dir, tmp_path / "x", max_rank=8).prepare(v1, 1)
+    assert other.name != path.name  # another slot on the same server: other names
 
 
 @pytest.mark.parametrize(

