@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from astra.engine.http.vllm_lora import AdapterSlot, server_args
 from astra.engine.tiny import TINY_CONFIG, random_model, save_tiny, tiny_model
 from astra.errors import InvalidArgument
-from astra.lora.format import AdapterError, from_peft
+from astra.lora.format import AdapterConfig, AdapterError, base_digest, from_peft
+from astra.lora.serving import AdapterVersion
 from tests.test_lora_serving import adapter
 
 BASE = {k: v.clone() for k, v in tiny_model().hf_state_dict().items()}
@@ -67,6 +68,22 @@ def test_a_refused_adapter_names_the_field_and_writes_nothing(
         slot.prepare(make(), 1)
     assert bad.value.field == field_name
     assert not (tmp_path / "p").exists()
+
+
+def test_an_adapter_on_the_embedding_is_refused_naming_target_modules(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    emb = BASE["model.embed_tokens.weight"]
+    tensors = {
+        "model.embed_tokens.lora_A.weight": torch.zeros(4, emb.shape[1]),
+        "model.embed_tokens.lora_B.weight": torch.zeros(emb.shape[0], 4),
+    }
+    config = AdapterConfig(
+        rank=4, alpha=8.0, targets=("embed_tokens",), base_digest=base_digest(BASE)
+    )
+    with pytest.raises(AdapterError) as bad:
+        AdapterSlot("p", base_dir, tmp_path, max_rank=8).prepare(AdapterVersion(config, tensors), 1)
+    assert bad.value.field == "target_modules"
 
 
 def test_an_adapter_of_another_shape_than_the_one_served_is_refused(

@@ -53,6 +53,9 @@ SERVER_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values --max-lora-r
 RUNTIME_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
+# 2-D base tensors that are no linear layer (the built-in engine sees the module's type;
+# here only the base's tensors are known)
+NOT_LINEAR = frozenset({"embed_tokens", "lm_head", "wte", "word_embeddings"})
 
 
 def adapter_name(policy_id: str, path: Path) -> str:
@@ -110,6 +113,9 @@ class AdapterSlot:
         target_modules(base.shapes, config.targets)  # every target names a layer of the base
         tensors = as_torch_state(version.tensors)
         pairs = pair_tensors(tensors, base.shapes, config)
+        for module in pairs:
+            if module.rsplit(".", 1)[-1] in NOT_LINEAR:
+                raise AdapterError("target_modules", f"{module} is not a linear layer")
         served = self.serving
         if served is not None:
             if (served.rank, served.alpha) != (config.rank, config.alpha):
