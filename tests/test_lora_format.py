@@ -11,9 +11,11 @@ from astra.lora.format import (
     AdapterError,
     base_digest,
     check_base,
+    from_peft,
     pair_tensors,
     target_modules,
     tensor_names,
+    to_peft,
 )
 
 
@@ -108,3 +110,33 @@ def test_base_digest_ignores_the_compute_dtype_but_sees_one_changed_element():
     with pytest.raises(AdapterError) as e:
         check_base(_config(base_digest=d), base_digest(changed))
     assert e.value.field == "base_digest"
+
+
+def test_peft_layout_round_trips_names_tensors_and_config():
+    c = _config(dropout=0.05)
+    a, b = tensor_names("model.layers.0.self_attn.q_proj")
+    tensors = {a: torch.randn(4, 64), b: torch.randn(64, 4)}
+    peft, body = to_peft(tensors, c, base_name="/models/base")
+    assert set(peft) == {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+    }
+    assert body["peft_type"] == "LORA" and body["r"] == 4 and body["lora_alpha"] == 8.0
+    assert body["target_modules"] == ["q_proj", "v_proj"] and body["lora_dropout"] == 0.05
+    assert body["bias"] == "none" and body["fan_in_fan_out"] is False
+    assert body["base_model_name_or_path"] == "/models/base"
+    back, config = from_peft(peft, body)
+    assert config == c
+    assert set(back) == set(tensors) and all(torch.equal(back[n], tensors[n]) for n in tensors)
+
+
+def test_peft_conversion_refuses_foreign_names_naming_the_field():
+    with pytest.raises(AdapterError) as bad:
+        to_peft({"model.norm.weight": torch.ones(3)}, _config())
+    assert bad.value.field == "tensors"
+    with pytest.raises(AdapterError) as bad:
+        from_peft({"model.x.lora_A.weight": torch.ones(1, 1)}, {"r": 1, "lora_alpha": 1})
+    assert bad.value.field == "tensors"
+    with pytest.raises(AdapterError) as bad:
+        from_peft({}, {"r": 0, "lora_alpha": 1, "target_modules": ["q_proj"]})
+    assert bad.value.field == "rank"

@@ -115,6 +115,24 @@ def test_the_default_raas_engine_is_torch(tmp_path: Path) -> None:
     assert not any(a.startswith("--engine-args") for a in args)
 
 
+def test_a_lora_recipe_on_vllm_launches_it_with_its_lora_api(tmp_path: Path) -> None:
+    """trainer.lora on a vLLM RaaS: --enable-lora and the smallest --max-lora-rank vLLM
+    accepts that holds the rank; a rank the engine args set is kept; torch gets nothing."""
+    over = ["raas.0.engine=vllm", "raas.0.engine_args=--enforce-eager", "trainer.lora.rank=4"]
+    r = load_recipe(RECIPES / "lora.yaml", over)
+    rd, _ = built(
+        r.model_copy(update={"dataset": r.dataset.model_copy(update={"size": 8})}), tmp_path
+    )
+    raas = serve_params(layout.raas_command(r, 0, rd, "127.0.0.1:1"))
+    want = "--enforce-eager --enable-lora --max-lora-rank 8 --max-loras 1"
+    assert raas["engine_args"] == want
+    mine = load_recipe(RECIPES / "lora.yaml", [*over[:1], "raas.0.engine_args=--max-lora-rank 64"])
+    raas = serve_params(layout.raas_command(mine, 0, rd, "127.0.0.1:1"))
+    assert raas["engine_args"] == "--max-lora-rank 64 --enable-lora --max-loras 1"
+    torch_raas = layout.raas_command(load_recipe(RECIPES / "lora.yaml"), 0, rd, "127.0.0.1:1")
+    assert not any(a.startswith("--engine-args") for a in torch_raas)
+
+
 @pytest.mark.slow
 def test_tool_use_recipe_starts_and_trains_a_few_steps(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -13,6 +13,11 @@ the adapter's, plus one version file, `adapter_config.json`:
   so a receiver holding another base refuses the adapter instead of serving
   garbage.
 
+`to_peft` / `from_peft` convert to and from the PEFT directory layout that
+vLLM's LoRA API reads (`adapter_config.json` with `r`, `lora_alpha`,
+`target_modules`; tensors named `base_model.model.M.lora_A.weight`); the
+PEFT config keeps the base digest as `astra_base_digest`.
+
 The base digest is BLAKE3 over the base's tensors in name order (name, shape
 and float32 little-endian bytes of each), computed from the state dict as read
 from its source, before any cast to a compute dtype: a trainer holding fp32
@@ -36,6 +41,8 @@ ADAPTER_FILE = "adapter_config.json"
 FORMAT = 1
 SUFFIX_A = ".lora_A.weight"
 SUFFIX_B = ".lora_B.weight"
+PEFT_PREFIX = "base_model.model."
+PEFT_WEIGHTS = "adapter_model.safetensors"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -203,3 +210,59 @@ def check_base(config: AdapterConfig, held_digest: str) -> None:
             "base_digest",
             f"the adapter was trained on base {config.base_digest}, this engine holds {held_digest}",
         )
+
+
+def to_peft(
+    tensors: Mapping[str, torch.Tensor], config: AdapterConfig, base_name: str = ""
+) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """(tensors named `base_model.model.M.lora_X.weight`, PEFT adapter_config.json body).
+
+    Every name must be an adapter tensor (field `tensors`); `base_name` fills PEFT's
+    `base_model_name_or_path` (informational: vLLM checks nothing against it).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not is_adapter_tensor(name):
+            raise AdapterError("tensors", f"{name!r} is not an adapter tensor (*{SUFFIX_A})")
+        out[PEFT_PREFIX + name] = t.contiguous()
+    body: dict[str, object] = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": list(config.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": base_name,
+        "astra_base_digest": config.base_digest,
+    }
+    return out, body
+
+
+def from_peft(
+    tensors: Mapping[str, torch.Tensor], body: Mapping[str, object]
+) -> tuple[dict[str, torch.Tensor], AdapterConfig]:
+    """The inverse of `to_peft`: Astra's tensor names and config from a PEFT adapter."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not name.startswith(PEFT_PREFIX):
+            raise AdapterError("tensors", f"{name!r} lacks the PEFT prefix {PEFT_PREFIX!r}")
+        out[name[len(PEFT_PREFIX) :]] = t
+    targets = body.get("target_modules")
+    if not isinstance(targets, list):
+        raise AdapterError("target_modules", "must be a list of module names")
+    rank, alpha = body.get("r"), body.get("lora_alpha")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise AdapterError("alpha", f"lora_alpha must be a number, got {alpha!r}")
+    config = AdapterConfig(
+        rank=rank,  # type: ignore[arg-type]  # AdapterConfig checks it
+        alpha=float(alpha),
+        dropout=float(body.get("lora_dropout") or 0.0),  # type: ignore[arg-type]
+        targets=tuple(str(t) for t in targets),
+        base_digest=str(body.get("astra_base_digest") or ""),
+    )
+    return out, config

@@ -176,7 +176,8 @@ class EngineBackend:
         if adapters and not getattr(self.inference_engine, "serves_adapters", False):
             raise FailedPrecondition(
                 f"versions of {adapters} are LoRA adapters; the {self.engine} engine serves "
-                "full versions only (the built-in torch engine serves adapters)",
+                "full versions only (the built-in torch engine serves adapters, and vLLM "
+                "launched with --enable-lora)",
                 reason="ADAPTER_UNSUPPORTED",
                 metadata={"field": "versions"},
             )

