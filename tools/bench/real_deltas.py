@@ -66,7 +66,7 @@ MODEL = {  # over astra.engine.tiny.TINY_CONFIG: ~10.4M parameters
     "num_key_value_heads": 2,
     "head_dim": 64,
 }
-PROMPTS, GROUP, MAX_NEW = 4, 8, 5  # prompts per step, samples per prompt, answer tokens
+PROMPTS, GROUP, MAX_NEW = 2, 8, 5  # prompts per step, samples per prompt, answer tokens
 
 
 # ----- the policy as the RaaS holds it: sampled from received bytes -----------------------------
