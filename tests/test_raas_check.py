@@ -1,7 +1,7 @@
 """`astra raas check`: the RaaS contract checker passes Astra's own RaaS and fails broken ones.
 
 Here: Astra's RaaS passes, results Dataflow would refuse fail `collect`, and the CLI on each
-engine. One broken rule per check (39 switches of astra.testing.broken_raas, each caught by the
+engine. One broken rule per check (45 switches of astra.testing.broken_raas, each caught by the
 check named for it): tests/test_raas_check_broken.py.
 """
 
