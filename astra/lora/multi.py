@@ -23,6 +23,7 @@ Knows nothing of gRPC, the scheduler's threads or version numbers.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ from astra.engine.kv_cache import KVCache
 from astra.engine.model import CausalLM
 from astra.lora import serving
 from astra.lora.format import AdapterError
+
+log = logging.getLogger(__name__)
 
 
 class Rows:
@@ -161,6 +164,12 @@ class SharedPlan:
         else:
             digest = self.pool.digest(self.policy, self.model)
             shared = self.pool.bases.setdefault(digest, SharedBase(self.model, digest))
+            log.info(
+                "LoRA policy %s serves on the shared base %s, with %s",
+                self.policy,
+                digest[:20],
+                sorted(shared.served) or "no other policy yet",
+            )
         shared.install(self.policy, self.planned)
         return PolicyModel(shared, self.policy)
 
