@@ -81,3 +81,25 @@ def test_mixed_rows_apply_each_rows_adapter_and_a_swap_leaves_the_other_bit_iden
     torch.testing.assert_close(alone, mixed[1:3], atol=1e-5, rtol=0)
     for name, w in base.items():  # the base itself is never changed
         assert torch.equal(shared.model.hf_state_dict()[name], w), name
+
+
+def test_finish_old_keeps_a_copy_per_policy_and_serves_the_adapter():
+    async def body():
+        model, tok = load_model("tiny")
+        base = {k: v.clone() for k, v in model.hf_state_dict().items()}
+        version = adapter(base, seed=1)
+        engine = TorchEngine({"p": (model, tok)}, on_swap="finish_old")
+        reference = TorchEngine({"p": merged_model(base, version)})
+        try:
+            await engine.swap_weights({"p": 1}, {"p": version})
+            got, want = await greedy(engine, "p"), await greedy(reference, "p")
+            served = engine._sched.current["p"].model
+        finally:
+            await engine.close()
+            await reference.close()
+        return got, want, served
+
+    got, want, served = run(body)
+    assert got[0] == want[0] and set(got[2]) == {1}
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4)
+    assert not isinstance(served, PolicyModel)
