@@ -31,17 +31,21 @@ def test_policies_on_one_base_each_match_their_merged_model_and_share_its_parame
             want = [await greedy(refs["a"], "a"), await greedy(refs["b"], "b")]
             models = {p: b.model for p, b in engine._sched.current.items()}
             extra = sum(t.numel() * t.element_size() for v in (va, vb) for t in v.tensors.values())
+            await engine.swap_weights({"a": 4}, {"a": adapter(base, seed=5)})  # a's next only
+            later = await asyncio.gather(greedy(engine, "a"), greedy(engine, "b"))
         finally:
             await engine.close()
             for r in refs.values():
                 await r.close()
-        return before, after, got, want, models, extra
+        return before, after, got, want, models, extra, later
 
-    before, after, got, want, models, extra = run(body)
+    before, after, got, want, models, extra, later = run(body)
     for (tokens, logprobs, versions), (wt, wl, _), v in zip(got, want, (3, 7), strict=True):
         assert tokens == wt and set(versions) == {v}
         np.testing.assert_allclose(logprobs, wl, atol=1e-4)
     assert got[0][0] != got[1][0]
+    assert later[1] == got[1]  # b: the same tokens, log-probs (bit-identical) and version 7
+    assert set(later[0][2]) == {4} and later[0][:2] != got[0][:2]
     a, b = models["a"], models["b"]
     assert isinstance(a, PolicyModel) and isinstance(b, PolicyModel)
     assert a.shared is b.shared and not isinstance(models["full"], PolicyModel)
