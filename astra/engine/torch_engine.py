@@ -74,7 +74,8 @@ class TorchEngine:
     """Serves policies from in-memory `CausalLM`s; see the module docstring for conventions.
 
     The engine owns the model objects it is given: a "continue" swap overwrites
-    their parameters in place, and a worker failure (say, a device error) fails
+    their parameters in place (LoRA policies with the same base end up on one of
+    them, astra.lora.multi), and a worker failure (say, a device error) fails
     every pending request with Unavailable(ENGINE_FAILED) and sets `healthy` False.
     """
 
