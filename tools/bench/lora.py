@@ -79,6 +79,10 @@ def run_variant(name: str, recipe: str, steps: int, root: Path, timeout_s: float
         "held_out_last": evals[-1].get("mean_reward") if evals else None,
         "last10": s.get("accuracy_last10"),
         "lost": s.get("groups_lost"),
+        "streams": {  # several evaluated streams (multi_lora: one per policy)
+            name: [e.get("first"), e.get("last")]
+            for name, e in s.get("eval", {}).get("streams", {}).items()
+        },
         "stored": stored(run_dir),
         "fetched": fetched(run_dir),
     }
@@ -146,6 +150,13 @@ def section(
     ):
         gap = by["full"]["held_out_last"] - by["lora"]["held_out_last"]
     verdict = "not measured" if gap is None else ("met" if gap <= 0.05 else "missed")
+    for r in rows:
+        if r.get("streams"):
+            each = ", ".join(
+                f"{name} {fmt(first)} -> {fmt(last)}"
+                for name, (first, last) in r["streams"].items()
+            )
+            lines += ["", f"Held-out per evaluated stream of `{r['variant']}`: {each}."]
     if serving is not None:
         lines += ["", *serving_lines(serving)]
     lines += [
@@ -167,6 +178,8 @@ def section(
         "(arithmetic, not measured here).",
         "- Deltas of an adapter's fp32 updates compress little (most elements change at "
         "every step): the adapter is already the small form.",
+        "- Run with `nice` on a machine shared with other jobs (see the load average): wall "
+        "times and publish-to-swapped are inflated by it; bytes and memory are not.",
         "- Stored full / delta for `lora` and `multi_lora` are adapter versions and adapter "
         "deltas; `multi_lora` loads fetch both policies' adapters together (lockstep barrier).",
         "- Memory: `TorchEngine.held_bytes()` (distinct tensor storages of the served models) "
