@@ -284,3 +284,31 @@ def test_an_agent_command_that_does_not_exist_fails_the_recipe_naming_the_key(
 ) -> None:
     with pytest.raises(RecipeError, match=r"agent_command.*no-such-agent"):
         load_recipe(RECIPES / "agent.yaml", ["raas.0.agent_command=[no-such-agent]"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_multi_lora_recipe_trains_two_adapters_on_one_served_base(tmp_path: Path) -> None:
+    """configs/recipes/multi_lora.yaml in CI size: one warm-up shared by both policies, each
+    trainer publishes adapters only, each RaaS serves both on one base (its log says the second
+    policy joined the first's), and the run completes with nothing lost."""
+    run_dir = tmp_path / "run"
+    recipe = str(RECIPES / "multi_lora.yaml")
+    cmd = [sys.executable, "-m", "astra.run", recipe, "--run-dir", str(run_dir)]
+    for override in ("trainer.num_steps=3", "warmup.steps=20", "eval.size=8"):
+        cmd += ["--set", override]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "completed" and s["groups_lost"] == 0 and s["groups_duplicated"] == 0
+    warm = run_dir / "warmup"
+    assert (warm / "g8" / "model").resolve() == (warm / "g4" / "model").resolve()
+    for policy in ("g4", "g8"):
+        versions = run_dir / "state" / "weights" / "policies" / policy / "versions"
+        for version in sorted(versions.iterdir()):
+            names = set(json.loads((version / "record.json").read_text())["tensors"])
+            assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
+    logs = [p.read_text() for p in (run_dir / "logs").glob("raas-*.log")]
+    assert logs and all("serves on the shared base" in t for t in logs)
+    joined = [t for t in logs if "with ['g4']" in t or "with ['g8']" in t]
+    assert len(joined) == len(logs), "the second policy did not join the first's base"

@@ -36,7 +36,6 @@ from astra.engine.api import FinishReason
 from astra.engine.batch import Batch, Sequence
 from astra.engine.model import CausalLM
 from astra.errors import Unavailable
-from astra.lora.serving import install as install_adapter
 
 log = logging.getLogger(__name__)
 OnSwap = Literal["continue", "finish_old"]
@@ -50,7 +49,7 @@ class SwapOrder:
     states: Mapping[str, Mapping[str, torch.Tensor]]  # continue: converted tensors to copy in
     models: Mapping[str, CausalLM]  # finish_old: new model objects, already loaded
     done: Callable[[BaseException | None], None]
-    # continue: LoRA adapters (astra.lora.serving.PlannedAdapter) to install in place
+    # continue: LoRA adapters (astra.lora.multi.SharedPlan) to install on a shared base
     adapters: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -182,7 +181,7 @@ class Scheduler:
             for policy, version in order.versions.items():
                 batch = self.current[policy]
                 if self.on_swap == "continue" and policy in order.adapters:
-                    install_adapter(batch.model, order.adapters[policy])
+                    batch.model = order.adapters[policy].install()  # astra.lora.multi
                     batch.version = version
                 elif self.on_swap == "continue":
                     batch.model.load_weights(order.states.get(policy, {}), partial=True)

@@ -47,7 +47,7 @@ from astra.engine.torch_weights import as_torch_state
 from astra.engine.validate import check_request
 from astra.errors import FailedPrecondition, invalid_field
 from astra.lora import serving as lora
-from astra.lora.format import AdapterError
+from astra.lora.multi import BasePool, PolicyModel, held_bytes
 
 ON_SWAP = ("continue", "finish_old")
 
@@ -56,7 +56,8 @@ class TorchEngine:
     """Serves policies from in-memory `CausalLM`s; see the module docstring for conventions.
 
     The engine owns the model objects it is given: a "continue" swap overwrites
-    their parameters in place, and a worker failure (say, a device error) fails
+    their parameters in place (LoRA policies with the same base end up on one of
+    them, astra.lora.multi), and a worker failure (say, a device error) fails
     every pending request with Unavailable(ENGINE_FAILED) and sets `healthy` False.
     """
 
@@ -113,7 +114,7 @@ class TorchEngine:
             num_threads=num_threads,
         )
         self._swap_lock = asyncio.Lock()
-        self._base_digests: dict[str, str] = {}  # per policy, taken at its first adapter
+        self._pool = BasePool()  # adapter policies' shared bases (astra.lora.multi)
 
     def _policy(self, policy_id: str, field: str = "policy_id") -> str:
         if policy_id not in self._cfgs:
@@ -138,6 +139,10 @@ class TorchEngine:
     def swap_pause_s(self) -> float:
         """Seconds decoding stood still while weight swaps were installed, in all."""
         return self._sched.swap_pause_s
+
+    def held_bytes(self) -> int:
+        """Bytes of the weights the served models hold (a shared base counted once)."""
+        return held_bytes([b.model for b in self._sched.current.values()])
 
     @property
     def healthy(self) -> bool:
@@ -185,21 +190,22 @@ class TorchEngine:
     ) -> SwapOrder:
         """Validates and converts off the event loop; builds new model objects for finish_old.
 
-        An adapter version (astra.lora.serving) is checked against the policy's base and
-        installed unmerged; a policy that serves an adapter takes no full version."""
+        An adapter version is checked against the policy's base and installed unmerged, on
+        one base shared by every policy with the same base digest (astra.lora.multi); a
+        policy that serves an adapter takes no full version."""
         states, models, adapters = {}, {}, {}
         for policy in versions:
             model = self._sched.current[policy].model
             given = state.get(policy, {})
             if isinstance(given, lora.AdapterVersion):
-                planned = self._plan_adapter(policy, model, given)
-                adapters[policy] = planned
-                if self.on_swap == "finish_old":
+                if self.on_swap == "finish_old":  # a copy per policy, as for full versions
                     models[policy] = copy.deepcopy(model)
-                    lora.install(models[policy], planned)
+                    lora.install(models[policy], self._pool.plan(policy, model, given))
+                else:  # on the policy's shared base (astra.lora.multi)
+                    adapters[policy] = self._pool.plan_shared(policy, model, given)
                 continue
             tensors = as_torch_state(given)
-            if tensors and lora.serves_adapters(model):
+            if tensors and (isinstance(model, PolicyModel) or lora.serves_adapters(model)):
                 raise FailedPrecondition(
                     f"policy {policy!r} serves a LoRA adapter: a full version would change "
                     "the base it was trained on",
@@ -215,18 +221,6 @@ class TorchEngine:
                 models[policy] = copy.deepcopy(model)
                 models[policy].load_weights(states[policy], partial=True)
         return SwapOrder(versions, states, models, done=lambda exc: None, adapters=adapters)
-
-    def _plan_adapter(
-        self, policy: str, model: CausalLM, version: lora.AdapterVersion
-    ) -> lora.PlannedAdapter:
-        """Checks an adapter version against the policy's base (digest taken once, from the
-        base as served, before its first adapter); raises the refusal naming the field."""
-        if policy not in self._base_digests:
-            self._base_digests[policy] = lora.served_base_digest(model)
-        try:
-            return lora.plan(model, version, self._base_digests[policy])
-        except AdapterError as exc:
-            raise lora.refusal(exc) from None
 
     async def swap_weights(
         self, versions: Mapping[str, int], state: Mapping[str, Mapping[str, object]]

@@ -96,10 +96,16 @@ class PlannedAdapter:
     tensors: dict[str, Tensor]
 
 
-def plan(model: CausalLM, version: AdapterVersion, held_digest: str) -> PlannedAdapter:
+def plan(
+    model: CausalLM,
+    version: AdapterVersion,
+    held_digest: str,
+    served: tuple[int, float, frozenset[str]] | None = None,
+) -> PlannedAdapter:
     """Checks `version` against the model (its base, modules, shapes, the adapter already
-    served); raises AdapterError naming the field. Converts the tensors to the model's
-    device and dtype; changes nothing."""
+    served: `served` (rank, alpha, modules) if given, else the model's LoraLinears); raises
+    AdapterError naming the field. Converts the tensors to the model's device and dtype;
+    changes nothing."""
     config = version.config
     check_base(config, held_digest)
     own = dict(model.named_parameters(remove_duplicate=False))
@@ -108,18 +114,20 @@ def plan(model: CausalLM, version: AdapterVersion, held_digest: str) -> PlannedA
     for module in pairs:
         if not isinstance(model.get_submodule(module), nn.Linear):
             raise AdapterError("target_modules", f"{module} is not a linear layer")
-    served = lora_layers(model)
-    if served:
-        first = next(iter(served.values()))
-        if (first.rank, first.alpha) != (config.rank, config.alpha):
+    if served is None and (layers := lora_layers(model)):
+        first = next(iter(layers.values()))
+        served = (first.rank, first.alpha, frozenset(layers))
+    if served is not None:
+        rank, alpha, modules = served
+        if (rank, alpha) != (config.rank, config.alpha):
             raise AdapterError(
                 "rank",
                 f"rank {config.rank}, alpha {config.alpha}; the policy serves rank "
-                f"{first.rank}, alpha {first.alpha} (an adapter keeps its shape for a run)",
+                f"{rank}, alpha {alpha} (an adapter keeps its shape for a run)",
             )
-        if set(served) != set(pairs):
+        if modules != set(pairs):
             raise AdapterError(
-                "target_modules", f"adapts {sorted(pairs)}; the policy serves {sorted(served)}"
+                "target_modules", f"adapts {sorted(pairs)}; the policy serves {sorted(modules)}"
             )
     like = next(p for n, p in own.items() if not is_adapter_tensor(n))
     out: dict[str, Tensor] = {}

@@ -168,15 +168,27 @@ class Supervisor:
         if not r.warmup.steps:
             return r
         data = await asyncio.to_thread(layout.warmup_data, r, rd, dataset)
+        # Policies whose warm-up would be the same command (model, records, settings) share
+        # one: the later ones' model is a link to the first's, so they start on one base.
+        first: dict[tuple[str, ...], str] = {}
         for p in r.policies:
-            done = rd.warmup_model(p.id).parent / "result.json"
-            if rd.warmup_model(p.id).is_dir():  # astra sft renames it into place when complete
-                self.warmup[p.id] = json.loads(done.read_text()) if done.is_file() else {}
-                log.info("warm-up of %s: kept from %s", p.id, rd.warmup_model(p.id))
-                continue
-            name = f"warmup-{p.id}"
+            out = rd.warmup_model(p.id)
+            done = out.parent / "result.json"
             mine = await asyncio.to_thread(layout.policy_warmup_data, r, rd, data, p.id)
             command = layout.sft_command(r, p, rd, mine)
+            twin = first.setdefault(tuple(a for a in command if a != str(out)), p.id)
+            if out.is_dir():  # astra sft renames it into place when complete
+                self.warmup[p.id] = json.loads(done.read_text()) if done.is_file() else {}
+                log.info("warm-up of %s: kept from %s", p.id, out)
+                continue
+            if twin != p.id:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.symlink_to(rd.warmup_model(twin).resolve(), target_is_directory=True)
+                self.warmup[p.id] = self.warmup.get(twin, {})
+                done.write_text(json.dumps(self.warmup[p.id], indent=2) + "\n")
+                log.info("warm-up of %s: the same as %s's, shared (%s)", p.id, twin, out)
+                continue
+            name = f"warmup-{p.id}"
             child = self.new_child(name, "warmup", command, rd.log(name), r.env)
             self.children["warmup"].append(child)
             await child.spawn()
