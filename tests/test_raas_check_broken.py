@@ -25,6 +25,7 @@ from astra.raas.registration_record import Recording
 from astra.servers.raas_registration_check import start_checking_dataflow
 from astra.servers.weights_serve import start_weights
 from astra.testing.broken_raas import CATCHES, SWITCHES, start_broken_raas
+from astra.testing.broken_registrar import start_registering
 from astra.weights.store import StoreConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,14 +115,15 @@ def check_switch(switch: str, weights: str) -> dict[str, tuple[str, str]]:
 
     async def body() -> dict[str, tuple[str, str]]:
         dataflow = await start_checking_dataflow(recording)
-        server, servicer = await start_broken_raas(switch, dataflow=dataflow.address)
+        server, servicer = await start_broken_raas(switch)
+        registrar = start_registering(servicer, server, dataflow.address)
         try:
             return {
                 r.name: (r.status, r.detail)
                 for r in await RaasChecker(server.address, options).run()
             }
         finally:
-            await servicer.registrar.stop()
+            await registrar.stop()
             await server.stop(0)
             await dataflow.stop(0)
 

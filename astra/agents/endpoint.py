@@ -108,7 +108,7 @@ class AgentEndpoint:
         `gen` in pieces; an error after the stream began is an error event (no [DONE])."""
         _, req, prompt_ids, sampling = call
         created = int(time.time())
-        markers = (tool_format.marker,) if tool_format is not None else ()
+        markers: tuple[str, ...] = (tool_format.marker,) if tool_format is not None else ()
         deltas = TextDeltas(tokenizer, req.stop, markers)
         if req.messages is not None:
             yield api.chunk(req, rid, created)

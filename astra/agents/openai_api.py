@@ -97,7 +97,8 @@ def parse(raw: bytes, *, chat: bool, served: tuple[str, ...]) -> Request:
             param="model", code="model_not_found",
         )  # fmt: skip
     messages = prompt = None
-    tools, tool_choice = (), "auto"
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice = "auto"
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -17,7 +17,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from astra.clients.registrar import Registrar
 from astra.errors import (
     AstraError,
     InvalidArgument,
@@ -463,12 +462,10 @@ CATCHES: dict[str, str] = {
 
 
 async def start_broken_raas(
-    switch: str, backend: RolloutBackend | None = None, *, capacity: int = 4, dataflow: str = ""
+    switch: str, backend: RolloutBackend | None = None, *, capacity: int = 4
 ) -> tuple[GrpcServer, RolloutServicer]:
     """Astra's RolloutService with SWITCHES[switch] applied ("" for none), on 127.0.0.1:0.
-
-    With `dataflow`, it registers there (`servicer.registrar`, to stop before the server),
-    through a Registrar that a registration switch has broken."""
+    A registration switch applies when it registers (broken_registrar.start_registering)."""
     if switch and switch not in SWITCHES:
         raise ValueError(f"unknown switch {switch!r}; one of {sorted(SWITCHES)}")
     servicer = RolloutServicer(backend or FetchingScripted(delay_s=0.05), capacity)
@@ -483,9 +480,4 @@ async def start_broken_raas(
     await server.start(serving=False)
     servicer.instance_id = f"broken-raas-{switch or 'none'}-{server.address}"
     await server.set_serving(True)
-    servicer.registrar = None
-    if dataflow:
-        servicer.registrar = Registrar(dataflow, servicer, server.address)
-        getattr(servicer, "registrar_switch", lambda registrar: None)(servicer.registrar)
-        servicer.registrar.start()
     return server, servicer

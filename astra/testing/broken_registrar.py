@@ -4,7 +4,7 @@ Each switch breaks one rule of dataflow_service.proto that a RaaS keeps towards 
 (RegisterInstance, HeartbeatInstance) in Astra's own Registrar
 (astra.clients.registrar); astra.testing.broken_raas lists them among its SWITCHES, with
 the registration check that must fail for each (REGISTRATION_CATCHES). A switch marks the
-servicer; `start_broken_raas(..., dataflow=ADDRESS)` applies it to the Registrar it starts.
+servicer; `start_registering` applies it to the Registrar it starts.
 Never used outside tests.
 """
 
@@ -19,6 +19,11 @@ from astra.clients.registrar import Registrar
 from astra.common.v1 import version_pb2
 
 RegistrarSwitch = Callable[[Registrar], None]
+
+
+def _set(registrar: Registrar, name: str, value: Any) -> None:
+    """Replaces one of the Registrar's methods or its client (what a switch breaks)."""
+    setattr(registrar, name, value)
 
 
 def _mark(fn: RegistrarSwitch) -> Callable[[Any, Any], None]:
@@ -49,7 +54,8 @@ def claims_unheld_version(registrar: Registrar) -> None:
 
         return built
 
-    registrar._register_request, registrar._heartbeat_request = lie(register), lie(beat)  # type: ignore[method-assign]
+    _set(registrar, "_register_request", lie(register))
+    _set(registrar, "_heartbeat_request", lie(beat))
 
 
 def registers_other_capacity(registrar: Registrar) -> None:
@@ -61,7 +67,7 @@ def registers_other_capacity(registrar: Registrar) -> None:
         out.capacity += 3
         return out
 
-    registrar._register_request = built  # type: ignore[method-assign]
+    _set(registrar, "_register_request", built)
 
 
 def claims_stale_versions(registrar: Registrar) -> None:
@@ -77,7 +83,7 @@ def claims_stale_versions(registrar: Registrar) -> None:
         out.loaded_versions.extend(first[0])
         return out
 
-    registrar._heartbeat_request = built  # type: ignore[method-assign]
+    _set(registrar, "_heartbeat_request", built)
 
 
 class _Swallowing:
@@ -100,7 +106,7 @@ class _Swallowing:
 
 def ignores_not_found(registrar: Registrar) -> None:
     """Goes on heartbeating after NOT_FOUND (rule: register again)."""
-    registrar.client = _Swallowing(registrar.client)  # type: ignore[assignment]
+    _set(registrar, "client", _Swallowing(registrar.client))
 
 
 def new_incarnation_on_reregister(registrar: Registrar) -> None:
@@ -115,7 +121,7 @@ def new_incarnation_on_reregister(registrar: Registrar) -> None:
         out.incarnation = f"{out.incarnation}-{count[0]}"
         return out
 
-    registrar._register_request = built  # type: ignore[method-assign]
+    _set(registrar, "_register_request", built)
 
 
 def no_heartbeats(registrar: Registrar) -> None:
@@ -126,7 +132,7 @@ def no_heartbeats(registrar: Registrar) -> None:
         async def heartbeat_instance(self, request: Any) -> Any:
             await forever.wait()
 
-    registrar.client = Silent(registrar.client)  # type: ignore[assignment]
+    _set(registrar, "client", Silent(registrar.client))
 
 
 REGISTRAR_SWITCHES = (
@@ -146,3 +152,12 @@ REGISTRATION_CATCHES = {
     "new_incarnation_on_reregister": "reregisters_on_not_found",
     "no_heartbeats": "heartbeats",
 }
+
+
+def start_registering(servicer: Any, server: Any, dataflow: str) -> Registrar:
+    """Registers the instance served by `server` with the Dataflow at `dataflow`, through a
+    Registrar broken by the servicer's registration switch, if any; stop it before the server."""
+    registrar = Registrar(dataflow, servicer, server.address)
+    getattr(servicer, "registrar_switch", lambda registrar: None)(registrar)
+    registrar.start()
+    return registrar

@@ -31,6 +31,7 @@ Knows nothing of gRPC, of HTTP (VLLMEngine sends the requests) or of the weight 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import uuid
 from collections.abc import Sequence
@@ -73,7 +74,7 @@ class AdapterSlot:
     """One policy's adapters on one vLLM server (see the module docstring)."""
 
     def __init__(
-        self, policy_id: str, base_dir: str | Path, root: str | Path, max_rank: int
+        self, policy_id: str, base_dir: str | os.PathLike[str], root: str | Path, max_rank: int
     ) -> None:
         self.policy_id = policy_id
         self.base_dir = Path(base_dir)
