@@ -4,7 +4,8 @@
 Thin: it frames requests and responses; astra.agents.endpoint does the work. The API key is
 the `Authorization: Bearer` token, or the `X-Astra-Episode` header where the caller's own
 bearer token is fixed (a verifiers environment's relay, astra.workflows.verifiers_env).
-Connections are kept alive between requests; a streamed answer (`text/event-stream`) is
+It listens on 127.0.0.1 and on a Unix socket (`unix_path`, in a directory of its own), which
+sandboxed agents without a network reach. Connections are kept alive between requests; a streamed answer (`text/event-stream`) is
 written event by event as the endpoint yields them, and ends its connection. Request bodies
 above MAX_BODY_BYTES and
 header blocks above MAX_HEADER_BYTES are refused (413 / 431), and a client that sends nothing
@@ -17,6 +18,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import shutil
+import tempfile
 from typing import Any
 
 from astra.agents.endpoint import AgentEndpoint
@@ -37,7 +41,13 @@ class AgentHTTPServer:
     def __init__(self, endpoint: AgentEndpoint, host: str = "127.0.0.1", port: int = 0) -> None:
         self.endpoint, self.host, self.port = endpoint, host, port
         self._server: asyncio.Server | None = None
+        self._unix: asyncio.Server | None = None
+        self._dir = ""
         self._connections: set[asyncio.Task] = set()
+
+    @property
+    def unix_path(self) -> str:
+        return os.path.join(self._dir, "endpoint.sock") if self._dir else ""
 
     @property
     def base_url(self) -> str:
@@ -46,19 +56,25 @@ class AgentHTTPServer:
     async def start(self) -> AgentHTTPServer:
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._dir = tempfile.mkdtemp(prefix="astra-agents-")
+        self._unix = await asyncio.start_unix_server(self._serve, self.unix_path)
         return self
 
     async def stop(self) -> None:
         """Stops listening and ends every connection (a call under way is cancelled)."""
-        if self._server is not None:
-            self._server.close()
+        for server in (self._server, self._unix):
+            if server is not None:
+                server.close()
         for task in list(self._connections):
             task.cancel()
         if self._connections:
             await asyncio.wait(self._connections, timeout=5.0)
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+        for server in (self._server, self._unix):
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(server.wait_closed(), 5.0)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

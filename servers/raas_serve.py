@@ -83,7 +83,7 @@ async def start_agents(opts: RaasOptions, engine: Any) -> tuple[Any, Any]:
         load_env(opts.verifiers_env)  # built once here; its error names `verifiers_env`
     endpoint = AgentEndpoint(engine)
     server = await AgentHTTPServer(endpoint, "127.0.0.1", 0).start()
-    return Gateway(server.base_url, endpoint.episodes), server
+    return Gateway(server.base_url, endpoint.episodes, server.unix_path), server
 
 
 async def serve_raas(opts: RaasOptions) -> None:
@@ -120,7 +120,11 @@ async def serve_raas(opts: RaasOptions) -> None:
         agents=agents,
         workflow_options={
             **opts.workflow_options,
-            "agent": {"command": opts.agent_command, "timeout_s": opts.agent_timeout_s},
+            "agent": {
+                **opts.workflow_options.get("agent", {}),
+                "command": opts.agent_command,
+                "timeout_s": opts.agent_timeout_s,
+            },
             "verifiers": {"env": opts.verifiers_env},
         },
     )

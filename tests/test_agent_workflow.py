@@ -5,6 +5,7 @@ an agent that crashes, hangs, floods or never calls fails its sample in time."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
 from pathlib import Path
@@ -63,7 +64,8 @@ def run_agent(tmp_path: Path, code: str, **options: Any) -> tuple[list, float]:
         server = await AgentHTTPServer(endpoint).start()
         opts = {"command": [sys.executable, str(script)], "timeout_s": 30.0, **options}
         backend = EngineBackend(
-            engine, ["agent"], agents=Gateway(server.base_url, endpoint.episodes),
+            engine, ["agent"],
+            agents=Gateway(server.base_url, endpoint.episodes, server.unix_path),
             workflow_options={"agent": opts},
         )  # fmt: skip
         try:
@@ -105,9 +107,42 @@ def test_the_printed_reward_reaches_the_trajectory(tmp_path) -> None:
     [("crash", "exit 3"), ("hang", "timeout"), ("silent", "no call"), ("flood", "exit 1")],
 )
 def test_a_failing_agent_fails_its_sample_in_time(tmp_path, behaviour, says) -> None:
-    out, took = run_agent(tmp_path, BEHAVIOURS[behaviour], timeout_s=3.0, max_calls=5)
+    timeout_s = 3.0 if behaviour == "hang" else 10.0  # the others end by themselves
+    out, took = run_agent(tmp_path, BEHAVIOURS[behaviour], timeout_s=timeout_s, max_calls=5)
     assert all(t.error and says in t.error for t in out), [t.error for t in out]
     assert took < 30
+
+
+PROBE = AGENT.replace(
+    "print(text.strip())",
+    "import socket\n"
+    "try:\n"
+    "    socket.create_connection(('127.0.0.1', OTHER_PORT), timeout=2)\n"
+    "    print('reached')\n"
+    "except OSError as exc:\n"
+    "    print('cut', exc.errno)",
+)
+
+
+@pytest.mark.parametrize(("network", "says"), [(False, "cut"), (True, "reached")])
+def test_an_agent_reaches_the_endpoint_and_nothing_else_unless_allowed(
+    tmp_path, network, says
+) -> None:
+    """The agent's calls reach the endpoint (same URL) where its network is cut; another server
+    on this machine's loopback does not answer it, unless `network: true`."""
+    from astra.rewards.sandbox import no_network_prefix
+
+    if not network and not no_network_prefix():
+        pytest.skip("this machine allows no network namespace: agents keep the network")
+    other = socket.create_server(("127.0.0.1", 0))
+    code = PROBE.replace("OTHER_PORT", str(other.getsockname()[1]))
+    try:
+        out, _ = run_agent(tmp_path, code, network=network, timeout_s=20.0)
+    finally:
+        other.close()
+    assert [t.error for t in out] == [None, None]
+    for t in out:
+        assert t.metadata["calls"] == 2 and t.metadata["answer"].startswith(says)
 
 
 def test_an_agent_command_that_does_not_exist_is_refused_naming_it() -> None:
@@ -123,3 +158,24 @@ def test_the_agents_page_shows_the_agent_the_recipe_runs() -> None:
     assert (
         '"examples/agents/arithmetic_agent.py"' in (root / "configs/recipes/agent.yaml").read_text()
     )
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"network": "yes"}, "workflow_options.agent.network: 'yes' is not a bool"),
+        ({"max_calls": 0}, "workflow_options.agent.max_calls: 0 is not a int >= 1"),
+        ({"timeout_s": 5}, "workflow_options.agent.timeout_s: unknown.*agent_timeout_s"),
+    ],
+)
+def test_a_recipe_with_bad_agent_options_is_refused_naming_the_key(options, says) -> None:
+    import json
+
+    from astra.run.recipe import RecipeError, load_recipe
+
+    root = Path(__file__).resolve().parent.parent
+    with pytest.raises(RecipeError, match=says):
+        load_recipe(
+            root / "configs/recipes/agent.yaml",
+            [f"raas.0.workflow_options={{agent: {json.dumps(options)}}}"],
+        )

@@ -38,10 +38,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Gateway:
-    """What the `agent` workflow is given: where agents call, and the episodes behind it."""
+    """What the `agent` workflow is given: where agents call, and the episodes behind it.
+    `unix_path`: the same endpoint on a Unix socket, which an agent whose network is cut
+    reaches through its sandbox (astra.rewards.sandbox_forward); "" when there is none."""
 
     base_url: str
     episodes: Episodes
+    unix_path: str = ""
 
 
 class AgentEndpoint:

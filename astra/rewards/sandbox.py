@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from astra.rewards.sandbox_forward import FORWARD
 from astra.rewards.sandbox_fs import VIEW, launcher_args
 
 # Builds the file system view where asked (astra.rewards.sandbox_fs), sets the limits, says the
@@ -51,6 +52,7 @@ from astra.rewards.sandbox_fs import VIEW, launcher_args
 # neither fake nor hide it), runs the code.
 _LAUNCHER = (
     VIEW
+    + FORWARD
     + """
 import os, resource, sys
 cpu, mem, fsize, ready = (int(a) for a in sys.argv[1:5])
@@ -60,13 +62,23 @@ resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-os.write(ready, b"1")
-os.close(ready)
+argv = run = None
 if os.path.exists("command.json"):
     import json
     with open("command.json") as f:
         argv = json.load(f)
     os.remove("command.json")
+    if os.path.exists("forward.json"):  # the one endpoint it may reach (sandbox_forward)
+        with open("forward.json") as f:
+            port, path = json.load(f)
+        os.remove("forward.json")
+        run = _forward(port, path, argv)
+os.write(ready, b"1")
+os.close(ready)
+if run is not None:
+    code = run()
+    sys.exit(code if code >= 0 else 128 - code)
+if argv is not None:
     os.execvp(argv[0], argv)
 os.execv(sys.executable, [sys.executable, "-I", "-B", "main.py"])
 """
@@ -93,6 +105,9 @@ class SandboxLimits:
     output_chars: int = 16_384
     network: bool = False
     files: bool = False  # True: the machine's files are visible (default: only its own)
+    # (port, Unix socket path): without the network, the one address a command may still
+    # reach, 127.0.0.1:port inside its namespace, forwarded to that socket (sandbox_forward)
+    endpoint: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +159,9 @@ def run_command(
     """Runs a program (any language: `argv`, found on PATH) under `limits` with `env` added to
     the sandbox's environment (LANG, and PATH for the lookup); blocks until it ends or is
     killed. The same limits as `run_python`; a program that needs the machine's interpreters
-    and its own files wants `files=True`, one that calls back into this machine (an agent on
-    the RaaS's endpoint) `network=True`."""
+    and its own files wants `files=True`; one that calls back into this machine (an agent on
+    the RaaS's endpoint) names that endpoint (`endpoint`) and keeps the network cut, or asks
+    for `network=True`."""
     limits = limits or SandboxLimits()
     if not argv:
         raise ValueError("argv is empty")
@@ -171,6 +187,9 @@ def _run(
         root.mkdir()
         if argv is not None:
             (root / "command.json").write_text(json.dumps(argv), encoding="utf-8")
+            if limits.endpoint is not None and no_net:
+                forward = json.dumps(list(limits.endpoint))
+                (root / "forward.json").write_text(forward, encoding="utf-8")
         else:
             (root / "main.py").write_text(code or "", encoding="utf-8")
         (root / "stdin").write_text(stdin, encoding="utf-8")

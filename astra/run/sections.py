@@ -225,6 +225,10 @@ class RaasSpec(Strict):
                 check_agent(self.agent_command)
             except ValueError as exc:
                 raise ValueError(f"agent_command: {exc}") from None
+        if "agent" in self.workflow_options:
+            from astra.workflows.agent import check_options
+
+            check_options(self.workflow_options["agent"])  # says workflow_options.agent.X
         if "openenv" in self.workflow_options:
             from astra.workflows.openenv_env import parse_options
 

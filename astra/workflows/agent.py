@@ -3,8 +3,9 @@ makes to the RaaS's OpenAI-compatible endpoint is what gets trained.
 
 Per sample: an episode is opened on the endpoint (astra.agents) with a key of its own, and the
 agent command runs under the sandbox's limits (astra.rewards.sandbox.run_command: time,
-memory, file size; the network and the machine's files stay visible, since the agent must
-reach the endpoint and run its own interpreter) with, in its environment:
+memory, file size; the machine's files stay visible, since the agent runs its own interpreter;
+the network is cut but for the endpoint, reached at the same URL through the endpoint's Unix
+socket, where the machine allows network namespaces) with, in its environment:
   OPENAI_BASE_URL, OPENAI_API_KEY  the endpoint and the episode's key (any OpenAI client);
   ASTRA_MODEL                      the policy to name as `model`;
   ASTRA_PROMPT, ASTRA_RECORD       the prompt text, and the whole dataset record as JSON.
@@ -15,7 +16,8 @@ An agent that fails, hangs past `timeout_s` or makes no call fails the sample, s
 one that floods the endpoint is refused past `max_calls`.
 
 Options (`workflow_options["agent"]`, from `astra serve raas --agent-command`): `command`
-(argv), `timeout_s` (60), `max_calls` (64), `memory_bytes` (2 GiB).
+(argv), `timeout_s` (60), `max_calls` (64), `memory_bytes` (2 GiB), `network` (false: only the
+endpoint; true: the machine's network).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import urllib.parse
 from typing import Any
 
 from astra.agents.recorder import Episode
@@ -35,6 +38,24 @@ from astra.workflows.registry import register_workflow
 
 class AgentFailed(RuntimeError):
     """The agent program failed, hung or never called the endpoint."""
+
+
+OPTIONS = {"network": bool, "max_calls": int, "memory_bytes": int}
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """A recipe's `workflow_options.agent` (the command and its timeout have keys of their own:
+    `agent_command`, `agent_timeout_s`); raises ValueError naming the key."""
+    for key, value in options.items():
+        kind = OPTIONS.get(key)
+        if kind is None:
+            raise ValueError(
+                f"workflow_options.agent.{key}: unknown; one of {', '.join(sorted(OPTIONS))} "
+                "(the command and its timeout: agent_command, agent_timeout_s)"
+            )
+        if type(value) is not kind or (kind is int and value < 1):
+            raise ValueError(f"workflow_options.agent.{key}: {value!r} is not a {kind.__name__}"
+                             f"{' >= 1' if kind is int else ''}")  # fmt: skip
 
 
 def check_command(argv: list[str]) -> None:
@@ -106,12 +127,16 @@ class AgentWorkflow:
             "ASTRA_PROMPT": ctx.prompt_text(policy),
             "ASTRA_RECORD": json.dumps(ctx.record),
         }
+        # No network but the endpoint (reached through its Unix socket), unless asked for.
+        network = bool(opts.get("network", False)) or not gateway.unix_path
+        port = urllib.parse.urlsplit(gateway.base_url).port
         limits = SandboxLimits(
             time_s=float(opts.get("timeout_s", 60.0)),
             memory_bytes=int(opts.get("memory_bytes", 2 << 30)),
             output_chars=65_536,
-            network=True,
+            network=network,
             files=True,
+            endpoint=None if network or port is None else (port, gateway.unix_path),
         )
         try:
             result = await asyncio.to_thread(run_command, argv, env=env, limits=limits)
