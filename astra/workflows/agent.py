@@ -40,7 +40,7 @@ class AgentFailed(RuntimeError):
     """The agent program failed, hung or never called the endpoint."""
 
 
-OPTIONS = {"network": bool, "max_calls": int, "memory_bytes": int}
+OPTIONS: dict[str, type] = {"network": bool, "max_calls": int, "memory_bytes": int}
 
 
 def check_options(options: dict[str, Any]) -> None:
@@ -53,7 +53,7 @@ def check_options(options: dict[str, Any]) -> None:
                 f"workflow_options.agent.{key}: unknown; one of {', '.join(sorted(OPTIONS))} "
                 "(the command and its timeout: agent_command, agent_timeout_s)"
             )
-        if type(value) is not kind or (kind is int and value < 1):
+        if type(value) is not kind or (isinstance(value, int) and kind is int and value < 1):
             raise ValueError(f"workflow_options.agent.{key}: {value!r} is not a {kind.__name__}"
                              f"{' >= 1' if kind is int else ''}")  # fmt: skip
 
