@@ -77,6 +77,7 @@ CHECKS = (
     "load_weights_refuses_regression",
     "load_weights_refuses_reused_request_id",
     "tokens_carry_the_loaded_version",
+    "tokens_within_the_vocabulary",
     "load_weights_matches_by_identity",
     "load_weights_refuses_corrupt_data",
     "reregisters_on_not_found",

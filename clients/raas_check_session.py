@@ -69,6 +69,7 @@ class CheckSession:
         self.results: list[Check] = []
         self._n = 0
         self._loaded_copy: MemoryVersion | None = None  # its bytes, for the checker's own service
+        self.after_load: str | None = None  # a group generated on the loaded version
 
     async def _refuse_if_busy(self) -> None:
         """InstanceInUse when groups run or wait there: a live Dataflow's, which the checks

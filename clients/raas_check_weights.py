@@ -6,15 +6,19 @@ version of the policy, the instance must load it and show it in GetStatus, answe
 retries and the same versions under a new request id at once, refuse an older
 version (VERSION_REGRESSION) and keep the loaded one, refuse a request id reused for
 other versions (REQUEST_ID_REUSED), and stamp every token it generates afterwards
-with the loaded version (what Dataflow's staleness bound reads).
+with the loaded version (what Dataflow's staleness bound reads), every token id below the
+`vocab_size` of the loaded version's config.json.
 """
 
 from __future__ import annotations
+
+import json
 
 import grpc
 
 from astra.clients.raas_check_session import CheckSession
 from astra.clients.raas_rules import CheckFailed, Skipped, rpc
+from astra.common.arrays import from_array
 from astra.common.v1 import version_pb2
 
 
@@ -89,6 +93,7 @@ class WeightChecks(CheckSession):
         result, _ = self.decoded[g.group_id]
         if result.error is not None or result.invalid is not None:
             raise CheckFailed(f"the group: {result.error or result.invalid}")
+        self.after_load = g.group_id
         seen = {(t.min_version, t.max_version) for t in result.per_policy.get(self.policy, [])}
         want = (self.loaded.version, self.loaded.version)
         if seen != {want}:
@@ -96,3 +101,24 @@ class WeightChecks(CheckSession):
                 f"generated tokens carry versions (oldest, newest) {sorted(seen)}, expected {want}"
             )
         return f"every generated token: version {self.loaded.version}"
+
+    async def tokens_within_the_vocabulary(self) -> str:
+        """Every token id below the loaded version's config.json `vocab_size` (rollout.proto)."""
+        self._needs("loaded")
+        if self.after_load is None:
+            raise Skipped("needs the group of tokens_carry_the_loaded_version")
+        raw = (await self._loaded_tensors()).files.get("config.json")
+        vocab = int(json.loads(raw).get("vocab_size") or 0) if raw else 0
+        if vocab < 1:
+            raise Skipped("the loaded version's config.json names no vocab_size")
+        _, wire = self.decoded[self.after_load]
+        for i, t in enumerate(wire.result.trajectories):
+            for j, s in enumerate(t.sequences):
+                where = f"trajectories[{i}].sequences[{j}].token_ids"
+                ids = from_array(s.token_ids, where)
+                if len(ids) and int(ids.max()) >= vocab:
+                    raise CheckFailed(
+                        f"{where}: id {int(ids.max())} >= vocab_size {vocab} of the loaded "
+                        "version's config.json"
+                    )
+        return f"every id below vocab_size {vocab}"

@@ -1,7 +1,7 @@
 """`astra raas check`: the RaaS contract checker passes Astra's own RaaS and fails broken ones.
 
 Here: Astra's RaaS passes, results Dataflow would refuse fail `collect`, and the CLI on each
-engine. One broken rule per check (45 switches of astra.testing.broken_raas, each caught by the
+engine. One broken rule per check (46 switches of astra.testing.broken_raas, each caught by the
 check named for it): tests/test_raas_check_broken.py.
 """
 
@@ -21,7 +21,8 @@ import pytest
 from astra.clients.raas_check import CheckOptions, RaasChecker
 from astra.clients.raas_rules import summary
 from astra.clients.weights_publish import publish_version
-from astra.raas.scripted import ScriptedGenerator
+from astra.engine.tiny import TINY_CONFIG
+from astra.raas.scripted import VOCAB_SIZE, ScriptedGenerator
 from astra.servers.raas_serve import start_raas
 from astra.servers.weights_serve import start_weights
 from astra.testing.fake_engines import FakeEngineServer
@@ -45,7 +46,8 @@ def run_checks(patch=None, backend=None, store: Path | None = None) -> dict[str,
             if store is not None:
                 weights = await start_weights(store, config=StoreConfig(durable=False))
                 tensor = ("F32", [4], np.arange(4, dtype=np.float32).tobytes())
-                await publish_version(weights.address, "policy", "v3", 3, {"w": tensor})
+                config = {"config.json": json.dumps({"vocab_size": VOCAB_SIZE}).encode()}
+                await publish_version(weights.address, "policy", "v3", 3, {"w": tensor}, config)
                 options = replace(OPTIONS, weights=weights.address, version_id="v3")
             if patch is not None:
                 patch(servicer)
@@ -72,13 +74,14 @@ WEIGHT_CHECKS = {
     "load_weights_refuses_regression",
     "load_weights_refuses_reused_request_id",
     "tokens_carry_the_loaded_version",
+    "tokens_within_the_vocabulary",
 }
 
 
 @pytest.mark.slow
 def test_astra_raas_passes_every_check() -> None:
     got = run_checks()
-    assert len(got) == 36
+    assert len(got) == 37
     not_passed = {name: status for name, (status, _) in got.items() if status != "pass"}
     # no --weights, no --serve-weights, no --as-dataflow given
     assert not_passed == dict.fromkeys(
@@ -157,7 +160,8 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
         )  # fmt: skip
         address = json.loads(weights.stdout.readline())["address"]
-        asyncio.run(publish_version(address, "policy", "v1", 1, perturbed_tiny()))
+        tiny = {"config.json": json.dumps(TINY_CONFIG).encode()}
+        asyncio.run(publish_version(address, "policy", "v1", 1, perturbed_tiny(), tiny))
         weight_args = ["--weights", address, "--version", "v1", "--serve-weights"]
     else:
         fake = FakeEngineServer(engine).start()
@@ -187,14 +191,15 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
             ok = subprocess.run(check, capture_output=True, text=True, timeout=180)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         if weights is not None:
-            assert "36 passed, 0 failed, 0 warnings, 0 skipped" in ok.stdout, ok.stdout
+            assert "37 passed, 0 failed, 0 warnings, 0 skipped" in ok.stdout, ok.stdout
+            assert f"every id below vocab_size {TINY_CONFIG['vocab_size']}" in ok.stdout
             assert "registered again" in ok.stdout and "same incarnation" in ok.stdout
             assert "every generated token: version 1" in ok.stdout
             # its own version offered as the delta's base: the wrong base found, refused
             assert "wrong-base: DATA_LOSS CHECKSUM_MISMATCH" in ok.stdout, ok.stdout
             assert "truncated: DEADLINE_EXCEEDED" in ok.stdout, ok.stdout
         else:
-            assert "24 passed, 0 failed, 0 warnings, 12 skipped" in ok.stdout, ok.stdout
+            assert "24 passed, 0 failed, 0 warnings, 13 skipped" in ok.stdout, ok.stdout
         bad = subprocess.run(
             [*check, "--workflow", "no_such", "--json"], capture_output=True, text=True, timeout=60
         )

@@ -10,6 +10,7 @@ thread of its own.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from astra.clients.raas_check import CHECKS, CheckOptions, RaasChecker
 from astra.clients.raas_rules import InstanceInUse
 from astra.clients.weights_publish import publish_version
 from astra.raas.registration_record import Recording
+from astra.raas.scripted import VOCAB_SIZE
 from astra.servers.raas_registration_check import start_checking_dataflow
 from astra.servers.weights_serve import start_weights
 from astra.testing.broken_raas import CATCHES, SWITCHES, start_broken_raas
@@ -67,6 +69,7 @@ SAYS = {
     "forgets_request_ids": "expected INVALID_ARGUMENT",
     "stamps_version_zero": "expected (3, 3)",
     "skips_verification": "do not match",
+    "ids_past_vocab": "id 1048576 >= vocab_size 32000",
     "claims_unheld_version": "GetStatus says it holds",
     "registers_other_capacity": "registered capacity 7, GetStatus says 4",
     "claims_stale_versions": "a heartbeat claims",
@@ -92,7 +95,8 @@ def weights(tmp_path_factory) -> Iterator[str]:
             tmp_path_factory.mktemp("store"), config=StoreConfig(durable=False)
         )
         tensor = ("F32", [4], np.arange(4, dtype=np.float32).tobytes())
-        await publish_version(server.address, "policy", "v3", 3, {"w": tensor})
+        config = {"config.json": json.dumps({"vocab_size": VOCAB_SIZE}).encode()}
+        await publish_version(server.address, "policy", "v3", 3, {"w": tensor}, config)
         return server
 
     server = asyncio.run_coroutine_threadsafe(start(), loop).result(60)

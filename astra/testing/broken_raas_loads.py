@@ -142,6 +142,20 @@ def skips_verification(servicer, server) -> None:
     )
 
 
+def ids_past_vocab(servicer, server) -> None:
+    """Generates an id past the vocabulary (rule: ids below config.json's vocab_size)."""
+    generate = servicer.backend.generate
+
+    async def past(spec, versions):
+        out = await generate(spec, versions)
+        for t in out:
+            for s in t.sequences:
+                s.token_ids[-1] = 1 << 20
+        return out
+
+    servicer.backend.generate = past
+
+
 def stamps_version_zero(servicer, server) -> None:
     """Loads new versions but stamps every token with version 0 (rule: tokens carry the
     version that generated them)."""
