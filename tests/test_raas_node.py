@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import replace
@@ -34,8 +35,10 @@ from astra.clients.raas_rules import summary
 from astra.clients.weights_publish import publish_version
 from astra.common.v1 import version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
+from astra.raas.registration_record import Recording
 from astra.raas.v1 import rollout_service_pb2 as rs_pb
 from astra.raas.v1 import rollout_service_pb2_grpc as rs_grpc
+from astra.servers.raas_registration_check import start_checking_dataflow
 from astra.servers.weights_serve import start_weights
 from astra.tls_certs import init_ca, issue
 from astra.tls_crl import revoke, serial_of
@@ -81,20 +84,31 @@ def start_node_raas(tmp: Path, name: str, *extra: str, dataflow: str = "") -> Pr
 
 
 def test_node_raas_passes_every_contract_check(tmp_path):
-    node = start_node_raas(tmp_path, "node-check", "--capacity", "4", "--delay-ms", "50")
+    # the checker is also the Dataflow it registers with (astra raas check --as-dataflow)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    node = start_node_raas(
+        tmp_path, "node-check", "--capacity", "4", "--delay-ms", "50",
+        dataflow=f"127.0.0.1:{port}",
+    )  # fmt: skip
+    recording = Recording(interval_s=0.5)
 
     async def body():
         weights = await start_weights(tmp_path / "store", config=StoreConfig(durable=False))
+        dataflow = await start_checking_dataflow(recording, port=port)
         try:
             tensors = {
                 "w": ("F32", [4096], np.arange(4096, dtype=np.float32).tobytes()),
                 "b": ("BF16", [3], bytes(6)),
                 "empty": ("F32", [0], b""),
             }
-            await publish_version(weights.address, "policy", "v3", 3, tensors)
+            config = {"config.json": json.dumps({"vocab_size": 256}).encode()}  # raas.js's
+            await publish_version(weights.address, "policy", "v3", 3, tensors, config)
             options = replace(
-                CheckOptions(result_timeout_s=10.0), weights=weights.address, version_id="v3"
-            )
+                CheckOptions(result_timeout_s=10.0), weights=weights.address, version_id="v3",
+                recording=recording, register_timeout_s=30.0,
+            )  # fmt: skip
             results = await RaasChecker(node.address, options).run()
             # The next version, a few elements changed: the store keeps it as a delta, and the
             # JavaScript receiver, naming v3 as held, gets xor+zstd frames to decode against it.
@@ -110,8 +124,9 @@ def test_node_raas_passes_every_contract_check(tmp_path):
             return results, loaded, status
         finally:
             await weights.stop(0)
+            await dataflow.stop(0)
 
-    results, loaded, status = run_then_close(asyncio.wait_for(body(), 90), [node])
+    results, loaded, status = run_then_close(asyncio.wait_for(body(), 150), [node])
     report = summary(results)
     failed = {r.name: r.status for r in results if r.status != "pass"}
     # Every check passes but the two that run only with --serve-weights.
