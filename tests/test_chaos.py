@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,11 @@ def test_the_audit_fails_what_it_should(tmp_path: Path) -> None:
     (run.run_dir / "summary.json").write_text(json.dumps(summary))
     sleeper = subprocess.Popen(["sh", "-c", "sleep 30", "sh", str(run.run_dir)])
     try:
+        cmdline = Path(f"/proc/{sleeper.pid}/cmdline")
+        deadline = time.monotonic() + 10
+        while str(run.run_dir).encode() not in cmdline.read_bytes():  # until it has exec'd
+            assert time.monotonic() < deadline, "the sleeper never started"
+            time.sleep(0.01)
         assert any(f.startswith(f"{sleeper.pid}: ") for f in campaign.leftovers(run.run_dir))
     finally:
         sleeper.kill()
