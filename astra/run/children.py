@@ -101,16 +101,18 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
         self.log_offset = self._log.tell()
+        # The supervisor's death (SIGKILL, the OOM killer) ends it too: SIGTERM, so it stops
+        # as on a normal stop (a trainer checkpoints) instead of running on alone.
+        prefix, preexec = parent_death.spawn_args(signal.SIGTERM)
         self.proc = await asyncio.create_subprocess_exec(
+            *prefix,
             *self.args,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=self._log,
             env=self.environment(),
             start_new_session=True,
-            # The supervisor's death (SIGKILL, the OOM killer) ends it too: SIGTERM, so it
-            # stops as on a normal stop (a trainer checkpoints) instead of running on alone.
-            preexec_fn=parent_death.preexec(signal.SIGTERM),
+            preexec_fn=preexec,
         )
 
     def environment(self) -> dict[str, str]:

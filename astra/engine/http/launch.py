@@ -100,15 +100,15 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
+        prefix, preexec = parent_death.spawn_args(signal.SIGTERM)  # it goes with its starter
         self.proc = subprocess.Popen(
-            self.argv,
+            [*prefix, *self.argv],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            # It goes with the process that started it.
-            preexec_fn=parent_death.preexec(signal.SIGTERM),
+            preexec_fn=preexec,
         )
 
     def log_tail(self, chars: int = 3000) -> str:
