@@ -19,7 +19,6 @@ dataflow_service.proto:
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -52,7 +51,7 @@ class RegistrationChecks(CheckSession):
 
     def _registered(self) -> Call:
         rec = self._recording()
-        mine = [c for c in rec.of("register") if c.request.address == self.address]
+        mine = [c for c in rec.of("register") if self._at_address(c)]
         if not mine:
             raise Skipped("the instance never registered")
         return mine[-1]
@@ -130,13 +129,7 @@ class RegistrationChecks(CheckSession):
         return f"every {gap:.2f} s (interval {rec.interval_s:.1f} s), claims as GetStatus"
 
     async def _beats(self, since: float, n: int, wait_s: float) -> list[Call]:
-        rec = self._recording()
-        deadline = time.monotonic() + wait_s
-        while True:
-            beats = [c for c in rec.of("heartbeat", since) if self._ours(c)]
-            if len(beats) >= n or time.monotonic() >= deadline:
-                return beats[:n] if len(beats) >= n else beats
-            await asyncio.sleep(0.05)
+        return await self._recording().wait_for_many("heartbeat", n, wait_s, since, self._ours)
 
     async def claims_loaded_version(self) -> str:
         rec = self._recording()

@@ -63,9 +63,21 @@ class Recording:
         self, kind: str, timeout_s: float, since: float = 0.0, where: Callable[[Call], bool] = bool
     ) -> Call | None:
         """The first call of `kind` since `since` for which `where` holds, or None at timeout."""
+        found = await self.wait_for_many(kind, 1, timeout_s, since, where)
+        return found[0] if found else None
+
+    async def wait_for_many(
+        self,
+        kind: str,
+        n: int,
+        timeout_s: float,
+        since: float = 0.0,
+        where: Callable[[Call], bool] = bool,
+    ) -> list[Call]:
+        """The first `n` such calls, or as many as came when `timeout_s` ran out."""
         deadline = time.monotonic() + timeout_s
         while True:
-            found = next((c for c in self.of(kind, since) if where(c)), None)
-            if found is not None or time.monotonic() >= deadline:
-                return found
+            found = [c for c in self.of(kind, since) if where(c)]
+            if len(found) >= n or time.monotonic() >= deadline:
+                return found[:n]
             await asyncio.sleep(0.02)
