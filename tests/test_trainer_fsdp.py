@@ -29,12 +29,15 @@ STEPS = 2
 DEADLINE_S = 60.0
 
 
-def _config(root: Path, dtype: str = "float32") -> TrainerConfig:
+def _config(root: Path, dtype: str = "float32", m2po: float | None = None) -> TrainerConfig:
+    # M2PO's cut is over the step: two ranks' tokens gathered must mask what one rank masks.
+    loss = {} if m2po is None else {"kind": "tis", "behaviour_cap": None, "m2po_tau": m2po}
     return TrainerConfig.model_validate(
         {
             "policy_id": "p",
             "port": None,
             "dtype": dtype,
+            "loss": loss,
             "optim": {"lr": 1e-3},
             "batch": {"num_groups": 2, "max_tokens_per_microbatch": 24},
             "checkpoint": {"dir": str(root)},
@@ -52,7 +55,9 @@ def _published(sink: MemorySink, version: int) -> dict[str, torch.Tensor]:
             for k, (d, s, b) in sink.versions[version].items()}  # fmt: skip
 
 
-def _worker(rank: int, world_size: int, port: int, out: str, dtype: str) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, out: str, dtype: str, m2po: float | None
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -61,17 +66,20 @@ def _worker(rank: int, world_size: int, port: int, out: str, dtype: str) -> None
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
-    cfg = _config(Path(out) / "ckpt", dtype)
+    cfg = _config(Path(out) / "ckpt", dtype, m2po)
     if rank == 0:
         sink = MemorySink()
         trainer = Trainer(cfg, source=_source(), sink=sink)
 
         async def lead() -> None:
-            losses = [r.training_result.loss async for r in trainer.run_training_async(STEPS)]
+            steps = [r.training_result async for r in trainer.run_training_async(STEPS)]
+            losses = [r.loss for r in steps]
+            masked = [r.metrics["m2po_masked_fraction"] for r in steps]
             path = trainer.save_checkpoint()
             state = _published(sink, STEPS)
             torch.save(
-                {"losses": losses, "published": state, "ckpt": str(path)}, Path(out) / "r.pt"
+                {"losses": losses, "masked": masked, "published": state, "ckpt": str(path)},
+                Path(out) / "r.pt",
             )
             await trainer.shutdown()
 
@@ -94,9 +102,14 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_two_ranks_take_the_same_steps_as_one(tmp_path: Path, dtype: str) -> None:
-    ctx = mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), dtype), nprocs=2, join=False)
+@pytest.mark.parametrize(
+    ("dtype", "m2po"), [("float32", None), ("bfloat16", None), ("float32", 0.5)]
+)
+def test_two_ranks_take_the_same_steps_as_one(
+    tmp_path: Path, dtype: str, m2po: float | None
+) -> None:
+    args = (2, _free_port(), str(tmp_path), dtype, m2po)
+    ctx = mp.spawn(_worker, args=args, nprocs=2, join=False)
     deadline = time.monotonic() + DEADLINE_S
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -107,9 +120,12 @@ def test_two_ranks_take_the_same_steps_as_one(tmp_path: Path, dtype: str) -> Non
     # bf16: FSDP computes with every parameter cast, autocast only matmuls: close, not equal.
     tol = {"rel": 1e-5, "abs": 1e-6} if dtype == "float32" else {"rel": 3e-2, "abs": 3e-2}
 
-    alone = Trainer(_config(tmp_path / "alone", dtype), source=_source(), sink=MemorySink())
-    losses = [r.training_result.loss for r in alone.run_training(STEPS)]
-    assert two["losses"] == pytest.approx(losses, **tol)
+    alone = Trainer(_config(tmp_path / "alone", dtype, m2po), source=_source(), sink=MemorySink())
+    steps = [r.training_result for r in alone.run_training(STEPS)]
+    assert two["losses"] == pytest.approx([r.loss for r in steps], **tol)
+    masked = [r.metrics["m2po_masked_fraction"] for r in steps]
+    assert two["masked"] == pytest.approx(masked, abs=1e-9)
+    assert (min(masked) > 0) == (m2po is not None)
     assert {p.dtype for p in alone.model.parameters()} == {torch.float32}  # the masters
     mine = _published(alone.sink, STEPS)
     assert set(two["published"]) == set(mine)
@@ -121,7 +137,8 @@ def test_two_ranks_take_the_same_steps_as_one(tmp_path: Path, dtype: str) -> Non
     alone.close()
 
     async def reload() -> None:
-        resumed = Trainer(_config(tmp_path / "alone", dtype), source=_source(), sink=MemorySink())
+        cfg = _config(tmp_path / "alone", dtype, m2po)
+        resumed = Trainer(cfg, source=_source(), sink=MemorySink())
         await resumed.initialize()
         resumed.load_checkpoint(two["ckpt"])  # written by two ranks, read by one
         assert resumed.step == STEPS and resumed.version == STEPS

@@ -13,6 +13,7 @@ from astra.trainer.losses import (
     aggregate,
     clipped_surrogate,
     kl_penalty,
+    m2po_cut,
     m2po_mask,
     staleness_score,
     token_losses,
@@ -164,6 +165,21 @@ def test_m2po_masks_the_fewest_largest_squared_log_ratios() -> None:
     assert m2po_mask(log_r, trained, 0.05).tolist() == [False, True, False, False, False]
 
 
+def test_m2po_cuts_over_every_token_it_is_given_not_each_part() -> None:
+    # two micro-batches: the second alone has a mean (log r)^2 of .16 / 2 = .08 > .05 and
+    # would mask its .16; over the step the mean is .16 / 6 = .027 <= .05: nothing is masked
+    first, second = t(0.0, 0.0, 0.0, 0.0), t(0.4, 0.0)
+    assert m2po_mask(second, torch.ones(2, dtype=torch.bool), 0.05).tolist() == [True, False]
+    cut = m2po_cut(torch.cat([first, second]).double().square(), 0.05)
+    assert cut == math.inf
+    assert not m2po_mask(second, torch.ones(2, dtype=torch.bool), 0.05, cut).any()
+    # with tau .02 the step masks the .16 (the rest: 0 <= .02): the cut is .16
+    assert m2po_cut(torch.cat([first, second]).double().square(), 0.02) == pytest.approx(0.16)
+    assert m2po_cut(t(0.1, 0.0).double().square(), 0.05) == math.inf  # nothing to mask
+    # ties at the cut are masked together: the rest's mean stays <= tau
+    assert m2po_mask(t(1.0, -1.0, 0.0, 0.0), torch.ones(4, dtype=torch.bool), 0.3).sum() == 2
+
+
 def test_m2po_and_the_ratio_band_zero_the_policy_term_of_the_tokens_they_mask() -> None:
     logp = lg(0.5, 0.5, 0.5, 0.5).requires_grad_()
     mu = lg(1.25, 0.5, 0.2, 0.8333333333333334)  # r_b = p / mu = 0.4, 1.0, 2.5, 0.6
@@ -194,3 +210,34 @@ def test_m2po_and_the_ratio_band_zero_the_policy_term_of_the_tokens_they_mask() 
 def test_bad_off_policy_masks_are_refused_naming_the_key(key, value) -> None:
     with pytest.raises(ValueError, match=key):
         LossConfig(**{key: value})
+
+
+def test_a_step_masks_the_same_tokens_however_it_is_split_into_micro_batches() -> None:
+    """M2PO's cut is over the whole step: packing the batch into more micro-batches changes
+    neither the tokens masked nor the step taken."""
+    from astra.trainer.config import TrainerConfig
+    from astra.trainer.loop import Trainer
+    from astra.trainer.synthetic import MemorySink, SyntheticSource
+
+    def run(max_tokens: int) -> dict[str, float]:
+        torch.manual_seed(0)
+        cfg = TrainerConfig.model_validate(
+            {
+                "policy_id": "p",
+                "port": None,
+                "optim": {"lr": 1e-2},
+                "loss": {"kind": "tis", "behaviour_cap": None, "m2po_tau": 0.5},
+                "batch": {"num_groups": 4, "max_tokens_per_microbatch": max_tokens},
+            }
+        )
+        source = SyntheticSource("p", vocab_size=100, max_lag=1, seed=3)
+        trainer = Trainer(cfg, source=source, sink=MemorySink())
+        (step,) = list(trainer.run_training(1))
+        assert (step.training_result.num_microbatches > 1) == (max_tokens < 1000)
+        trainer.close()
+        return step.training_result.metrics
+
+    whole, split = run(10_000), run(12)
+    assert 0.0 < whole["m2po_masked_fraction"] < 1.0  # the bound binds, not on every token
+    for key in ("m2po_masked_fraction", "loss", "policy_loss", "grad_norm"):
+        assert split[key] == pytest.approx(whole[key], rel=1e-5), key

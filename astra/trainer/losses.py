@@ -23,9 +23,11 @@ kinds:
 Off-policy masks (any kind; with r_b = exp(prox - mu), the trainer's probability at the start
 of the step over the engine's that sampled the token: train/inference mismatch plus staleness):
     ratio_band [lo, hi]  IcePop: a token with r_b outside [lo, hi] gets l = 0;
-    m2po_tau             M2PO: over the micro-batch's trained tokens, those with the largest
-                         (log r_b)^2 get l = 0, the fewest such that the mean (log r_b)^2 of
-                         the tokens left is <= tau (after the band's, when both are set).
+    m2po_tau             M2PO: over the step's trained tokens (every micro-batch and every
+                         rank: `m2po_cut` finds the cut, the trainer a pass before the
+                         gradients), those with the largest (log r_b)^2 get l = 0, the fewest
+                         such that the mean (log r_b)^2 of the tokens left is <= tau (after
+                         the band's, when both are set).
 A masked token stays in the normaliser (N_tokens), as in M2PO's objective.
 
 KL to a frozen reference, d = ref - logp: k1 = -d, k2 = d^2 / 2,
@@ -48,6 +50,7 @@ of r. score = 0.4*min(1, KL/0.1) + 0.3*min(1, var/2) + 0.3*min(1, mean gap/5).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -116,30 +119,37 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     return (delta.exp() - delta - 1.0).clamp(max=KL_K3_BOUND)
 
 
-def m2po_mask(log_r: Tensor, valid: Tensor, tau: float) -> Tensor:
-    """M2PO's mask: among `valid` tokens, the fewest with the largest (log r)^2 such that the
-    mean (log r)^2 of the valid tokens left is <= tau. Boolean, True where masked."""
-    out = torch.zeros_like(valid, dtype=torch.bool)
-    sq = log_r.detach().float().square()[valid]
+def m2po_cut(squares: Tensor, tau: float) -> float:
+    """The smallest (log r)^2 M2PO masks among these values (every valid token of the step):
+    the fewest largest are masked such that the mean of the rest is <= tau; inf: none.
+    Masking every value >= the cut keeps that bound also where values tie."""
+    sq = squares.detach().double().flatten()
     n = sq.numel()
     if n == 0 or float(sq.mean()) <= tau:
-        return out
-    values, order = sq.sort(descending=True)
+        return math.inf
+    values = sq.sort(descending=True).values
     # mean of the tokens left after masking the k largest, k = 1..n (the last one: none left)
     left = values.sum() - values.cumsum(0)
     count = torch.arange(n - 1, -1, -1, device=sq.device, dtype=sq.dtype)
     mean_left = torch.where(count > 0, left / count.clamp(min=1.0), torch.zeros_like(left))
     k = int(torch.nonzero(mean_left <= tau)[0]) + 1
-    flat = torch.zeros(n, dtype=torch.bool, device=sq.device)
-    flat[order[:k]] = True
-    out[valid] = flat
-    return out
+    return float(values[k - 1])
+
+
+def m2po_mask(log_r: Tensor, valid: Tensor, tau: float, cut: float | None = None) -> Tensor:
+    """M2PO's mask: among `valid` tokens, those with (log r)^2 >= `cut`, by default the cut
+    of these tokens alone (`m2po_cut`). Boolean, True where masked."""
+    sq = log_r.detach().double().square()
+    if cut is None:
+        cut = m2po_cut(sq[valid], tau)
+    return valid & (sq >= cut)
 
 
 def off_policy_masks(
-    log_r: Tensor, cfg: LossConfig, mask: Tensor | None
+    log_r: Tensor, cfg: LossConfig, mask: Tensor | None, step_cut: float | None = None
 ) -> tuple[Tensor | None, Tensor | None]:
-    """(outside ratio_band, masked by M2PO) for r = exp(log_r); None where off."""
+    """(outside ratio_band, masked by M2PO) for r = exp(log_r); None where off. `step_cut`:
+    M2PO's cut over the whole step (`m2po_cut` of every micro-batch); None: these tokens'."""
     band = m2 = None
     valid = torch.ones_like(log_r, dtype=torch.bool) if mask is None else mask.bool()
     if cfg.ratio_band is not None:
@@ -148,8 +158,17 @@ def off_policy_masks(
         band = (r < low) | (r > high)
         valid = valid & ~band
     if cfg.m2po_tau is not None:
-        m2 = m2po_mask(log_r, valid, cfg.m2po_tau)
+        m2 = m2po_mask(log_r, valid, cfg.m2po_tau, step_cut)
     return band, m2
+
+
+def m2po_squares(log_r: Tensor, cfg: LossConfig, mask: Tensor | None) -> Tensor:
+    """(log r)^2 of the tokens M2PO chooses among (trained, inside the band), flat, fp64."""
+    valid = torch.ones_like(log_r, dtype=torch.bool) if mask is None else mask.bool()
+    if cfg.ratio_band is not None:
+        r = log_r.detach().exp()
+        valid = valid & (r >= cfg.ratio_band[0]) & (r <= cfg.ratio_band[1])
+    return log_r.detach().double().square()[valid]
 
 
 def token_losses(
@@ -162,6 +181,7 @@ def token_losses(
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
     mask: Tensor | None = None,
+    step_cut: float | None = None,
 ) -> TokenLosses:
     """Per-token loss of the configured kind (see the module docstring); same shapes in and out."""
     behaviour_logp = behaviour_logp.to(logp.dtype)
@@ -187,7 +207,7 @@ def token_losses(
             weight, capped = torch.ones_like(ratio).detach(), torch.zeros_like(clip_active)
     # IcePop's band and M2PO's bound on r = trainer / behaviour (train vs inference, plus
     # staleness): a masked token keeps its place in the normaliser but gets no policy gradient.
-    band, m2 = off_policy_masks(prox - behaviour_logp, cfg, mask)
+    band, m2 = off_policy_masks(prox - behaviour_logp, cfg, mask, step_cut)
     for dropped in (band, m2):
         if dropped is not None:
             policy = torch.where(dropped, torch.zeros_like(policy), policy)

@@ -209,6 +209,28 @@ def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
     return t
 
 
+def all_gather_flat(t: Tensor) -> Tensor:
+    """Every rank's 1-D CPU tensor `t` (lengths may differ), concatenated in rank order."""
+    rank, size = world()
+    if size == 1:
+        return t
+    lengths = torch.zeros(size, dtype=torch.int64)
+    lengths[rank] = t.numel()
+    all_reduce(lengths)
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=t.dtype)
+    padded[: t.numel()] = t
+    cuda = dist.get_backend() == "nccl"
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    if cuda:
+        parts_cuda = [p.cuda() for p in parts]
+        dist.all_gather(parts_cuda, padded.cuda())
+        parts = [p.cpu() for p in parts_cuda]
+    else:
+        dist.all_gather(parts, padded)
+    return torch.cat([p[: int(n)] for p, n in zip(parts, lengths, strict=True)])
+
+
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (no-op alone)."""
     if world()[1] == 1:

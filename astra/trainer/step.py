@@ -9,6 +9,8 @@ The model is called as `model(ids)` (`forward` is `forward_full`), never
 `model.forward_full(ids)`: FSDP2 gathers parameters in `__call__` hooks.
 
 Every micro-batch is forwarded and backpropagated (gradient accumulation);
+with M2PO on, a forward pass without gradients over every micro-batch comes
+first, so its mask is cut over the whole step (every rank's tokens);
 the loss is normalised by the step-wide counts, so the sum of the
 micro-batch gradients over every rank is the gradient of the whole batch.
 Figures are all-reduced before any decision, so ranks always agree: a
@@ -28,8 +30,15 @@ from torch import Tensor
 from astra.engine.model import CausalLM
 from astra.trainer.batch import MicroBatch, TrainBatch, plan_microbatches
 from astra.trainer.config import LossConfig, TrainerConfig
-from astra.trainer.losses import StalenessAccumulator, StalenessMetrics, aggregate, token_losses
-from astra.trainer.parallel import all_reduce, compute, world
+from astra.trainer.losses import (
+    StalenessAccumulator,
+    StalenessMetrics,
+    aggregate,
+    m2po_cut,
+    m2po_squares,
+    token_losses,
+)
+from astra.trainer.parallel import all_gather_flat, all_reduce, compute, world
 
 # Order of the figures summed across micro-batches and ranks.
 SUMS = (
@@ -86,6 +95,23 @@ def _grad_norm(model: CausalLM, max_norm: float) -> float:
     return float(full() if full is not None else norm)
 
 
+def step_m2po_cut(model: CausalLM, micro: list[MicroBatch], cfg: LossConfig) -> float | None:
+    """M2PO's cut over the whole step (every micro-batch, every rank), from a forward pass
+    without gradients at the step's parameters (which the gradient passes then see unchanged);
+    None where M2PO is off."""
+    if cfg.m2po_tau is None:
+        return None
+    squares = []
+    for mb in micro:
+        with torch.no_grad(), compute(model):
+            logits = model(mb.input_ids.to(model.device))
+            logp = token_logprobs(logits, mb.targets.to(model.device), cfg.temperature)[0]
+        log_r = logp.cpu() - mb.behaviour_logprobs.to(logp.dtype)
+        squares.append(m2po_squares(log_r, cfg, mb.loss_mask))
+    every = torch.cat(squares) if squares else torch.zeros(0, dtype=torch.float64)
+    return m2po_cut(all_gather_flat(every), cfg.m2po_tau)
+
+
 def train_step(
     model: CausalLM,
     optimizer: torch.optim.Optimizer,
@@ -104,6 +130,7 @@ def train_step(
     stale = StalenessAccumulator()
     want_entropy = cfg.entropy_coef > 0
     optimizer.zero_grad(set_to_none=True)
+    cut = step_m2po_cut(model, micro, cfg)
     for mb in micro:
         ids, targets = mb.input_ids.to(device), mb.targets.to(device)
         mask = mb.loss_mask.to(device)
@@ -127,6 +154,7 @@ def train_step(
             ref_logp=ref,
             entropy=ent if want_entropy else None,
             mask=mask,
+            step_cut=cut,
         )
         loss = aggregate(out.loss, mask, cfg.aggregation, num_tokens, num_sequences)
         (loss * world_size).backward()  # FSDP averages over ranks; we want the sum
