@@ -180,6 +180,8 @@ def test_directories_links_truncation_and_listing(fs: PowerCutMount) -> None:
     with pytest.raises(OSError):
         os.rmdir(root / "a")
     os.unlink(root / "a" / "g")
+    os.symlink("b/f", root / "a" / "s")
+    assert os.readlink(root / "a" / "s") == "b/f" and (root / "a" / "s").read_bytes() == b"0123"
     for d in (root, root / "a", root / "a" / "b"):
         _sync_dir(d)
     fd = os.open(root / "a" / "b" / "f", os.O_RDONLY)
@@ -189,4 +191,5 @@ def test_directories_links_truncation_and_listing(fs: PowerCutMount) -> None:
     fs.cut()
     assert (root / "a" / "b" / "f").read_bytes() == b"0123"
     assert not (root / "moved").exists() and not (root / "a" / "g").exists()
+    assert os.readlink(root / "a" / "s") == "b/f"
     assert os.statvfs(root).f_bavail > 0

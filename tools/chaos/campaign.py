@@ -313,6 +313,90 @@ def rot_checkpoint_then_resume(run: Run) -> None:
     run.notes.append(f"resumed from {ckpts[-2].name}, not {ckpts[-1].name}")
 
 
+def acked_groups(run_dir: Path) -> set[tuple[str, str]]:
+    """(policy, group id) of every group in a batch a trainer acknowledged, from Dataflow's
+    database (read-only; closed before returning)."""
+    import sqlite3
+
+    from astra.dataflow.store_schema import batch_groups
+
+    path = run_dir / "state" / "dataflow" / "dataflow.sqlite"
+    if not path.is_file():
+        return set()
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        rows = db.execute(
+            "SELECT batch_id, policy_id, policy_version, groups FROM batches WHERE state = 'acked'"
+        ).fetchall()
+    finally:
+        db.close()
+    return {(r[1], g[0]) for r in rows for g in batch_groups(*r) if not g[1]}
+
+
+def kill_everything(run: Run) -> list[int]:
+    """SIGKILL of the supervisor and of every process naming the run directory, at once."""
+    pids = [run.proc.pid] if run.proc is not None else []
+    pids += [c["pid"] for c in run.children().values() if c.get("pid")]
+    pids += [int(line.split(":")[0]) for line in leftovers(run.run_dir)]
+    for pid in dict.fromkeys(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if run.proc is not None:
+        run.proc.wait(30)
+    return pids
+
+
+def power_cut_then_resume(run: Run, seed: int | None = None) -> None:
+    """The power goes at a random moment of RL (every process SIGKILLed, then all that was
+    not fsynced is lost: astra.testing.powercut over /dev/fuse); --resume on what survived.
+    Every group a trainer had acknowledged must stay acknowledged."""
+    import shutil
+
+    from astra.testing.powercut import PowerCutMount
+
+    seed = int(os.environ.get("ASTRA_POWERCUT_SEED", "0")) if seed is None else seed
+    rng = random.Random(seed)
+    at_step, extra_s = rng.randint(2, max(2, run.steps - 3)), rng.uniform(0.0, 3.0)
+    run.notes.append(f"seed {seed}: cut after step {at_step} + {extra_s:.1f}s")
+    print(f"power cut: seed {seed}, after step {at_step} + {extra_s:.1f}s", flush=True)
+    with PowerCutMount(run.run_dir.parent / f"{run.run_dir.name}.mnt") as fs:
+        live = Run(fs.path / "run", run.steps)
+        try:
+            live.start()
+            live.wait_for(ROLES)
+            live.until_step(at_step)
+            time.sleep(extra_s)
+            before = acked_groups(live.run_dir)
+            time.sleep(0.5)  # an acknowledgement seen above has finished its fsync
+            killed = kill_everything(live)
+            run.notes.append(f"{len(set(killed))} processes killed at step {live.steps_done()}")
+            started = time.monotonic()
+            fs.cut()
+            live.codes.clear()
+            live.start(resume=True)
+            live.wait(600)
+            after = acked_groups(live.run_dir)
+            run.notes.append(
+                f"{len(before)} groups acked before the cut, {len(after)} after; "
+                f"cut + resume {time.monotonic() - started:.0f}s"
+            )
+            deadline = time.monotonic() + 20
+            while (left := leftovers(live.run_dir)) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if left:
+                raise RuntimeError(f"left running: {left}")
+        finally:
+            if live.proc is not None and live.proc.poll() is None:
+                kill_everything(live)
+            if live.run_dir.is_dir():  # what the audit reads, off the mount
+                shutil.copytree(live.run_dir, run.run_dir, symlinks=True, dirs_exist_ok=True)
+            with contextlib.suppress(OSError):
+                shutil.copyfile(fs.path / "run.out", run.run_dir.parent / f"{run.run_dir.name}.out")
+    run.codes = live.codes
+    if lost := before - after:
+        raise RuntimeError(f"{len(lost)} groups acknowledged before the cut are not any more")
+
+
 SCENARIOS: dict[str, Callable[[Run], None]] = {
     "kill-each-service": kill_each_service,
     "random-kills": random_kills,
@@ -323,6 +407,7 @@ SCENARIOS: dict[str, Callable[[Run], None]] = {
     "sighup-then-resume": hangup_then_resume,
     "rot-blob-then-resume": rot_blob_then_resume,
     "rot-checkpoint-then-resume": rot_checkpoint_then_resume,
+    "power-cut-then-resume": power_cut_then_resume,
 }
 
 

@@ -137,6 +137,14 @@ class Daemon:
             return self._setattr(nodeid, body)
         if op in (p.MKNOD, p.MKDIR, p.CREATE):
             return self._make(op, nodeid, uid, gid, body)
+        if op == p.SYMLINK:
+            name, target = p.names(body, 2)
+            return self._entry(m.symlink(nodeid, name, target, uid, gid))
+        if op == p.READLINK:
+            node = m.get(nodeid)
+            if not stat.S_ISLNK(node.mode):
+                raise OSError(errno.EINVAL, "not a symlink")
+            return bytes(node.data)
         if op in (p.UNLINK, p.RMDIR):
             m.unlink(nodeid, p.names(body, 1)[0], want_dir=op == p.RMDIR)
             return b""
@@ -228,7 +236,7 @@ class Daemon:
         for index in range(offset, len(listing)):
             name, ino = listing[index]
             node = self.model.inodes.get(ino)
-            dtype = 4 if node is None or node.is_dir else 8  # DT_DIR, DT_REG
+            dtype = 4 if node is None or node.is_dir else 10 if stat.S_ISLNK(node.mode) else 8
             entry = p.dirent(ino, index + 1, name, dtype)
             if len(out) + len(entry) > size:
                 break

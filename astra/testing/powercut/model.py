@@ -105,6 +105,13 @@ class Model:
         d.mtime_ns = time.time_ns()
         return node
 
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        """A symbolic link: its target is written with it (durable with its name)."""
+        node = self.create(parent, name, stat.S_IFLNK | 0o777, uid, gid)
+        node.data = bytearray(target)
+        node.durable_data = bytes(target)
+        return node
+
     def link(self, ino: int, parent: int, name: bytes) -> Inode:
         node, d = self.get(ino), self.dir(parent)
         if node.is_dir:
