@@ -17,20 +17,12 @@ from pathlib import Path
 import pytest
 
 from astra.testing.powercut import PowerCutMount, PowerCutUnavailable
-from astra.testing.powercut.control import _mounted
-
-
-def _why_not() -> str | None:
-    try:
-        os.close(os.open("/dev/fuse", os.O_RDWR))
-    except OSError as e:
-        return f"/dev/fuse cannot be opened here: {e}"
-    return None
+from astra.testing.powercut.control import _mounted, unavailable_reason
 
 
 @pytest.fixture
 def fs(tmp_path: Path) -> Iterator[PowerCutMount]:
-    if reason := _why_not():
+    if reason := unavailable_reason():
         pytest.skip(reason)
     try:
         mount = PowerCutMount(tmp_path / "mnt")

@@ -22,6 +22,15 @@ class PowerCutUnavailable(RuntimeError):
     """This machine cannot mount it: no /dev/fuse, or mount(2) not permitted."""
 
 
+def unavailable_reason() -> str | None:
+    """Why this machine cannot mount it (None: it can try): /dev/fuse cannot be opened."""
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as e:
+        return f"/dev/fuse cannot be opened here: {e}"
+    return None
+
+
 def _mounted(path: Path) -> bool:
     target = str(path.resolve())
     with open("/proc/self/mounts") as f:

@@ -65,6 +65,8 @@ class Daemon:
     def __init__(self, mountpoint: str) -> None:
         self.mountpoint = mountpoint
         self.model = Model()
+        if trace := os.environ.get("ASTRA_POWERCUT_TRACE"):
+            self.model.trace = open(trace, "a")  # noqa: SIM115 (open for the daemon's life)
         self.handles: dict[int, int] = {}
         self.next_fh = 1
         self.fd = mount_fuse(mountpoint)

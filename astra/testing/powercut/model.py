@@ -68,6 +68,7 @@ class Model:
         self.inodes: dict[int, Inode] = {ROOT: Inode(ROOT, stat.S_IFDIR | 0o755, nlink=2)}
         self.next_ino = ROOT + 1
         self.fsyncs = 0
+        self.trace = None  # a text file each fsync is written to (ASTRA_POWERCUT_TRACE)
 
     # ---- lookups -------------------------------------------------------------------------
     def get(self, ino: int) -> Inode:
@@ -204,10 +205,22 @@ class Model:
         node.mtime_ns = time.time_ns()
 
     # ---- durability ----------------------------------------------------------------------
+    def path_of(self, ino: int) -> str:
+        """A name of the inode (for the daemon's trace), or `?ino`."""
+        for parent in self.inodes.values():
+            for name, child in parent.entries.items():
+                if child == ino:
+                    up = "" if parent.ino == ROOT else self.path_of(parent.ino)
+                    return f"{up}/{name.decode(errors='replace')}"
+        return "/" if ino == ROOT else f"?{ino}"
+
     def fsync(self, ino: int) -> None:
         """A file's bytes and size, or a directory's entries, become durable."""
         node = self.get(ino)
         self.fsyncs += 1
+        if self.trace is not None:
+            self.trace.write(f"fsync {self.path_of(ino)} {len(node.data)}\n")
+            self.trace.flush()
         if node.is_dir:
             node.durable_entries = dict(node.entries)
         else:
