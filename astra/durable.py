@@ -23,9 +23,13 @@ def fsync_dir(path: Path | str) -> None:
         os.close(fd)
 
 
-def make_dirs(path: Path | str) -> Path:
-    """`mkdir -p`, each directory it creates made durable in its parent."""
+def make_dirs(path: Path | str, *, durable: bool = True) -> Path:
+    """`mkdir -p`, each directory it creates made durable in its parent (unless not
+    `durable`: scratch directories, tests)."""
     path = Path(path)
+    if not durable:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
     missing = []
     probe = path
     while not probe.is_dir():

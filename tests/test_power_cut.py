@@ -69,7 +69,7 @@ def test_a_power_cut_mid_run_then_resume(tmp_path: Path, seed: int) -> None:
         campaign.power_cut_then_resume(run, seed)
     except PowerCutUnavailable as e:
         pytest.skip(f"mount(2) of fuse is not permitted here: {e}")
-    print(f"seed {seed}: {'; '.join(run.notes)}; exit codes {run.codes}")
+    print(f"{'; '.join(run.notes)}; exit codes {run.codes}")
     out = (tmp_path / "run.out").read_text(errors="replace")
     assert "Traceback" not in out, out[-4000:]
     if run.codes == [EXIT_DAMAGED]:  # stopped at start-up: one line names the damaged file

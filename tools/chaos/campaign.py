@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -313,24 +314,34 @@ def rot_checkpoint_then_resume(run: Run) -> None:
     run.notes.append(f"resumed from {ckpts[-2].name}, not {ckpts[-1].name}")
 
 
-def acked_groups(run_dir: Path) -> set[tuple[str, str]]:
-    """(policy, group id) of every group in a batch a trainer acknowledged, from Dataflow's
-    database (read-only; closed before returning)."""
+def acked_groups(run_dir: Path) -> dict[tuple[str, str], tuple[int, str]]:
+    """(policy, group id) -> (batch version, untrained reason) of every group in a batch a
+    trainer acknowledged, from Dataflow's database (read-only; closed before returning)."""
     import sqlite3
 
     from astra.dataflow.store_schema import batch_groups
 
     path = run_dir / "state" / "dataflow" / "dataflow.sqlite"
     if not path.is_file():
-        return set()
+        return {}
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
         rows = db.execute(
-            "SELECT batch_id, policy_id, policy_version, groups FROM batches WHERE state = 'acked'"
+            "SELECT batch_id, policy_id, policy_version, groups, untrained_reason FROM batches"
+            " WHERE state = 'acked'"
         ).fetchall()
     finally:
         db.close()
-    return {(r[1], g[0]) for r in rows for g in batch_groups(*r) if not g[1]}
+    return {(r[1], g[0]): (r[2], r[4]) for r in rows for g in batch_groups(*r[:4]) if not g[1]}
+
+
+def resumed_versions(run_dir: Path) -> dict[str, int]:
+    """Each trainer's version its last start resumed from (0: no checkpoint), from its log."""
+    found = {}
+    for path in (run_dir / "logs").glob("trainer-*.log"):
+        marks = re.findall(r"resumed from \S+ at step \d+, version (\d+)", path.read_text())
+        found[path.stem.removeprefix("trainer-")] = int(marks[-1]) if marks else 0
+    return found
 
 
 def kill_everything(run: Run) -> list[int]:
@@ -393,8 +404,18 @@ def power_cut_then_resume(run: Run, seed: int | None = None) -> None:
             with contextlib.suppress(OSError):
                 shutil.copyfile(fs.path / "run.out", run.run_dir.parent / f"{run.run_dir.name}.out")
     run.codes = live.codes
-    if lost := before - after:
+    if lost := before.keys() - after.keys():
         raise RuntimeError(f"{len(lost)} groups acknowledged before the cut are not any more")
+    # A group acknowledged before the cut is in the weights the trainer resumed from (its
+    # batch's version below the checkpoint's), or counted discarded: never silently lost.
+    resumed = resumed_versions(run.run_dir)
+    dropped = [k for k in before if after[k][0] >= resumed.get(k[0], 0) and not after[k][1]]
+    if dropped:
+        raise RuntimeError(
+            f"{len(dropped)} groups acknowledged before the cut were trained into steps the "
+            f"resumed trainer does not have (it resumed from {resumed}) and are not discarded"
+        )
+    run.notes.append(f"resumed from {resumed}")
 
 
 SCENARIOS: dict[str, Callable[[Run], None]] = {
