@@ -22,6 +22,8 @@ from astra.damage import EXIT_DAMAGED
 from astra.dataflow.blobs import BlobLog, CorruptRecord
 from astra.testing.powercut import PowerCutMount, PowerCutUnavailable
 from astra.testing.powercut.control import unavailable_reason
+from astra.weights.store import Store, StoreConfig
+from tests.test_weights_store import bf16_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,16 +36,30 @@ def _campaign():
     return module
 
 
-def test_a_blob_segment_keeps_its_number_after_a_cut(tmp_path: Path) -> None:
-    """The blob log's bytes are never fsynced, but a segment's name is: after a cut the next
-    start numbers its new segment past it, never reusing the number rows point into."""
+def _mount(tmp_path: Path) -> PowerCutMount:
     if reason := unavailable_reason():
         pytest.skip(reason)
     try:
-        fs = PowerCutMount(tmp_path / "mnt")
+        return PowerCutMount(tmp_path / "mnt")
     except PowerCutUnavailable as e:
         pytest.skip(f"mount(2) of fuse is not permitted here: {e}")
-    with fs:
+
+
+def test_a_published_weight_version_survives_a_cut(tmp_path: Path) -> None:
+    """A version the store returned from publish is there after the power goes (its
+    directories, down from the store's root, were named durably)."""
+    with _mount(tmp_path) as fs:
+        store = Store(fs.path / "state" / "weights", StoreConfig())
+        store.publish("p", "v0", 0, bf16_model(0), files={"config.json": b"{}"})
+        fs.cut()
+        again = Store(fs.path / "state" / "weights", StoreConfig())
+        assert again.get("p", "v0").version == 0
+
+
+def test_a_blob_segment_keeps_its_number_after_a_cut(tmp_path: Path) -> None:
+    """The blob log's bytes are never fsynced, but a segment's name is: after a cut the next
+    start numbers its new segment past it, never reusing the number rows point into."""
+    with _mount(tmp_path) as fs:
         log = BlobLog(fs.path / "state" / "blobs")
         segment, offset, length = log.append(b"a rollout" * 100)
         log.close()
