@@ -5,7 +5,9 @@ one select loop over two inputs: /dev/fuse (kernel requests, answered from the i
 model, astra.testing.powercut.model) and stdin (control lines from the test). Control:
 `cut` unmounts (lazily), replaces the volatile state by the durable one, mounts a fresh
 connection at the same place (so the kernel's page cache of the old one is gone) and answers
-`cut`; `stop` or end of input unmounts and exits. Stdout says `ready` once mounted.
+`cut`; `stop` or end of input unmounts and exits. Stdout says `ready` once mounted. With
+ASTRA_POWERCUT_TRACE=FILE every fsync is written to FILE (path and size): what a program
+makes durable, to compare with what it needs after a cut.
 
 Mounting uses mount(2) through ctypes (fstype "fuse"), no libfuse. Files are never opened
 with direct_io, so read-only (and shared) mmap works through the page cache. Locks (flock,
