@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from astra.durable import make_dirs
+from astra.durable import fsync_dir, make_dirs
 from astra.errors import DataLoss, FailedPrecondition, InvalidArgument
 from astra.weights.chain import Chain
 from astra.weights.checkpoint import LayoutChanged, write_delta, write_full
@@ -191,6 +191,8 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
 
     def _new_policy(self, policy: str) -> Chain:
         make_dirs(self.policy_dir(policy), durable=self.config.durable)
+        if self.config.durable:  # a publish stage may have made it first, not durably
+            fsync_dir(self.policy_dir(policy).parent)
         write_json_atomic(self.policy_dir(policy) / "policy.json", {"policy": policy})
         chain = self._chains[policy] = Chain()
         return chain
