@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from astra.durable import make_dirs
+
 log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 POLL_S = 0.1
@@ -90,7 +92,7 @@ def acquire(directory: Path | str, role: str, *, wait_s: float = 5.0) -> StateLo
     StateLocked naming the holder. Waits up to `wait_s` first: a restart may start a new
     owner while the kernel still tears the old one down."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    make_dirs(directory)
     try:
         import fcntl
     except ImportError:  # not POSIX

@@ -26,6 +26,10 @@ may lose or tear the newest records while their rows survive (SQLite's WAL
 with synchronous=NORMAL is not fsynced per commit either): such a record fails
 its length or CRC check at the next start, is dropped, counted and its group
 dispatched again; it is never trained and it does not stop the start.
+A segment's *name* is made durable when it is created (the directory is fsynced,
+once per segment): else a power loss could take every segment file away while
+rows still point into them, and the next start would number its new segment as
+one of theirs.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import zlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+
+from astra.durable import fsync_dir, make_dirs
 
 SEGMENT_BYTES = 256 << 20
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
@@ -101,7 +107,7 @@ class BlobLog:
 
     def __init__(self, directory: str | Path, segment_bytes: int = SEGMENT_BYTES) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.dir)
         self.segment_bytes = segment_bytes
         self.live: Counter[int] = Counter()
         existing = segment_numbers(self.dir)
@@ -120,7 +126,9 @@ class BlobLog:
         return segment_path(self.dir, segment)
 
     def _open(self, segment: int) -> int:
-        return os.open(self._path(segment), os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(self._path(segment), os.O_WRONLY | os.O_CREAT, 0o644)
+        fsync_dir(self.dir)  # the name survives a power loss, so its number is never reused
+        return fd
 
     def append(self, data: bytes) -> tuple[int, int, int]:
         """Writes a record of `data`; returns (segment, offset, length) to store with the row."""

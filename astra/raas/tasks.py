@@ -26,6 +26,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from astra.durable import make_dirs, replace_durably
 from astra.rewards import safe_math
 
 COUNTDOWN_PROMPT = (
@@ -127,12 +128,12 @@ def generate_records(
 def write_records(records: list[dict[str, Any]], path: str | Path) -> Path:
     """Writes `records` to `path` as JSONL (atomically: a reader sees all or nothing)."""
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(out.parent)
     tmp = out.with_name(out.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
-    tmp.replace(out)
+    replace_durably(tmp, out)  # a --resume after a power cut finds the same file
     return out
 
 

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
+from astra.durable import make_dirs
+
 if TYPE_CHECKING:
     from astra.run.sections import SupervisionSpec
 
@@ -105,7 +107,7 @@ def run_command(
     if resume_dir is None and rd.recipe.exists():
         raise click.UsageError(f"{rd.root} holds a run: use --resume DIR or another --run-dir")
     try:
-        rd.root.mkdir(parents=True, exist_ok=True)
+        make_dirs(rd.root)
         if not os.access(rd.root, os.W_OK | os.X_OK):
             raise PermissionError(13, "not writable")
     except OSError as exc:

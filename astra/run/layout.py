@@ -34,6 +34,7 @@ import yaml
 
 from astra.damage import Damaged
 from astra.dataflow.config import DataflowConfig
+from astra.durable import make_dirs, write_durably
 from astra.run import external
 from astra.run.recipe import PolicySpec, RaasSpec, Recipe, dump_recipe
 from astra.trainer.ckpt_verify import list_checkpoints, newest_good
@@ -112,8 +113,8 @@ class RunDir:
 def prepare(recipe: Recipe, rd: RunDir) -> Path:
     """Creates the directories, writes the recipe and the dataset; returns the dataset path."""
     for d in (rd.config, rd.state, rd.root / "logs", rd.root / "data"):
-        d.mkdir(parents=True, exist_ok=True)
-    rd.recipe.write_text(dump_recipe(recipe))
+        make_dirs(d)
+    write_durably(rd.recipe, dump_recipe(recipe))
     ds = recipe.dataset
     if ds.kind == "file":
         assert ds.path is not None  # the recipe checks it

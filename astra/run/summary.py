@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from astra.dataflow.store_schema import batch_groups
+from astra.durable import write_durably
 
 if TYPE_CHECKING:
     from astra.run.history import StepHistory
@@ -289,9 +290,7 @@ def build_summary(
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
+    write_durably(path, json.dumps(summary, indent=2, sort_keys=False) + "\n")
 
 
 def write_failure_summary(path: Path, status: str, wall_seconds: float) -> None:

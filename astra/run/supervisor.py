@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from astra.damage import EXIT_DAMAGED
+from astra.durable import write_durably
 from astra.run import control, layout
 from astra.run.children import Child, ChildFailed, stop_all
 from astra.run.elastic import Elastic
@@ -158,9 +159,8 @@ class Supervisor:
             "removed": self.removed,
             "elastic": self.elastic_events,
         }
-        tmp = self.rd.run_json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        tmp.replace(self.rd.run_json)  # readers see the old list or the new one
+        # readers see the old list or the new one; a --resume after a power cut finds it
+        write_durably(self.rd.run_json, json.dumps(data, indent=2) + "\n")
 
     async def _warmup(self, dataset: Any) -> Recipe:
         """Runs `astra sft` for each policy not warmed up yet; the recipe the services start from."""

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from astra.durable import fsync_dir, write_durably
 from astra.engine.api import Tokenizer
 from astra.engine.model import CausalLM
 
@@ -208,6 +209,7 @@ def run_sft(
     save_state(tmp, model.hf_state_dict(), config)
     for name, data in model_files(model_path, config).items():
         if name != "config.json" and not (tmp / name).exists():
-            (tmp / name).write_bytes(data)
+            write_durably(tmp / name, data)
     tmp.rename(target)
+    fsync_dir(target.parent)  # else a power cut takes the warm-up back: --resume redoes it
     return result

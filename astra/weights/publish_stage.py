@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from astra.durable import make_dirs
 from astra.errors import AlreadyExists
 from astra.weights.delta import XorZstdEncoder
 from astra.weights.hot import BufferCursor, HotBuilder, HotVersion
@@ -92,7 +93,7 @@ class PublishStage:
             self._load()
         else:
             shutil.rmtree(path, ignore_errors=True)
-            path.mkdir(parents=True)
+            make_dirs(path, durable=durable)
             (path / HEADER).write_text(json.dumps(header, sort_keys=True))
             if durable:
                 fsync_path(path)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from astra.durable import make_dirs
 from astra.errors import FailedPrecondition
 
 
@@ -45,7 +46,7 @@ def staged_dir(out_dir: str | os.PathLike[str], *, durable: bool = True) -> Iter
     the rename, so a crash leaves either nothing or the whole directory.
     """
     target = require_absent(out_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent)  # each new directory durable in its parent
     staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:12]}"
     staging.mkdir()
     try:

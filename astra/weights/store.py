@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from astra.durable import fsync_dir, make_dirs
 from astra.errors import DataLoss, FailedPrecondition, InvalidArgument
 from astra.weights.chain import Chain
 from astra.weights.checkpoint import LayoutChanged, write_delta, write_full
@@ -89,7 +90,8 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
         self._policy_locks: dict[str, threading.RLock] = {}
         self._publishing: set[tuple[str, str]] = set()
         self._inflight: dict[str, collections.Counter[str]] = {}
-        (self.root / "policies").mkdir(parents=True, exist_ok=True)
+        # durable names: a power cut must not empty the store under versions it fsynced
+        make_dirs(self.root / "policies", durable=self.config.durable)
         self.receivers = Receivers(
             self.root / "receivers.json", self.config.receiver_ttl_s, durable=self.config.durable
         )
@@ -188,7 +190,9 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
         return None
 
     def _new_policy(self, policy: str) -> Chain:
-        self.policy_dir(policy).mkdir(parents=True, exist_ok=True)
+        make_dirs(self.policy_dir(policy), durable=self.config.durable)
+        if self.config.durable:  # a publish stage may have made it first, not durably
+            fsync_dir(self.policy_dir(policy).parent)
         write_json_atomic(self.policy_dir(policy) / "policy.json", {"policy": policy})
         chain = self._chains[policy] = Chain()
         return chain
