@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
-from astra.dataflow.blobs import BlobLog, CorruptRecord
+from astra.dataflow.blobs import HEADER, BlobLog, CorruptRecord, check_record
 from astra.dataflow.records import GroupRecord, TrajectoryRecord
 from astra.dataflow.store import StateStore
 
@@ -66,6 +68,23 @@ def test_blob_log_rejects_a_short_read(tmp_path):
     assert log.read(seg, off, length) == b"abc"
     with pytest.raises(CorruptRecord, match="short read"):
         log.read(seg, off, length + 5)
+    log.close()
+
+
+def test_blob_records_carry_zlib_crc32_and_a_flipped_byte_is_caught(tmp_path):
+    """The record header's CRC is zlib's CRC-32 of the body (whichever implementation wrote
+    it), so logs written by earlier builds still read, and damage is found."""
+    log = BlobLog(tmp_path / "blobs")
+    parts = [b"head", memoryview(bytes(range(256)) * 64), b"tail"]
+    body = b"".join(bytes(p) for p in parts)
+    seg, off, length = log.append_parts(parts)
+    path = tmp_path / "blobs" / f"{seg:08d}.seg"
+    raw = path.read_bytes()[off : off + length]
+    assert raw[:8] == HEADER.pack(len(body), zlib.crc32(body))
+    assert log.read(seg, off, length) == body
+    damaged = raw[:100] + bytes([raw[100] ^ 1]) + raw[101:]
+    with pytest.raises(CorruptRecord, match="CRC-32"):
+        check_record(path, off, damaged, length)
     log.close()
 
 

@@ -41,6 +41,11 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+try:  # zlib-ng's SIMD CRC-32: the same values, ~8x the speed of the system zlib's here
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; the stdlib still works
+    _crc32 = zlib.crc32
+
 from astra.durable import fsync_dir, make_dirs
 
 SEGMENT_BYTES = 256 << 20
@@ -64,10 +69,10 @@ def record_size(body_bytes: int) -> int:
 
 def write_record(fd: int, offset: int, parts: list) -> None:
     """Writes a record (header, then the concatenation of `parts`) at `offset`; the CRC is
-    computed here, so on any thread (zlib releases the GIL on large buffers)."""
+    computed here, so on any thread (zlib-ng, like zlib, releases the GIL on large buffers)."""
     crc, n = 0, 0
     for p in parts:
-        crc = zlib.crc32(p, crc)
+        crc = _crc32(p, crc)
         n += len(p)
     write_parts(fd, offset, [HEADER.pack(n, crc), *parts])
 
@@ -82,7 +87,7 @@ def check_record(path: Path, offset: int, data: bytes, length: int) -> bytes:
     if n != length - HEADER.size:
         raise CorruptRecord(path, offset, f"header says {n} bytes, the row {length - HEADER.size}")
     body = data[HEADER.size :]
-    got = zlib.crc32(body)
+    got = _crc32(body)
     if got != crc:
         raise CorruptRecord(path, offset, f"CRC-32 {got:08x}, header says {crc:08x}")
     return body
