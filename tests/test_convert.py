@@ -205,6 +205,33 @@ def test_non_finite_logprobs_are_named_in_a_group_of_several():
     assert g.invalid == "result.trajectories[1].sequences[1].logprobs: not finite"
 
 
+def test_finite_logprobs_whose_sum_overflows_are_accepted_and_nan_is_not():
+    """Finiteness is of each log-prob, not of an aggregate that overflows: huge finite values
+    pass; a NaN is named."""
+    huge = np.full(6, -3e38, dtype=np.float32)
+    ts = [rollout_pb2.Trajectory(reward=1.0, sequences=[sequence(logprobs=huge)])] * 2
+    g = incoming_group(result(*ts), "raas")
+    assert g.invalid is None, g.invalid
+    nan = -np.ones(6, dtype=np.float32)
+    nan[0] = np.nan
+    ts = [*ts, rollout_pb2.Trajectory(reward=1.0, sequences=[sequence(logprobs=nan)])]
+    g = incoming_group(result(*ts), "raas")
+    assert g.invalid == "result.trajectories[2].sequences[0].logprobs: not finite"
+
+
+def test_version_ranges_of_int32_versions_only():
+    """Versions sent as int32 in every sequence (no int64 to widen them to) give the same
+    ranges, negative versions (prompt tokens) left out."""
+    specs = [np.array([-1, -1, 5, 2, 9, -3], np.int32), np.full(6, -1, np.int32)]
+    ts = [
+        rollout_pb2.Trajectory(reward=1.0, sequences=[sequence(weight_versions=v)]) for v in specs
+    ]
+    g = incoming_group(result(*ts), "raas")
+    assert g.invalid is None, g.invalid
+    facts = [(r.min_version, r.max_version) for r in g.per_policy["policy"]]
+    assert facts == [(2, 9), (-1, -1)]
+
+
 @pytest.mark.parametrize(("bad_id", "named"), [(64, 64), (-1, -1), (10**6, 10**6)])
 def test_token_ids_outside_the_policys_vocabulary_are_refused_at_ingest(bad_id, named):
     """The trainer cannot embed an id past its vocabulary: it refused every batch holding one.

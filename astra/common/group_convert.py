@@ -9,6 +9,7 @@ never decodes or re-encodes arrays again. A result that breaks the contract rais
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -23,7 +24,7 @@ from astra.dataflow.ports import IncomingGroup
 from astra.dataflow.records import TrajectoryRecord, WorkItem
 from astra.protowire import read_varint
 
-_INT64_MAX = np.iinfo(np.int64).max
+_UNSIGNED = {4: np.dtype("<u4"), 8: np.dtype("<u8")}  # by the versions' itemsize
 
 
 class _GroupArrays:
@@ -62,9 +63,12 @@ class _GroupArrays:
             return [(-1, -1)] * len(sizes)
         versions = nonempty[0] if len(nonempty) == 1 else np.concatenate(nonempty)
         lengths = [n for n in sizes if n]
-        starts = np.cumsum([0, *lengths[:-1]])
+        starts = list(itertools.accumulate(lengths[:-1], initial=0))
         highs = np.maximum.reduceat(versions, starts).tolist()
-        lows = np.minimum.reduceat(np.where(versions >= 0, versions, _INT64_MAX), starts).tolist()
+        # Read as unsigned, every negative version is above every version >= 0: the minimum
+        # is the smallest version >= 0 wherever the sequence has one (and then high >= 0).
+        unsigned = versions.view(_UNSIGNED[versions.dtype.itemsize])
+        lows = np.minimum.reduceat(unsigned, starts).tolist()
         out = []
         k = 0
         for n in sizes:
