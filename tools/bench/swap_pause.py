@@ -202,11 +202,16 @@ def section(
         "`lm_head` repack. The phase table times one vLLM server with 8 generations always "
         "running, each path in turn, medians of the swaps: the first column is the earlier "
         "path, which read the files while paused.",
-        "    - What is left is mostly fixed cost: vLLM's `/pause` sleeps 20 ms after aborting "
-        "(AsyncLLM.pause_generation), each call is an HTTP request to the API server and a "
-        "utility call into the engine core, and the layerwise reload re-processes every "
-        "layer. Staging saves the read, which is small for this 0.5 MB model and grows with "
-        "the model. Under a real run every part is slower (2 cores shared by all services).",
+        "    - Staging takes the read out of the pause, but for this 0.5 MB model the read is "
+        "about 1 ms of the load call, so the two columns differ by the machine's noise only; "
+        "it pays with the model's size. What is left is fixed cost: vLLM's `/pause` sleeps "
+        "20 ms after aborting (AsyncLLM.pause_generation), each call is an HTTP request to the "
+        "API server and a utility call into the engine core, and the layerwise reload "
+        "re-processes every layer (most of the worker's 19 ms). Under a real run every part "
+        "is slower (2 cores shared by all services); on 2026-12-05 the earlier path measured "
+        "949 ms per swap at 2.10 s between versions (45%) with a load average of 10 to 12, "
+        "and the staged path 81 ms at 1.25 s (6.5%) at 8 to 9: the share follows the "
+        "machine's load more than the path.",
         "    - To meet 5% at a version a second the swap must not pause at all: one "
         "`/collective_rpc` that copies the staged tensors between two engine steps and returns "
         "each running request's token count at that moment (the label's split point), keeping "
