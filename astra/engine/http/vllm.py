@@ -16,12 +16,18 @@ shape changes between releases, so the update is one hook,
 `reload_weights_from_disk`, that a later session can point at the
 weight-transfer engine (`--weight-transfer-config`, `/init_weight_transfer_engine`,
 `/update_weights`) instead. What this version calls:
+- with Astra's extension, before anything is paused (generation goes on):
+  `POST /collective_rpc` `astra_stage_weights` (the worker starts reading the
+  directory's safetensors into memory on a thread of its own), then
+  `astra_staged` until every worker says ready; a read that fails is
+  WEIGHT_UPDATE_FAILED with nothing touched (`stage=False` skips this step);
 - `POST /pause?mode=abort` (0.32's modes are abort, wait and keep; abort ends
   running requests at once with what they had, and clears the KV and prefix
   caches);
 - `POST /collective_rpc {"method": M, "kwargs": {"weights_path": PATH}}`: on a
   server `launch` started, M is `astra_reload_weights`, from the worker extension
-  it loads (astra/engine/http/vllm_ext: the worker's `reload_weights`, then the
+  it loads (`astra_commit_weights` once staged: the read tensors go through the
+  worker's `reload_weights`; else astra/engine/http/vllm_ext reads then reloads; then the
   tied `lm_head` that vLLM 0.32 leaves on its start-up weights on CPU is tied and
   repacked again); on an attached server, the worker's own `reload_weights`
   (`reload_rpc_method`), exact for models without tied embeddings;
