@@ -234,9 +234,11 @@ def test_openai_adapter_on_vllms_openai_server(server: str) -> None:
 def test_a_swap_mid_generation_splits_tokens_between_versions(
     server: str, models: dict[str, Path]
 ) -> None:
-    """Pause (abort) -> reload from disk -> resume on the real server: the tokens before the
-    swap are the old version's with the old weights' log-probs, those after are the new
-    version's with the new weights' log-probs on the whole context. How fast vLLM generates
+    """Stage (the worker reads the files while generating) -> pause (abort) -> copy ->
+    resume on the real server: the tokens before the swap are the old version's with the old
+    weights' log-probs, those after are the new version's with the new weights' log-probs on
+    the whole context; the load was the staged one, and the time generation stood still is
+    the pause to the resume, less than the whole call. How fast vLLM generates
     depends on the machine's load, so the swap's delay adapts until one lands mid-way (a
     generation that ended before the swap, or a swap before its first token, is tried again
     with a shorter or longer delay); the server ends on version 0's weights."""
@@ -244,7 +246,7 @@ def test_a_swap_mid_generation_splits_tokens_between_versions(
     dirs = {0: models["v0"], 1: models["v1"]}
 
     async def body(engine: VLLMEngine) -> tuple[Generation, Generation, int, float]:
-        delay, version, split = 0.3, 0, None
+        delay, version, split, stopped = 0.3, 0, None, engine.swap_pause_s
         for _ in range(8):
             task = asyncio.create_task(
                 engine.generate("p", PROMPT, Sampling(max_new_tokens=2000, temperature=0))
@@ -254,6 +256,10 @@ def test_a_swap_mid_generation_splits_tokens_between_versions(
             new = version + 1
             await engine.swap_weights({"p": new}, {"p": WeightsDir(dirs[new % 2])})
             swap_s = time.monotonic() - t0
+            assert engine.last_load and all(r["staged"] for r in engine.last_load)
+            assert set(engine.last_swap) == {"stage", "pause", "drain", "load", "resume"}
+            assert 0 < engine.swap_pause_s - stopped < swap_s
+            stopped = engine.swap_pause_s
             gen = await task
             k = gen.versions.count(version)
             version = new
@@ -299,6 +305,38 @@ def test_a_failed_reload_keeps_the_version_and_the_server_serving(
     gen = run(lambda: attached(server, body))
     assert gen.versions == [0] * 6
     assert max_diff(gen.logprobs, forward_logprobs(tiny_model(), PROMPT, gen, 1.0)) < TOL
+
+
+def test_a_version_the_worker_cannot_read_fails_before_the_pause(
+    server: str, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A corrupt safetensors file is found while staging: WEIGHT_UPDATE_FAILED naming the
+    file's error, nothing paused (a generation running meanwhile ends in one segment, all on
+    version 0), the version and the weights stay, and the next swap loads."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((models["v1"] / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+
+    async def body(engine: VLLMEngine) -> tuple[Generation, Generation]:
+        task = asyncio.create_task(
+            engine.generate("p", PROMPT, Sampling(max_new_tokens=200, temperature=0))
+        )
+        await asyncio.sleep(0.2)
+        with pytest.raises(AstraError) as err:
+            await engine.swap_weights({"p": 1}, {"p": WeightsDir(bad)})
+        assert err.value.reason == "WEIGHT_UPDATE_FAILED", err.value.message
+        assert "could not read" in err.value.message
+        assert engine.version("p") == 0 and engine.healthy and engine.swap_pause_s == 0
+        gen = await task
+        await engine.swap_weights({"p": 1}, {"p": WeightsDir(models["v0"])})
+        after = await engine.generate("p", PROMPT, Sampling(max_new_tokens=6, temperature=0))
+        return gen, after
+
+    gen, after = run(lambda: attached(server, body), timeout=200)
+    assert gen.meta["segments"] == 1 and gen.versions == [0] * len(gen.token_ids)
+    assert max_diff(gen.logprobs, forward_logprobs(tiny_model(), PROMPT, gen, 1.0)) < TOL
+    assert after.versions == [1] * 6
 
 
 def test_an_unknown_model_name_is_invalid_argument(server: str) -> None:

@@ -6,7 +6,8 @@ its answer (`_parse_segment`); swappable engines also say how to pause, load a
 checkpoint directory and resume (`_pause`, `_load_from_disk`, `_resume`).
 
 Weight versions per token. The adapter keeps the version label itself and
-runs a swap as: close the admission gate (new requests wait) -> pause the
+runs a swap as: stage the checkpoint where the server can (`_stage`, while
+generation goes on) -> close the admission gate (new requests wait) -> pause the
 server, which aborts the requests it is running (partial output comes back)
 -> wait for in-flight requests to return (bounded by `drain_timeout_s`) ->
 load the new checkpoint -> relabel -> resume -> open the gate. A request the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -79,6 +81,19 @@ class WeightsDir(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"WeightsDir({str(self.path)!r})"
+
+
+class SwapClock:
+    """The phases of one swap: `mark(name)` records the seconds since the previous mark."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now
 
 
 @dataclass(slots=True)
@@ -139,6 +154,10 @@ class HTTPEngine:
         self._load_seq = 0  # loads begun (after the drain)
         self._failed: str | None = None
         self._closed = False
+        # Generation stood still for swaps (admission gate closed to gate open), in all;
+        # the phases of the latest swap, seconds each (see SwapClock).
+        self.swap_pause_s = 0.0
+        self.last_swap: dict[str, float] = {}
 
     # -- api.InferenceEngine ---------------------------------------------------------
 
@@ -341,23 +360,35 @@ class HTTPEngine:
                 f"weights directory {path} does not exist", reason="NO_WEIGHTS"
             )
         async with self._swap_lock:
+            clock = SwapClock()
+            await self._stage(path, version)  # generation goes on meanwhile
+            clock.mark("stage")
             self._gate.clear()
+            closed = time.perf_counter()
             try:
                 if self.on_swap == "finish_old":
                     await self._drain(self.drain_timeout_s)
+                    clock.mark("finish_old")
                 self._swap_seq += 1
                 await self._pause()
+                clock.mark("pause")
                 try:
                     late = await self._drain(self.drain_timeout_s)
                     if late:
                         log.info("%d requests still in flight after the pause", late)
+                    clock.mark("drain")
                     self._load_seq += 1
                     await self._load_from_disk(path, version)
+                    clock.mark("load")
                     self._version = version
                 finally:
                     await self._resume_or_fail()
+                    clock.mark("resume")
             finally:
                 self._gate.set()
+                self.swap_pause_s += time.perf_counter() - closed
+                self.last_swap = clock.phases
+                log.debug("swap to version %d: %s", version, clock.phases)
 
     async def _resume_or_fail(self) -> None:
         try:
@@ -381,6 +412,10 @@ class HTTPEngine:
 
     def _parse_segment(self, answer: Any, sampling: Sampling) -> Segment:
         raise NotImplementedError
+
+    async def _stage(self, path: Path, version: int) -> None:
+        """Prepares loading `path` while generation goes on (before the gate closes); a
+        failure here leaves the version and the server as they were. Default: nothing."""
 
     async def _pause(self) -> None:
         raise NotImplementedError

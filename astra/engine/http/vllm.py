@@ -16,12 +16,18 @@ shape changes between releases, so the update is one hook,
 `reload_weights_from_disk`, that a later session can point at the
 weight-transfer engine (`--weight-transfer-config`, `/init_weight_transfer_engine`,
 `/update_weights`) instead. What this version calls:
+- with Astra's extension, before anything is paused (generation goes on):
+  `POST /collective_rpc` `astra_stage_weights` (the worker starts reading the
+  directory's safetensors into memory on a thread of its own), then
+  `astra_staged` until every worker says ready; a read that fails is
+  WEIGHT_UPDATE_FAILED with nothing touched (`stage=False` skips this step);
 - `POST /pause?mode=abort` (0.32's modes are abort, wait and keep; abort ends
   running requests at once with what they had, and clears the KV and prefix
   caches);
 - `POST /collective_rpc {"method": M, "kwargs": {"weights_path": PATH}}`: on a
   server `launch` started, M is `astra_reload_weights`, from the worker extension
-  it loads (astra/engine/http/vllm_ext: the worker's `reload_weights`, then the
+  it loads (`astra_commit_weights` once staged: the read tensors go through the
+  worker's `reload_weights`; else astra/engine/http/vllm_ext reads then reloads; then the
   tied `lm_head` that vLLM 0.32 leaves on its start-up weights on CPU is tied and
   repacked again); on an attached server, the worker's own `reload_weights`
   (`reload_rpc_method`), exact for models without tied embeddings;
@@ -74,6 +80,13 @@ CPU_KV_CACHE_GIB = 1
 EXTENSION_DIR = Path(__file__).parent / "vllm_ext"
 EXTENSION_CLS = "astra_vllm_ext.AstraWorkerExtension"
 EXTENSION_RELOAD = "astra_reload_weights"
+# The extension's staged load: read the files while generating, pause only for the copy.
+EXTENSION_STAGE, EXTENSION_STAGED, EXTENSION_COMMIT = (
+    "astra_stage_weights",
+    "astra_staged",
+    "astra_commit_weights",
+)
+STAGE_POLL_S = (0.002, 0.05)  # first and longest wait between two looks at a staged read
 
 
 class VLLMEngine(CompletionsEngine):
@@ -92,14 +105,19 @@ class VLLMEngine(CompletionsEngine):
         update_timeout_s: float = 900.0,
         reload_rpc_method: str = "reload_weights",
         adapters: AdapterSlot | None = None,
+        stage: bool = True,
         **kwargs: Any,
     ) -> None:
         """`adapters`: how this policy serves LoRA versions (a server with --enable-lora);
-        None refuses them (ADAPTER_UNSUPPORTED)."""
+        None refuses them (ADAPTER_UNSUPPORTED). `stage`: with Astra's extension, read a full
+        version's files in the worker before the pause (False: read them while paused)."""
         super().__init__(base_url, model, policy_id, tokenizer, **kwargs)
         self.update_timeout_s = update_timeout_s
         self.reload_rpc_method = reload_rpc_method
         self.adapters = adapters
+        self.stage = stage
+        self._staged: Path | None = None  # the directory the worker has read for the next load
+        self.last_load: list[Any] = []  # the latest load's reports, one per worker
 
     @property
     def serves_adapters(self) -> bool:
@@ -222,6 +240,37 @@ class VLLMEngine(CompletionsEngine):
         except AstraError as exc:
             log.warning("vLLM kept the replaced adapter %s: %s", name, exc.message)
 
+    async def _stage(self, path: Path, version: int) -> None:
+        """With Astra's extension (full versions): the worker reads `path` into memory on a
+        thread of its own while generation goes on; this waits until it has. A directory it
+        cannot read fails here, before the pause: WEIGHT_UPDATE_FAILED, nothing touched."""
+        self._staged = None
+        if not self.stage or self.reload_rpc_method != EXTENSION_RELOAD:
+            return
+        if self.adapters is not None and self.adapters.owns(path):
+            return
+        check_safetensors(path, version)
+        body = {"method": EXTENSION_STAGE, "kwargs": {"weights_path": str(path)}}
+        await self._dev_call("/collective_rpc", body, timeout_s=60.0)
+        body["method"] = EXTENSION_STAGED
+        wait, longest = STAGE_POLL_S
+        while True:
+            answer = await self._dev_call("/collective_rpc", body, timeout_s=60.0)
+            states = [r.get("state") if isinstance(r, dict) else r for r in results_of(answer)]
+            failed = [r for r in results_of(answer) if isinstance(r, dict) and r.get("error")]
+            if failed or any(s not in ("pending", "ready") for s in states):
+                why = failed[0]["error"] if failed else f"staged states {states}"
+                raise FailedPrecondition(
+                    f"vLLM could not read {path} as version {version}: {why}",
+                    reason="WEIGHT_UPDATE_FAILED",
+                    metadata={"path": str(path)},
+                )
+            if states and all(s == "ready" for s in states):
+                break
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, longest)
+        self._staged = path
+
     async def reload_weights_from_disk(self, path: Path, version: int) -> None:
         """The weight-update hook: loads the checkpoint at `path` into the paused server.
 
@@ -230,15 +279,12 @@ class VLLMEngine(CompletionsEngine):
         around it stay as they are. `version` is not sent: vLLM's reload has no
         version label, the adapter keeps it.
         """
-        if not any(path.glob("*.safetensors")):  # vLLM's engine dies on such a directory
-            raise FailedPrecondition(
-                f"{path} holds no *.safetensors: not loaded as version {version}",
-                reason="WEIGHT_UPDATE_FAILED",
-                metadata={"path": str(path)},
-            )
-        body = {"method": self.reload_rpc_method, "kwargs": {"weights_path": str(path)}}
+        check_safetensors(path, version)
+        method = EXTENSION_COMMIT if self._staged == path else self.reload_rpc_method
+        self._staged = None
+        body = {"method": method, "kwargs": {"weights_path": str(path)}}
         try:
-            await self._dev_call("/collective_rpc", body, timeout_s=self.update_timeout_s)
+            answer = await self._dev_call("/collective_rpc", body, timeout_s=self.update_timeout_s)
         except FailedPrecondition:
             raise
         except AstraError as exc:
@@ -252,6 +298,7 @@ class VLLMEngine(CompletionsEngine):
                 reason="WEIGHT_UPDATE_FAILED",
                 metadata={"path": str(path)},
             ) from exc
+        self.last_load = results_of(answer)
 
     async def _resume(self) -> None:
         await self._dev_call("/resume", None, timeout_s=60.0)
@@ -263,9 +310,9 @@ class VLLMEngine(CompletionsEngine):
         *,
         query: dict[str, Any] | None = None,
         timeout_s: float,
-    ) -> None:
+    ) -> Any:
         try:
-            await self.client.request(
+            return await self.client.request(
                 "POST", path, body, query=query, timeout_s=timeout_s, expect_json=False
             )
         except AstraError as exc:
@@ -276,6 +323,29 @@ class VLLMEngine(CompletionsEngine):
                     reason="VLLM_DEV_ENDPOINT_MISSING",
                 ) from exc
             raise
+
+
+def check_safetensors(path: Path, version: int) -> None:
+    """vLLM's engine dies on a directory with no *.safetensors: refused before it sees it."""
+    if not any(path.glob("*.safetensors")):
+        raise FailedPrecondition(
+            f"{path} holds no *.safetensors: not loaded as version {version}",
+            reason="WEIGHT_UPDATE_FAILED",
+            metadata={"path": str(path)},
+        )
+
+
+def results_of(answer: Any) -> list[Any]:
+    """The per-worker results of a `/collective_rpc` answer (`{"results": [...]}`, as text
+    or decoded), or []."""
+    if isinstance(answer, str):
+        try:
+            answer = json.loads(answer)
+        except ValueError:
+            return []
+    if isinstance(answer, dict) and isinstance(answer.get("results"), list):
+        return answer["results"]
+    return []
 
 
 def start_vllm(
