@@ -193,8 +193,8 @@ class EngineBackend:
         swap.add_done_callback(lambda done: self._swapped(done, versions))
         await asyncio.shield(swap)
         # The time generation stood still for this swap: the engine's own count where it keeps
-        # one (the torch engine: installing between two decode steps), else the whole call
-        # (an HTTP engine pauses its generation while it reloads).
+        # one (the torch engine: installing between two decode steps; HTTP engines: admission
+        # closed to reopened, staging excluded), else the whole call.
         pause = (
             engine.swap_pause_s - paused if paused is not None else time.perf_counter() - started
         )
