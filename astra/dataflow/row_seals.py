@@ -123,9 +123,8 @@ def check(db: Path, table: str, row: Sequence[object]) -> tuple:
 
 def describe(table: str, values: Sequence[object]) -> str:
     """The row, named by its key columns."""
-    key = ", ".join(
-        f"{c}={v!r}" for c, v in zip(COLUMNS[table], values[: KEY_COLUMNS[table]], strict=True)
-    )
+    n = KEY_COLUMNS[table]
+    key = ", ".join(f"{c}={v!r}" for c, v in zip(COLUMNS[table][:n], values[:n], strict=True))
     return f"the row of table {table} with {key}"
 
 
