@@ -86,7 +86,11 @@ def _text(v: object) -> str:
 
 def seal_of(table: str, values: Sequence[object]) -> int:
     """The seal of a row of `table` whose columns (COLUMNS order) are `values`."""
-    return zlib.crc32("\x00".join([table, *map(_text, values)]).encode())
+    parts = [table]
+    for v in values:  # the common types first: a row is sealed at every write
+        t = type(v)
+        parts.append("s" + v if t is str else f"n{v}" if t is int else _text(v))
+    return zlib.crc32("\x00".join(parts).encode())
 
 
 def register(conn: sqlite3.Connection) -> None:

@@ -5,7 +5,8 @@ buffered groups (their trajectory bytes in a `BlobLog` beside the database),
 trainer batch leases (with their advantages and the bytes of their replayed copies, so a
 leased batch is rebuilt exactly), each policy's replay memory (trained groups kept
 for replay, in the order they entered), and small key/value state (dataset positions,
-versions, counters). Every change that
+versions, counters), every row and value sealed (astra.dataflow.row_seals,
+.sealed: checked at each start and on every read). Every change that
 Dataflow acknowledges to anyone is committed here first. WAL with
 synchronous=NORMAL is durable against a process crash; only a power loss can
 drop the last transactions. A transaction opened `durable` (a trainer's batch
@@ -40,7 +41,6 @@ from astra.dataflow.sealed import (
 )
 from astra.dataflow.store_schema import (
     CHECKED_FROM,
-    SCHEMA,
     SCHEMA_VERSION,
     BadRecord,
     Staged,
@@ -51,6 +51,7 @@ from astra.dataflow.store_schema import (
     unpack_trajectories,
 )
 from astra.dataflow.store_tx import Tx
+from astra.dataflow.store_upgrade import upgrade
 
 __all__ = ["BadRecord", "BatchRow", "StateStore", "Tx", "WorkRow", "is_storage_error"]
 
@@ -116,15 +117,7 @@ class StateStore:
     def _migrate(self, path: Path, version: int, segment_bytes: int) -> None:
         """Brings a database of schema `version` to SCHEMA_VERSION (inside a transaction) and
         opens the blob log."""
-        for statement in SCHEMA.split(";"):
-            if statement.strip():
-                self.conn.execute(statement)
-        _add_column(self.conn, "batches", "untrained_reason TEXT NOT NULL DEFAULT ''")
-        if version < row_seals.ROWS_SEALED_FROM:
-            for table in row_seals.COLUMNS:
-                _add_column(self.conn, table, "seal INTEGER NOT NULL DEFAULT 0")
-            _count_acked_versions(self.conn, self.path)
-            row_seals.seal_every_row(self.conn)
+        upgrade(self.conn, self.path, version)
         self.blobs = BlobLog(path / "blobs", segment_bytes)
         checked_from = self.get(CHECKED_FROM)
         if checked_from is None:
@@ -346,35 +339,6 @@ class StateStore:
         self._checkpointer.stop()
         self.conn.close()
         self.blobs.close()
-
-
-def _add_column(conn: sqlite3.Connection, table: str, column: str) -> None:
-    """Adds the column (its definition) to a table of an older schema that lacks it."""
-    if column.split()[0] not in {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}:
-        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
-
-
-def _count_acked_versions(conn: sqlite3.Connection, db: Path) -> None:
-    """acked_versions of a database of before schema 8, from the batch rows it holds (the
-    newest KEEP_FINISHED finished): what a trainer restart could count discarded before."""
-    counts: dict[tuple[str, int], list[int]] = {}
-    for batch_id, policy_id, version, groups in conn.execute(
-        "SELECT batch_id, policy_id, policy_version, groups FROM batches"
-        " WHERE state='acked' AND untrained_reason=''"
-    ):
-        try:
-            entries = batch_groups(batch_id, policy_id, version, groups)
-        except ValueError as exc:
-            what = f"batch {batch_id}'s groups are damaged ({exc})"
-            raise Damaged(db, what, fix_for(db)) from exc
-        count = counts.setdefault((policy_id, version), [0, 0])
-        count[0] += 1
-        count[1] += sum(not e[1] for e in entries)
-    conn.executemany(
-        "INSERT OR REPLACE INTO acked_versions(policy_id, version, batches, groups)"
-        " VALUES(?, ?, ?, ?)",
-        [(p, v, b, g) for (p, v), (b, g) in counts.items()],
-    )
 
 
 # The checkpoint thread checkpoints every WAL_CHECKPOINT_S (SQLite's default, 1000 pages
