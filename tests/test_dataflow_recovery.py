@@ -1107,6 +1107,54 @@ def test_a_trainer_resumed_with_replay_gets_its_batches(tmp_path, eta):
     run(body())
 
 
+def test_a_restart_from_a_checkpoint_older_than_the_batches_remembered_counts_every_one(
+    tmp_path, monkeypatch
+):
+    """Only the newest KEEP_FINISHED finished batches are remembered; a trainer that resumes
+    from a checkpoint older than those still has every batch since counted discarded
+    (acked_versions), across a Dataflow restart, each once: the groups trained (in the
+    published versions) and the groups discarded add up to the groups acknowledged."""
+    import astra.dataflow.batches as batches_mod
+
+    monkeypatch.setattr(batches_mod, "KEEP_FINISHED", 2)
+    cfg = replay_eta_config(tmp_path, eta=0)
+
+    async def body():
+        df = new_dataflow(cfg)
+        try:
+            df.announce("p", 0, "0", "w0")
+            await register(df, versions={"p": 0})
+            fresh = [len(step) for step in await train_versions(df, range(8))]
+            await df.upkeep()
+            assert len(df.batches.batches) == 2  # versions 6 and 7: 0-5 forgotten
+        finally:
+            crash(df)
+        df = new_dataflow(cfg)
+        try:
+            await register(df, versions={"p": 8})
+            df.announce("p", 8, "8", "w0", resumed=True, resumed_from=2)
+            c = df.counters
+            assert c["consumed_groups"] == sum(fresh)
+            assert c["batches_discarded.trainer_restart"] == 6  # versions 2-7
+            assert c["groups_discarded.trainer_restart"] == sum(fresh[2:])
+            trained = c["consumed_groups"] - c["untrained_groups"]
+            trained -= c["groups_discarded.trainer_restart"]
+            assert trained == sum(fresh[:2])  # the batches of versions 0 and 1: in version 2
+            # Two more steps, then a second restart from the same checkpoint: only they.
+            again = [len(s) for s in await train_versions(df, range(8, 10), tag="again")]
+            await df.upkeep()
+            df.announce("p", 10, "10", "w0", resumed=True, resumed_from=2)
+            assert c["batches_discarded.trainer_restart"] == 8
+            assert c["groups_discarded.trainer_restart"] == sum(fresh[2:]) + sum(again)
+            assert c["consumed_groups"] == sum(fresh) + sum(again)
+            trained = c["consumed_groups"] - c["untrained_groups"]
+            assert trained - c["groups_discarded.trainer_restart"] == sum(fresh[:2])
+        finally:
+            crash(df)
+
+    run(body())
+
+
 @pytest.mark.parametrize("restart", [False, True], ids=["resumed", "resumed_then_restarted"])
 def test_a_trainer_resumed_with_replay_and_eta_zero_stays_synchronous(tmp_path, restart):
     """The batch acknowledged and never trained still counted as the version's batch taken,

@@ -186,9 +186,11 @@ class BatchDesk:
         ]
 
     def discard_since(self, tx, policy_id: str, version: int) -> tuple[int, int]:
-        """Marks the policy's trained batches acknowledged at `version` or later as
-        discarded (TRAINER_RESTART), durably in their rows; returns (batches, fresh groups)
-        newly marked. A batch marked before, or acknowledged untrained, is left as it is."""
+        """Counts the policy's batches acknowledged as trained at `version` or later
+        discarded (TRAINER_RESTART); returns (batches, fresh groups) newly counted. Counted
+        from acked_versions, which keeps them per version however many batches ago they were
+        (the rows of the newest KEEP_FINISHED finished are marked too, for the run's summary);
+        a batch counted before, or acknowledged untrained, is not counted again."""
         found = [
             b
             for b in self.batches.values()
@@ -200,7 +202,9 @@ class BatchDesk:
         for b in found:
             b.untrained_reason = TRAINER_RESTART
         tx.set_batch_untrained_reason([b.batch_id for b in found], TRAINER_RESTART)
-        return len(found), sum(b.fresh for b in found)
+        batches, groups = self.store.acked_since(policy_id, version)
+        tx.forget_acked_since(policy_id, version)
+        return batches, groups
 
     def mark_untrained(self, tx, policy_id: str, batch_ids: list[str]) -> None:
         """Marks acknowledged batches untrained: no longer taken (`taken_for`), durably."""
@@ -377,6 +381,8 @@ class BatchDesk:
         # any_failure: memory (the batch acknowledged, replay) is already ahead of the store.
         # durable: fsynced before the trainer hears OK, so a power loss never takes it back.
         with self.store.tx(any_failure=True, durable=True) as tx:
+            if not untrained:  # counted discarded if its trainer restarts from before it
+                tx.add_acked(batch.policy_id, batch.policy_version, consumed)
             tx.move_to_replay(batch.policy_id, entered)
             tx.delete_groups(k for k in batch.stored_keys() if k[0] not in kept)
             tx.delete_replays([batch.batch_id])

@@ -10,7 +10,8 @@ stored sealed: the CRC-32 of its key and JSON text before the text. A seal
 that does not match is refused at read. The other tables' facts are checked
 where they are used: blob records carry their own CRC (astra.dataflow.blobs), and the
 facts beside them (rewards, versions, token counts: a row's `meta`) are sealed the same
-way, keyed by their group and policy (astra.dataflow.store_schema).
+way, keyed by their group and policy (astra.dataflow.store_schema); every other column
+of every row carries a row seal (astra.dataflow.row_seals).
 Never imports gRPC.
 """
 

@@ -5,7 +5,8 @@ buffered groups (their trajectory bytes in a `BlobLog` beside the database),
 trainer batch leases (with their advantages and the bytes of their replayed copies, so a
 leased batch is rebuilt exactly), each policy's replay memory (trained groups kept
 for replay, in the order they entered), and small key/value state (dataset positions,
-versions, counters). Every change that
+versions, counters), every row and value sealed (astra.dataflow.row_seals,
+.sealed: checked at each start and on every read). Every change that
 Dataflow acknowledges to anyone is committed here first. WAL with
 synchronous=NORMAL is durable against a process crash; only a power loss can
 drop the last transactions. A transaction opened `durable` (a trainer's batch
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from astra.damage import Damaged
+from astra.dataflow import row_seals
 from astra.dataflow.blobs import SEGMENT_BYTES, BlobLog, CorruptRecord, record_size, write_record
 from astra.dataflow.records import BatchRow, GroupRecord, TrajectoryRecord
 from astra.dataflow.sealed import (
@@ -39,7 +41,6 @@ from astra.dataflow.sealed import (
 )
 from astra.dataflow.store_schema import (
     CHECKED_FROM,
-    SCHEMA,
     SCHEMA_VERSION,
     BadRecord,
     Staged,
@@ -50,6 +51,7 @@ from astra.dataflow.store_schema import (
     unpack_trajectories,
 )
 from astra.dataflow.store_tx import Tx
+from astra.dataflow.store_upgrade import upgrade
 
 __all__ = ["BadRecord", "BatchRow", "StateStore", "Tx", "WorkRow", "is_storage_error"]
 
@@ -74,32 +76,25 @@ class StateStore:
         quick_check(self.conn, self.path)
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
+        row_seals.register(self.conn)
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, 3, 4, 5, 6, SCHEMA_VERSION):
+        if not 0 <= version <= SCHEMA_VERSION:
             raise Damaged(
                 self.path,
                 f"schema {version}, this build reads up to {SCHEMA_VERSION}",
                 "run it with the build that wrote it, or start Dataflow on a new state_dir",
             )
-        self.conn.executescript(SCHEMA)
-        columns = {r[1] for r in self.conn.execute("PRAGMA table_info(batches)")}
-        if "untrained_reason" not in columns:
-            self.conn.execute(
-                "ALTER TABLE batches ADD COLUMN untrained_reason TEXT NOT NULL DEFAULT ''"
-            )
-        self.blobs = BlobLog(path / "blobs", segment_bytes)
-        checked_from = self.get(CHECKED_FROM)
-        if checked_from is None:
-            if version >= 5:  # written with checksums from the start
-                raise Damaged(self.path, f"kv {CHECKED_FROM!r} is missing", fix_for(self.path))
-            # From the segment this process opens on, the log is written with checksums.
-            checked_from = self.blobs.active
-            self.conn.execute(
-                "INSERT INTO kv(key, value) VALUES(?, ?)",
-                (CHECKED_FROM, seal(CHECKED_FROM, checked_from)),
-            )
-        self.blobs.checked_from = int(checked_from)
-        self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self.conn.execute("BEGIN IMMEDIATE")  # a migration is all or nothing
+        try:
+            self._migrate(path, version, segment_bytes)
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+        # Every row as written (astra.dataflow.row_seals): a value changed in place stops
+        # the start here, naming its table and row.
+        row_seals.verify_all(self.conn, self.path)
         for (seg,) in self.conn.execute(
             "SELECT seg FROM groups UNION ALL SELECT seg FROM batch_replays"
             " UNION ALL SELECT seg FROM replay_memory"
@@ -118,6 +113,24 @@ class StateStore:
         self._checkpointer = _Checkpointer(self.path)
         # Called with the error when a transaction fails in storage (see `tx`).
         self.on_failure: Callable[[BaseException], None] | None = None
+
+    def _migrate(self, path: Path, version: int, segment_bytes: int) -> None:
+        """Brings a database of schema `version` to SCHEMA_VERSION (inside a transaction) and
+        opens the blob log."""
+        upgrade(self.conn, self.path, version)
+        self.blobs = BlobLog(path / "blobs", segment_bytes)
+        checked_from = self.get(CHECKED_FROM)
+        if checked_from is None:
+            if version >= 5:  # written with checksums from the start
+                raise Damaged(self.path, f"kv {CHECKED_FROM!r} is missing", fix_for(self.path))
+            # From the segment this process opens on, the log is written with checksums.
+            checked_from = self.blobs.active
+            self.conn.execute(
+                "INSERT INTO kv(key, value) VALUES(?, ?)",
+                (CHECKED_FROM, seal(CHECKED_FROM, checked_from)),
+            )
+        self.blobs.checked_from = int(checked_from)
+        self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @contextlib.contextmanager
     def tx(self, *, any_failure: bool = False, durable: bool = False) -> Iterator[Tx]:
@@ -190,6 +203,20 @@ class StateStore:
         row = self.conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
         return default if row is None else unseal(self.path, key, row[0])
 
+    def _rows(self, table: str, where: str = "", params=(), **kw) -> Iterator[tuple]:
+        """The table's rows, each checked against its seal (Damaged, naming the row, if one
+        fails: astra.dataflow.row_seals)."""
+        return row_seals.rows(self.conn, self.path, table, where, params, **kw)
+
+    def acked_since(self, policy_id: str, version: int) -> tuple[int, int]:
+        """(batches, fresh groups) of the policy acknowledged as trained at `version` or later
+        and not counted discarded since (acked_versions), however long ago."""
+        found = self._rows("acked_versions", "policy_id=? AND version>=?", (policy_id, version))
+        batches = groups = 0
+        for _, _, b, g in found:
+            batches, groups = batches + b, groups + g
+        return batches, groups
+
     def _load(
         self, table: str, gid: str, pid: str, batch_id, pos, meta: str, seg: int, off: int, n: int
     ) -> list[TrajectoryRecord] | None:
@@ -209,30 +236,24 @@ class StateStore:
     def work_rows(self) -> list[WorkRow]:
         """Every row, done ones included, but for the folded epochs' (`folded`): the run's
         history, for accounting and tests."""
-        return [WorkRow(*r) for r in self.conn.execute("SELECT * FROM work")]
+        return [WorkRow(*r) for r in self._rows("work")]
 
     def unfinished_work(self) -> list[WorkRow]:
         """The rows of groups not done (waiting or leased): what a restart takes up again."""
-        rows = self.conn.execute("SELECT * FROM work WHERE state != 'done'")
-        return [WorkRow(*r) for r in rows]
+        return [WorkRow(*r) for r in self._rows("work", "state != 'done'")]
 
     def is_done(self, group_id: str) -> bool:
         """True when the work table records the group as done, or its epoch was folded
         (inside a transaction, its writes so far count)."""
-        row = self.conn.execute(
-            "SELECT 1 FROM work WHERE group_id=? AND state='done'", (group_id,)
-        ).fetchone()
-        if row is not None:
+        if next(self._rows("work", "group_id=? AND state='done'", (group_id,)), None):
             return True
         stream, _, rest = group_id.rpartition("/")
         stream, _, epoch = stream.rpartition("/")
         canonical = epoch.isascii() and epoch.isdigit() and str(int(epoch)) == epoch
         if not (stream and canonical and rest):  # not an id a dataset makes
             return False
-        row = self.conn.execute(
-            "SELECT 1 FROM folded_work WHERE stream=? AND epoch=?", (stream, int(epoch))
-        ).fetchone()
-        return row is not None
+        found = self._rows("folded_work", "stream=? AND epoch=?", (stream, int(epoch)))
+        return next(found, None) is not None
 
     def done_count(self) -> int:
         """Groups done: those of the work table and of its folded epochs."""
@@ -250,13 +271,13 @@ class StateStore:
 
     def folded(self) -> dict[tuple[str, int], int]:
         """(stream, epoch) -> groups done, of every folded epoch."""
-        return {(s, e): n for s, e, n in self.conn.execute("SELECT * FROM folded_work")}
+        return {(s, e): n for s, e, n in self._rows("folded_work")}
 
     def groups(self) -> list[tuple[GroupRecord, str | None]]:
         """Every stored group with the batch it is leased in (None if buffered)."""
         out = []
-        for gid, pid, seq, epoch, batch_id, meta, seg, off, length in self.conn.execute(
-            "SELECT group_id, policy_id, seq, epoch, batch_id, meta, seg, off, len FROM groups"
+        for gid, pid, seq, epoch, batch_id, seg, off, length, meta in self._rows(
+            "groups", extra=("meta",)
         ):
             trajectories = self._load("groups", gid, pid, batch_id, None, meta, seg, off, length)
             if trajectories is not None:
@@ -265,11 +286,8 @@ class StateStore:
 
     def batches(self) -> list[BatchRow]:
         out = []
-        for row in self.conn.execute(
-            "SELECT batch_id, policy_id, request_id, trainer_id, state, lease_expire,"
-            " policy_version, groups, untrained_reason FROM batches"
-        ):
-            batch_id, policy_id, request_id, trainer_id, state, expire, version, groups, reason = (
+        for row in self._rows("batches", extra=("groups",)):
+            batch_id, policy_id, request_id, trainer_id, state, expire, version, reason, groups = (
                 row
             )
             try:
@@ -296,9 +314,8 @@ class StateStore:
     def replays(self) -> dict[str, dict[int, GroupRecord]]:
         """The stored replayed copies: batch id -> position in the batch -> copy."""
         out: dict[str, dict[int, GroupRecord]] = {}
-        for batch_id, pos, gid, pid, seq, epoch, meta, seg, off, length in self.conn.execute(
-            "SELECT batch_id, pos, group_id, policy_id, seq, epoch, meta, seg, off, len"
-            " FROM batch_replays"
+        for batch_id, pos, gid, pid, seq, epoch, seg, off, length, meta in self._rows(
+            "batch_replays", extra=("meta",)
         ):
             got = self._load("batch_replays", gid, pid, batch_id, pos, meta, seg, off, length)
             if got is not None:
@@ -309,9 +326,8 @@ class StateStore:
     def replay_memory(self) -> dict[str, list[GroupRecord]]:
         """Each policy's replay memory, oldest to enter first."""
         out: dict[str, list[GroupRecord]] = {}
-        for gid, pid, seq, epoch, meta, seg, off, length in self.conn.execute(
-            "SELECT group_id, policy_id, seq, epoch, meta, seg, off, len FROM replay_memory"
-            " ORDER BY entered"
+        for pid, gid, _entered, seq, epoch, seg, off, length, meta in self._rows(
+            "replay_memory", extra=("meta",), order="entered"
         ):
             got = self._load("replay_memory", gid, pid, None, None, meta, seg, off, length)
             if got is not None:

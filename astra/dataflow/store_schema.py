@@ -24,7 +24,11 @@ from astra.dataflow.sealed import open_text, seal_text
 # 6: batches.untrained_reason (an older directory's batches read as trained).
 # 7: a row's meta and a batch row's groups sealed (a CRC-32 of the row's ids and the JSON,
 # before the JSON); an older row's unsealed JSON is read as plain JSON.
-SCHEMA_VERSION = 7
+# 8: every row of every table sealed (its `seal` column: astra.dataflow.row_seals), and
+# acked_versions (per policy and batch version, the batches acknowledged as trained and not
+# counted discarded since, and their fresh groups: astra.dataflow.batches). An older database is migrated on open: its rows are
+# sealed as they stand, acked_versions counted from the batch rows it still holds.
+SCHEMA_VERSION = 8
 CHECKED_FROM = "blob_checked_from"
 WORK_STATES = ("pending", "leased", "done")  # what `Tx.set_work` writes
 OPEN_ROW_IN_SPAN = (
@@ -40,13 +44,15 @@ CREATE TABLE IF NOT EXISTS work (
     instance_id TEXT,
     lease_expire REAL,
     attempts INTEGER NOT NULL DEFAULT 0,
-    outcome TEXT
+    outcome TEXT,
+    seal INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS work_state ON work(state);
 CREATE TABLE IF NOT EXISTS folded_work (
     stream TEXT NOT NULL,
     epoch INTEGER NOT NULL,
     done INTEGER NOT NULL,
+    seal INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (stream, epoch)
 );
 CREATE TABLE IF NOT EXISTS groups (
@@ -59,6 +65,7 @@ CREATE TABLE IF NOT EXISTS groups (
     seg INTEGER NOT NULL,
     off INTEGER NOT NULL,
     len INTEGER NOT NULL,
+    seal INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (group_id, policy_id)
 );
 CREATE TABLE IF NOT EXISTS batches (
@@ -70,7 +77,8 @@ CREATE TABLE IF NOT EXISTS batches (
     lease_expire REAL NOT NULL,
     policy_version INTEGER NOT NULL,
     groups TEXT NOT NULL,
-    untrained_reason TEXT NOT NULL DEFAULT ''
+    untrained_reason TEXT NOT NULL DEFAULT '',
+    seal INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS batches_request ON batches(policy_id, request_id);
 CREATE TABLE IF NOT EXISTS batch_replays (
@@ -84,6 +92,7 @@ CREATE TABLE IF NOT EXISTS batch_replays (
     seg INTEGER NOT NULL,
     off INTEGER NOT NULL,
     len INTEGER NOT NULL,
+    seal INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (batch_id, pos)
 );
 CREATE TABLE IF NOT EXISTS replay_memory (
@@ -96,7 +105,16 @@ CREATE TABLE IF NOT EXISTS replay_memory (
     seg INTEGER NOT NULL,
     off INTEGER NOT NULL,
     len INTEGER NOT NULL,
+    seal INTEGER NOT NULL DEFAULT 0,
     UNIQUE (policy_id, group_id)
+);
+CREATE TABLE IF NOT EXISTS acked_versions (
+    policy_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    batches INTEGER NOT NULL,
+    groups INTEGER NOT NULL,
+    seal INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (policy_id, version)
 );
 """
 

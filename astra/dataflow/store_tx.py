@@ -13,6 +13,7 @@ from typing import Any
 
 from astra.dataflow.blobs import BlobLog
 from astra.dataflow.records import BatchRow, GroupRecord
+from astra.dataflow.row_seals import seal_of, seal_sql
 from astra.dataflow.sealed import seal, seal_text
 from astra.dataflow.store_schema import (
     OPEN_ROW_IN_SPAN,
@@ -56,13 +57,14 @@ class Tx:
     ) -> None:
         if state not in WORK_STATES:  # the folding query reads the others as open
             raise ValueError(f"work state {state!r} is not one of {WORK_STATES}")
+        row = (group_id, stream, state, instance_id, lease_expire, attempts, outcome)
         self.c.execute(
-            "INSERT INTO work(group_id, stream, state, instance_id, lease_expire, attempts, outcome)"
-            " VALUES(?, ?, ?, ?, ?, ?, ?) ON CONFLICT(group_id) DO UPDATE SET"
-            " state=excluded.state, instance_id=excluded.instance_id,"
+            "INSERT INTO work(group_id, stream, state, instance_id, lease_expire, attempts,"
+            " outcome, seal) VALUES(?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(group_id) DO UPDATE SET"
+            " stream=excluded.stream, state=excluded.state, instance_id=excluded.instance_id,"
             " lease_expire=excluded.lease_expire, attempts=excluded.attempts,"
-            " outcome=excluded.outcome",
-            (group_id, stream, state, instance_id, lease_expire, attempts, outcome),
+            " outcome=excluded.outcome, seal=excluded.seal",
+            (*row, seal_of("work", row)),
         )
 
     def fold_epoch(self, stream: str, epoch: int, limit: int) -> int | None:
@@ -84,9 +86,10 @@ class Tx:
             (*span, limit),
         ).rowcount
         self.c.execute(
-            "INSERT INTO folded_work(stream, epoch, done) VALUES(?, ?, ?) "
-            "ON CONFLICT(stream, epoch) DO UPDATE SET done = done + excluded.done",
-            (stream, epoch, n),
+            "INSERT INTO folded_work(stream, epoch, done, seal) VALUES(?, ?, ?, ?) "
+            "ON CONFLICT(stream, epoch) DO UPDATE SET done = done + excluded.done, "
+            f"seal = {seal_sql('folded_work', done='done + excluded.done')}",
+            (stream, epoch, n, seal_of("folded_work", (stream, epoch, n))),
         )
         return n
 
@@ -105,10 +108,11 @@ class Tx:
                 meta, seg, off, length = self._append(g)
             # A group enters the store once (ingest de-duplicates by id): a second
             # insert is a bug and fails the transaction.
+            row = (g.group_id, g.policy_id, g.seq, g.epoch, None, seg, off, length)
             self.c.execute(
-                "INSERT INTO groups(group_id, policy_id, seq, epoch, batch_id, meta, seg, off, len)"
-                " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (g.group_id, g.policy_id, g.seq, g.epoch, None, meta, seg, off, length),
+                "INSERT INTO groups(group_id, policy_id, seq, epoch, batch_id, seg, off, len,"
+                " seal, meta) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (*row, seal_of("groups", row), meta),
             )
 
     def _append(self, g: GroupRecord) -> tuple[str, int, int, int]:
@@ -128,7 +132,8 @@ class Tx:
 
     def set_group_batch(self, keys: Iterable[tuple[str, str]], batch_id: str | None) -> None:
         self.c.executemany(
-            "UPDATE groups SET batch_id=? WHERE group_id=? AND policy_id=?",
+            f"UPDATE groups SET batch_id=?1, seal={seal_sql('groups', batch_id='?1')}"
+            " WHERE group_id=?2 AND policy_id=?3",
             [(batch_id, g, p) for g, p in keys],
         )
 
@@ -143,10 +148,11 @@ class Tx:
         be rebuilt after a restart."""
         for pos, g in groups:
             meta, seg, off, length = self._append(g)
+            row = (batch_id, pos, g.group_id, g.policy_id, g.seq, g.epoch, seg, off, length)
             self.c.execute(
-                "INSERT INTO batch_replays(batch_id, pos, group_id, policy_id, seq, epoch, meta,"
-                " seg, off, len) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (batch_id, pos, g.group_id, g.policy_id, g.seq, g.epoch, meta, seg, off, length),
+                "INSERT INTO batch_replays(batch_id, pos, group_id, policy_id, seq, epoch, seg,"
+                " off, len, seal, meta) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (*row, seal_of("batch_replays", row), meta),
             )
 
     def delete_replays(self, batch_ids: Iterable[str]) -> None:
@@ -166,9 +172,13 @@ class Tx:
                 " SELECT policy_id, group_id, seq, epoch, meta, seg, off, len FROM groups"
                 " WHERE group_id=? AND policy_id=?",
                 (group_id, policy_id),
-            ).rowcount
-            if moved != 1:  # a trained group's row is in the store until now: a bug
+            )
+            if moved.rowcount != 1:  # a trained group's row is in the store until now: a bug
                 raise RuntimeError(f"group {group_id!r} of {policy_id!r} is not stored")
+            self.c.execute(  # sealed with the place it entered at
+                f"UPDATE replay_memory SET seal={seal_sql('replay_memory')} WHERE entered=?",
+                (moved.lastrowid,),
+            )
             self.c.execute(
                 "DELETE FROM groups WHERE group_id=? AND policy_id=?", (group_id, policy_id)
             )
@@ -204,32 +214,56 @@ class Tx:
         row = self.c.execute("SELECT 1 FROM work WHERE group_id=?", (group_id,)).fetchone()
         if row is None:
             self.c.execute(
-                "UPDATE folded_work SET done = done - 1 WHERE stream=? AND epoch=? AND done > 0",
+                "UPDATE folded_work SET done = done - 1,"
+                f" seal = {seal_sql('folded_work', done='done - 1')}"
+                " WHERE stream=? AND epoch=? AND done > 0",
                 (stream, epoch),
             )
         self.set_work(group_id, stream, "pending")
 
     def put_batch(self, b: BatchRow) -> None:
+        row = (
+            b.batch_id,
+            b.policy_id,
+            b.request_id,
+            b.trainer_id,
+            b.state,
+            b.lease_expire,
+            b.policy_version,
+            b.untrained_reason,
+        )
         self.c.execute(
             "INSERT OR REPLACE INTO batches(batch_id, policy_id, request_id, trainer_id, state,"
-            " lease_expire, policy_version, groups, untrained_reason)"
-            " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " lease_expire, policy_version, untrained_reason, seal, groups)"
+            " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                b.batch_id,
-                b.policy_id,
-                b.request_id,
-                b.trainer_id,
-                b.state,
-                b.lease_expire,
-                b.policy_version,
+                *row,
+                seal_of("batches", row),
                 seal_text(batch_key(b.batch_id, b.policy_id, b.policy_version), groups_json(b)),
-                b.untrained_reason,
             ),
         )
 
     def set_batch_untrained_reason(self, batch_ids: list[str], reason: str) -> None:
         """Only the reason: an acknowledged batch's row keeps its group keys."""
         self.c.executemany(
-            "UPDATE batches SET untrained_reason=? WHERE batch_id=?",
+            "UPDATE batches SET untrained_reason=?1,"
+            f" seal={seal_sql('batches', untrained_reason='?1')} WHERE batch_id=?2",
             [(reason, b) for b in batch_ids],
+        )
+
+    def add_acked(self, policy_id: str, version: int, groups: int) -> None:
+        """A batch at `version` with `groups` fresh groups, acknowledged as trained."""
+        row = (policy_id, version, 1, groups)
+        self.c.execute(
+            "INSERT INTO acked_versions(policy_id, version, batches, groups, seal)"
+            " VALUES(?, ?, ?, ?, ?) ON CONFLICT(policy_id, version) DO UPDATE SET"
+            " batches = batches + 1, groups = groups + excluded.groups, seal = "
+            + seal_sql("acked_versions", batches="batches + 1", groups="groups + excluded.groups"),
+            (*row, seal_of("acked_versions", row)),
+        )
+
+    def forget_acked_since(self, policy_id: str, version: int) -> None:
+        """The policy's acked_versions at `version` or later: counted discarded now."""
+        self.c.execute(
+            "DELETE FROM acked_versions WHERE policy_id=? AND version>=?", (policy_id, version)
         )

@@ -146,16 +146,17 @@ class WeightSync:
     def _discard_untrained(self, policy_id: str, resumed_from: int) -> None:
         """The trainer of `policy_id` continues from the weights of `resumed_from`: the steps
         it took on batches acknowledged at that version or later are lost with the process
-        that took them. Their fresh groups are counted discarded (once per batch, durably in
-        the batch's row), so every acknowledged group is trained or counted with a reason."""
+        that took them. Their fresh groups are counted discarded (once per batch, durably:
+        acked_versions), however old the checkpoint, so every acknowledged group is trained
+        or counted with a reason."""
         with self.store.tx(any_failure=True) as tx:
             batches, groups = self.batches.discard_since(tx, policy_id, resumed_from)
-            if batches:
+            if batches or groups:
                 self.counters["groups_discarded.trainer_restart"] += groups
                 self.counters["batches_discarded.trainer_restart"] += batches
                 self.counters[f"discarded_groups.{policy_id}"] += groups
                 self.ledger.persist(tx)
-        if batches:
+        if batches or groups:
             log.warning(
                 "trainer of %s resumed from version %d: %d acknowledged batches (%d fresh "
                 "groups) trained since are not in its weights; counted discarded",

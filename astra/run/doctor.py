@@ -1,8 +1,9 @@
 """`astra doctor RUN_DIR`: checks a run directory's bytes at rest, offline, changing nothing.
 
 What it reads, each item OK or DAMAGED with its path and why:
-- Dataflow's database (state/dataflow/dataflow.sqlite): SQLite's quick_check and the
-  seal of every key/value entry (astra.dataflow.sealed);
+- Dataflow's database (state/dataflow/dataflow.sqlite): SQLite's quick_check, the
+  seal of every key/value entry (astra.dataflow.sealed) and of every row of its tables
+  (astra.dataflow.row_seals);
 - Dataflow's blob log: every record a row points at, its length and CRC-32, and that
   it decodes (astra.dataflow.blobs);
 - every trainer checkpoint (checkpoints/<policy>/step-*): its digests
@@ -25,6 +26,7 @@ import click
 
 from astra.damage import Damaged
 from astra.dataflow.blobs import CorruptRecord, read_checked, segment_path
+from astra.dataflow.row_seals import ROWS_SEALED_FROM, verify_all
 from astra.dataflow.sealed import unseal
 from astra.dataflow.store_schema import CHECKED_FROM, batch_groups, unpack_trajectories
 from astra.trainer.ckpt_verify import list_checkpoints, verify
@@ -68,6 +70,9 @@ def check_dataflow(state: Path) -> Iterator[Finding]:
                     what = f"batch {batch_id}'s groups are damaged ({exc})"
                     yield Finding("dataflow database", db, False, what)
                     return
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            if version >= ROWS_SEALED_FROM:  # before, its rows carry no seal
+                verify_all(conn, db)
         except sqlite3.DatabaseError as exc:
             yield Finding("dataflow database", db, False, f"SQLite: {exc}")
             return
