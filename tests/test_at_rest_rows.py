@@ -199,3 +199,16 @@ def test_a_schema_newer_than_this_build_is_refused_naming_the_file(tmp_path):
     with pytest.raises(Damaged, match="schema 9, this build reads up to 8") as info:
         StateStore(cfg.state_dir)
     assert info.value.path == str(db)
+
+
+def test_the_summary_counts_no_figure_from_a_changed_row(tmp_path: Path) -> None:
+    """summary.json's dispatch and batch figures (astra.run.summary.read_state) come from
+    rows that check: a work item's state changed in place raises, naming the table."""
+    from astra.run.summary import read_state
+
+    cfg, db = state_with_every_table(tmp_path)
+    assert read_state(db.parent)["dispatched"] >= 1  # undamaged: counted
+    column, value = CHANGES["work"]  # done <-> pending
+    edit(db, f"UPDATE work SET {column} = {value} WHERE rowid = (SELECT MIN(rowid) FROM work)")
+    with pytest.raises(Damaged, match="table work"):
+        read_state(db.parent)

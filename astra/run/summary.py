@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from astra.dataflow import row_seals
 from astra.dataflow.store_schema import batch_groups
 from astra.durable import write_durably
 
@@ -37,6 +38,10 @@ def read_state(state_dir: Path) -> dict[str, Any]:
         return {}
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
+        # From schema 8 every row is sealed: figures are counted only from rows that check
+        # (a damaged one raises astra.damage.Damaged naming the file, table and row).
+        if any(c[1] == "seal" for c in conn.execute("PRAGMA table_info(work)")):
+            row_seals.verify_all(conn, path)
         # Counted by SQLite: the work table holds a row per group the run ever pulled.
         dispatched = dict(
             conn.execute(
