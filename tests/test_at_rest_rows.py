@@ -206,7 +206,7 @@ def test_the_summary_counts_no_figure_from_a_changed_row(tmp_path: Path) -> None
     rows that check: a work item's state changed in place raises, naming the table."""
     from astra.run.summary import read_state
 
-    cfg, db = state_with_every_table(tmp_path)
+    _, db = state_with_every_table(tmp_path)
     assert read_state(db.parent)["dispatched"] >= 1  # undamaged: counted
     column, value = CHANGES["work"]  # done <-> pending
     edit(db, f"UPDATE work SET {column} = {value} WHERE rowid = (SELECT MIN(rowid) FROM work)")
