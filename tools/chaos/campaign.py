@@ -422,7 +422,8 @@ def power_cut_then_resume(run: Run, seed: int | None = None) -> None:
     if dropped:
         raise RuntimeError(
             f"{len(dropped)} groups acknowledged before the cut were trained into steps the "
-            f"resumed trainer does not have (it resumed from {resumed}) and are not discarded"
+            f"resumed trainer does not have (it resumed from {resumed}) and are not discarded; "
+            f"exit codes {run.codes}; {'; '.join(run.notes)}"
         )
     run.notes.append(f"resumed from {resumed}")
 
