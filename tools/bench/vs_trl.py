@@ -304,12 +304,20 @@ def section(
         *(f"Against {s.name} (the same target): {verdict(astra, s, p)}." for s in sides[2:]),
         *([f"{TRL_VLLM} was not measured: {vllm_missing}."] if vllm_missing else []),
         "",
+        f"Start-up in the time to {p.threshold} (seconds to the first step of the time to "
+        f"{p.threshold}): "
+        + "; ".join(
+            f"{s.name} {fmt(s.startup_s, 0, ' s')} of {fmt(s.time_to(p.threshold), 0, ' s')}"
+            for s in sides
+        )
+        + ".",
+        "",
         f"Measured {now} with `python tools/bench/vs_trl.py{' --quick' if quick else ''}` "
         f"({total_s:.0f} s) on this machine: {os.cpu_count()} cores, no GPU, Python "
         f"{platform.python_version()}, {versions}; load average (1/5/15 min) before "
         + ", before ".join(f"{s.name} {lo}" for s, lo in zip(sides, load, strict=False))
-        + f", after {load[-1]} (the machine is shared with other agents: every system ran "
-        "under that load, one after the other).",
+        + f", after {load[-1]} (the machine is shared with other agents, five at the time of "
+        "writing: every system ran under that load, one after the other).",
         "",
         "![held-out accuracy against wall-clock time](docs/bench_vs_trl.png)",
         "",
@@ -348,7 +356,11 @@ def section(
         "(samples may be up to 2 versions old), TRL's is on-policy (one optimiser step per "
         "generation, so its ratio is 1 and its clip never binds); Astra's evaluation shares the "
         "CPU with training while TRL's is excluded from its clock; TRL uses torch's default "
-        "thread count in one process, Astra's five processes share the same two cores; "
+        "thread count in one process, Astra's five processes share the same two cores "
+        "(astra.run.threads gives the trainer and each RaaS a third of the cores, at least 1, "
+        "as OMP_NUM_THREADS); "
+        "Astra writes a checkpoint every 10 steps (the recipe's default, each waiting for the "
+        "versions queued for publishing), TRL none; "
         'TRL\'s `vllm_mode="server"` (`trl vllm-serve`) cannot run here: GRPOTrainer calls '
         "`VLLMClient.init_communicator(device=accelerator.device)`, and in TRL "
         f"{TRL_VERSION} (trl/generation/vllm_client.py) that raises NotImplementedError for "
