@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint generate bench clean vllm run-vllm chaos docs trl verifiers
+.PHONY: run test lint generate bench clean vllm run-vllm chaos docs trl trl-vllm verifiers
 
 $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
@@ -30,6 +30,15 @@ $(TRL_VENV)/.installed: tools/trl/install.sh
 	bash tools/trl/install.sh $(TRL_VENV)
 
 trl: $(TRL_VENV)/.installed  ## builds .venv-trl (~1.5 GB, ~2 min): TRL 1.16.0 on the CPU torch
+
+# TRL over .venv-vllm's packages (read through a .pth; .venv-vllm itself is not changed): the
+# "TRL + vLLM" side of tools/bench/vs_trl.py.
+TRL_VLLM_VENV ?= .venv-trl-vllm
+
+$(TRL_VLLM_VENV)/.installed: tools/trl/install_vllm.sh $(VLLM_VENV)/.installed
+	VLLM_VENV=$(VLLM_VENV) bash tools/trl/install_vllm.sh $(TRL_VLLM_VENV)
+
+trl-vllm: $(TRL_VLLM_VENV)/.installed  ## builds .venv-trl-vllm (~100 MB over .venv-vllm)
 
 run-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed  ## the default task with its rollouts on real vLLM
 	$(VENV)/bin/astra run configs/recipes/vllm_cpu.yaml  # into runs/vllm_cpu-<UTC time>/

@@ -1,6 +1,8 @@
 """tools/bench/vs_trl.py: without a TRL environment it refuses (exit 2) or, with
---skip-missing, skips writing nothing; with .venv-trl (`make trl`) its --quick form runs a real
-`astra run` and TRL's GRPOTrainer from that run's warm-up checkpoint and reports both curves."""
+--skip-missing, skips writing nothing; without the TRL + vLLM one it refuses too; with .venv-trl
+(`make trl`) its --quick form runs a real `astra run` and TRL's GRPOTrainer from that run's
+warm-up checkpoint and reports both curves, and with .venv-trl-vllm (`make trl-vllm`) TRL
+generating through vLLM as a third."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "tools" / "bench" / "vs_trl.py"
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+TRL_VLLM_PYTHON = ROOT / ".venv-trl-vllm" / "bin" / "python"
 
 
 def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -38,6 +41,20 @@ def test_missing_trl_is_refused_or_skipped_and_writes_nothing(tmp_path):
     assert not out.exists() and not fig.exists()
 
 
+@pytest.mark.skipif(not TRL_PYTHON.is_file(), reason="no .venv-trl here (make trl)")
+def test_missing_trl_vllm_env_is_refused_or_left_out(tmp_path):
+    """With TRL but without the TRL + vLLM environment: exit 2 naming `make trl-vllm`,
+    nothing measured or written (the check comes before any run)."""
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    out, fig = tmp_path / "B.md", tmp_path / "f.png"
+    common = ("--trl-vllm-python", str(missing), "--output", str(out), "--plot", str(fig))
+    refused = run(*common, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "no TRL + vLLM environment" in refused.stderr and "make trl-vllm" in refused.stderr
+    assert "astra run:" not in refused.stderr  # nothing started
+    assert not out.exists() and not fig.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not TRL_PYTHON.is_file(), reason="no .venv-trl here (make trl)")
@@ -45,6 +62,7 @@ def test_quick_form_measures_both_systems(tmp_path):
     out, fig, data = tmp_path / "B.md", tmp_path / "f.png", tmp_path / "curves.json"
     proc = run(
         "--quick",
+        "--no-vllm",
         "--no-write",
         "--plot",
         str(fig),
@@ -64,3 +82,22 @@ def test_quick_form_measures_both_systems(tmp_path):
         assert steps[0] == 0 and max(steps) >= 4  # the start and at least one later evaluation
         assert all(0.0 <= acc <= 1.0 for _, acc, _ in side["curve"])
     assert "## Astra vs TRL" in proc.stdout and "QUICK" in proc.stdout
+    assert "TRL + vLLM was not measured: left out (--no-vllm)" in proc.stdout
+    assert "TRL + vLLM" not in curves
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    not (TRL_PYTHON.is_file() and TRL_VLLM_PYTHON.is_file()),
+    reason="no .venv-trl or .venv-trl-vllm here (make trl trl-vllm)",
+)
+def test_quick_form_measures_trl_with_vllm(tmp_path):
+    data = tmp_path / "curves.json"
+    proc = run("--quick", "--no-write", "--json", str(data), timeout=880)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    side = json.loads(data.read_text())["TRL + vLLM"]
+    assert side["steps"] == 8 and side["tokens"] > 0 and side["train_s"] > 0
+    steps = [s for _, _, s in side["curve"]]
+    assert steps[0] == 0 and max(steps) >= 4
+    assert "Against TRL + vLLM" in proc.stdout

@@ -175,7 +175,7 @@ class Elastic:
         # A RaaS of the same name that died or was removed before: its entry goes.
         sup.children["raas"] = [c for c in sup.children["raas"] if c.name != name]
         command = layout.raas_spec_command(recipe, spec, name, sup.rd, dataflow)
-        child = sup.add_child(name, "raas", command, recipe.raas_policies(spec))
+        child = sup.add_child(name, "raas", command, recipe.raas_policies(spec), spec=spec)
         child.extra = {"capacity": spec.capacity, "labels": dict(spec.labels), "joined": source}
         try:
             await sup.start_children([child])

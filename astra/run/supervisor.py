@@ -37,7 +37,7 @@ from typing import Any
 
 from astra.damage import EXIT_DAMAGED
 from astra.durable import write_durably
-from astra.run import control, layout
+from astra.run import control, layout, threads
 from astra.run.children import Child, ChildFailed, stop_all
 from astra.run.elastic import Elastic
 from astra.run.ending import shutdown
@@ -99,9 +99,17 @@ class Supervisor:
         return self.raas_specs.get(child.name) or RaasSpec(name=child.name)
 
     def add_child(
-        self, name: str, role: str, args: list[str], policies: Sequence[str] = ()
+        self,
+        name: str,
+        role: str,
+        args: list[str],
+        policies: Sequence[str] = (),
+        *,
+        spec: RaasSpec | None = None,
     ) -> Child:
-        child = self.new_child(name, role, args, self.rd.log(name), self.recipe.env)
+        """`spec`: a RaaS's, which decides its torch thread share (astra.run.threads)."""
+        env = threads.child_env(self.recipe, role, spec)
+        child = self.new_child(name, role, args, self.rd.log(name), env)
         child.policies = tuple(policies)  # its credential's scope, with `tls: true`
         self.children["core" if role in ("dataflow", "weights") else role].append(child)
         return child
@@ -238,7 +246,7 @@ class Supervisor:
         for i, name in enumerate(r.raas_names):
             spec = self.raas_specs[name] = r.raas[i]
             command = layout.raas_command(r, i, rd, df.address)
-            raas.append(self.add_child(name, "raas", command, r.raas_policies(spec)))
+            raas.append(self.add_child(name, "raas", command, r.raas_policies(spec), spec=spec))
             raas[-1].extra = {"capacity": spec.capacity, "labels": spec.labels, "joined": "recipe"}
         await self.start_children(raas)
         await self.start_children(

