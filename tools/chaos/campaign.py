@@ -338,11 +338,20 @@ def acked_groups(run_dir: Path) -> dict[tuple[str, str], tuple[int, str]]:
 
 
 def resumed_versions(run_dir: Path) -> dict[str, int]:
-    """Each trainer's version its last start resumed from (0: no checkpoint), from its log."""
+    """Each trainer's version its last start resumed from, from its log; where its log has no
+    such line (logs are not made durable: a power cut may take them, and a resumed run whose
+    trainer had no step left starts none), the version of its newest checkpoint that
+    verifies (astra.trainer.ckpt_verify); 0: no checkpoint."""
+    from astra.trainer.ckpt_verify import newest_good
+
     found = {}
     for path in (run_dir / "logs").glob("trainer-*.log"):
         marks = re.findall(r"resumed from \S+ at step \d+, version (\d+)", path.read_text())
-        found[path.stem.removeprefix("trainer-")] = int(marks[-1]) if marks else 0
+        if marks:
+            found[path.stem.removeprefix("trainer-")] = int(marks[-1])
+    for root in sorted((run_dir / "checkpoints").glob("*")):
+        if root.name not in found and (good := newest_good(root)) is not None:
+            found[root.name] = int(json.loads((good / "trainer.json").read_text())["version"])
     return found
 
 
@@ -376,7 +385,7 @@ def power_cut_then_resume(run: Run, seed: int | None = None) -> None:
 
     seed = int(os.environ.get("ASTRA_POWERCUT_SEED", "0")) if seed is None else seed
     rng = random.Random(seed)
-    at_step, extra_s = rng.randint(2, max(2, run.steps - 3)), rng.uniform(0.0, 3.0)
+    at_step, extra_s = rng.randint(2, max(2, run.steps - 3)), rng.uniform(0.0, 1.0)
     run.notes.append(f"seed {seed}: cut after step {at_step} + {extra_s:.1f}s")
     print(f"power cut: seed {seed}, after step {at_step} + {extra_s:.1f}s", flush=True)
     with PowerCutMount(run.run_dir.parent / f"{run.run_dir.name}.mnt") as fs:

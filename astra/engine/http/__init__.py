@@ -7,9 +7,10 @@ resume; see astra.engine.http.base. No GPU package is imported here: the
 servers run in their own processes.
 """
 
-from astra.engine.http.base import HTTPEngine, WeightsDir
+from astra.engine.http.base import HTTPEngine
 from astra.engine.http.openai import OpenAIEngine
 from astra.engine.http.sglang import SGLangEngine
 from astra.engine.http.vllm import VLLMEngine
+from astra.engine.http.weights_dir import WeightsDir
 
 __all__ = ["HTTPEngine", "OpenAIEngine", "SGLangEngine", "VLLMEngine", "WeightsDir"]

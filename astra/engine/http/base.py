@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +41,7 @@ from typing import Any, Literal
 from astra.engine.api import FinishReason, Generation, Sampling, Tokenizer
 from astra.engine.http.client import engine_client
 from astra.engine.http.launch import ServerProcess
+from astra.engine.http.weights_dir import SwapClock, WeightsDir
 from astra.engine.validate import check_request
 from astra.errors import AstraError, FailedPrecondition, Unavailable, invalid_field
 
@@ -49,51 +49,6 @@ log = logging.getLogger(__name__)
 
 OnSwap = Literal["continue", "finish_old"]
 NO_LIMIT = 2**31 - 1
-
-
-class WeightsDir(Mapping[str, Any]):
-    """A policy's weights as a local Hugging Face directory (config.json + safetensors).
-
-    HTTP engines hand `path` to the server (update from disk). Read as a
-    mapping (tensor name -> torch tensor) it loads the directory lazily on
-    first access, so the built-in torch engine accepts the same object.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path).resolve()
-        self._tensors: dict[str, Any] | None = None
-
-    def _load(self) -> dict[str, Any]:
-        if self._tensors is None:
-            from astra.engine.torch_weights import load_state
-
-            self._tensors = load_state(self.path)
-        return self._tensors
-
-    def __getitem__(self, name: str) -> Any:
-        return self._load()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._load())
-
-    def __len__(self) -> int:
-        return len(self._load())
-
-    def __repr__(self) -> str:
-        return f"WeightsDir({str(self.path)!r})"
-
-
-class SwapClock:
-    """The phases of one swap: `mark(name)` records the seconds since the previous mark."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = now - self._last
-        self._last = now
 
 
 @dataclass(slots=True)
