@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from google.protobuf import struct_pb2
@@ -24,7 +25,10 @@ from astra.dataflow.ports import IncomingGroup
 from astra.dataflow.records import TrajectoryRecord, WorkItem
 from astra.protowire import read_varint
 
-_UNSIGNED = {4: np.dtype("<u4"), 8: np.dtype("<u8")}  # by the versions' itemsize
+_UNSIGNED: dict[int, np.dtype[Any]] = {
+    4: np.dtype("<u4"),
+    8: np.dtype("<u8"),
+}  # by the versions' itemsize
 
 
 class _GroupArrays:

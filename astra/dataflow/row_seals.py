@@ -88,8 +88,10 @@ def seal_of(table: str, values: Sequence[object]) -> int:
     """The seal of a row of `table` whose columns (COLUMNS order) are `values`."""
     parts = [table]
     for v in values:  # the common types first: a row is sealed at every write
-        t = type(v)
-        parts.append("s" + v if t is str else f"n{v}" if t is int else _text(v))
+        if type(v) is str:
+            parts.append("s" + v)
+        else:
+            parts.append(f"n{v}" if type(v) is int else _text(v))
     return zlib.crc32("\x00".join(parts).encode())
 
 

@@ -33,6 +33,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
+from typing import TextIO
 
 ROOT = 1
 
@@ -68,7 +69,9 @@ class Model:
         self.inodes: dict[int, Inode] = {ROOT: Inode(ROOT, stat.S_IFDIR | 0o755, nlink=2)}
         self.next_ino = ROOT + 1
         self.fsyncs = 0
-        self.trace = None  # a text file each fsync is written to (ASTRA_POWERCUT_TRACE)
+        self.trace: TextIO | None = (
+            None  # a text file each fsync is written to (ASTRA_POWERCUT_TRACE)
+        )
 
     # ---- lookups -------------------------------------------------------------------------
     def get(self, ino: int) -> Inode:
