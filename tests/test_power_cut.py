@@ -13,7 +13,6 @@ traceback. Skipped where /dev/fuse cannot be opened or mount(2) is refused.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,8 @@ from astra.dataflow.blobs import BlobLog, CorruptRecord
 from astra.testing.powercut import PowerCutMount, PowerCutUnavailable
 from astra.testing.powercut.control import unavailable_reason
 from astra.weights.store import Store, StoreConfig
+from tests.test_chaos import _campaign
 from tests.test_weights_store import bf16_model
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _campaign():
-    spec = importlib.util.spec_from_file_location("campaign", ROOT / "tools/chaos/campaign.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _mount(tmp_path: Path) -> PowerCutMount:
