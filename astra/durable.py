@@ -5,7 +5,7 @@ holds it is fsynced; a file's bytes only once the file is. These helpers do both
 files a run must find again after a power cut (the run directory's tree, run.json,
 summary.json, the recipe, the dataset). Large stores keep their own writers (the
 WeightService's astra.weights.records, checkpoints in astra.trainer.checkpoint, Dataflow's
-SQLite) and use `fsync_dir` for their directories. Never touches a file it is not given.
+SQLite) and use `fsync_path`/`fsync_dir` from here. Never touches a file it is not given.
 """
 
 from __future__ import annotations
@@ -14,13 +14,18 @@ import os
 from pathlib import Path
 
 
-def fsync_dir(path: Path | str) -> None:
-    """Makes the directory's entries (names created, removed, renamed in it) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: Path | str) -> None:
+    """fsync of a file (its bytes) or a directory (its entries) by path."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Makes the directory's entries (names created, removed, renamed in it) durable."""
+    fsync_path(path)
 
 
 def make_dirs(path: Path | str, *, durable: bool = True) -> Path:
@@ -45,11 +50,7 @@ def make_dirs(path: Path | str, *, durable: bool = True) -> Path:
 
 def replace_durably(tmp: Path, path: Path) -> None:
     """Renames the written `tmp` over `path`: its bytes fsynced first, the rename after."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(tmp)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from astra.durable import fsync_dir
 from astra.engine.torch_weights import load_state, save_state
 from astra.trainer.ckpt_verify import PREFIX, list_checkpoints, write_digests
 
@@ -58,14 +59,6 @@ def restore_rng(state: Mapping[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_checkpoint(
@@ -98,11 +91,11 @@ def write_checkpoint(
         f.flush()
         os.fsync(f.fileno())
     write_digests(tmp)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     if keep_last is not None:
         prune(root, keep_last)
     return final

@@ -20,10 +20,11 @@ import shutil
 import uuid
 from pathlib import Path
 
+from astra.durable import fsync_path
 from astra.errors import DataLoss
 from astra.weights.layout import ChecksumMismatch, Version, open_full, read_index
 from astra.weights.receive_stage import FetchStage, checked_base
-from astra.weights.records import dirname_for, fsync_path
+from astra.weights.records import dirname_for
 from astra.weights.tensor_files import assemble, copy_range, pwrite_all, tensor_header
 
 

@@ -24,13 +24,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from astra.durable import make_dirs
+from astra.durable import fsync_path, make_dirs
 from astra.errors import AlreadyExists
 from astra.weights.delta import XorZstdEncoder
 from astra.weights.hot import BufferCursor, HotBuilder, HotVersion
 from astra.weights.layout import Tensor, Version
 from astra.weights.publish_sink import TensorSink
-from astra.weights.records import TensorRecord, fsync_path
+from astra.weights.records import TensorRecord
 from astra.weights.tensor_files import (
     BUFFERS,
     RangeCursor,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from astra.damage import Damaged
+from astra.durable import fsync_path
 from astra.errors import InvalidArgument, ResourceExhausted
 from astra.weights.digest import digest_body, normalized
 
@@ -83,14 +84,6 @@ def tree_sha256(directory: Path) -> dict[str, str]:
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != RECORD_NAME
     }
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_json_atomic(path: Path, body: Any, *, durable: bool = True) -> None:

@@ -15,16 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from astra.durable import make_dirs
+from astra.durable import fsync_path, make_dirs
 from astra.errors import FailedPrecondition
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def require_absent(out_dir: str | os.PathLike[str]) -> Path:
@@ -53,8 +45,8 @@ def staged_dir(out_dir: str | os.PathLike[str], *, durable: bool = True) -> Iter
         yield staging
         if durable:
             for child in staging.iterdir():
-                _fsync_path(child)
-            _fsync_path(staging)
+                fsync_path(child)
+            fsync_path(staging)
         if target.exists():
             raise FailedPrecondition(
                 f"{target} appeared meanwhile",
@@ -66,4 +58,4 @@ def staged_dir(out_dir: str | os.PathLike[str], *, durable: bool = True) -> Iter
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if durable:
-        _fsync_path(target.parent)
+        fsync_path(target.parent)

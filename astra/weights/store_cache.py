@@ -21,11 +21,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from astra.durable import fsync_path
 from astra.errors import DataLoss, FailedPrecondition
 from astra.weights.checkpoint import apply_delta, write_full
 from astra.weights.compose import compose_deltas
 from astra.weights.layout import Tensor, Version, extra_files
-from astra.weights.records import VersionRecord, dirname_for, fsync_path
+from astra.weights.records import VersionRecord, dirname_for
 from astra.weights.tensor_files import assemble
 
 MAX_COMPOSED = 32

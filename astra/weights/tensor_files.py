@@ -23,9 +23,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from astra.durable import fsync_path
 from astra.weights.checksum import CHECKSUM_FORMAT
 from astra.weights.layout import check_identity, full_shard_name, write_index
-from astra.weights.records import fsync_path
 from astra.weights.safetensors_io import encode_header
 
 _COPY_CHUNK = 1 << 30
