@@ -72,7 +72,9 @@ THREADS = 2  # worker threads for the numpy baseline (Astra uses min(8, cores) =
 T_WIRE_FRACTION = 1 / 40
 T_ENCODE = 0.5
 T_APPLY = 0.8
-T_STREAM_VS_TCP = 0.6
+# Issue 29 retired "60% of raw TCP" and restated the in-memory link target (10x in 4 of 5
+# consecutive deltas): tools/bench/weights_floor.py measures and judges both.
+RESTATED = "see Weights against the floor (issue 29's restated target)"
 T_LINK_SPEEDUP = 10.0
 
 T0 = time.monotonic()
@@ -775,8 +777,6 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         "encode": med(enc) >= T_ENCODE,
         "apply": med(app) >= T_APPLY,
         "apply_fsync": med(app_fs) >= T_APPLY,
-        "stream": stream_ratio >= T_STREAM_VS_TCP,
-        "link_memory": mem_speedup >= T_LINK_SPEEDUP,
         "link": speedup >= T_LINK_SPEEDUP,
     }
 
@@ -822,10 +822,9 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         f"| full version to 1 receiver, loopback, GB/s, into RAM (Astra: `Receiver(in_memory="
         f"True).fetch` until verified and swapped, spare buffers faulted in beforehand; raw TCP "
         f"and plain gRPC: a RAM buffer faulted in beforehand, nothing checked) | "
-        f"{rng(single_mem, '{:.3f}')} | {rng(tcp1)} | | {rng(grpc1)} | ≥ 60% of raw "
-        f"TCP (median over rounds of Astra / raw TCP in the same round) | "
-        f"{verdict(ok['stream'])} ({stream_ratio:.0%}; {stream_vs_fastest:.0%} of raw TCP's "
-        f"fastest run) |",
+        f"{rng(single_mem, '{:.3f}')} ({stream_ratio:.0%} of raw TCP, median over rounds; "
+        f"{stream_vs_fastest:.0%} of its fastest run) | {rng(tcp1)} | | {rng(grpc1)} | {RESTATED} "
+        "| |",
         f"| the same, Astra into a new checkpoint directory (`Receiver.fetch`: staged, fsynced, "
         f"installed) | {rng(single, '{:.3f}')} ({disk_ratio:.0%} of raw TCP) | | "
         f"| | | |",
@@ -845,7 +844,7 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         f"receivers in memory (`Receiver(in_memory=True)`: the torch-engine RaaS) | "
         f"{mem_speedup:.1f}{TIMES} ({mlf['e2e_s']:.1f} s / {mld['e2e_s']:.1f} s, the median of "
         f"{len(mlds)} deltas: {mld_all} s) | | | | "
-        f"≥ 10{TIMES} | {verdict(ok['link_memory'])} |",
+        f"{RESTATED} | |",
         f"| the same, receivers writing a durable checkpoint directory (HTTP engines load by path) "
         f"| {speedup:.1f}{TIMES} ({lf['e2e_s']:.1f} s / {ld['e2e_s']:.1f} s) | | | | ≥ 10{TIMES} | "
         f"{verdict(ok['link'])} |",
@@ -907,10 +906,6 @@ def markdown(p, res: dict, started: str, took: float) -> str:
         "encode": "encode",
         "apply": "apply + verify",
         "apply_fsync": "apply + verify with fsync",
-        "stream": f"full version through Astra's stream at {stream_ratio:.0%} of raw TCP "
-        f"({stream_vs_fastest:.0%} of its fastest run; target 60%)",
-        "link_memory": f"in-memory receivers: delta {mem_speedup:.1f}{TIMES} faster than full "
-        f"end-to-end over 1 Gbit/s (target 10{TIMES})",
         "link": f"receivers writing checkpoint directories: delta {speedup:.1f}{TIMES} faster than "
         f"full end-to-end over 1 Gbit/s (target 10{TIMES}; fetch alone {fetch_speedup:.1f}{TIMES})",
     }
