@@ -72,4 +72,4 @@ def test_the_section_says_met_and_missed_with_each_figure(bench):
 def test_a_small_real_run(bench, tmp_path, capsys):
     assert bench.main(["--quick", "--no-write", "--rounds", "1", "--deltas", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.count("×") >= 2 and "only acknowledges" in out
+    assert out.count("\u00d7") >= 2 and "only acknowledges" in out
