@@ -138,7 +138,11 @@ def section(res: dict, p: argparse.Namespace, started: str, took: float) -> str:
     deltas = ", ".join(f"{d['e2e_s']:.2f}" for d in res["link_deltas"])
     load = ["/".join(f"{x:.1f}" for x in res[k]) for k in ("loadavg_start", "loadavg_end")]
     missed = [
-        *([f"stream {v['ratio']:.0%} of the acknowledging receiver"] if not v["stream_met"] else []),
+        *(
+            [f"stream {v['ratio']:.0%} of the acknowledging receiver"]
+            if not v["stream_met"]
+            else []
+        ),
         *(
             [f"{v['fast']} of {len(v['speedups'])} deltas at 10{TIMES}"]
             if not v["link_met"]
