@@ -172,6 +172,7 @@ class AstraWorkerExtension:
         split_s = time.perf_counter() - started
         report = self.astra_commit_weights(weights_path)
         report["splits"] = splits
+        report["finished"] = sorted(set(splits) - {external_id(i) for i in running})
         report["split_s"] = split_s
         return report
 
