@@ -5,15 +5,20 @@ tests/test_vllm_real.py runs the same path on a real vLLM."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from astra.engine.http.base import token_versions
+from astra.engine.api import Generation, Sampling
+from astra.engine.http import WeightsDir
+from astra.engine.http.base import HTTPEngine, Segment, token_versions
 from astra.engine.http.vllm_ext import astra_vllm_ext as ext
 from astra.engine.http.vllm_live import commit_body, engine_request_id, splits_of
+from astra.engine.tokenizer import CharTokenizer
 
 
 class Runner:
@@ -111,3 +116,89 @@ def test_each_token_takes_the_version_of_the_last_split_at_or_before_it() -> Non
     assert token_versions([(0, 3), (9, 4)], 3) == [3, 3, 3]  # finished before: all old
     assert token_versions([(0, 3), (1, 4), (2, 5)], 4) == [3, 4, 5, 5]  # two swaps
     assert token_versions([(0, 3), (2, 4)], 0) == []
+
+
+class StubClient:
+    """Answers each segment when the test says so (by the order segments were sent)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, asyncio.Future[dict[str, Any]]]] = []
+
+    async def request(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.sent.append((body["rid"], answer))
+        return await answer
+
+    def answer(self, i: int, n: int) -> None:
+        self.sent[i][1].set_result({"ids": [40] * n})
+
+    async def close(self) -> None:
+        pass
+
+
+class LiveStub(HTTPEngine):
+    """The live swap's adapter half, with the server's half in the test's hands."""
+
+    swappable = True
+
+    def __init__(self) -> None:
+        super().__init__("http://127.0.0.1:9", "p", CharTokenizer())
+        self.client = StubClient()  # type: ignore[assignment]
+        self.release = asyncio.Event()
+        self.splits: dict[int, int] = {}  # segment index -> tokens before the copy
+
+    def _segment_request(
+        self, context: list[int], sampling: Sampling, max_new: int, rid: str
+    ) -> tuple[str, dict[str, Any]]:
+        return "/generate", {"rid": rid}
+
+    def _parse_segment(self, answer: Any, sampling: Sampling) -> Segment:
+        return Segment(answer["ids"], [0.0] * len(answer["ids"]), "length")
+
+    def _live(self, path: Path) -> bool:
+        return True
+
+    async def _commit_live(self, path: Path, version: int, rids: list[str]) -> dict[str, int]:
+        await self.release.wait()
+        order = [rid for rid, _ in self.client.sent]  # type: ignore[attr-defined]
+        return {order[i]: k for i, k in self.splits.items() if order[i] in rids}
+
+
+def test_a_live_swap_labels_each_segment_at_its_split_and_holds_new_ones_back(
+    tmp_path: Path,
+) -> None:
+    """Segment 0 is split at 4; segment 1 the server never saw (all new); segment 2 answers
+    while the commit is under way and is labelled only once the split is known (it had
+    finished: all old); a request made during the commit waits at the gate, then is all
+    new; the gate-closed span is what swap_pause_s counts."""
+
+    async def body() -> tuple[list[Generation], LiveStub]:
+        engine = LiveStub()
+        client: StubClient = engine.client  # type: ignore[assignment]
+        sampling = Sampling(max_new_tokens=10)
+        running = [asyncio.create_task(engine.generate("p", [40], sampling)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        engine.splits = {0: 4, 2: 10}
+        swap = asyncio.create_task(engine.swap_weights({"p": 1}, {"p": WeightsDir(tmp_path)}))
+        await asyncio.sleep(0.01)
+        late = asyncio.create_task(engine.generate("p", [40], sampling))
+        client.answer(2, 10)  # back during the commit
+        await asyncio.sleep(0.01)
+        assert engine.stats()["waiting"] == 1 and len(client.sent) == 3
+        assert not running[2].done()  # its labels wait for the split
+        engine.release.set()
+        await swap
+        await asyncio.sleep(0.01)
+        client.answer(0, 10)
+        client.answer(1, 10)
+        client.answer(3, 10)
+        gens = [*(await asyncio.gather(*running)), await late]
+        assert engine.last_swap.keys() == {"stage", "commit"} and engine.swap_pause_s > 0
+        return gens, engine
+
+    gens, engine = asyncio.run(asyncio.wait_for(body(), 10))
+    assert gens[0].versions == [0] * 4 + [1] * 6
+    assert gens[1].versions == [1] * 10
+    assert gens[2].versions == [0] * 10
+    assert gens[3].versions == [1] * 10
+    assert all(g.meta["segments"] == 1 for g in gens) and engine.version("p") == 1
