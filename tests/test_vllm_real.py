@@ -56,12 +56,32 @@ def run(fn: Callable[[], Awaitable[Any]], timeout: float = 120.0) -> Any:
     return asyncio.run(asyncio.wait_for(fn(), timeout))
 
 
+FORCED = TOK.encode("~")[0]  # the only token the `forced` weights ever sample
+
+
+def forced_model() -> Any:
+    """tiny with every layer's output projections zeroed (the last hidden state is the
+    current token's embedding, normed) and embeddings that make FORCED's logit ~50x any
+    other's from every token: whatever the context, it samples FORCED."""
+    model = tiny_model()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+        embed = model.get_parameter("model.embed_tokens.weight")
+        embed[:, 0] = 1.0
+        embed[FORCED] = 0.0
+        embed[FORCED, 0] = 50.0
+    return model
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     other = random_model(TINY_CONFIG, 7)
     save_model(root / "v1", other, TINY_CONFIG, version="1")
-    return {"v0": save_tiny(root / "v0"), "v1": root / "v1"}
+    save_model(root / "forced", forced_model(), TINY_CONFIG, version="forced")
+    return {"v0": save_tiny(root / "v0"), "v1": root / "v1", "forced": root / "forced"}
 
 
 @pytest.fixture(scope="module")
@@ -231,10 +251,10 @@ def test_openai_adapter_on_vllms_openai_server(server: str) -> None:
     assert max_diff(gen.logprobs, forward_logprobs(tiny_model(), PROMPT, gen, 1.0)) < TOL
 
 
-def test_a_swap_mid_generation_splits_tokens_between_versions(
+def test_an_abort_swap_mid_generation_splits_tokens_between_versions(
     server: str, models: dict[str, Path]
 ) -> None:
-    """Stage (the worker reads the files while generating) -> pause (abort) -> copy ->
+    """swap_mode="abort": stage (the worker reads the files while generating) -> pause (abort) -> copy ->
     resume on the real server: the tokens before the swap are the old version's with the old
     weights' log-probs, those after are the new version's with the new weights' log-probs on
     the whole context; the load was the staged one, and the time generation stood still is
@@ -274,7 +294,9 @@ def test_a_swap_mid_generation_splits_tokens_between_versions(
             await engine.swap_weights({"p": version + 1}, {"p": WeightsDir(dirs[0])})
         return gen, after, version, swap_s
 
-    gen, after, version, swap_s = run(lambda: attached(server, body), timeout=280)
+    gen, after, version, swap_s = run(
+        lambda: attached(server, body, swap_mode="abort"), timeout=280
+    )
     k = gen.versions.count(version - 1)
     assert gen.versions == [version - 1] * k + [version] * (len(gen.versions) - k)
     assert gen.meta["segments"] == 2
@@ -284,6 +306,129 @@ def test_a_swap_mid_generation_splits_tokens_between_versions(
     assert after.versions == [version] * 8
     assert max_diff(after.logprobs, forward_logprobs(new, PROMPT, after, 1.0)) < TOL
     assert swap_s < 60
+
+
+def test_a_live_swap_splits_running_generations_where_the_copy_happened(
+    server: str, models: dict[str, Path]
+) -> None:
+    """The default on a launched server: no pause. Two greedy generations run while the
+    server swaps to weights that sample only FORCED; each comes back in one segment (no
+    resubmission) whose versions switch once, at the split the worker reported: the tokens
+    before it are the old weights' (their log-probs equal Astra's forward pass of the old
+    weights, and none is FORCED), every token after it is FORCED. A request submitted while
+    the gate is closed waits, then is all new. Generation stood still only for the commit
+    (less than the swap call). The delay adapts until a swap lands mid-generation; the
+    server ends on version 0's weights."""
+    prompts = [PROMPT, TOK.encode("12+30=")]
+
+    async def body(engine: VLLMEngine) -> tuple[list[Generation], Generation, int]:
+        assert engine.live
+        delay, version = 0.3, 0
+        commit = engine._commit_live
+        during: list[asyncio.Task[Generation]] = []
+
+        async def commit_with_an_arrival(path: Path, v: int, rids: list[str]) -> Any:
+            during.append(
+                asyncio.create_task(
+                    engine.generate("p", PROMPT, Sampling(max_new_tokens=8, temperature=0))
+                )
+            )
+            await asyncio.sleep(0.01)  # it reaches the closed gate
+            assert engine.stats()["waiting"] == 1
+            return await commit(path, v, rids)
+
+        for _ in range(8):
+            tasks = [
+                asyncio.create_task(
+                    engine.generate("p", p, Sampling(max_new_tokens=2000, temperature=0))
+                )
+                for p in prompts
+            ]
+            await asyncio.sleep(delay)
+            stopped, t0 = engine.swap_pause_s, time.monotonic()
+            engine._commit_live = commit_with_an_arrival  # type: ignore[method-assign]
+            await engine.swap_weights({"p": version + 1}, {"p": WeightsDir(models["forced"])})
+            swap_s = time.monotonic() - t0
+            del engine._commit_live
+            assert set(engine.last_swap) == {"stage", "commit"}
+            assert 0 < engine.swap_pause_s - stopped < swap_s
+            assert engine.last_load and all(r["staged"] for r in engine.last_load)
+            gens = await asyncio.gather(*tasks)
+            arrived = await during.pop()
+            await engine.swap_weights({"p": version + 2}, {"p": WeightsDir(models["v0"])})
+            version += 2
+            ks = [g.versions.count(version - 2) for g in gens]
+            ns = [len(g.token_ids) for g in gens]
+            if all(0 < k < n for k, n in zip(ks, ns, strict=True)):
+                return gens, arrived, version - 2
+            late = any(k == n for k, n in zip(ks, ns, strict=True))  # ended before the swap
+            delay = delay / 4 if late else delay * 2
+        raise AssertionError("no swap landed mid-generation in 8 tries")
+
+    gens, arrived, old_version = run(lambda: attached(server, body), timeout=280)
+    for prompt, gen in zip(prompts, gens, strict=True):
+        k = gen.versions.count(old_version)
+        n = len(gen.token_ids)
+        assert gen.versions == [old_version] * k + [old_version + 1] * (n - k)
+        assert gen.meta["segments"] == 1
+        assert FORCED not in gen.token_ids[:k]
+        assert gen.token_ids[k:] == [FORCED] * (n - k)
+        assert (
+            max_diff(gen.logprobs[:k], forward_logprobs(tiny_model(), prompt, gen, 1.0)[:k]) < TOL
+        )
+        assert min(gen.logprobs[k:]) > -1e-3
+    assert arrived.versions == [old_version + 1] * 8 and arrived.token_ids == [FORCED] * 8
+
+
+def test_after_a_live_swap_new_requests_do_not_reuse_the_old_weights_prefix_cache(
+    server: str, models: dict[str, Path]
+) -> None:
+    """A 700-token prompt is served (its KV blocks enter vLLM's prefix cache), the server
+    swaps live to other weights, and the same prompt again: its log-probs are the new
+    weights' forward pass of the whole context (a prefix computed by the old weights,
+    reused, would make them differ). Then back to version 0."""
+    prompt = TOK.encode("12+34=46\n" * 80)[:700]
+    sampling = Sampling(max_new_tokens=4, temperature=0)
+
+    async def body(engine: VLLMEngine) -> tuple[Generation, Generation]:
+        assert engine.live
+        before = await engine.generate("p", prompt, sampling)
+        await engine.swap_weights({"p": 1}, {"p": WeightsDir(models["v1"])})
+        after = await engine.generate("p", prompt, sampling)
+        await engine.swap_weights({"p": 2}, {"p": WeightsDir(models["v0"])})
+        return before, after
+
+    before, after = run(lambda: attached(server, body))
+    assert max_diff(before.logprobs, forward_logprobs(tiny_model(), prompt, before, 1.0)) < TOL
+    assert after.versions == [1] * 4
+    new = random_model(TINY_CONFIG, 7)
+    assert max_diff(after.logprobs, forward_logprobs(new, prompt, after, 1.0)) < TOL
+
+
+def test_the_live_commit_finds_a_finished_request_by_the_adapters_id(
+    server: str, models: dict[str, Path]
+) -> None:
+    """vLLM names the engine request of `request_id: R` cmpl-R-0 plus a random part; a
+    request that finished (and that the worker has since dropped, another request having
+    run) is reported with the tokens it sampled, so the adapter labels it all old; an id
+    vLLM never saw is left out (all new). The commit reloads version 0's own weights."""
+    from astra.engine.http.openai import completion_body
+
+    async def body(engine: VLLMEngine) -> tuple[dict[str, int], list[str]]:
+        assert engine.live
+        rid = f"astra-probe-{os.getpid()}-{time.monotonic_ns()}"
+        probe = completion_body("policy", PROMPT, Sampling(max_new_tokens=5), 5, extensions=True)
+        answer = await engine.client.request(
+            "POST", "/v1/completions", {**probe, "request_id": rid}
+        )
+        assert len(answer["choices"][0]["logprobs"]["token_logprobs"]) == 5
+        await engine.generate("p", PROMPT, Sampling(max_new_tokens=3, temperature=0))
+        splits = await engine._commit_live(models["v0"], 0, [rid, "astra-never-seen"])
+        return splits, engine.last_load[0]["finished"]
+
+    splits, finished = run(lambda: attached(server, body))
+    assert list(splits.values()) == [5] and next(iter(splits)).startswith("astra-probe-")
+    assert finished == [f"cmpl-{next(iter(splits))}-0"]  # from the record, not the runner
 
 
 def test_a_failed_reload_keeps_the_version_and_the_server_serving(

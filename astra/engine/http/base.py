@@ -21,6 +21,16 @@ only if an aborted answer takes longer than `drain_timeout_s` to come back.
 Resubmission draws fresh randomness: a seeded request that straddles a swap
 is not reproducible (nor is it in the built-in engine).
 
+A live swap (`_live` says when; VLLMEngine with Astra's worker extension) does
+not pause: stage as above -> close the admission gate (new requests wait; the
+ones running go on) -> one call (`_commit_live`) that copies the new weights in
+place between two engine steps and says, for each request in flight, how many
+tokens it had sampled at that instant -> relabel -> open the gate. A running
+request keeps its KV and continues on the new weights (the built-in engine's
+`continue`): its tokens up to the split carry the old version, the rest the new
+one, with no resubmission; one the server had not started is all new, one it
+had finished is all old. `swap_pause_s` counts the gate-closed span.
+
 Weights for a swap arrive as a `WeightsDir` (a verified local Hugging Face
 directory, readable by the server's host) in `state[policy]`; a plain tensor
 mapping is refused (FailedPrecondition NEEDS_WEIGHTS_DIR). A policy in
@@ -102,6 +112,10 @@ class HTTPEngine:
         self._running = 0  # generate calls in progress
         self._waiting = 0  # segments held at the gate during a swap
         self._in_flight: set[asyncio.Future[None]] = set()  # segments sent, not answered
+        # Per segment in flight: (first token index, version) from each swap it straddled.
+        self._flights: dict[str, list[tuple[int, int]]] = {}
+        self._committed = asyncio.Event()  # clear while a live commit's split is unknown
+        self._committed.set()
         self._gate = asyncio.Event()
         self._gate.set()
         self._swap_lock = asyncio.Lock()
@@ -207,12 +221,12 @@ class HTTPEngine:
         try:
             while True:
                 remaining = sampling.max_new_tokens - len(tokens)
-                seg, version, preempted = await self._run_segment(
+                seg, labels, preempted = await self._run_segment(
                     prompt + tokens, sampling, remaining
                 )
                 tokens += seg.token_ids
                 logprobs += seg.logprobs
-                versions += [version] * len(seg.token_ids)
+                versions += labels
                 meta["segments"] += 1
                 meta.update(seg.meta)
                 if seg.finish == "abort" and preempted and len(tokens) < sampling.max_new_tokens:
@@ -262,8 +276,9 @@ class HTTPEngine:
 
     async def _run_segment(
         self, context: list[int], sampling: Sampling, max_new: int
-    ) -> tuple[Segment, int, bool]:
-        """One request to the server; returns (segment, its version, aborted by our swap)."""
+    ) -> tuple[Segment, list[int], bool]:
+        """One request to the server; returns (segment, each token's version, aborted by
+        our swap)."""
         if not self._gate.is_set():
             self._waiting += 1
             try:
@@ -274,6 +289,7 @@ class HTTPEngine:
         marker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._in_flight.add(marker)
         rid = f"astra-{uuid.uuid4().hex}"
+        starts = self._flights[rid] = [(0, version)]
         try:
             path, body = self._segment_request(context, sampling, max_new, rid)
             try:
@@ -283,16 +299,18 @@ class HTTPEngine:
                 raise
             except AstraError:
                 if self._swap_seq != swap_seq:  # cut off by our own pause: retry after it
-                    return Segment([], [], "abort"), version, True
+                    return Segment([], [], "abort"), [], True
                 raise
             seg = self._parse_segment(answer, sampling)
+            await self._committed.wait()  # a live commit under way says where we split
         finally:
+            self._flights.pop(rid, None)
             self._in_flight.discard(marker)
             if not marker.done():
                 marker.set_result(None)
         if self._load_seq != load_seq:  # still running when the load began: new weights
-            version = self._version
-        return seg, version, self._swap_seq != swap_seq
+            starts = [(0, self._version)]
+        return seg, token_versions(starts, len(seg.token_ids)), self._swap_seq != swap_seq
 
     async def _drain(self, timeout_s: float) -> int:
         """Waits for the segments in flight now; returns how many are still out after timeout."""
@@ -315,6 +333,9 @@ class HTTPEngine:
                 f"weights directory {path} does not exist", reason="NO_WEIGHTS"
             )
         async with self._swap_lock:
+            if self.on_swap == "continue" and self._live(path):
+                await self._swap_live(path, version)
+                return
             clock = SwapClock()
             await self._stage(path, version)  # generation goes on meanwhile
             clock.mark("stage")
@@ -345,6 +366,28 @@ class HTTPEngine:
                 self.last_swap = clock.phases
                 log.debug("swap to version %d: %s", version, clock.phases)
 
+    async def _swap_live(self, path: Path, version: int) -> None:
+        """The live swap (module docstring): generation stops only for `_commit_live`."""
+        clock = SwapClock()
+        await self._stage(path, version)  # generation goes on meanwhile
+        clock.mark("stage")
+        self._gate.clear()
+        self._committed.clear()
+        closed = time.perf_counter()
+        try:
+            flights = dict(self._flights)
+            splits = await self._commit_live(path, version, list(flights))
+            for rid, starts in flights.items():
+                starts.append((splits.get(rid, 0), version))
+            self._version = version
+            clock.mark("commit")
+        finally:
+            self._committed.set()
+            self._gate.set()
+            self.swap_pause_s += time.perf_counter() - closed
+            self.last_swap = clock.phases
+            log.debug("live swap to version %d: %s", version, clock.phases)
+
     async def _resume_or_fail(self) -> None:
         try:
             await self._resume()
@@ -371,6 +414,15 @@ class HTTPEngine:
     async def _stage(self, path: Path, version: int) -> None:
         """Prepares loading `path` while generation goes on (before the gate closes); a
         failure here leaves the version and the server as they were. Default: nothing."""
+
+    def _live(self, path: Path) -> bool:
+        """Whether loading `path` takes the live swap (no pause). Default: never."""
+        return False
+
+    async def _commit_live(self, path: Path, version: int, rids: list[str]) -> dict[str, int]:
+        """Loads `path` in place between two engine steps; returns, for each of the segments
+        `rids` the server had seen, how many tokens it had sampled then (absent: none)."""
+        raise NotImplementedError
 
     async def _pause(self) -> None:
         raise NotImplementedError
@@ -462,3 +514,12 @@ class HTTPEngine:
                 matched = min((sub.find(s), s) for s in sampling.stop_strings if s in sub)[1]
                 best = (lo, matched)
         return best
+
+
+def token_versions(starts: list[tuple[int, int]], n: int) -> list[int]:
+    """The version of each of `n` tokens from (first token index, version) marks in order:
+    a token takes the version of the last mark at or before it."""
+    out = [starts[0][1]] * n
+    for first, version in starts[1:]:
+        out[min(first, n) :] = [version] * (n - min(first, n))
+    return out

@@ -29,6 +29,7 @@ from urllib.parse import urlencode, urlsplit
 from astra.errors import AstraError, InvalidArgument, ResourceExhausted, Unavailable
 
 MAX_BODY = 64 * 1024 * 1024  # a response larger than this is refused (ENGINE_BAD_RESPONSE)
+CONTROL_THREADS = 4
 
 
 class _Call:
@@ -89,7 +90,11 @@ class JSONClient:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.headers = {"Content-Type": "application/json", **(headers or {})}
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="astra-http")
+        # Threads beyond max_concurrency: a swap's control calls (stage, commit, pause) are
+        # not queued behind `max_concurrency` generations that are all in flight.
+        self._pool = ThreadPoolExecutor(
+            max_concurrency + CONTROL_THREADS, thread_name_prefix="astra-http"
+        )
         self._calls: set[_Call] = set()
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:

@@ -15,7 +15,13 @@ server runs with `VLLM_SERVER_DEV_MODE=1` (`launch` sets it); their HTTP
 shape changes between releases, so the update is one hook,
 `reload_weights_from_disk`, that a later session can point at the
 weight-transfer engine (`--weight-transfer-config`, `/init_weight_transfer_engine`,
-`/update_weights`) instead. What this version calls:
+`/update_weights`) instead. With Astra's extension and a worker that says its
+split is exact (`wait_ready` asks; `swap_mode="auto"`, the default), a full
+version swaps live, without a pause: stage as below, then one `/collective_rpc`
+`astra_commit_live` while new requests wait (astra.engine.http.vllm_live; the
+running ones continue on the new weights, each token labelled at the worker's
+split). Otherwise (`swap_mode="abort"`, an attached server without the
+extension, `on_swap="finish_old"`, LoRA versions), what this version calls:
 - with Astra's extension, before anything is paused (generation goes on):
   `POST /collective_rpc` `astra_stage_weights` (the worker starts reading the
   directory's safetensors into memory on a thread of its own), then
@@ -55,13 +61,22 @@ import json
 import logging
 import os
 import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from astra.engine.api import Tokenizer
+from astra.engine.api import Sampling, Tokenizer
 from astra.engine.http.launch import ServerProcess, start_server
 from astra.engine.http.openai import LOGPROBS_MODES, CompletionsEngine
+from astra.engine.http.vllm_live import (
+    SWAP_MODES,
+    TRACK,
+    SwapMode,
+    cache_salt,
+    commit_body,
+    splits_of,
+)
 from astra.engine.http.vllm_lora import (
     LOAD_PATH,
     RANK_FLAG,
@@ -106,12 +121,22 @@ class VLLMEngine(CompletionsEngine):
         reload_rpc_method: str = "reload_weights",
         adapters: AdapterSlot | None = None,
         stage: bool = True,
+        swap_mode: SwapMode = "auto",
         **kwargs: Any,
     ) -> None:
         """`adapters`: how this policy serves LoRA versions (a server with --enable-lora);
         None refuses them (ADAPTER_UNSUPPORTED). `stage`: with Astra's extension, read a full
-        version's files in the worker before the pause (False: read them while paused)."""
+        version's files in the worker before the pause (False: read them while paused).
+        `swap_mode`: "auto" swaps full versions live (no pause, astra.engine.http.vllm_live)
+        where Astra's extension says it can, else by pause; "live" fails `wait_ready` where
+        it cannot; "abort" always pauses (abort, load, resume)."""
+        if swap_mode not in SWAP_MODES:
+            raise ValueError(f"swap_mode must be one of {SWAP_MODES}, not {swap_mode!r}")
         super().__init__(base_url, model, policy_id, tokenizer, **kwargs)
+        self.swap_mode: SwapMode = swap_mode
+        self.live = False  # set by wait_ready: full versions swap without a pause
+        self._salt_nonce = uuid.uuid4().hex[:12]
+        self._weights_seq = 0  # live loads done: the prefix-cache salt of new requests
         self.update_timeout_s = update_timeout_s
         self.reload_rpc_method = reload_rpc_method
         self.adapters = adapters
@@ -159,6 +184,61 @@ class VLLMEngine(CompletionsEngine):
         kwargs.setdefault("reload_rpc_method", reload_method(extra_args))
         kwargs.setdefault("adapters", slot)
         return cls(proc.url, served_model_name, policy_id, tokenizer, process=proc, **kwargs)
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """As HTTPEngine's; then, with Astra's extension and swap_mode auto or live, asks the
+        worker whether it can swap live (and starts its request record)."""
+        await super().wait_ready(timeout_s)
+        if self.swap_mode == "abort" or self.reload_rpc_method != EXTENSION_RELOAD:
+            if self.swap_mode == "live":
+                raise FailedPrecondition(
+                    "swap_mode live needs Astra's worker extension on the vLLM server",
+                    reason="LIVE_SWAP_UNSUPPORTED",
+                )
+            return
+        answer = await self._dev_call("/collective_rpc", {"method": TRACK}, timeout_s=60.0)
+        reports = results_of(answer)
+        why = [r.get("why") for r in reports if isinstance(r, dict) and not r.get("live")]
+        self.live = bool(reports) and not why
+        if not self.live:
+            if self.swap_mode == "live":
+                raise FailedPrecondition(
+                    f"vLLM at {self.client.base_url} cannot swap live: {why or reports}",
+                    reason="LIVE_SWAP_UNSUPPORTED",
+                )
+            log.info("vLLM swaps by pause (abort): %s", why or reports)
+
+    def _live(self, path: Path) -> bool:
+        return self.live and not (self.adapters is not None and self.adapters.owns(path))
+
+    def _segment_request(
+        self, context: list[int], sampling: Sampling, max_new: int, rid: str
+    ) -> tuple[str, dict[str, Any]]:
+        path, body = super()._segment_request(context, sampling, max_new, rid)
+        if self.live:
+            body["request_id"] = rid
+            body["cache_salt"] = cache_salt(self._salt_nonce, self._weights_seq)
+        return path, body
+
+    async def _commit_live(self, path: Path, version: int, rids: list[str]) -> dict[str, int]:
+        check_safetensors(path, version)
+        self._staged = None
+        body = commit_body(str(path), rids)
+        try:
+            answer = await self._dev_call("/collective_rpc", body, timeout_s=self.update_timeout_s)
+            self.last_load = results_of(answer)
+            splits = splits_of(self.last_load, rids)
+        except (AstraError, ValueError) as exc:
+            # As a failed reload (reload_weights_from_disk): the weights are in no known state.
+            why = exc.message if isinstance(exc, AstraError) else str(exc)
+            self._failed = f"vLLM could not reload {path}: {why}"
+            raise FailedPrecondition(
+                f"vLLM could not reload {path} as version {version}: {why}",
+                reason="WEIGHT_UPDATE_FAILED",
+                metadata={"path": str(path)},
+            ) from exc
+        self._weights_seq += 1
+        return splits
 
     async def _pause(self) -> None:
         # abort: running requests end now with the tokens they have (resubmitted after the
