@@ -24,6 +24,9 @@ from astra.common.v1 import rollout_pb2, version_pb2
 from astra.dataflow.config import StreamSettings
 from astra.dataflow.ports import IncomingGroup, PortError
 from astra.dataflow.records import WorkItem
+from astra.protowire import read_varint
+
+MAX_IDS = 4096  # group ids per AckResults / CollectResultBatch
 
 
 @contextlib.contextmanager
@@ -46,6 +49,8 @@ class GrpcRolloutPort:
         self.client = RolloutClient(address, timeout_s=timeout_s)
         self.instance_id = ""
         self.vocab = dict(vocab or {})  # policy -> vocabulary size, checked at ingest
+        self.batched: bool | None = None  # has CollectResultBatch; None: not tried yet
+        self._acks: list[str] = []  # acknowledgements for the next CollectResultBatch
 
     @staticmethod
     def _error(exc: grpc.aio.AioRpcError) -> PortError:
@@ -64,6 +69,30 @@ class GrpcRolloutPort:
         return list(resp.accepted_group_ids), resp.free_slots
 
     async def collect(self, max_groups: int, max_wait_s: float) -> list[bytes]:
+        """Serialized CollectResultsResponse messages. Through CollectResultBatch, which
+        carries the acknowledgements `ack` queued, unless the RaaS lacks it (UNIMPLEMENTED:
+        then CollectResults, and AckResults from then on)."""
+        if self.batched is not False:
+            acks, self._acks = self._acks[:MAX_IDS], self._acks[MAX_IDS:]
+            try:
+                with _call():
+                    raw = await self.client.collect_result_batch_raw(acks, max_groups, max_wait_s)
+            except PortError as exc:
+                self._acks[:0] = acks  # not known to have arrived: they go with the next call
+                cause = exc.__cause__
+                if not (
+                    isinstance(cause, grpc.aio.AioRpcError)
+                    and cause.code() is grpc.StatusCode.UNIMPLEMENTED
+                ):
+                    raise
+                self.batched = False
+                await self._flush_acks()
+            else:
+                self.batched = True
+                try:
+                    return framed_results(raw)
+                except ValueError:
+                    return [raw]  # undecodable as a whole: `decode` counts it as such
         with _call():
             return await self.client.collect_results_raw(max_groups, max_wait_s)
 
@@ -71,9 +100,18 @@ class GrpcRolloutPort:
         return decode_results(received, self.vocab)
 
     async def ack(self, group_ids: Sequence[str]) -> None:
+        """Acknowledges results stored durably. Where the RaaS has CollectResultBatch the ids
+        leave with the next collect (a crash before then delivers those results again, and
+        they are dropped as duplicates); else at once, with AckResults."""
+        self._acks += group_ids
+        if not self.batched or len(self._acks) > MAX_IDS:
+            await self._flush_acks()
+
+    async def _flush_acks(self) -> None:
         with _call():
-            for start in range(0, len(group_ids), 4096):
-                await self.client.ack_results(group_ids[start : start + 4096])
+            while self._acks:
+                await self.client.ack_results(self._acks[:MAX_IDS])
+                del self._acks[:MAX_IDS]
 
     async def cancel(self, group_ids: Sequence[str]) -> None:
         with _call():
@@ -103,6 +141,8 @@ class GrpcRolloutPort:
             return False
 
     async def close(self) -> None:
+        with contextlib.suppress(PortError):  # best effort: unacknowledged ones come again
+            await self._flush_acks()
         await self.client.close()
 
 
@@ -125,6 +165,28 @@ def decode_results(
             out.append(_undecodable(msg, exc))
             continue
         out.append(incoming_group(result, result.instance_id, raw, vocab))
+    return out
+
+
+def framed_results(response: bytes) -> list[bytes]:
+    """Each `results` entry of a serialized CollectResultBatchResponse with its own field
+    key and length: a serialized CollectResultsResponse (whose `result` is field 1 too),
+    so both RPCs' results decode alike. Copied out, so that no buffered result keeps the
+    whole response alive. Other fields are skipped; a malformed response is Malformed."""
+    out = []
+    pos, end = 0, len(response)
+    view = memoryview(response)
+    while pos < end:
+        start = pos
+        key, pos = read_varint(response, pos)
+        if key & 7 != 2:
+            raise Malformed(f"CollectResultBatchResponse: field {key >> 3}, wire type {key & 7}")
+        length, pos = read_varint(response, pos)
+        if pos + length > end:
+            raise Malformed("CollectResultBatchResponse: a field runs past the message")
+        if key >> 3 == 1:
+            out.append(bytes(view[start : pos + length]))
+        pos += length
     return out
 
 
