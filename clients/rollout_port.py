@@ -27,6 +27,7 @@ from astra.dataflow.records import WorkItem
 from astra.protowire import read_varint
 
 MAX_IDS = 4096  # group ids per AckResults / CollectResultBatch
+CLOSE_ACK_S = 0.5  # how long closing waits to send the acknowledgements still queued
 
 
 @contextlib.contextmanager
@@ -68,7 +69,7 @@ class GrpcRolloutPort:
             resp = await self.client.submit_groups([prompt_group(i, s) for i, s in work])
         return list(resp.accepted_group_ids), resp.free_slots
 
-    async def collect(self, max_groups: int, max_wait_s: float) -> list[bytes]:
+    async def collect(self, max_groups: int, max_wait_s: float) -> Sequence[bytes | memoryview]:
         """Serialized CollectResultsResponse messages. Through CollectResultBatch, which
         carries the acknowledgements `ack` queued, unless the RaaS lacks it (UNIMPLEMENTED:
         then CollectResults, and AckResults from then on)."""
@@ -96,7 +97,7 @@ class GrpcRolloutPort:
         with _call():
             return await self.client.collect_results_raw(max_groups, max_wait_s)
 
-    def decode(self, received: Sequence[bytes]) -> list[IncomingGroup]:
+    def decode(self, received: Sequence[bytes | memoryview]) -> list[IncomingGroup]:
         return decode_results(received, self.vocab)
 
     async def ack(self, group_ids: Sequence[str]) -> None:
@@ -107,10 +108,10 @@ class GrpcRolloutPort:
         if not self.batched or len(self._acks) > MAX_IDS:
             await self._flush_acks()
 
-    async def _flush_acks(self) -> None:
+    async def _flush_acks(self, timeout_s: float | None = None) -> None:
         with _call():
             while self._acks:
-                await self.client.ack_results(self._acks[:MAX_IDS])
+                await self.client.ack_results(self._acks[:MAX_IDS], timeout_s=timeout_s)
                 del self._acks[:MAX_IDS]
 
     async def cancel(self, group_ids: Sequence[str]) -> None:
@@ -141,13 +142,14 @@ class GrpcRolloutPort:
             return False
 
     async def close(self) -> None:
-        with contextlib.suppress(PortError):  # best effort: unacknowledged ones come again
-            await self._flush_acks()
+        if self._acks:  # best effort, briefly: unacknowledged results come again (duplicates)
+            with contextlib.suppress(PortError):
+                await self._flush_acks(timeout_s=CLOSE_ACK_S)
         await self.client.close()
 
 
 def decode_results(
-    received: Sequence[bytes], vocab: Mapping[str, int] | None = None
+    received: Sequence[bytes | memoryview], vocab: Mapping[str, int] | None = None
 ) -> list[IncomingGroup]:
     """Serialized CollectResultsResponse messages as Dataflow takes them in (each validated;
     with `vocab`, each policy's token ids against its vocabulary size)."""
@@ -168,11 +170,13 @@ def decode_results(
     return out
 
 
-def framed_results(response: bytes) -> list[bytes]:
+def framed_results(response: bytes) -> list[memoryview]:
     """Each `results` entry of a serialized CollectResultBatchResponse with its own field
     key and length: a serialized CollectResultsResponse (whose `result` is field 1 too),
-    so both RPCs' results decode alike. Copied out, so that no buffered result keeps the
-    whole response alive. Other fields are skipped; a malformed response is Malformed."""
+    so both RPCs' results decode alike. Views, not copies: a buffered trajectory's bytes
+    keep its response alive, as they kept its CollectResults message alive (the groups of
+    a response are buffered and trained in about the same order). Other fields are
+    skipped; a malformed response is Malformed."""
     out = []
     pos, end = 0, len(response)
     view = memoryview(response)
@@ -185,7 +189,7 @@ def framed_results(response: bytes) -> list[bytes]:
         if pos + length > end:
             raise Malformed("CollectResultBatchResponse: a field runs past the message")
         if key >> 3 == 1:
-            out.append(bytes(view[start : pos + length]))
+            out.append(view[start : pos + length])
         pos += length
     return out
 
@@ -197,7 +201,7 @@ def connect(timeout_s: float, vocab: Mapping[str, int] | None = None):
     return make
 
 
-def _undecodable(msg: bytes, exc: Exception) -> IncomingGroup:
+def _undecodable(msg: bytes | memoryview, exc: Exception) -> IncomingGroup:
     """An IncomingGroup marked invalid for a result that does not parse, with the group id
     when its field (GroupResult.group_id = 1) is readable on its own."""
     group_id = ""
