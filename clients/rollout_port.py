@@ -78,11 +78,12 @@ class GrpcRolloutPort:
             try:
                 with _call():
                     raw = await self.client.collect_result_batch_raw(acks, max_groups, max_wait_s)
-            except PortError as exc:
+            except BaseException as exc:
                 self._acks[:0] = acks  # not known to have arrived: they go with the next call
                 cause = exc.__cause__
                 if not (
-                    isinstance(cause, grpc.aio.AioRpcError)
+                    isinstance(exc, PortError)
+                    and isinstance(cause, grpc.aio.AioRpcError)
                     and cause.code() is grpc.StatusCode.UNIMPLEMENTED
                 ):
                     raise
