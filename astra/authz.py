@@ -7,7 +7,8 @@ weights or take training batches. What each role may call is `PERMITTED`, one en
 of the four services (a test holds it to the protos):
 
 - ``raas``: Dataflow's Register/Heartbeat/DeregisterInstance; WeightService's FetchVersion.
-- ``dataflow``: a RaaS's SubmitGroups, CollectResults, AckResults, CancelGroups, LoadWeights.
+- ``dataflow``: a RaaS's SubmitGroups, CollectResults, AckResults, CollectResultBatch,
+  CancelGroups, LoadWeights.
 - ``trainer``: Dataflow's FetchBatch, AckBatch, ExtendBatchLease, AnnounceVersion;
   WeightService's PublishVersion, RollbackVersion and FetchVersion.
 - ``weights``: WeightService's FetchVersion (a relay fetching what it serves on).
@@ -64,6 +65,7 @@ PERMITTED: dict[str, frozenset[str]] = {
             "SubmitGroups": ("dataflow",),
             "CollectResults": ("dataflow",),
             "AckResults": ("dataflow",),
+            "CollectResultBatch": ("dataflow",),
             "CancelGroups": ("dataflow",),
             "LoadWeights": ("dataflow",),
             "GetStatus": (ANYONE,),

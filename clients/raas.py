@@ -20,6 +20,7 @@ class RolloutClient(BaseClient):
         "SubmitGroups",
         "CollectResults",
         "AckResults",
+        "CollectResultBatch",
         "CancelGroups",
         "LoadWeights",
         "GetStatus",
@@ -34,6 +35,11 @@ class RolloutClient(BaseClient):
         self._collect_raw = channel.unary_stream(
             f"/{self.SERVICE}/CollectResults",
             request_serializer=pb.CollectResultsRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self._collect_batch_raw = channel.unary_unary(
+            f"/{self.SERVICE}/CollectResultBatch",
+            request_serializer=pb.CollectResultBatchRequest.SerializeToString,
             response_deserializer=None,
         )
 
@@ -69,6 +75,21 @@ class RolloutClient(BaseClient):
         self._follow_renewal()
         call = self._collect_raw(req, timeout=self._timeout(timeout_s) + max_wait_s)
         return [msg async for msg in call]
+
+    async def collect_result_batch_raw(
+        self,
+        ack_group_ids: Sequence[str],
+        max_groups: int,
+        max_wait_s: float = 0.0,
+        *,
+        timeout_s: float | None = None,
+    ) -> bytes:
+        """CollectResultBatch: acknowledges `ack_group_ids`, then collects; returns the
+        serialized CollectResultBatchResponse (each `results` entry a GroupResult as sent)."""
+        req = pb.CollectResultBatchRequest(ack_group_ids=ack_group_ids, max_groups=max_groups)
+        req.max_wait.FromNanoseconds(int(max_wait_s * 1e9))
+        self._follow_renewal()
+        return await self._collect_batch_raw(req, timeout=self._timeout(timeout_s) + max_wait_s)
 
     async def ack_results(
         self, group_ids: Sequence[str], *, timeout_s: float | None = None

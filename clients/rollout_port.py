@@ -24,6 +24,10 @@ from astra.common.v1 import rollout_pb2, version_pb2
 from astra.dataflow.config import StreamSettings
 from astra.dataflow.ports import IncomingGroup, PortError
 from astra.dataflow.records import WorkItem
+from astra.protowire import read_varint
+
+MAX_IDS = 4096  # group ids per AckResults / CollectResultBatch
+CLOSE_ACK_S = 0.5  # how long closing waits to send the acknowledgements still queued
 
 
 @contextlib.contextmanager
@@ -46,6 +50,8 @@ class GrpcRolloutPort:
         self.client = RolloutClient(address, timeout_s=timeout_s)
         self.instance_id = ""
         self.vocab = dict(vocab or {})  # policy -> vocabulary size, checked at ingest
+        self.batched: bool | None = None  # has CollectResultBatch; None: not tried yet
+        self._acks: list[str] = []  # acknowledgements for the next CollectResultBatch
 
     @staticmethod
     def _error(exc: grpc.aio.AioRpcError) -> PortError:
@@ -63,17 +69,51 @@ class GrpcRolloutPort:
             resp = await self.client.submit_groups([prompt_group(i, s) for i, s in work])
         return list(resp.accepted_group_ids), resp.free_slots
 
-    async def collect(self, max_groups: int, max_wait_s: float) -> list[bytes]:
+    async def collect(self, max_groups: int, max_wait_s: float) -> Sequence[bytes | memoryview]:
+        """Serialized CollectResultsResponse messages. Through CollectResultBatch, which
+        carries the acknowledgements `ack` queued, unless the RaaS lacks it (UNIMPLEMENTED:
+        then CollectResults, and AckResults from then on)."""
+        if self.batched is not False:
+            acks, self._acks = self._acks[:MAX_IDS], self._acks[MAX_IDS:]
+            try:
+                with _call():
+                    raw = await self.client.collect_result_batch_raw(acks, max_groups, max_wait_s)
+            except BaseException as exc:
+                self._acks[:0] = acks  # not known to have arrived: they go with the next call
+                cause = exc.__cause__
+                if not (
+                    isinstance(exc, PortError)
+                    and isinstance(cause, grpc.aio.AioRpcError)
+                    and cause.code() is grpc.StatusCode.UNIMPLEMENTED
+                ):
+                    raise
+                self.batched = False
+                await self._flush_acks()
+            else:
+                self.batched = True
+                try:
+                    return framed_results(raw)
+                except ValueError:
+                    return [raw]  # undecodable as a whole: `decode` counts it as such
         with _call():
             return await self.client.collect_results_raw(max_groups, max_wait_s)
 
-    def decode(self, received: Sequence[bytes]) -> list[IncomingGroup]:
+    def decode(self, received: Sequence[bytes | memoryview]) -> list[IncomingGroup]:
         return decode_results(received, self.vocab)
 
     async def ack(self, group_ids: Sequence[str]) -> None:
+        """Acknowledges results stored durably. Where the RaaS has CollectResultBatch the ids
+        leave with the next collect (a crash before then delivers those results again, and
+        they are dropped as duplicates); else at once, with AckResults."""
+        self._acks += group_ids
+        if not self.batched or len(self._acks) > MAX_IDS:
+            await self._flush_acks()
+
+    async def _flush_acks(self, timeout_s: float | None = None) -> None:
         with _call():
-            for start in range(0, len(group_ids), 4096):
-                await self.client.ack_results(group_ids[start : start + 4096])
+            while self._acks:
+                await self.client.ack_results(self._acks[:MAX_IDS], timeout_s=timeout_s)
+                del self._acks[:MAX_IDS]
 
     async def cancel(self, group_ids: Sequence[str]) -> None:
         with _call():
@@ -103,11 +143,14 @@ class GrpcRolloutPort:
             return False
 
     async def close(self) -> None:
+        if self._acks:  # best effort, briefly: unacknowledged results come again (duplicates)
+            with contextlib.suppress(PortError):
+                await self._flush_acks(timeout_s=CLOSE_ACK_S)
         await self.client.close()
 
 
 def decode_results(
-    received: Sequence[bytes], vocab: Mapping[str, int] | None = None
+    received: Sequence[bytes | memoryview], vocab: Mapping[str, int] | None = None
 ) -> list[IncomingGroup]:
     """Serialized CollectResultsResponse messages as Dataflow takes them in (each validated;
     with `vocab`, each policy's token ids against its vocabulary size)."""
@@ -128,6 +171,30 @@ def decode_results(
     return out
 
 
+def framed_results(response: bytes) -> list[memoryview]:
+    """Each `results` entry of a serialized CollectResultBatchResponse with its own field
+    key and length: a serialized CollectResultsResponse (whose `result` is field 1 too),
+    so both RPCs' results decode alike. Views, not copies: a buffered trajectory's bytes
+    keep its response alive, as they kept its CollectResults message alive (the groups of
+    a response are buffered and trained in about the same order). Other fields are
+    skipped; a malformed response is Malformed."""
+    out = []
+    pos, end = 0, len(response)
+    view = memoryview(response)
+    while pos < end:
+        start = pos
+        key, pos = read_varint(response, pos)
+        if key & 7 != 2:
+            raise Malformed(f"CollectResultBatchResponse: field {key >> 3}, wire type {key & 7}")
+        length, pos = read_varint(response, pos)
+        if pos + length > end:
+            raise Malformed("CollectResultBatchResponse: a field runs past the message")
+        if key >> 3 == 1:
+            out.append(view[start : pos + length])
+        pos += length
+    return out
+
+
 def connect(timeout_s: float, vocab: Mapping[str, int] | None = None):
     def make(address: str) -> GrpcRolloutPort:
         return GrpcRolloutPort(address, timeout_s=timeout_s, vocab=vocab)
@@ -135,7 +202,7 @@ def connect(timeout_s: float, vocab: Mapping[str, int] | None = None):
     return make
 
 
-def _undecodable(msg: bytes, exc: Exception) -> IncomingGroup:
+def _undecodable(msg: bytes | memoryview, exc: Exception) -> IncomingGroup:
     """An IncomingGroup marked invalid for a result that does not parse, with the group id
     when its field (GroupResult.group_id = 1) is readable on its own."""
     group_id = ""

@@ -29,9 +29,13 @@ from astra.servers.raas_convert import (
     load_versions,
     status_response,
     version_protos,
+    within,
 )
 from astra.servers.result_wire import group_result_bytes
 from astra.servers.runtime import DEFAULT_MAX_MESSAGE_BYTES
+
+# A CollectResultBatch response stays this far below the send limit.
+BATCH_BYTES = DEFAULT_MAX_MESSAGE_BYTES - 64 * 1024
 
 # A LoadWeights (waiting for an earlier one, fetching, swapping) ends by then with
 # DEADLINE_EXCEEDED and the versions in service unchanged; Dataflow's call allows more.
@@ -117,6 +121,17 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         max_groups, max_wait = collect_limits(request)
         for response in await self.store.collect(max_groups, max_wait):
             yield response  # a CollectResultsResponse's wire bytes (see encode above)
+
+    async def CollectResultBatch(self, request: pb.CollectResultBatchRequest, context) -> bytes:
+        acks = request.ack_group_ids
+        if acks:
+            check_ids(acks, "ack_group_ids")
+        max_groups, max_wait = collect_limits(request)  # checked before anything is dropped
+        if acks:
+            self.store.ack(acks)
+        # The stored bytes are CollectResultsResponse messages, whose `result` (1) has the
+        # framing of CollectResultBatchResponse.results (1): joined, they are the response.
+        return b"".join(within(await self.store.collect(max_groups, max_wait), BATCH_BYTES))
 
     async def AckResults(self, request: pb.AckResultsRequest, context):
         check_ids(request.group_ids)

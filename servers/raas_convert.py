@@ -202,6 +202,17 @@ def collect_limits(request: pb.CollectResultsRequest) -> tuple[int, float]:
     return request.max_groups, max_wait
 
 
+def within(results: list[Any], limit: int) -> list[Any]:
+    """The leading `results` whose sizes add up to at most `limit` bytes (the first always,
+    which its own limit bounds): what one CollectResultBatch response carries."""
+    total = 0
+    for i, r in enumerate(results):
+        total += len(r)
+        if total > limit and i:
+            return results[:i]
+    return results
+
+
 def version_protos(held: dict) -> list[version_pb2.PolicyVersion]:
     """The versions an instance holds, policy by policy (LoadWeights, GetStatus)."""
     return [

@@ -230,7 +230,9 @@ async def start_raas(
     server = GrpcServer(host, port, grace_s=grace_s)
     name = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
     add = with_raw_responses(
-        pb_grpc.add_RolloutServiceServicer_to_server, name, ("CollectResults",)
+        pb_grpc.add_RolloutServiceServicer_to_server,
+        name,
+        ("CollectResults", "CollectResultBatch"),
     )
     server.add_service(add, servicer, name)
     await server.start(serving=False)

@@ -109,8 +109,9 @@ def passthrough(message: Any) -> bytes:
 def with_raw_responses(
     add_fn: Callable[[Any, Any], None], full_name: str, methods: tuple[str, ...]
 ) -> Callable[[Any, grpc.aio.Server], None]:
-    """`add_fn` (a generated add_*Servicer_to_server) whose `methods` (server-streaming) may
-    yield the wire bytes of their response messages instead of messages."""
+    """`add_fn` (a generated add_*Servicer_to_server) whose `methods` (unary or
+    server-streaming) may return or yield the wire bytes of their response messages
+    instead of messages."""
 
     def add(servicer: Any, server: grpc.aio.Server) -> None:
         class _Capture:
@@ -125,8 +126,14 @@ def with_raw_responses(
         handlers = dict(capture.handlers)
         for method in methods:
             h = handlers[method]
-            handlers[method] = grpc.unary_stream_rpc_method_handler(
-                h.unary_stream, h.request_deserializer, passthrough
+            handlers[method] = (
+                grpc.unary_stream_rpc_method_handler(
+                    h.unary_stream, h.request_deserializer, passthrough
+                )
+                if h.response_streaming
+                else grpc.unary_unary_rpc_method_handler(
+                    h.unary_unary, h.request_deserializer, passthrough
+                )
             )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(full_name, handlers),)

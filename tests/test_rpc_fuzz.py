@@ -723,11 +723,14 @@ def raas_bases(svc: Service) -> dict[str, Message]:
     g.epoch = 1
     collect = svc.request("CollectResults", max_groups=4)
     collect.max_wait.FromMilliseconds(10)
+    batch = svc.request("CollectResultBatch", ack_group_ids=["g-0"], max_groups=4)
+    batch.max_wait.FromMilliseconds(10)
     pv = version_pb2.PolicyVersion(policy_id="policy", version=1, version_id="1")
     return {
         "SubmitGroups": svc.request("SubmitGroups", groups=[g]),
         "CollectResults": collect,
         "AckResults": svc.request("AckResults", group_ids=["g-0"]),
+        "CollectResultBatch": batch,
         "CancelGroups": svc.request("CancelGroups", group_ids=["g-0"]),
         "LoadWeights": svc.request(
             "LoadWeights", versions=[pv], weights_address="127.0.0.1:1", request_id="L1"
@@ -796,6 +799,10 @@ def raas_invalid(b: dict[str, Message]) -> list[tuple[str, Message, str]]:
         ("CollectResults", lambda r: setattr(r, "max_groups", 4097), "max_groups"),
         ("CollectResults", lambda r: r.max_wait.FromMilliseconds(-1), "max_wait"),
         ("CollectResults", lambda r: r.max_wait.FromSeconds(31), "max_wait"),
+        ("CollectResultBatch", lambda r: setattr(r, "max_groups", 0), "max_groups"),
+        ("CollectResultBatch", lambda r: setattr(r, "max_groups", 4097), "max_groups"),
+        ("CollectResultBatch", lambda r: r.max_wait.FromSeconds(31), "max_wait"),
+        ("CollectResultBatch", lambda r: r.ack_group_ids.extend(["g"] * 4096), "ack_group_ids"),
         ("AckResults", lambda r: r.ClearField("group_ids"), "group_ids"),
         ("AckResults", lambda r: r.group_ids.extend(["g"] * 4096), "group_ids"),
         ("CancelGroups", lambda r: r.ClearField("group_ids"), "group_ids"),
@@ -847,7 +854,9 @@ def test_raas_survives_fuzzed_requests_on_every_rpc():
             for method, request, field in raas_invalid(bases):
                 await expect_invalid(svc, method, request, field)
             for i, (method, base) in enumerate(bases.items()):
-                tame = _bounded_collect if method == "CollectResults" else None
+                tame = (
+                    _bounded_collect if method in ("CollectResults", "CollectResultBatch") else None
+                )
                 vary = _fresh_groups if method == "SubmitGroups" else _ids(method)
                 await fuzz(svc, method, base, i, tame=tame, vary=vary)
             # Every accepted group finishes; then a fresh one runs and is delivered whole.

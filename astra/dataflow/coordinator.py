@@ -177,9 +177,9 @@ class Dataflow:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        for inst in self.pool.instances.values():
-            with contextlib.suppress(Exception):
-                await inst.port.close()
+        await asyncio.gather(
+            *(inst.port.close() for inst in self.pool.instances.values()), return_exceptions=True
+        )
         self._writer.shutdown(wait=True)
         self.store.close()
 

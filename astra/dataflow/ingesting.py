@@ -34,7 +34,7 @@ from astra.dataflow.work import Work, WorkTable
 
 MALFORMED, MISSING = "malformed", "missing"  # outcomes of results no buffer saw (drop runs)
 log = logging.getLogger("astra.dataflow.coordinator")
-INGEST_SLICE = 4
+INGEST_SLICE = 16
 
 
 async def cancel(inst: Instance, gids: list[str]) -> None:

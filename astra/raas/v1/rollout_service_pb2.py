@@ -28,7 +28,7 @@ from astra.common.v1 import version_pb2 as astra_dot_common_dot_v1_dot_version__
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#astra/raas/v1/rollout_service.proto\x12\rastra.raas.v1\x1a\"astra/common/v1/capabilities.proto\x1a\x1d\x61stra/common/v1/rollout.proto\x1a\x1d\x61stra/common/v1/version.proto\x1a\x1egoogle/protobuf/duration.proto\"C\n\x13SubmitGroupsRequest\x12,\n\x06groups\x18\x01 \x03(\x0b\x32\x1c.astra.common.v1.PromptGroup\"F\n\x14SubmitGroupsResponse\x12\x1a\n\x12\x61\x63\x63\x65pted_group_ids\x18\x01 \x03(\t\x12\x12\n\nfree_slots\x18\x02 \x01(\x05\"X\n\x15\x43ollectResultsRequest\x12\x12\n\nmax_groups\x18\x01 \x01(\x05\x12+\n\x08max_wait\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"F\n\x16\x43ollectResultsResponse\x12,\n\x06result\x18\x01 \x01(\x0b\x32\x1c.astra.common.v1.GroupResult\"&\n\x11\x41\x63kResultsRequest\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\";\n\x12\x41\x63kResultsResponse\x12\x14\n\x0c\x61\x63knowledged\x18\x01 \x01(\x05\x12\x0f\n\x07ignored\x18\x02 \x01(\x05\"(\n\x13\x43\x61ncelGroupsRequest\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\")\n\x14\x43\x61ncelGroupsResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x05\"\x93\x02\n\x12LoadWeightsRequest\x12\x30\n\x08versions\x18\x01 \x03(\x0b\x32\x1e.astra.common.v1.PolicyVersion\x12\x17\n\x0fweights_address\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12_\n\x18policy_weights_addresses\x18\x04 \x03(\x0b\x32=.astra.raas.v1.LoadWeightsRequest.PolicyWeightsAddressesEntry\x1a=\n\x1bPolicyWeightsAddressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"e\n\x13LoadWeightsResponse\x12\x37\n\x0floaded_versions\x18\x01 \x03(\x0b\x32\x1e.astra.common.v1.PolicyVersion\x12\x15\n\rfetched_bytes\x18\x02 \x01(\x03\"\x12\n\x10GetStatusRequest\"\xe2\x02\n\x11GetStatusResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x05\x12\x12\n\nfree_slots\x18\x03 \x01(\x05\x12\x16\n\x0erunning_groups\x18\x04 \x01(\x05\x12\x17\n\x0fpending_results\x18\x05 \x01(\x05\x12\x37\n\x0floaded_versions\x18\x06 \x03(\x0b\x32\x1e.astra.common.v1.PolicyVersion\x12\x12\n\npolicy_ids\x18\x07 \x03(\t\x12\x11\n\tworkflows\x18\x08 \x03(\t\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12@\n\x08\x63ounters\x18\n \x03(\x0b\x32..astra.raas.v1.GetStatusResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x18\n\x16GetCapabilitiesRequest\"N\n\x17GetCapabilitiesResponse\x12\x33\n\x0c\x63\x61pabilities\x18\x01 \x01(\x0b\x32\x1d.astra.common.v1.Capabilities2\xfe\x04\n\x0eRolloutService\x12W\n\x0cSubmitGroups\x12\".astra.raas.v1.SubmitGroupsRequest\x1a#.astra.raas.v1.SubmitGroupsResponse\x12_\n\x0e\x43ollectResults\x12$.astra.raas.v1.CollectResultsRequest\x1a%.astra.raas.v1.CollectResultsResponse0\x01\x12Q\n\nAckResults\x12 .astra.raas.v1.AckResultsRequest\x1a!.astra.raas.v1.AckResultsResponse\x12W\n\x0c\x43\x61ncelGroups\x12\".astra.raas.v1.CancelGroupsRequest\x1a#.astra.raas.v1.CancelGroupsResponse\x12T\n\x0bLoadWeights\x12!.astra.raas.v1.LoadWeightsRequest\x1a\".astra.raas.v1.LoadWeightsResponse\x12N\n\tGetStatus\x12\x1f.astra.raas.v1.GetStatusRequest\x1a .astra.raas.v1.GetStatusResponse\x12`\n\x0fGetCapabilities\x12%.astra.raas.v1.GetCapabilitiesRequest\x1a&.astra.raas.v1.GetCapabilitiesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#astra/raas/v1/rollout_service.proto\x12\rastra.raas.v1\x1a\"astra/common/v1/capabilities.proto\x1a\x1d\x61stra/common/v1/rollout.proto\x1a\x1d\x61stra/common/v1/version.proto\x1a\x1egoogle/protobuf/duration.proto\"C\n\x13SubmitGroupsRequest\x12,\n\x06groups\x18\x01 \x03(\x0b\x32\x1c.astra.common.v1.PromptGroup\"F\n\x14SubmitGroupsResponse\x12\x1a\n\x12\x61\x63\x63\x65pted_group_ids\x18\x01 \x03(\t\x12\x12\n\nfree_slots\x18\x02 \x01(\x05\"X\n\x15\x43ollectResultsRequest\x12\x12\n\nmax_groups\x18\x01 \x01(\x05\x12+\n\x08max_wait\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"F\n\x16\x43ollectResultsResponse\x12,\n\x06result\x18\x01 \x01(\x0b\x32\x1c.astra.common.v1.GroupResult\"&\n\x11\x41\x63kResultsRequest\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\";\n\x12\x41\x63kResultsResponse\x12\x14\n\x0c\x61\x63knowledged\x18\x01 \x01(\x05\x12\x0f\n\x07ignored\x18\x02 \x01(\x05\"s\n\x19\x43ollectResultBatchRequest\x12\x15\n\rack_group_ids\x18\x01 \x03(\t\x12\x12\n\nmax_groups\x18\x02 \x01(\x05\x12+\n\x08max_wait\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"K\n\x1a\x43ollectResultBatchResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.astra.common.v1.GroupResult\"(\n\x13\x43\x61ncelGroupsRequest\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\")\n\x14\x43\x61ncelGroupsResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x05\"\x93\x02\n\x12LoadWeightsRequest\x12\x30\n\x08versions\x18\x01 \x03(\x0b\x32\x1e.astra.common.v1.PolicyVersion\x12\x17\n\x0fweights_address\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12_\n\x18policy_weights_addresses\x18\x04 \x03(\x0b\x32=.astra.raas.v1.LoadWeightsRequest.PolicyWeightsAddressesEntry\x1a=\n\x1bPolicyWeightsAddressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"e\n\x13LoadWeightsResponse\x12\x37\n\x0floaded_versions\x18\x01 \x03(\x0b\x32\x1e.astra.common.v1.PolicyVersion\x12\x15\n\rfetched_bytes\x18\x02 \x01(\x03\"\x12\n\x10GetStatusRequest\"\xe2\x02\n\x11GetStatusResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x05\x12\x12\n\nfree_slots\x18\x03 \x01(\x05\x12\x16\n\x0erunning_groups\x18\x04 \x01(\x05\x12\x17\n\x0fpending_results\x18\x05 \x01(\x05\x12\x37\n\x0floaded_versions\x18\x06 \x03(\x0b\x32\x1e.astra.common.v1.PolicyVersion\x12\x12\n\npolicy_ids\x18\x07 \x03(\t\x12\x11\n\tworkflows\x18\x08 \x03(\t\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12@\n\x08\x63ounters\x18\n \x03(\x0b\x32..astra.raas.v1.GetStatusResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x18\n\x16GetCapabilitiesRequest\"N\n\x17GetCapabilitiesResponse\x12\x33\n\x0c\x63\x61pabilities\x18\x01 \x01(\x0b\x32\x1d.astra.common.v1.Capabilities2\xe9\x05\n\x0eRolloutService\x12W\n\x0cSubmitGroups\x12\".astra.raas.v1.SubmitGroupsRequest\x1a#.astra.raas.v1.SubmitGroupsResponse\x12_\n\x0e\x43ollectResults\x12$.astra.raas.v1.CollectResultsRequest\x1a%.astra.raas.v1.CollectResultsResponse0\x01\x12Q\n\nAckResults\x12 .astra.raas.v1.AckResultsRequest\x1a!.astra.raas.v1.AckResultsResponse\x12i\n\x12\x43ollectResultBatch\x12(.astra.raas.v1.CollectResultBatchRequest\x1a).astra.raas.v1.CollectResultBatchResponse\x12W\n\x0c\x43\x61ncelGroups\x12\".astra.raas.v1.CancelGroupsRequest\x1a#.astra.raas.v1.CancelGroupsResponse\x12T\n\x0bLoadWeights\x12!.astra.raas.v1.LoadWeightsRequest\x1a\".astra.raas.v1.LoadWeightsResponse\x12N\n\tGetStatus\x12\x1f.astra.raas.v1.GetStatusRequest\x1a .astra.raas.v1.GetStatusResponse\x12`\n\x0fGetCapabilities\x12%.astra.raas.v1.GetCapabilitiesRequest\x1a&.astra.raas.v1.GetCapabilitiesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,26 +51,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACKRESULTSREQUEST']._serialized_end=525
   _globals['_ACKRESULTSRESPONSE']._serialized_start=527
   _globals['_ACKRESULTSRESPONSE']._serialized_end=586
-  _globals['_CANCELGROUPSREQUEST']._serialized_start=588
-  _globals['_CANCELGROUPSREQUEST']._serialized_end=628
-  _globals['_CANCELGROUPSRESPONSE']._serialized_start=630
-  _globals['_CANCELGROUPSRESPONSE']._serialized_end=671
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=674
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=949
-  _globals['_LOADWEIGHTSREQUEST_POLICYWEIGHTSADDRESSESENTRY']._serialized_start=888
-  _globals['_LOADWEIGHTSREQUEST_POLICYWEIGHTSADDRESSESENTRY']._serialized_end=949
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=951
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1052
-  _globals['_GETSTATUSREQUEST']._serialized_start=1054
-  _globals['_GETSTATUSREQUEST']._serialized_end=1072
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1075
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1429
-  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_start=1382
-  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_end=1429
-  _globals['_GETCAPABILITIESREQUEST']._serialized_start=1431
-  _globals['_GETCAPABILITIESREQUEST']._serialized_end=1455
-  _globals['_GETCAPABILITIESRESPONSE']._serialized_start=1457
-  _globals['_GETCAPABILITIESRESPONSE']._serialized_end=1535
-  _globals['_ROLLOUTSERVICE']._serialized_start=1538
-  _globals['_ROLLOUTSERVICE']._serialized_end=2176
+  _globals['_COLLECTRESULTBATCHREQUEST']._serialized_start=588
+  _globals['_COLLECTRESULTBATCHREQUEST']._serialized_end=703
+  _globals['_COLLECTRESULTBATCHRESPONSE']._serialized_start=705
+  _globals['_COLLECTRESULTBATCHRESPONSE']._serialized_end=780
+  _globals['_CANCELGROUPSREQUEST']._serialized_start=782
+  _globals['_CANCELGROUPSREQUEST']._serialized_end=822
+  _globals['_CANCELGROUPSRESPONSE']._serialized_start=824
+  _globals['_CANCELGROUPSRESPONSE']._serialized_end=865
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=868
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1143
+  _globals['_LOADWEIGHTSREQUEST_POLICYWEIGHTSADDRESSESENTRY']._serialized_start=1082
+  _globals['_LOADWEIGHTSREQUEST_POLICYWEIGHTSADDRESSESENTRY']._serialized_end=1143
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1145
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1246
+  _globals['_GETSTATUSREQUEST']._serialized_start=1248
+  _globals['_GETSTATUSREQUEST']._serialized_end=1266
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1269
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1623
+  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_start=1576
+  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_end=1623
+  _globals['_GETCAPABILITIESREQUEST']._serialized_start=1625
+  _globals['_GETCAPABILITIESREQUEST']._serialized_end=1649
+  _globals['_GETCAPABILITIESRESPONSE']._serialized_start=1651
+  _globals['_GETCAPABILITIESRESPONSE']._serialized_end=1729
+  _globals['_ROLLOUTSERVICE']._serialized_start=1732
+  _globals['_ROLLOUTSERVICE']._serialized_end=2477
 # @@protoc_insertion_point(module_scope)

@@ -54,6 +54,22 @@ class AckResultsResponse(_message.Message):
     ignored: int
     def __init__(self, acknowledged: _Optional[int] = ..., ignored: _Optional[int] = ...) -> None: ...
 
+class CollectResultBatchRequest(_message.Message):
+    __slots__ = ("ack_group_ids", "max_groups", "max_wait")
+    ACK_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_FIELD_NUMBER: _ClassVar[int]
+    ack_group_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_groups: int
+    max_wait: _duration_pb2.Duration
+    def __init__(self, ack_group_ids: _Optional[_Iterable[str]] = ..., max_groups: _Optional[int] = ..., max_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class CollectResultBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[_rollout_pb2.GroupResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[_rollout_pb2.GroupResult, _Mapping]]] = ...) -> None: ...
+
 class CancelGroupsRequest(_message.Message):
     __slots__ = ("group_ids",)
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]

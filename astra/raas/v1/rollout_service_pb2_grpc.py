@@ -61,7 +61,8 @@ class RolloutServiceStub:
     without roles, or with role "admin", may call every RPC. Health checking
     and reflection are open to every certificate of the run's CA. Here:
     role "dataflow" may call SubmitGroups, CollectResults, AckResults,
-    CancelGroups and LoadWeights; every role GetStatus and GetCapabilities.
+    CollectResultBatch, CancelGroups and LoadWeights; every role GetStatus
+    and GetCapabilities.
 
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
@@ -92,6 +93,11 @@ class RolloutServiceStub:
                 '/astra.raas.v1.RolloutService/AckResults',
                 request_serializer=astra_dot_raas_dot_v1_dot_rollout__service__pb2.AckResultsRequest.SerializeToString,
                 response_deserializer=astra_dot_raas_dot_v1_dot_rollout__service__pb2.AckResultsResponse.FromString,
+                _registered_method=True)
+        self.CollectResultBatch = channel.unary_unary(
+                '/astra.raas.v1.RolloutService/CollectResultBatch',
+                request_serializer=astra_dot_raas_dot_v1_dot_rollout__service__pb2.CollectResultBatchRequest.SerializeToString,
+                response_deserializer=astra_dot_raas_dot_v1_dot_rollout__service__pb2.CollectResultBatchResponse.FromString,
                 _registered_method=True)
         self.CancelGroups = channel.unary_unary(
                 '/astra.raas.v1.RolloutService/CancelGroups',
@@ -151,7 +157,8 @@ class RolloutServiceServicer:
     without roles, or with role "admin", may call every RPC. Health checking
     and reflection are open to every certificate of the run's CA. Here:
     role "dataflow" may call SubmitGroups, CollectResults, AckResults,
-    CancelGroups and LoadWeights; every role GetStatus and GetCapabilities.
+    CollectResultBatch, CancelGroups and LoadWeights; every role GetStatus
+    and GetCapabilities.
 
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
@@ -208,6 +215,24 @@ class RolloutServiceServicer:
         """Drops acknowledged results. Idempotent: unknown or already acknowledged
         ids are ignored (and counted in the response). Called by Dataflow only
         after the results are durably stored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectResultBatch(self, request, context):
+        """AckResults and CollectResults in one call, with the results in one
+        message: drops `ack_group_ids` first (exactly as AckResults), then
+        answers what CollectResults would stream (oldest first, at most
+        `max_groups`, waiting up to `max_wait` when none is ready), cut short
+        so that the response stays within the 64 MiB message limit (at least
+        one result when any is ready). Results are not removed by being sent.
+        Idempotent, safe to retry: a retried call acknowledges the same ids
+        again (ignored) and answers the same unacknowledged results. Optional:
+        a RaaS that answers UNIMPLEMENTED is served by Dataflow with
+        CollectResults and AckResults instead. Dataflow sends the ids of the
+        results it stored durably with its next call, so a crash in between
+        delivers them again (dropped as duplicates by group_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -304,6 +329,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     request_deserializer=astra_dot_raas_dot_v1_dot_rollout__service__pb2.AckResultsRequest.FromString,
                     response_serializer=astra_dot_raas_dot_v1_dot_rollout__service__pb2.AckResultsResponse.SerializeToString,
             ),
+            'CollectResultBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectResultBatch,
+                    request_deserializer=astra_dot_raas_dot_v1_dot_rollout__service__pb2.CollectResultBatchRequest.FromString,
+                    response_serializer=astra_dot_raas_dot_v1_dot_rollout__service__pb2.CollectResultBatchResponse.SerializeToString,
+            ),
             'CancelGroups': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelGroups,
                     request_deserializer=astra_dot_raas_dot_v1_dot_rollout__service__pb2.CancelGroupsRequest.FromString,
@@ -368,7 +398,8 @@ class RolloutService:
     without roles, or with role "admin", may call every RPC. Health checking
     and reflection are open to every certificate of the run's CA. Here:
     role "dataflow" may call SubmitGroups, CollectResults, AckResults,
-    CancelGroups and LoadWeights; every role GetStatus and GetCapabilities.
+    CollectResultBatch, CancelGroups and LoadWeights; every role GetStatus
+    and GetCapabilities.
 
     Revocation: a client whose certificate the run CA's revocation list names
     (an X.509 CRL the CA signed, read again when it changes) gets
@@ -450,6 +481,33 @@ class RolloutService:
             '/astra.raas.v1.RolloutService/AckResults',
             astra_dot_raas_dot_v1_dot_rollout__service__pb2.AckResultsRequest.SerializeToString,
             astra_dot_raas_dot_v1_dot_rollout__service__pb2.AckResultsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectResultBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/astra.raas.v1.RolloutService/CollectResultBatch',
+            astra_dot_raas_dot_v1_dot_rollout__service__pb2.CollectResultBatchRequest.SerializeToString,
+            astra_dot_raas_dot_v1_dot_rollout__service__pb2.CollectResultBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
