@@ -1,8 +1,8 @@
 """`astra run`'s supervisor: starts the services as separate processes, watches them, stops them.
 
 Order: the supervised warm-up (`astra sft` per policy, when the recipe has one;
-kept on --resume), then Dataflow and the WeightService (together), then every RaaS (--dataflow),
-then one trainer per policy (--dataflow, --weights); each waits for the address
+kept on --resume), then Dataflow and the WeightService (together), then every RaaS (--dataflow)
+and one trainer per policy (--dataflow, --weights), together; each stage waits for the address
 lines of the stage before. While the run goes on, RaaS are added and removed by
 the recipe's `elastic:` schedule and by `astra raas add|remove` (astra.run.elastic;
 a removal is no death), and a child that exits is reported with the tail of its
@@ -248,21 +248,21 @@ class Supervisor:
             command = layout.raas_command(r, i, rd, df.address)
             raas.append(self.add_child(name, "raas", command, r.raas_policies(spec), spec=spec))
             raas[-1].extra = {"capacity": spec.capacity, "labels": spec.labels, "joined": "recipe"}
-        await self.start_children(raas)
-        await self.start_children(
-            [
-                self.add_child(
-                    f"trainer-{p.id}",
-                    "trainer",
-                    layout.trainer_command(
-                        r, p, rd, dataflow=df.address, weights=weights.address, resume=self.resume
-                    ),
-                    [p.id],
-                )
-                for p in r.policies
-                if steps[p.id] > 0
-            ]
-        )
+        trainers = [
+            self.add_child(
+                f"trainer-{p.id}",
+                "trainer",
+                layout.trainer_command(
+                    r, p, rd, dataflow=df.address, weights=weights.address, resume=self.resume
+                ),
+                [p.id],
+            )
+            for p in r.policies
+            if steps[p.id] > 0
+        ]
+        # Neither waits for the other (a trainer asks Dataflow for batches, which waits for
+        # rollouts): their start-ups (imports, model load) overlap.
+        await self.start_children(raas + trainers)
 
     def _rotate_logs(self) -> asyncio.Task[None] | None:
         """Keeps the children's logs under supervision.max_log_bytes (astra.run.logrotate);

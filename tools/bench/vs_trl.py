@@ -44,6 +44,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,7 +60,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Astra vs TRL (time to held-out accuracy)"
 RECIPE = ROOT / "configs" / "recipes" / "default.yaml"
 TRL_SCRIPT = Path(__file__).resolve().parent / "trl_grpo.py"
+VLLM_RECIPE = ROOT / "configs" / "recipes" / "vllm_cpu.yaml"
 TRL_VLLM = "TRL + vLLM"
+ASTRA_VLLM = "Astra + vLLM"
 FIGURE = ROOT / "docs" / "bench_vs_trl.png"
 TRL_VERSION = "1.16.0"
 # The task's settings both systems share, as the default recipe has them.
@@ -141,23 +144,67 @@ def rows(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def run_astra(p: Params, run_dir: Path) -> Side:
-    sets = {
-        "warmup.steps": p.warmup_steps,
+def astra_command(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None) -> list[str]:
+    """`astra run` of the default recipe, or (`vllm`: the vLLM Python and the warm-up model
+    to start from) of configs/recipes/vllm_cpu.yaml without a warm-up of its own."""
+    sets: dict[str, object] = {
         "eval.every_steps": p.eval_every,
         "trainer.num_steps": p.steps,
         "trainer.optim.lr": p.lr,
     }
-    cmd = [sys.executable, "-m", "astra.run", str(RECIPE), "--run-dir", str(run_dir)]
+    if vllm is None:
+        sets["warmup.steps"] = p.warmup_steps
+    else:
+        python, model = vllm
+        sets |= {"warmup.steps": 0, "policies.0.model": model, "raas.0.engine_python": python}
+    recipe = RECIPE if vllm is None else VLLM_RECIPE
+    cmd = [sys.executable, "-m", "astra.run", str(recipe), "--run-dir", str(run_dir)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=p.timeout_s, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"astra run exited {proc.returncode}\n{proc.stderr[-3000:]}")
-    model = run_dir / "warmup" / "policy" / "model"
-    t0 = max(f.stat().st_mtime for f in model.iterdir())  # the warm-up's end: RL starts
+    return cmd
+
+
+def run_command(cmd: list[str], timeout_s: float, cap_s: float | None) -> tuple[int, str, bool]:
+    """Runs `cmd`; after `cap_s` seconds it is sent SIGTERM (`astra run` then stops as on ^C,
+    its steps and evaluations so far on disk). The exit code, stderr's tail, whether capped."""
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        capped = False
+        try:
+            proc.wait(timeout=cap_s if cap_s is not None else timeout_s)
+        except subprocess.TimeoutExpired:
+            if cap_s is None:
+                proc.kill()
+                proc.wait()
+                raise
+            capped = True
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=max(timeout_s - cap_s, 60.0))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise
+        err.seek(0)
+        return proc.returncode, err.read().decode("utf-8", "replace")[-3000:], capped
+
+
+def run_astra(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None = None) -> Side:
+    """`vllm`: (.venv-vllm's Python, the Astra run's warm-up model): Astra + vLLM, whose
+    clock starts when its run's data are written (it has no warm-up: the services start
+    next) and which is stopped at `p.vllm_max_s`."""
+    cmd = astra_command(p, run_dir, vllm)
+    cap = p.vllm_max_s if vllm is not None else None
+    rc, err, capped = run_command(cmd, p.timeout_s, cap)
+    if rc != 0 and not (capped and rc == 128 + signal.SIGTERM):
+        raise RuntimeError(f"astra run exited {rc}\n{err}")
+    if vllm is None:
+        model = run_dir / "warmup" / "policy" / "model"
+        t0 = max(f.stat().st_mtime for f in model.iterdir())  # the warm-up's end: RL starts
+    else:
+        t0 = max(f.stat().st_mtime for f in (run_dir / "data").glob("*.jsonl"))
     steps = [r for r in rows(run_dir / "metrics.jsonl") if not r.get("rerun")]
-    side = Side("Astra")
+    side = Side("Astra" if vllm is None else ASTRA_VLLM)
     if not steps:
         raise RuntimeError(f"astra run wrote no trainer steps to {run_dir}/metrics.jsonl")
     side.steps = max(r["step"] for r in steps)
@@ -172,7 +219,34 @@ def run_astra(p: Params, run_dir: Path) -> Side:
         )
         t = 0.0 if v == 0 else (at - t0 if at is not None else ev["time"] - t0)
         side.curve.append((t, ev["mean_reward"], v))
+    if capped:
+        side.notes.append(f"{side.name} stopped at its {cap:.0f} s cap after {side.steps} steps")
     return side
+
+
+def same_data(a: Path, b: Path) -> None:
+    """Both runs trained on the same prompts and were evaluated on the same problems."""
+    for name in ("prompts.jsonl", "eval.jsonl"):
+        if (a / "data" / name).read_bytes() != (b / "data" / name).read_bytes():
+            raise RuntimeError(f"{a}/data/{name} and {b}/data/{name} differ")
+
+
+def check_vllm(python: Path) -> str:
+    """vLLM's version in .venv-vllm (the Astra + vLLM RaaS's engine Python); raises
+    RuntimeError saying what is missing."""
+    if not python.is_file():
+        raise RuntimeError(f"no vLLM environment: {python} does not exist (run `make vllm`)")
+    proc = subprocess.run(
+        [str(python), "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise RuntimeError(f"{python} cannot import vllm ({why}); run `make vllm`")
+    return proc.stdout.strip()
 
 
 def run_trl(p: Params, run_dir: Path, python: Path, out: Path, vllm: bool = False) -> Side:
@@ -246,20 +320,22 @@ def fmt(x: float | None, digits: int = 1, unit: str = "") -> str:
 def verdict(astra: Side, trl: Side, p: Params) -> str:
     a, t = astra.time_to(p.threshold), trl.time_to(p.threshold)
     if a is None:
-        return f"missed: Astra did not reach {p.threshold} held-out in its {astra.steps} steps"
+        return (
+            f"missed: {astra.name} did not reach {p.threshold} held-out in its {astra.steps} "
+            f"steps ({astra.train_s:.0f} s)"
+        )
     if t is None:
         bound = trl.train_s / a
         return (
-            f"met: Astra reached {p.threshold} in {a:.0f} s; {trl.name} had not after "
+            f"met: {astra.name} reached {p.threshold} in {a:.0f} s; {trl.name} had not after "
             f"{trl.train_s:.0f} s ({bound:.1f}x and more)"
             if bound >= 3
             else f"undecided: {trl.name} had not reached {p.threshold} after {trl.train_s:.0f} s, "
-            f"only {bound:.1f}x Astra's {a:.0f} s"
+            f"only {bound:.1f}x {astra.name}'s {a:.0f} s"
         )
     ratio = t / a if a > 0 else float("inf")
-    return (
-        f"{'met' if ratio >= 3 else 'missed'}: Astra {a:.0f} s, {trl.name} {t:.0f} s ({ratio:.2f}x)"
-    )
+    met = "met" if ratio >= 3 else "missed"
+    return f"{met}: {astra.name} {a:.0f} s, {trl.name} {t:.0f} s ({ratio:.2f}x)"
 
 
 def section(
@@ -269,11 +345,14 @@ def section(
     load: list[str],
     total_s: float,
     quick: bool,
-    vllm_missing: str = "",
+    missing: dict[str, str] | None = None,
 ) -> str:
-    """`sides`: Astra first, then TRL and (when it ran) TRL + vLLM; `vllm_missing`: why
-    TRL + vLLM did not run (empty when it did)."""
+    """`sides`: Astra first, then TRL and those of TRL + vLLM and Astra + vLLM that ran;
+    `missing`: why each of those two that did not run did not."""
     astra, trl = sides[0], sides[1]
+    by_name = {s.name: s for s in sides}
+    trl_vllm, astra_vllm = by_name.get(TRL_VLLM), by_name.get(ASTRA_VLLM)
+    against = [(astra, trl_vllm), (astra_vllm, trl), (astra_vllm, trl_vllm)]
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     label = " (QUICK form: a few steps each, not the comparison)" if quick else ""
     lines = [
@@ -301,8 +380,12 @@ def section(
         f"**Target (Astra reaches {p.threshold} held-out at least 3x sooner than TRL){label}: "
         f"{verdict(astra, trl, p)}.**",
         "",
-        *(f"Against {s.name} (the same target): {verdict(astra, s, p)}." for s in sides[2:]),
-        *([f"{TRL_VLLM} was not measured: {vllm_missing}."] if vllm_missing else []),
+        *(
+            f"{a.name} against {t.name} (the same target): {verdict(a, t, p)}."
+            for a, t in against
+            if a is not None and t is not None
+        ),
+        *(f"{name} was not measured: {why}." for name, why in (missing or {}).items()),
         "",
         f"Start-up in the time to {p.threshold} (seconds to the first step of the time to "
         f"{p.threshold}): "
@@ -378,11 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--skip-missing",
         action="store_true",
-        help="exit 0 without .venv-trl; without .venv-trl-vllm measure the others",
+        help="exit 0 without .venv-trl; without .venv-trl-vllm or .venv-vllm measure the others",
     )
     ap.add_argument("--trl-python", default=None, help="default: .venv-trl/bin/python")
     ap.add_argument("--trl-vllm-python", default=None, help="default: .venv-trl-vllm/bin/python")
-    ap.add_argument("--no-vllm", action="store_true", help=f"leave {TRL_VLLM} out")
+    ap.add_argument("--vllm-python", default=None, help="default: .venv-vllm/bin/python")
+    ap.add_argument("--no-vllm", action="store_true", help=f"leave {TRL_VLLM} and {ASTRA_VLLM} out")
     ap.add_argument("--warmup-steps", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
@@ -397,7 +481,12 @@ def main(argv: list[str] | None = None) -> int:
             setattr(p, name, getattr(args, name))
     python = trl_python(args.trl_python)
     vllm_python = None if args.no_vllm else trl_python(args.trl_vllm_python, ".venv-trl-vllm")
-    vllm_missing = "left out (--no-vllm)" if args.no_vllm else ""
+    engine_python = None if args.no_vllm else trl_python(args.vllm_python, ".venv-vllm")
+    missing = (
+        {TRL_VLLM: "left out (--no-vllm)", ASTRA_VLLM: "left out (--no-vllm)"}
+        if args.no_vllm
+        else {}
+    )
     try:
         versions = check_trl(python)
         if vllm_python is not None:
@@ -407,7 +496,15 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.skip_missing:
                     raise
                 print(f"vs_trl: {exc}; measuring the others (--skip-missing)", file=sys.stderr)
-                vllm_python, vllm_missing = None, str(exc)
+                vllm_python, missing[TRL_VLLM] = None, str(exc)
+        if engine_python is not None:
+            try:
+                engine_v = check_vllm(engine_python)
+            except RuntimeError as exc:
+                if not args.skip_missing:
+                    raise
+                print(f"vs_trl: {exc}; measuring the others (--skip-missing)", file=sys.stderr)
+                engine_python, missing[ASTRA_VLLM] = None, str(exc)
     except RuntimeError as exc:
         print(f"vs_trl: {exc}", file=sys.stderr)
         if args.skip_missing:
@@ -421,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     versions = f"TRL {trl_v}, transformers {tf_v}"
     if vllm_python is not None:
         versions += f" (with vLLM: vllm-cpu {vllm_v[2]}, transformers {vllm_v[1]})"
+    if engine_python is not None:
+        versions += f"; Astra + vLLM: vllm-cpu {engine_v} (.venv-vllm)"
     root = Path(tempfile.mkdtemp(prefix="astra-bench-vs-trl-"))
     started = time.monotonic()
     load = []
@@ -437,10 +536,16 @@ def main(argv: list[str] | None = None) -> int:
             out = root / "trl_vllm.jsonl"
             sides.append(run_trl(p, root / "astra", vllm_python, out, vllm=True))
             load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
+        if engine_python is not None:
+            print(f"{ASTRA_VLLM}: {p.steps} steps at most ...", file=sys.stderr, flush=True)
+            model = root / "astra" / "warmup" / "policy" / "model"
+            sides.append(run_astra(p, root / "astra-vllm", (engine_python, model)))
+            same_data(root / "astra", root / "astra-vllm")
+            load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     total_s = time.monotonic() - started
-    text = section(sides, p, versions, load, total_s, args.quick, vllm_missing)
+    text = section(sides, p, versions, load, total_s, args.quick, missing)
     print(text)
     if args.json:
         Path(args.json).write_text(
