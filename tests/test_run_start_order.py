@@ -5,6 +5,8 @@ WeightService first, then every RaaS and every trainer together, so that a train
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,36 @@ def test_trainers_start_with_the_raas_not_after_them(tmp_path: Path) -> None:
     assert sorted(spawned[2:]) == ["raas-0", "raas-1", "trainer-policy"]
     commands = dict(factory.commands)
     assert "127.0.0.1:41001" in commands["raas-0"]  # given Dataflow's address: started after it
+
+
+def test_the_commands_for_a_warmed_up_model_directory_never_import_torch(tmp_path: Path) -> None:
+    """Between the warm-up's end and the services' start the supervisor only writes their
+    configs: for a model directory (a warm-up's) that must not import torch (a second or more
+    on a loaded machine, on the start-up's path); the embedded `tiny` still reads its own
+    vocabulary size."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 123}')
+    probe = f"""
+import sys
+from pathlib import Path
+from astra.run import layout
+from astra.run.layout import RunDir
+from astra.run.recipe import load_recipe
+rd = RunDir(Path({str(tmp_path / "run")!r}))
+for d in (rd.config, rd.dataset.parent):
+    d.mkdir(parents=True, exist_ok=True)
+rd.dataset.write_text('{{"prompt": "1+1=", "answer": "2"}}\\n')
+r = load_recipe(None, ["eval.every_steps=0", "policies.0.model={model}"])
+layout.dataflow_command(r, rd, rd.dataset)
+layout.weights_command(r, rd, 0)
+layout.raas_command(r, 0, rd, "127.0.0.1:1")
+layout.trainer_command(r, r.policies[0], rd, dataflow="127.0.0.1:1", weights="127.0.0.1:2", resume=False)
+assert layout.vocab_size(str({str(model)!r})) == 123
+assert "torch" not in sys.modules, "torch imported"
+assert layout.vocab_size("tiny") == 100 and "torch" in sys.modules
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
