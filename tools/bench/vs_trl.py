@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -72,6 +73,8 @@ VLLM_RECIPE = ROOT / "configs" / "recipes" / "vllm_cpu.yaml"
 TRL_VLLM = "TRL + vLLM"
 ASTRA_VLLM = "Astra + vLLM"
 STEP_LOG = re.compile(r"(\S+ \S+) INFO astra\.servers\.trainer: step (\d+) version ")
+SERVING_LOG = re.compile(r"(\S+ \S+) INFO astra\.run: (\S+) \(pid \d+\) serving on ")
+LOADED_LOG = re.compile(r"(\S+ \S+) INFO astra\.raas\.engine_backend: loaded \{'policy': (\d+)\}")
 FIGURE = ROOT / "docs" / "bench_vs_trl.png"
 TRL_VERSION = "1.16.0"
 # The task's settings both systems share, as the default recipe has them.
@@ -105,6 +108,7 @@ class Side:
     tokens: float = 0.0  # completion tokens trained
     startup_s: float | None = None  # clock at the first step
     notes: list[str] = field(default_factory=list)
+    reading: list[str] = field(default_factory=list)  # where an Astra run's time went
 
     def time_to(self, threshold: float) -> float | None:
         return next((t for t, acc, _ in self.curve if acc >= threshold), None)
@@ -233,7 +237,47 @@ def run_astra(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None = None) -
         side.curve.append((t, ev["mean_reward"], v))
     if capped:
         side.notes.append(f"{side.name} stopped at its {cap:.0f} s cap after {side.steps} steps")
+    side.reading = breakdown(run_dir, t0, logged)
     return side
+
+
+def log_time(stamp: str) -> float:
+    """A log line's `%Y-%m-%d %H:%M:%S,%f` time (the machine's local time) as a Unix time."""
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def breakdown(run_dir: Path, t0: float, steps: dict[int, float]) -> list[str]:
+    """Where an `astra run`'s start-up went (from its clock's start: when each service was
+    serving, as the supervisor logged it, and the first step) and how long a version took
+    from the trainer's step to a RaaS holding it (the RaaS's `loaded` lines)."""
+    logs = run_dir / "logs"
+    served: dict[str, float] = {}
+    for line in (logs / "supervisor.log").read_text(errors="replace").splitlines():
+        if m := SERVING_LOG.match(line):
+            served.setdefault(m[2], log_time(m[1]) - t0)
+    parts = [f"{name} {at:.1f} s" for name, at in sorted(served.items(), key=lambda kv: kv[1])]
+    if steps:
+        parts.append(f"first step {min(steps.values()) - t0:.1f} s")
+    out = ["services serving (supervisor's log), from the clock's start: " + ", ".join(parts)]
+    lags = []
+    for log in sorted(logs.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if (m := LOADED_LOG.match(line)) and int(m[2]) in steps and int(m[2]) > 0:
+                lags.append(log_time(m[1]) - steps[int(m[2])])
+    if lags:
+        lags.sort()
+        out.append(
+            f"trainer's step -> a RaaS holding that version: median {lags[len(lags) // 2]:.2f} s"
+            f" over {len(lags)} loads (max {lags[-1]:.2f} s); median step interval "
+            f"{interval(steps):.2f} s"
+        )
+    return out
+
+
+def interval(steps: dict[int, float]) -> float:
+    times = sorted(steps.values())
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    return gaps[len(gaps) // 2] if gaps else 0.0
 
 
 def step_times(log: Path) -> dict[int, float]:
@@ -242,8 +286,7 @@ def step_times(log: Path) -> dict[int, float]:
     out: dict[int, float] = {}
     for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
         if m := STEP_LOG.match(line):
-            stamp = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f")
-            out.setdefault(int(m[2]), stamp.timestamp())  # the log's local time
+            out.setdefault(int(m[2]), log_time(m[1]))
     return out
 
 
@@ -482,6 +525,16 @@ def section(
         "the server; the code path, not a run, is the evidence.",
     ]
     lines += [f"- {n}." for s in sides for n in s.notes]
+    for s in sides:
+        reached, step = s.time_to(p.threshold), None
+        if reached is not None and s.startup_s is not None:
+            step = next(n for t, acc, n in s.curve if acc >= p.threshold)
+            lines.append(
+                f"- {s.name}'s time to {p.threshold}: {reached:.0f} s = {s.startup_s:.1f} s to "
+                f"its first RL step + {reached - s.startup_s:.1f} s for its steps 1-{step} "
+                f"(the first evaluation at or above {p.threshold} was at step {step})."
+            )
+        lines += [f"- {s.name}, {n}." for n in s.reading]
     return "\n".join(lines) + "\n"
 
 
