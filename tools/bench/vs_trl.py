@@ -526,9 +526,9 @@ def section(
     ]
     lines += [f"- {n}." for s in sides for n in s.notes]
     for s in sides:
-        reached, step = s.time_to(p.threshold), None
-        if reached is not None and s.startup_s is not None:
-            step = next(n for t, acc, n in s.curve if acc >= p.threshold)
+        reached = s.time_to(p.threshold)
+        step = next((n for _, acc, n in s.curve if acc >= p.threshold), 0)
+        if reached is not None and s.startup_s is not None and step > 0:
             lines.append(
                 f"- {s.name}'s time to {p.threshold}: {reached:.0f} s = {s.startup_s:.1f} s to "
                 f"its first RL step + {reached - s.startup_s:.1f} s for its steps 1-{step} "
