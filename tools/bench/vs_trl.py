@@ -538,6 +538,17 @@ def section(
     return "\n".join(lines) + "\n"
 
 
+def optional(sides: list[Side], missing: dict[str, str], name: str, run: Any) -> None:
+    """Runs one of the vLLM systems: its side, or (its run failed) why, for the section; the
+    failure's tail goes to stderr. The others' figures stand either way."""
+    try:
+        sides.append(run())
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"vs_trl: {name} failed: {str(exc)[-3000:]}", file=sys.stderr, flush=True)
+        last = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        missing[name] = f"its run failed ({last[0][:120]}: {last[-1][:300]})" if last else "failed"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few steps each (a smoke test)")
@@ -617,13 +628,23 @@ def main(argv: list[str] | None = None) -> int:
         if vllm_python is not None:
             print(f"{TRL_VLLM}: {p.steps} steps at most ...", file=sys.stderr, flush=True)
             out = root / "trl_vllm.jsonl"
-            sides.append(run_trl(p, root / "astra", vllm_python, out, vllm=True))
+            optional(
+                sides,
+                missing,
+                TRL_VLLM,
+                lambda: run_trl(p, root / "astra", vllm_python, out, vllm=True),
+            )
             load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
         if engine_python is not None:
             print(f"{ASTRA_VLLM}: {p.steps} steps at most ...", file=sys.stderr, flush=True)
             model = root / "astra" / "warmup" / "policy" / "model"
-            sides.append(run_astra(p, root / "astra-vllm", (engine_python, model)))
-            same_data(root / "astra", root / "astra-vllm")
+
+            def astra_vllm() -> Side:
+                side = run_astra(p, root / "astra-vllm", (engine_python, model))
+                same_data(root / "astra", root / "astra-vllm")
+                return side
+
+            optional(sides, missing, ASTRA_VLLM, astra_vllm)
             load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
     finally:
         shutil.rmtree(root, ignore_errors=True)
