@@ -524,6 +524,18 @@ def section(
         'engine, which needs a CUDA device"), so a CPU trainer cannot send its weights to '
         "the server; the code path, not a run, is the evidence.",
     ]
+    lines += [
+        "",
+        "Reading: Dataflow and the WeightService start beside the warm-up (they need no "
+        "warmed-up model), so they serve before Astra's clock starts (a negative time below); "
+        "the RaaS and the trainer start together once the warm-up's result line is read; what "
+        "is left before the first step is those processes importing torch and loading the "
+        "model on the shared cores (vLLM's server start for Astra + vLLM). After the first "
+        "step, the time to the threshold is set by the step at which the held-out curve, "
+        "which moves by a few points between evaluations, first crosses it, as much as by the "
+        "step rate.",
+        "",
+    ]
     lines += [f"- {n}." for s in sides for n in s.notes]
     for s in sides:
         reached = s.time_to(p.threshold)
