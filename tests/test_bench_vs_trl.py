@@ -1,8 +1,9 @@
 """tools/bench/vs_trl.py: without a TRL environment it refuses (exit 2) or, with
---skip-missing, skips writing nothing; without the TRL + vLLM one it refuses too; with .venv-trl
-(`make trl`) its --quick form runs a real `astra run` and TRL's GRPOTrainer from that run's
-warm-up checkpoint and reports both curves, and with .venv-trl-vllm (`make trl-vllm`) TRL
-generating through vLLM as a third."""
+--skip-missing, skips writing nothing; without the TRL + vLLM one or vLLM's own (.venv-vllm)
+it refuses too; with .venv-trl (`make trl`) its --quick form runs a real `astra run` and TRL's
+GRPOTrainer from that run's warm-up checkpoint and reports both curves, and with
+.venv-trl-vllm (`make trl-vllm`) and .venv-vllm (`make vllm`) TRL generating through vLLM and
+`astra run` with its rollouts on vLLM as a third and a fourth."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "tools" / "bench" / "vs_trl.py"
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 TRL_VLLM_PYTHON = ROOT / ".venv-trl-vllm" / "bin" / "python"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -55,6 +57,23 @@ def test_missing_trl_vllm_env_is_refused_or_left_out(tmp_path):
     assert not out.exists() and not fig.exists()
 
 
+@pytest.mark.skipif(
+    not (TRL_PYTHON.is_file() and TRL_VLLM_PYTHON.is_file()),
+    reason="no .venv-trl or .venv-trl-vllm here (make trl trl-vllm)",
+)
+def test_missing_vllm_env_is_refused_before_anything_runs(tmp_path):
+    """With both TRL environments but without vLLM's (Astra + vLLM's engine): exit 2 naming
+    `make vllm`, nothing measured or written."""
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    out, fig = tmp_path / "B.md", tmp_path / "f.png"
+    common = ("--vllm-python", str(missing), "--output", str(out), "--plot", str(fig))
+    refused = run(*common, timeout=600)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "no vLLM environment" in refused.stderr and "make vllm" in refused.stderr
+    assert "astra run:" not in refused.stderr
+    assert not out.exists() and not fig.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not TRL_PYTHON.is_file(), reason="no .venv-trl here (make trl)")
@@ -83,21 +102,31 @@ def test_quick_form_measures_both_systems(tmp_path):
         assert all(0.0 <= acc <= 1.0 for _, acc, _ in side["curve"])
     assert "## Astra vs TRL" in proc.stdout and "QUICK" in proc.stdout
     assert "TRL + vLLM was not measured: left out (--no-vllm)" in proc.stdout
-    assert "TRL + vLLM" not in curves
+    assert "Astra + vLLM was not measured: left out (--no-vllm)" in proc.stdout
+    assert "TRL + vLLM" not in curves and "Astra + vLLM" not in curves
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 @pytest.mark.skipif(
-    not (TRL_PYTHON.is_file() and TRL_VLLM_PYTHON.is_file()),
-    reason="no .venv-trl or .venv-trl-vllm here (make trl trl-vllm)",
+    not (TRL_PYTHON.is_file() and TRL_VLLM_PYTHON.is_file() and VLLM_PYTHON.is_file()),
+    reason="no .venv-trl, .venv-trl-vllm or .venv-vllm here (make trl trl-vllm vllm)",
 )
-def test_quick_form_measures_trl_with_vllm(tmp_path):
+def test_quick_form_measures_trl_and_astra_with_vllm(tmp_path):
+    """Both vLLM systems too: Astra + vLLM starts from the Astra run's warm-up checkpoint, so
+    its held-out accuracy at version 0 is the Astra run's (the same model, the same problems,
+    greedy: the engines may differ in the last bits of a logit, hence the tolerance)."""
     data = tmp_path / "curves.json"
-    proc = run("--quick", "--no-write", "--json", str(data), timeout=880)
+    proc = run("--quick", "--no-write", "--json", str(data), timeout=1450)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    side = json.loads(data.read_text())["TRL + vLLM"]
-    assert side["steps"] == 8 and side["tokens"] > 0 and side["train_s"] > 0
-    steps = [s for _, _, s in side["curve"]]
-    assert steps[0] == 0 and max(steps) >= 4
-    assert "Against TRL + vLLM" in proc.stdout
+    curves = json.loads(data.read_text())
+    for name in ("TRL + vLLM", "Astra + vLLM"):
+        side = curves[name]
+        assert side["steps"] == 8 and side["tokens"] > 0 and side["train_s"] > 0
+        steps = [s for _, _, s in side["curve"]]
+        assert steps[0] == 0 and max(steps) >= 4
+        assert 0 < side["startup_s"] <= side["train_s"]
+    assert abs(curves["Astra + vLLM"]["curve"][0][1] - curves["Astra"]["curve"][0][1]) <= 0.02
+    assert "Astra against TRL + vLLM" in proc.stdout
+    assert "Astra + vLLM against TRL (the same target)" in proc.stdout
+    assert "Astra + vLLM against TRL + vLLM" in proc.stdout

@@ -143,19 +143,24 @@ class Child:
         return self.info
 
     async def result(self) -> dict[str, Any]:
-        """For a stage that runs to its end (`astra sft`): its one JSON line on stdout once it
-        exits 0; ChildFailed when it exits otherwise or prints no such line."""
+        """For a stage that runs to its end (`astra sft`): its JSON result line on stdout, as
+        soon as it is printed; ChildFailed when it exits without one. The stage prints it once
+        its output is complete and durable (`astra sft`: the model renamed into place, its
+        directory synced), so its exit is not waited for: the interpreter's teardown of torch
+        takes a second or more on a loaded machine, and the caller stops the process."""
         assert self.proc is not None and self.proc.stdout is not None
-        out = await self.proc.stdout.read()
+        seen = b""
+        while line := await self.proc.stdout.readline():
+            seen = (seen + line)[-200:]
+            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+                info = json.loads(line)
+                if isinstance(info, dict):
+                    self.info = info
+                    return info
         rc = await self.proc.wait()
         if rc != 0:
             raise ChildFailed(f"{self.name} exited with {rc}")
-        lines = out.decode("utf-8", "replace").strip().splitlines()
-        try:
-            self.info = json.loads(lines[-1])
-        except (IndexError, json.JSONDecodeError):
-            raise ChildFailed(f"{self.name}: no result line on stdout ({out[-200:]!r})") from None
-        return self.info
+        raise ChildFailed(f"{self.name}: no result line on stdout ({seen!r})")
 
     async def _copy_stdout(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None and self._log is not None

@@ -208,9 +208,11 @@ def after_warmup(recipe: Recipe, rd: RunDir) -> Recipe:
 def vocab_size(model: str) -> int | None:
     """Rows of the model's embedding: `tiny`'s, or config.json `vocab_size` of a directory
     (None when it says none: Dataflow then leaves token ids unchecked)."""
-    from astra.engine.tiny import TINY, TINY_CONFIG
+    # astra.engine.tiny.TINY: importing that module imports torch (a second or more on a
+    # loaded machine), which a directory (a warm-up's, whose services start next) never needs.
+    if model == "tiny":
+        from astra.engine.tiny import TINY_CONFIG
 
-    if model == TINY:
         return int(TINY_CONFIG["vocab_size"])
     try:
         config = json.loads((Path(model) / "config.json").read_text())

@@ -1,9 +1,10 @@
 """`astra run`'s supervisor: starts the services as separate processes, watches them, stops them.
 
 Order: the supervised warm-up (`astra sft` per policy, when the recipe has one;
-kept on --resume), then Dataflow and the WeightService (together), then every RaaS (--dataflow),
-then one trainer per policy (--dataflow, --weights); each waits for the address
-lines of the stage before. While the run goes on, RaaS are added and removed by
+kept on --resume) with Dataflow and the WeightService starting beside it (neither needs the
+warmed-up model), then every RaaS (--dataflow) and one trainer per policy (--dataflow,
+--weights), together; that stage waits for the warm-up's end and for the address lines of
+the two before it. While the run goes on, RaaS are added and removed by
 the recipe's `elastic:` schedule and by `astra raas add|remove` (astra.run.elastic;
 a removal is no death), and a child that exits is reported with the tail of its
 log and started again (astra.run.restarts: Dataflow and the WeightService on their
@@ -227,11 +228,20 @@ class Supervisor:
             )
         return layout.after_warmup(r, rd)
 
-    async def _start_all(self, dataset: Any, steps: dict[str, int]) -> None:
+    def _core_children(self, dataset: Any) -> tuple[Child, Child]:
+        """Dataflow and the WeightService, not started yet. Neither needs a warmed-up model
+        (Dataflow's config takes the policies' vocabulary sizes, which a warm-up keeps), so
+        they start while the warm-up runs; their commands are made before it starts (Dataflow's
+        writes the held-out records, which the warm-up's records are then drawn apart from)."""
         r, rd = self.started_recipe, self.rd
         df = self.add_child("dataflow", "dataflow", layout.dataflow_command(r, rd, dataset))
+        weights = self.add_child(
+            "weights", "weights", layout.weights_command(r, rd, self.weights_port)
+        )
+        return df, weights
+
+    async def _start_core(self, df: Child, weights: Child) -> tuple[Child, Child]:
         port = self.weights_port
-        weights = self.add_child("weights", "weights", layout.weights_command(r, rd, port))
         try:
             await self.start_children([df, weights])
         except ChildFailed:
@@ -240,29 +250,45 @@ class Supervisor:
             log.warning("WeightService could not take port %d again; any port instead", port)
             await weights.stop(0)
             self.children["core"].remove(weights)
-            weights = self.add_child("weights", "weights", layout.weights_command(r, rd))
+            command = layout.weights_command(self.started_recipe, self.rd)
+            weights = self.add_child("weights", "weights", command)
             await self.start_children([weights])
+        return df, weights
+
+    async def _start_all(self, dataset: Any, steps: dict[str, int]) -> None:
+        """The warm-up (Dataflow and the WeightService starting meanwhile), then every RaaS and
+        every trainer, which start from the warmed-up models."""
+        core = asyncio.ensure_future(self._start_core(*self._core_children(dataset)))
+        try:
+            self.started_recipe = await self._warmup(dataset)
+        except BaseException:
+            core.cancel()
+            with contextlib.suppress(BaseException):
+                await core
+            raise
+        df, weights = await core
+        r, rd = self.started_recipe, self.rd
         raas = []
         for i, name in enumerate(r.raas_names):
             spec = self.raas_specs[name] = r.raas[i]
             command = layout.raas_command(r, i, rd, df.address)
             raas.append(self.add_child(name, "raas", command, r.raas_policies(spec), spec=spec))
             raas[-1].extra = {"capacity": spec.capacity, "labels": spec.labels, "joined": "recipe"}
-        await self.start_children(raas)
-        await self.start_children(
-            [
-                self.add_child(
-                    f"trainer-{p.id}",
-                    "trainer",
-                    layout.trainer_command(
-                        r, p, rd, dataflow=df.address, weights=weights.address, resume=self.resume
-                    ),
-                    [p.id],
-                )
-                for p in r.policies
-                if steps[p.id] > 0
-            ]
-        )
+        trainers = [
+            self.add_child(
+                f"trainer-{p.id}",
+                "trainer",
+                layout.trainer_command(
+                    r, p, rd, dataflow=df.address, weights=weights.address, resume=self.resume
+                ),
+                [p.id],
+            )
+            for p in r.policies
+            if steps[p.id] > 0
+        ]
+        # Neither waits for the other (a trainer asks Dataflow for batches, which waits for
+        # rollouts): their start-ups (imports, model load) overlap.
+        await self.start_children(raas + trainers)
 
     def _rotate_logs(self) -> asyncio.Task[None] | None:
         """Keeps the children's logs under supervision.max_log_bytes (astra.run.logrotate);
@@ -393,7 +419,6 @@ class Supervisor:
         control.clear(self.rd)
         self.write_run_json()  # state starting: `astra raas` says so
         try:
-            self.started_recipe = await self._warmup(dataset)
             await self._start_all(dataset, steps)
             trainers = {c.name.removeprefix("trainer-"): c for c in self.children["trainer"]}
             self.observer = Observer(

@@ -5,10 +5,11 @@
                                               # BENCHMARKS.md and docs/bench_vs_trl.png
     python tools/bench/vs_trl.py --quick --no-write --plot /tmp/x.png   # a few steps each
     python tools/bench/vs_trl.py --skip-missing   # exit 0, measuring nothing, without .venv-trl;
-                                                  # without .venv-trl-vllm: the others only
-    python tools/bench/vs_trl.py --no-vllm        # Astra and TRL with transformers' generate
+                                                  # without .venv-trl-vllm or .venv-vllm: the
+                                                  # others only
+    python tools/bench/vs_trl.py --no-vllm        # Astra and TRL, no vLLM in either
 
-Both systems run in this one invocation, on this machine, one after the other:
+Every system runs in this one invocation, on this machine, one after the other:
 
   Astra  a real `astra run` of a recipe derived from configs/recipes/default.yaml (the built-in
          torch engine, every service its own process), with a shorter supervised warm-up
@@ -21,18 +22,24 @@ Both systems run in this one invocation, on this machine, one after the other:
          learning rate, clip range, max new tokens and temperature;
   TRL + vLLM  the same script in .venv-trl-vllm (`make trl-vllm`: TRL over .venv-vllm's vLLM),
          generating with vLLM in its own process (`use_vllm=True, vllm_mode="colocate"`).
-         TRL's server mode (`trl vllm-serve`) cannot run on a CPU: see "Not matched".
+         TRL's server mode (`trl vllm-serve`) cannot run on a CPU: see "Not matched";
+  Astra + vLLM  a real `astra run` of configs/recipes/vllm_cpu.yaml (one RaaS that launches
+         .venv-vllm's vLLM server and reloads every version from the directory the
+         WeightService delivers) with the same settings, no warm-up of its own: its policy's
+         model is the Astra run's warm-up directory (`policies.0.model`); the bench checks
+         that both runs' RL prompts and held-out records are the same bytes. It is stopped
+         (SIGTERM: the run ends as on ^C) `vllm_max_s` after it started, as TRL + vLLM is.
 
 Clocks. Astra's starts when the warm-up's model directory is written (the services then start:
-their start-up counts); a held-out accuracy at version v is placed at the time the trainer's
-step v was observed (the RaaS evaluate concurrently, so the evaluation's CPU is inside Astra's
-clock, its lag is not). TRL's starts at its script's first line (importing TRL and loading the
+their start-up counts; Astra + vLLM's when its run's data are written, the services starting
+next); a held-out accuracy at version v is placed at the time the trainer logged step v (the
+RaaS evaluate concurrently, so the evaluation's CPU is inside Astra's clock, its lag is not). TRL's starts at its script's first line (importing TRL and loading the
 model count); a held-out accuracy after step n is placed at the end of step n, and the time its
 own evaluations took (greedy generation, training paused) is left out of its clock.
 
 Without .venv-trl (or with one where trl does not import) the bench says so and exits 2, or 0
-with `--skip-missing`; without .venv-trl-vllm it exits 2, or with `--skip-missing` measures the
-other two and says in the section that TRL + vLLM was not run; it never writes a figure it did
+with `--skip-missing`; without .venv-trl-vllm (TRL + vLLM) or .venv-vllm (Astra + vLLM) it exits 2,
+or with `--skip-missing` measures the others and says in the section which was not run; it never writes a figure it did
 not measure.
 """
 
@@ -40,10 +47,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,7 +69,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Astra vs TRL (time to held-out accuracy)"
 RECIPE = ROOT / "configs" / "recipes" / "default.yaml"
 TRL_SCRIPT = Path(__file__).resolve().parent / "trl_grpo.py"
+VLLM_RECIPE = ROOT / "configs" / "recipes" / "vllm_cpu.yaml"
 TRL_VLLM = "TRL + vLLM"
+ASTRA_VLLM = "Astra + vLLM"
+STEP_LOG = re.compile(r"(\S+ \S+) INFO astra\.servers\.trainer: step (\d+) version ")
+SERVING_LOG = re.compile(r"(\S+ \S+) INFO astra\.run: (\S+) \(pid \d+\) serving on ")
+LOADED_LOG = re.compile(r"(\S+ \S+) INFO astra\.raas\.engine_backend: loaded \{'policy': (\d+)\}")
 FIGURE = ROOT / "docs" / "bench_vs_trl.png"
 TRL_VERSION = "1.16.0"
 # The task's settings both systems share, as the default recipe has them.
@@ -93,6 +108,7 @@ class Side:
     tokens: float = 0.0  # completion tokens trained
     startup_s: float | None = None  # clock at the first step
     notes: list[str] = field(default_factory=list)
+    reading: list[str] = field(default_factory=list)  # where an Astra run's time went
 
     def time_to(self, threshold: float) -> float | None:
         return next((t for t, acc, _ in self.curve if acc >= threshold), None)
@@ -141,25 +157,72 @@ def rows(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def run_astra(p: Params, run_dir: Path) -> Side:
-    sets = {
-        "warmup.steps": p.warmup_steps,
+def astra_command(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None) -> list[str]:
+    """`astra run` of the default recipe, or (`vllm`: the vLLM Python and the warm-up model
+    to start from) of configs/recipes/vllm_cpu.yaml without a warm-up of its own."""
+    sets: dict[str, object] = {
         "eval.every_steps": p.eval_every,
         "trainer.num_steps": p.steps,
         "trainer.optim.lr": p.lr,
     }
-    cmd = [sys.executable, "-m", "astra.run", str(RECIPE), "--run-dir", str(run_dir)]
+    if vllm is None:
+        sets["warmup.steps"] = p.warmup_steps
+    else:
+        python, model = vllm
+        sets |= {"warmup.steps": 0, "policies.0.model": model, "raas.0.engine_python": python}
+    recipe = RECIPE if vllm is None else VLLM_RECIPE
+    cmd = [sys.executable, "-m", "astra.run", str(recipe), "--run-dir", str(run_dir)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=p.timeout_s, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"astra run exited {proc.returncode}\n{proc.stderr[-3000:]}")
-    model = run_dir / "warmup" / "policy" / "model"
-    t0 = max(f.stat().st_mtime for f in model.iterdir())  # the warm-up's end: RL starts
+    return cmd
+
+
+def run_command(cmd: list[str], timeout_s: float, cap_s: float | None) -> tuple[int, str, bool]:
+    """Runs `cmd`; after `cap_s` seconds it is sent SIGTERM (`astra run` then stops as on ^C,
+    its steps and evaluations so far on disk). The exit code, stderr's tail, whether capped."""
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        capped = False
+        try:
+            proc.wait(timeout=cap_s if cap_s is not None else timeout_s)
+        except subprocess.TimeoutExpired:
+            if cap_s is None:
+                proc.kill()
+                proc.wait()
+                raise
+            capped = True
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=max(timeout_s - cap_s, 60.0))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise
+        err.seek(0)
+        return proc.returncode, err.read().decode("utf-8", "replace")[-3000:], capped
+
+
+def run_astra(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None = None) -> Side:
+    """`vllm`: (.venv-vllm's Python, the Astra run's warm-up model): Astra + vLLM, whose
+    clock starts when its run's data are written (it has no warm-up: the services start
+    next) and which is stopped at `p.vllm_max_s`."""
+    cmd = astra_command(p, run_dir, vllm)
+    cap = p.vllm_max_s if vllm is not None else None
+    rc, err, capped = run_command(cmd, p.timeout_s, cap)
+    if rc != 0 and not (capped and rc == 128 + signal.SIGTERM):
+        raise RuntimeError(f"astra run exited {rc}\n{err}")
+    if vllm is None:
+        model = run_dir / "warmup" / "policy" / "model"
+        t0 = max(f.stat().st_mtime for f in model.iterdir())  # the warm-up's end: RL starts
+    else:
+        t0 = max(f.stat().st_mtime for f in (run_dir / "data").glob("*.jsonl"))
     steps = [r for r in rows(run_dir / "metrics.jsonl") if not r.get("rerun")]
-    side = Side("Astra")
+    side = Side("Astra" if vllm is None else ASTRA_VLLM)
     if not steps:
         raise RuntimeError(f"astra run wrote no trainer steps to {run_dir}/metrics.jsonl")
+    logged = step_times(run_dir / "logs" / "trainer-policy.log")
+    for r in steps:  # when the trainer logged the step, not when `astra run` polled it
+        r["time"] = logged.get(r["step"], r["time"])
     side.steps = max(r["step"] for r in steps)
     side.train_s = max(r["time"] for r in steps) - t0
     side.startup_s = min(r["time"] for r in steps) - t0
@@ -172,7 +235,84 @@ def run_astra(p: Params, run_dir: Path) -> Side:
         )
         t = 0.0 if v == 0 else (at - t0 if at is not None else ev["time"] - t0)
         side.curve.append((t, ev["mean_reward"], v))
+    if capped:
+        side.notes.append(f"{side.name} stopped at its {cap:.0f} s cap after {side.steps} steps")
+    side.reading = breakdown(run_dir, t0, logged)
     return side
+
+
+def log_time(stamp: str) -> float:
+    """A log line's `%Y-%m-%d %H:%M:%S,%f` time (the machine's local time) as a Unix time."""
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def breakdown(run_dir: Path, t0: float, steps: dict[int, float]) -> list[str]:
+    """Where an `astra run`'s start-up went (from its clock's start: when each service was
+    serving, as the supervisor logged it, and the first step) and how long a version took
+    from the trainer's step to a RaaS holding it (the RaaS's `loaded` lines)."""
+    logs = run_dir / "logs"
+    served: dict[str, float] = {}
+    for line in (logs / "supervisor.log").read_text(errors="replace").splitlines():
+        if m := SERVING_LOG.match(line):
+            served.setdefault(m[2], log_time(m[1]) - t0)
+    parts = [f"{name} {at:.1f} s" for name, at in sorted(served.items(), key=lambda kv: kv[1])]
+    if steps:
+        parts.append(f"first step {min(steps.values()) - t0:.1f} s")
+    out = ["services serving (supervisor's log), from the clock's start: " + ", ".join(parts)]
+    lags = []
+    for log in sorted(logs.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if (m := LOADED_LOG.match(line)) and int(m[2]) in steps and int(m[2]) > 0:
+                lags.append(log_time(m[1]) - steps[int(m[2])])
+    if lags:
+        lags.sort()
+        out.append(
+            f"trainer's step -> a RaaS holding that version: median {lags[len(lags) // 2]:.2f} s"
+            f" over {len(lags)} loads (max {lags[-1]:.2f} s); median step interval "
+            f"{interval(steps):.2f} s"
+        )
+    return out
+
+
+def interval(steps: dict[int, float]) -> float:
+    times = sorted(steps.values())
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    return gaps[len(gaps) // 2] if gaps else 0.0
+
+
+def step_times(log: Path) -> dict[int, float]:
+    """Each step's time as the trainer logged it (its first line for that step: a restarted
+    trainer's steps again are `rerun` rows, left out)."""
+    out: dict[int, float] = {}
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        if m := STEP_LOG.match(line):
+            out.setdefault(int(m[2]), log_time(m[1]))
+    return out
+
+
+def same_data(a: Path, b: Path) -> None:
+    """Both runs trained on the same prompts and were evaluated on the same problems."""
+    for name in ("prompts.jsonl", "eval.jsonl"):
+        if (a / "data" / name).read_bytes() != (b / "data" / name).read_bytes():
+            raise RuntimeError(f"{a}/data/{name} and {b}/data/{name} differ")
+
+
+def check_vllm(python: Path) -> str:
+    """vLLM's version in .venv-vllm (the Astra + vLLM RaaS's engine Python); raises
+    RuntimeError saying what is missing."""
+    if not python.is_file():
+        raise RuntimeError(f"no vLLM environment: {python} does not exist (run `make vllm`)")
+    proc = subprocess.run(
+        [str(python), "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise RuntimeError(f"{python} cannot import vllm ({why}); run `make vllm`")
+    return proc.stdout.strip()
 
 
 def run_trl(p: Params, run_dir: Path, python: Path, out: Path, vllm: bool = False) -> Side:
@@ -246,34 +386,39 @@ def fmt(x: float | None, digits: int = 1, unit: str = "") -> str:
 def verdict(astra: Side, trl: Side, p: Params) -> str:
     a, t = astra.time_to(p.threshold), trl.time_to(p.threshold)
     if a is None:
-        return f"missed: Astra did not reach {p.threshold} held-out in its {astra.steps} steps"
+        return (
+            f"missed: {astra.name} did not reach {p.threshold} held-out in its {astra.steps} "
+            f"steps ({astra.train_s:.0f} s)"
+        )
     if t is None:
         bound = trl.train_s / a
         return (
-            f"met: Astra reached {p.threshold} in {a:.0f} s; {trl.name} had not after "
+            f"met: {astra.name} reached {p.threshold} in {a:.0f} s; {trl.name} had not after "
             f"{trl.train_s:.0f} s ({bound:.1f}x and more)"
             if bound >= 3
             else f"undecided: {trl.name} had not reached {p.threshold} after {trl.train_s:.0f} s, "
-            f"only {bound:.1f}x Astra's {a:.0f} s"
+            f"only {bound:.1f}x {astra.name}'s {a:.0f} s"
         )
     ratio = t / a if a > 0 else float("inf")
-    return (
-        f"{'met' if ratio >= 3 else 'missed'}: Astra {a:.0f} s, {trl.name} {t:.0f} s ({ratio:.2f}x)"
-    )
+    met = "met" if ratio >= 3 else "missed"
+    return f"{met}: {astra.name} {a:.0f} s, {trl.name} {t:.0f} s ({ratio:.2f}x)"
 
 
 def section(
     sides: list[Side],
     p: Params,
     versions: str,
-    load: list[str],
+    load: list[tuple[str, str]],
     total_s: float,
     quick: bool,
-    vllm_missing: str = "",
+    missing: dict[str, str] | None = None,
 ) -> str:
-    """`sides`: Astra first, then TRL and (when it ran) TRL + vLLM; `vllm_missing`: why
-    TRL + vLLM did not run (empty when it did)."""
+    """`sides`: Astra first, then TRL and those of TRL + vLLM and Astra + vLLM that ran;
+    `missing`: why each of those two that did not run did not."""
     astra, trl = sides[0], sides[1]
+    by_name = {s.name: s for s in sides}
+    trl_vllm, astra_vllm = by_name.get(TRL_VLLM), by_name.get(ASTRA_VLLM)
+    against = [(astra, trl_vllm), (astra_vllm, trl), (astra_vllm, trl_vllm)]
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     label = " (QUICK form: a few steps each, not the comparison)" if quick else ""
     lines = [
@@ -301,8 +446,12 @@ def section(
         f"**Target (Astra reaches {p.threshold} held-out at least 3x sooner than TRL){label}: "
         f"{verdict(astra, trl, p)}.**",
         "",
-        *(f"Against {s.name} (the same target): {verdict(astra, s, p)}." for s in sides[2:]),
-        *([f"{TRL_VLLM} was not measured: {vllm_missing}."] if vllm_missing else []),
+        *(
+            f"{a.name} against {t.name} (the same target): {verdict(a, t, p)}."
+            for a, t in against
+            if a is not None and t is not None
+        ),
+        *(f"{name} was not measured: {why}." for name, why in (missing or {}).items()),
         "",
         f"Start-up in the time to {p.threshold} (seconds to the first step of the time to "
         f"{p.threshold}): "
@@ -314,9 +463,9 @@ def section(
         "",
         f"Measured {now} with `python tools/bench/vs_trl.py{' --quick' if quick else ''}` "
         f"({total_s:.0f} s) on this machine: {os.cpu_count()} cores, no GPU, Python "
-        f"{platform.python_version()}, {versions}; load average (1/5/15 min) before "
-        + ", before ".join(f"{s.name} {lo}" for s, lo in zip(sides, load, strict=False))
-        + f", after {load[-1]} (the machine is shared with other agents, five at the time of "
+        f"{platform.python_version()}, {versions}; load average (1/5/15 min) "
+        + ", ".join(f"{what} {lo}" for what, lo in load)
+        + " (the machine is shared with other agents, five at the time of "
         "writing: every system ran under that load, one after the other).",
         "",
         "![held-out accuracy against wall-clock time](docs/bench_vs_trl.png)",
@@ -344,10 +493,17 @@ def section(
         '(`use_vllm=True, vllm_mode="colocate"`, weights copied into vLLM\'s model after '
         "every step), TRL's default vLLM importance-sampling correction on; its clock "
         "includes starting vLLM. "
+        f"{ASTRA_VLLM}: `astra run configs/recipes/vllm_cpu.yaml` with the same settings, "
+        "one RaaS (capacity 32) that launches vLLM's OpenAI-compatible server (vllm-cpu, "
+        "--enforce-eager) and reloads every version from the directory the WeightService "
+        "delivers (pause, reload, resume); no warm-up of its own: it starts from the Astra "
+        "run's warm-up directory, on the same prompts and held-out problems (checked byte for "
+        f"byte); stopped {p.vllm_max_s:.0f} s after it started, as {TRL_VLLM} is. "
         "Clocks: Astra's starts when the warm-up's model directory is written and includes the "
-        "services' start-up; its evaluations run on the RaaS beside training, so their CPU "
-        "counts, and an accuracy is placed at the time the trainer's step that made that "
-        "version was observed. TRL's starts at its script's first line and includes importing "
+        f"services' start-up ({ASTRA_VLLM}'s when its run's data are written, its services "
+        "starting next, vLLM's server included); its evaluations run on the RaaS beside "
+        "training, so their CPU counts, and an accuracy is placed at the time the trainer "
+        "logged the step that made that version. TRL's starts at its script's first line and includes importing "
         "TRL and loading the model; its evaluations pause training and their time is left out. "
         "Trained tokens/s: completion tokens (EOS included) of the trained samples over the "
         "clock at the last step (start-up included).",
@@ -368,8 +524,41 @@ def section(
         'engine, which needs a CUDA device"), so a CPU trainer cannot send its weights to '
         "the server; the code path, not a run, is the evidence.",
     ]
+    lines += [
+        "",
+        "Reading: Dataflow and the WeightService start beside the warm-up (they need no "
+        "warmed-up model), so they serve before Astra's clock starts (a negative time below); "
+        "the RaaS and the trainer start together once the warm-up's result line is read; what "
+        "is left before the first step is those processes importing torch and loading the "
+        "model on the shared cores (vLLM's server start for Astra + vLLM). After the first "
+        "step, the time to the threshold is set by the step at which the held-out curve, "
+        "which moves by a few points between evaluations, first crosses it, as much as by the "
+        "step rate.",
+        "",
+    ]
     lines += [f"- {n}." for s in sides for n in s.notes]
+    for s in sides:
+        reached = s.time_to(p.threshold)
+        step = next((n for _, acc, n in s.curve if acc >= p.threshold), 0)
+        if reached is not None and s.startup_s is not None and step > 0:
+            lines.append(
+                f"- {s.name}'s time to {p.threshold}: {reached:.0f} s = {s.startup_s:.1f} s to "
+                f"its first RL step + {reached - s.startup_s:.1f} s for its steps 1-{step} "
+                f"(the first evaluation at or above {p.threshold} was at step {step})."
+            )
+        lines += [f"- {s.name}, {n}." for n in s.reading]
     return "\n".join(lines) + "\n"
+
+
+def optional(sides: list[Side], missing: dict[str, str], name: str, run: Any) -> None:
+    """Runs one of the vLLM systems: its side, or (its run failed) why, for the section; the
+    failure's tail goes to stderr. The others' figures stand either way."""
+    try:
+        sides.append(run())
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"vs_trl: {name} failed: {str(exc)[-3000:]}", file=sys.stderr, flush=True)
+        last = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        missing[name] = f"its run failed ({last[0][:120]}: {last[-1][:300]})" if last else "failed"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,11 +567,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--skip-missing",
         action="store_true",
-        help="exit 0 without .venv-trl; without .venv-trl-vllm measure the others",
+        help="exit 0 without .venv-trl; without .venv-trl-vllm or .venv-vllm measure the others",
     )
     ap.add_argument("--trl-python", default=None, help="default: .venv-trl/bin/python")
     ap.add_argument("--trl-vllm-python", default=None, help="default: .venv-trl-vllm/bin/python")
-    ap.add_argument("--no-vllm", action="store_true", help=f"leave {TRL_VLLM} out")
+    ap.add_argument("--vllm-python", default=None, help="default: .venv-vllm/bin/python")
+    ap.add_argument("--no-vllm", action="store_true", help=f"leave {TRL_VLLM} and {ASTRA_VLLM} out")
     ap.add_argument("--warmup-steps", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
@@ -397,7 +587,12 @@ def main(argv: list[str] | None = None) -> int:
             setattr(p, name, getattr(args, name))
     python = trl_python(args.trl_python)
     vllm_python = None if args.no_vllm else trl_python(args.trl_vllm_python, ".venv-trl-vllm")
-    vllm_missing = "left out (--no-vllm)" if args.no_vllm else ""
+    engine_python = None if args.no_vllm else trl_python(args.vllm_python, ".venv-vllm")
+    missing = (
+        {TRL_VLLM: "left out (--no-vllm)", ASTRA_VLLM: "left out (--no-vllm)"}
+        if args.no_vllm
+        else {}
+    )
     try:
         versions = check_trl(python)
         if vllm_python is not None:
@@ -407,7 +602,15 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.skip_missing:
                     raise
                 print(f"vs_trl: {exc}; measuring the others (--skip-missing)", file=sys.stderr)
-                vllm_python, vllm_missing = None, str(exc)
+                vllm_python, missing[TRL_VLLM] = None, str(exc)
+        if engine_python is not None:
+            try:
+                engine_v = check_vllm(engine_python)
+            except RuntimeError as exc:
+                if not args.skip_missing:
+                    raise
+                print(f"vs_trl: {exc}; measuring the others (--skip-missing)", file=sys.stderr)
+                engine_python, missing[ASTRA_VLLM] = None, str(exc)
     except RuntimeError as exc:
         print(f"vs_trl: {exc}", file=sys.stderr)
         if args.skip_missing:
@@ -421,26 +624,48 @@ def main(argv: list[str] | None = None) -> int:
     versions = f"TRL {trl_v}, transformers {tf_v}"
     if vllm_python is not None:
         versions += f" (with vLLM: vllm-cpu {vllm_v[2]}, transformers {vllm_v[1]})"
+    if engine_python is not None:
+        versions += f"; Astra + vLLM: vllm-cpu {engine_v} (.venv-vllm)"
     root = Path(tempfile.mkdtemp(prefix="astra-bench-vs-trl-"))
     started = time.monotonic()
-    load = []
+    load: list[tuple[str, str]] = []  # (what ran next, the load average then)
+
+    def mark(what: str) -> None:
+        load.append((what, " / ".join(f"{x:.1f}" for x in os.getloadavg())))
+
     try:
-        load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
+        mark("before Astra")
         print(f"astra run: {p.steps} steps ...", file=sys.stderr, flush=True)
         sides = [run_astra(p, root / "astra")]
-        load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
+        mark("before TRL")
         print(f"TRL: {p.steps} steps at most ...", file=sys.stderr, flush=True)
         sides.append(run_trl(p, root / "astra", python, root / "trl.jsonl"))
-        load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
         if vllm_python is not None:
+            mark(f"before {TRL_VLLM}")
             print(f"{TRL_VLLM}: {p.steps} steps at most ...", file=sys.stderr, flush=True)
             out = root / "trl_vllm.jsonl"
-            sides.append(run_trl(p, root / "astra", vllm_python, out, vllm=True))
-            load.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))
+            optional(
+                sides,
+                missing,
+                TRL_VLLM,
+                lambda: run_trl(p, root / "astra", vllm_python, out, vllm=True),
+            )
+        if engine_python is not None:
+            mark(f"before {ASTRA_VLLM}")
+            print(f"{ASTRA_VLLM}: {p.steps} steps at most ...", file=sys.stderr, flush=True)
+            model = root / "astra" / "warmup" / "policy" / "model"
+
+            def astra_vllm() -> Side:
+                side = run_astra(p, root / "astra-vllm", (engine_python, model))
+                same_data(root / "astra", root / "astra-vllm")
+                return side
+
+            optional(sides, missing, ASTRA_VLLM, astra_vllm)
+        mark("after")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     total_s = time.monotonic() - started
-    text = section(sides, p, versions, load, total_s, args.quick, vllm_missing)
+    text = section(sides, p, versions, load, total_s, args.quick, missing)
     print(text)
     if args.json:
         Path(args.json).write_text(
