@@ -929,22 +929,33 @@ def test_a_crash_between_the_durable_ingest_and_the_ack_redelivers_and_drops_the
                 await never.wait()
 
             inst.port.ack = ack_never_leaves
-            await until(lambda: unsent, 10.0, "results committed, their ack on its way")
-            committed = set(unsent)
-            assert all(g in df.done for g in committed)
-            before = df.status()["counters"]
-            await server.stop(0)  # kill -9: no drain, no clean stop of the coordinator
-            for task in [*df.ingestor.collectors.values(), *df._tasks, *df._background]:
-                task.cancel()
-            df.store._checkpointer.stop()
-            assert a.servicer.store.pending >= len(committed)  # the RaaS still holds them
-            async with running_dataflow(config) as (_, df2, client):
-                trainer = Trainer(client)
-                await trainer.drain(df2)
-                await until(lambda: a.servicer.store.pending == 0, 10.0, "every delivery acked")
-                return trainer, committed, before, df2.status()["counters"]
+            return await crash_then_restart(server, df, a, config, unsent)
 
-    trainer, committed, before, after = run(body(), timeout_s=60)
+    check_redelivered_once(*run(body(), timeout_s=60), n)
+
+
+async def crash_then_restart(server, df, a, config, unsent: list[str]):
+    """Once `unsent` names committed results whose ack never left: kills Dataflow (no drain,
+    no clean stop), starts it again on the same state and drains it with a trainer; returns
+    (trainer, the committed ids, counters before, counters after)."""
+    await until(lambda: unsent, 10.0, "results committed, their ack on its way")
+    committed = set(unsent)
+    assert all(g in df.done for g in committed)
+    before = df.status()["counters"]
+    await server.stop(0)  # kill -9: no drain, no clean stop of the coordinator
+    for task in [*df.ingestor.collectors.values(), *df._tasks, *df._background]:
+        task.cancel()
+    df.store._checkpointer.stop()
+    assert a.servicer.store.pending >= len(committed)  # the RaaS still holds them
+    async with running_dataflow(config) as (_, df2, client):
+        trainer = Trainer(client)
+        await trainer.drain(df2)
+        await until(lambda: a.servicer.store.pending == 0, 10.0, "every delivery acked")
+        return trainer, committed, before, df2.status()["counters"]
+
+
+def check_redelivered_once(trainer, committed, before, after, n: int) -> None:
+    """The repeat deliveries were dropped as duplicates and every group trained once."""
     assert before.get("duplicates_dropped", 0) == 0
     assert after.get("duplicates_dropped", 0) >= len(committed) >= 1
     assert after.get("unknown_results_dropped", 0) == 0

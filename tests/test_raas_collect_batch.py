@@ -17,11 +17,13 @@ from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.servers.raas import RolloutServicer
 from astra.servers.raas_convert import within
 from astra.servers.raas_serve import start_raas
-from tests.conftest import free_port, running_dataflow
+from tests.conftest import free_port
 from tests.test_dataflow_invariants import (
     POLICY,
     Trainer,
     assert_epoch_trained_once,
+    check_redelivered_once,
+    crash_then_restart,
     dataflow_config,
     raas,
     run,
@@ -155,24 +157,6 @@ def test_a_crash_before_the_call_carrying_the_ack_redelivers_and_drops_the_repea
                 return await real(ack_group_ids, *args, **kwargs)
 
             client.collect_result_batch_raw = dies_with_acks
-            await until(lambda: unsent, 10.0, "results committed, their ack on its way")
-            committed = set(unsent)
-            assert all(g in df.done for g in committed)
-            before = df.status()["counters"]
-            await server.stop(0)  # kill -9: no drain, no clean stop of the coordinator
-            for task in [*df.ingestor.collectors.values(), *df._tasks, *df._background]:
-                task.cancel()
-            df.store._checkpointer.stop()
-            assert a.servicer.store.pending >= len(committed)  # the RaaS still holds them
-            async with running_dataflow(config) as (_, df2, client2):
-                trainer = Trainer(client2)
-                await trainer.drain(df2)
-                await until(lambda: a.servicer.store.pending == 0, 10.0, "every delivery acked")
-                return trainer, committed, before, df2.status()["counters"]
+            return await crash_then_restart(server, df, a, config, unsent)
 
-    trainer, committed, before, after = run(body(), timeout_s=60)
-    assert before.get("duplicates_dropped", 0) == 0
-    assert after.get("duplicates_dropped", 0) >= len(committed) >= 1
-    assert after.get("unknown_results_dropped", 0) == 0
-    assert_epoch_trained_once(trainer.consumed, n)
-    assert after["consumed_groups"] == after[f"buffer.{POLICY}.accepted"] == n
+    check_redelivered_once(*run(body(), timeout_s=60), n)

@@ -126,12 +126,18 @@ def check_trl(python: Path, with_vllm: bool = False) -> str:
     saying what is missing."""
     make = "make trl-vllm" if with_vllm else "make trl"
     what = "TRL + vLLM" if with_vllm else "TRL"
-    if not python.is_file():
-        raise RuntimeError(f"no {what} environment: {python} does not exist (run `{make}`)")
     modules = "trl, transformers" + (", vllm" if with_vllm else "")
     versions = "trl.__version__, transformers.__version__" + (
         ", vllm.__version__" if with_vllm else ""
     )
+    return import_versions(python, modules, versions, what, make)
+
+
+def import_versions(python: Path, modules: str, versions: str, what: str, make: str) -> str:
+    """What `print(versions)` prints after `import modules` in `python`; RuntimeError naming
+    the environment `what` and the command `make` that builds it when that fails."""
+    if not python.is_file():
+        raise RuntimeError(f"no {what} environment: {python} does not exist (run `{make}`)")
     proc = subprocess.run(
         [str(python), "-c", f"import {modules}; print({versions})"],
         capture_output=True,
@@ -300,19 +306,7 @@ def same_data(a: Path, b: Path) -> None:
 def check_vllm(python: Path) -> str:
     """vLLM's version in .venv-vllm (the Astra + vLLM RaaS's engine Python); raises
     RuntimeError saying what is missing."""
-    if not python.is_file():
-        raise RuntimeError(f"no vLLM environment: {python} does not exist (run `make vllm`)")
-    proc = subprocess.run(
-        [str(python), "-c", "import vllm; print(vllm.__version__)"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    if proc.returncode != 0:
-        why = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        raise RuntimeError(f"{python} cannot import vllm ({why}); run `make vllm`")
-    return proc.stdout.strip()
+    return import_versions(python, "vllm", "vllm.__version__", "vLLM", "make vllm")
 
 
 def run_trl(p: Params, run_dir: Path, python: Path, out: Path, vllm: bool = False) -> Side:
