@@ -447,6 +447,9 @@ async def bench_model(
             tokenizer,
             logprobs_mode=mode,
             reload_rpc_method=EXTENSION_RELOAD,
+            # This section times the paused reload (pause, reload from disk, resume); the live
+            # swap, which pauses nothing, is measured by tools/bench/swap_pause.py.
+            swap_mode="abort",
         )
         await vllm.wait_ready(30)
 
