@@ -320,7 +320,9 @@ def test_heterogeneous_recipe_routes_by_capacity_and_shows_labels(runs) -> None:
         str(RECIPES / "heterogeneous.yaml"),
         *FAST,
         "--set",
-        "trainer.num_steps=4",
+        # 10 steps, not 4: the RaaS and the trainer start together, so the first RaaS up may
+        # take the first groups alone; over 10 steps routing by free slots decides the shares.
+        "trainer.num_steps=10",
         *(arg for e in evals for arg in ("--set", e)),
     )
     children = run.wait_for_children({"dataflow", "raas"}, 120)
@@ -338,7 +340,7 @@ def test_heterogeneous_recipe_routes_by_capacity_and_shows_labels(runs) -> None:
     }
     assert run.wait(150) == 0, run.output()
     s = run.summary()
-    assert s["status"] == "completed" and s["steps"] == 4
+    assert s["status"] == "completed" and s["steps"] == 10
     assert s["groups_lost"] == 0 and s["groups_duplicated"] == 0
     work = {name: r["work"]["groups_finished"] for name, r in s["raas"].items()}
     assert work["large-b"] > 0 and work["large-b"] >= work["small-a"], work
@@ -346,7 +348,7 @@ def test_heterogeneous_recipe_routes_by_capacity_and_shows_labels(runs) -> None:
     # Each stream evaluated, as eval-<stream> (its workflow, policies and routing).
     rows = [json.loads(x) for x in (run.run_dir / "evals.jsonl").read_text().splitlines()]
     done = sorted((r["stream"], r["version"]) for r in rows)
-    assert done == [(f"eval-{n}", v) for n in ("large", "main") for v in (0, 2, 4)], done
+    assert done == [(f"eval-{n}", v) for n in ("large", "main") for v in (0, 2, 4, 6, 8, 10)], done
     assert all(r["samples"] + r["failed_samples"] == 8 for r in rows)  # 8 problems, 1 each
     assert sorted(s["eval"]["streams"]) == ["eval-large", "eval-main"]
     assert s["eval"]["stream"] == "eval-main"
