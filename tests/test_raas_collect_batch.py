@@ -86,34 +86,21 @@ def test_a_raas_without_collect_result_batch_is_served_with_collect_and_ack(tmp_
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
     monkeypatch.setattr(RolloutServicer, "CollectResultBatch", unimplemented)
-    n = 12
-    config = dataflow_config(tmp_path, n)
-
-    async def body():
-        async with with_raas(config, ScriptedGenerator(), capacity=32, name="old") as (
-            df,
-            client,
-            a,
-        ):
-            trainer = Trainer(client)
-            await trainer.drain(df)
-            await until(lambda: a.servicer.store.pending == 0, what="every result acknowledged")
-            return trainer, df.status(), df.pool.instances["old"].port.batched
-
-    trainer, status, batched = run(body())
-    assert batched is False
-    assert_epoch_trained_once(trainer.consumed, n)
-    c = status["counters"]
-    assert c["consumed_groups"] == c["completed_groups"] == n
-    assert c.get("duplicates_dropped", 0) == 0
+    assert drain_an_epoch(tmp_path, "old") is False
 
 
 def test_dataflow_uses_collect_result_batch_and_acknowledges_everything(tmp_path):
+    assert drain_an_epoch(tmp_path, "new") is True
+
+
+def drain_an_epoch(tmp_path, name: str) -> bool | None:
+    """One RaaS `name`, an epoch of 12 groups trained once with every result acknowledged and
+    none delivered twice; returns whether Dataflow collected through CollectResultBatch."""
     n = 12
     config = dataflow_config(tmp_path, n)
 
     async def body():
-        async with with_raas(config, ScriptedGenerator(), capacity=32, name="new") as (
+        async with with_raas(config, ScriptedGenerator(), capacity=32, name=name) as (
             df,
             client,
             a,
@@ -121,14 +108,14 @@ def test_dataflow_uses_collect_result_batch_and_acknowledges_everything(tmp_path
             trainer = Trainer(client)
             await trainer.drain(df)
             await until(lambda: a.servicer.store.pending == 0, what="every result acknowledged")
-            return trainer, df.status(), df.pool.instances["new"].port.batched
+            return trainer, df.status(), df.pool.instances[name].port.batched
 
     trainer, status, batched = run(body())
-    assert batched is True
     assert_epoch_trained_once(trainer.consumed, n)
     c = status["counters"]
     assert c["consumed_groups"] == c["completed_groups"] == n
     assert c.get("duplicates_dropped", 0) == 0
+    return batched
 
 
 def test_a_crash_before_the_call_carrying_the_ack_redelivers_and_drops_the_repeat(tmp_path):
