@@ -147,6 +147,7 @@ def serve_dataflow(
 async def _serve_dataflow(config) -> None:
     from astra.servers.dataflow_serve import start_dataflow
     from astra.servers.runtime import serve_until_signal
+    from astra.stop_deadline import STOP_DEADLINE_S
 
     server, df, metrics = await start_dataflow(config)
     log = logging.getLogger("astra.dataflow")
@@ -168,7 +169,7 @@ async def _serve_dataflow(config) -> None:
         if metrics is not None:
             metrics.shutdown()
 
-    await serve_until_signal(server, on_stop=on_stop)
+    await serve_until_signal(server, on_stop=on_stop, deadline_s=STOP_DEADLINE_S)
     log.info("dataflow stopped")
 
 

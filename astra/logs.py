@@ -7,14 +7,20 @@ passes. The keys come in that order so that line-oriented tools can match on
 them. Text is `2026-01-01 12:00:00,000 INFO name: message` (Python's default
 shape). `astra run` passes its own choice to every child through the
 environment, so a run's logs are all of one format.
+
+`kill -USR1 PID` makes a process that configured its logging here write every thread's
+Python stack to stderr (its log, under `astra run`) and go on: what a process that does
+not stop is doing, without a debugger.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 from typing import Any, TextIO
 
@@ -61,3 +67,45 @@ def configure(level: str = "info", fmt: str | None = None, stream: TextIO | None
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    dump_stacks_on(handler.stream)
+
+
+def dump_stacks_on(stream: TextIO, *, chain: bool = False) -> None:
+    """SIGUSR1 writes every thread's stack to `stream` (a real file; not on Windows); with
+    `chain`, the handler installed before runs after (an event loop's: `dump_tasks`)."""
+    usr1 = getattr(signal, "SIGUSR1", None)
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # an in-memory stream (a test's): nothing the C handler can write to
+    if usr1 is not None:
+        faulthandler.register(usr1, file=stream, all_threads=True, chain=chain)
+
+
+def dump_tasks(stream: TextIO | None = None) -> None:
+    """Writes the stack of every task of the running event loop: where each coroutine waits,
+    which thread stacks do not show (an idle loop's thread sits in C)."""
+    import asyncio
+
+    out = stream or sys.stderr
+    tasks = asyncio.all_tasks()
+    print(f"{len(tasks)} asyncio tasks:", file=out)
+    for task in tasks:
+        print(f"--- {task!r}"[:400], file=out)
+        for frame in _awaiting(task.get_coro()):
+            code = frame.f_code
+            print(f'  File "{code.co_filename}", line {frame.f_lineno} in {code.co_name}', file=out)
+    out.flush()
+
+
+def _awaiting(coro: Any) -> list[Any]:
+    """The frames of `coro` and of what it awaits, outermost first (a task's own stack stops
+    at its coroutine: a suspended one has no f_back)."""
+    frames: list[Any] = []
+    while coro is not None and len(frames) < 100:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:  # finished, or compiled (gRPC's Cython coroutines)
+            break
+        frames.append(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return frames

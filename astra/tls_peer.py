@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from cryptography import x509
 
 from astra.tls_material import TlsMaterial
+from astra.waits import within
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ async def peer_serial(
             writer.close()
         return der
 
-    der = await asyncio.wait_for(handshake(), timeout_s)
+    der = await within(handshake(), timeout_s)
     return x509.load_der_x509_certificate(der).serial_number
 
 

@@ -3,9 +3,10 @@
 For engine authors: each check is one rule of rollout_service.proto, run over the
 wire against a live server. A check passes, fails (saying what the contract
 expects and what came), warns (a recommendation, not a rule), or is skipped (a
-feature the server does not list in GetCapabilities, or a check that needs an
-earlier one). Results are validated by the decoder Dataflow itself uses
-(`decode_results`), so a group that passes here is one Dataflow trains on.
+feature the server does not list in GetCapabilities, an optional RPC it answers
+UNIMPLEMENTED, or a check that needs an earlier one). Results are validated by the
+decoder Dataflow itself uses (`decode_results`), so a group that passes here is one
+Dataflow trains on.
 
 The checks run real groups, one sample of `max_new_tokens` tokens or two at a
 time; point them at an instance that is not registered with a Dataflow, or
@@ -23,6 +24,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from astra.clients.raas import RolloutClient
+from astra.clients.raas_check_batch import BatchChecks
 from astra.clients.raas_check_faulty_weights import FaultyWeightChecks
 from astra.clients.raas_check_identity import IdentityChecks
 from astra.clients.raas_check_registration import RegistrationChecks
@@ -43,7 +45,8 @@ __all__ = ["CHECKS", "CheckOptions", "RaasChecker"]
 
 CONTRACT_MAJOR = "1"
 MAX_WAIT_S = 30.0  # CollectResults.max_wait bound (rollout_service.proto)
-# In order: each is the name of a method (here or in WeightChecks) that returns what it saw.
+# In order: each is the name of a method (here or in a check set it joins) that returns what
+# it saw.
 CHECKS = (
     "health",
     "reflection",
@@ -70,6 +73,12 @@ CHECKS = (
     "ack_ignores_unknown_ids",
     "cancel",
     "cancel_keeps_a_finished_result",
+    "batch_rejects_bad_fields",
+    "batch_collect",
+    "batch_repeats_until_ack",
+    "batch_oldest_first_within_max_groups",
+    "batch_acks_before_collecting",
+    "batch_ack_removes_the_result",
     "load_weights_rejects_bad_requests",
     "load_weights",
     "claims_loaded_version",
@@ -86,7 +95,12 @@ CHECKS = (
 
 
 class RaasChecker(
-    WeightChecks, TrajectoryChecks, IdentityChecks, FaultyWeightChecks, RegistrationChecks
+    WeightChecks,
+    TrajectoryChecks,
+    BatchChecks,
+    IdentityChecks,
+    FaultyWeightChecks,
+    RegistrationChecks,
 ):
     """Every check, in CHECKS order, against the instance at `address`."""
 
@@ -259,23 +273,7 @@ class RaasChecker(
         if missing := await self._until_collected(self.group):
             self.group = ""  # the checks that need a collected group are skipped
             raise CheckFailed(missing)
-        result, wire = self.decoded[self.group]
-        if result.error is not None:
-            raise CheckFailed(f"the group failed: {result.error}")
-        if result.invalid is not None:
-            raise CheckFailed(f"Dataflow would refuse the result: {result.invalid}")
-        errors = [t.error.message for t in wire.result.trajectories if t.error.code]
-        if errors:  # not trained on: the engine could not generate them
-            n = len(wire.result.trajectories)
-            raise CheckFailed(f"{len(errors)} of {n} samples failed, the first: {errors[0]}")
-        trajectories = result.per_policy.get(self.policy, [])
-        if len(trajectories) != self.submitted.num_samples:
-            raise CheckFailed(
-                f"{len(trajectories)} trajectories of {self.policy}, expected "
-                f"{self.submitted.num_samples}"
-            )
-        tokens = sum(t.num_tokens for t in trajectories)
-        return f"{len(trajectories)} trajectories, {tokens} trained tokens, as Dataflow reads them"
+        return self._well_formed(self.group, self.submitted.num_samples)
 
     async def collect_repeats_until_ack(self) -> str:
         self._needs("group")

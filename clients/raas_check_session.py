@@ -70,6 +70,11 @@ class CheckSession:
         self._n = 0
         self._loaded_copy: MemoryVersion | None = None  # its bytes, for the checker's own service
         self.after_load: str | None = None  # a group generated on the loaded version
+        # CollectResultBatch: None until a call tells, False when it answers UNIMPLEMENTED; the
+        # groups its checks submitted, and the two they collected, in the order they finished.
+        self.batch: bool | None = None
+        self.batch_groups: list[str] = []
+        self.batch_first, self.batch_second = "", ""
 
     async def _refuse_if_busy(self) -> None:
         """InstanceInUse when groups run or wait there: a live Dataflow's, which the checks
@@ -135,6 +140,26 @@ class CheckSession:
             if group_id in got:
                 return ""
         return f"no result within {self.options.result_timeout_s:g} s"
+
+    def _well_formed(self, group_id: str, num_samples: int) -> str:
+        """What a collect decoded for `group_id`, as Dataflow takes it in: CheckFailed when the
+        group or a sample failed, Dataflow would refuse it, or samples are missing."""
+        result, wire = self.decoded[group_id]
+        if result.error is not None:
+            raise CheckFailed(f"the group failed: {result.error}")
+        if result.invalid is not None:
+            raise CheckFailed(f"Dataflow would refuse the result: {result.invalid}")
+        errors = [t.error.message for t in wire.result.trajectories if t.error.code]
+        if errors:  # not trained on: the engine could not generate them
+            n = len(wire.result.trajectories)
+            raise CheckFailed(f"{len(errors)} of {n} samples failed, the first: {errors[0]}")
+        trajectories = result.per_policy.get(self.policy, [])
+        if len(trajectories) != num_samples:
+            raise CheckFailed(
+                f"{len(trajectories)} trajectories of {self.policy}, expected {num_samples}"
+            )
+        tokens = sum(t.num_tokens for t in trajectories)
+        return f"{len(trajectories)} trajectories, {tokens} trained tokens, as Dataflow reads them"
 
     def _load(self, versions: list, request_id: str) -> Awaitable:
         return self.client.load_weights(

@@ -12,7 +12,6 @@ On stop it deregisters, best effort.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections import Counter
@@ -23,6 +22,7 @@ import grpc
 from astra.clients.dataflow import DataflowClient
 from astra.common.v1 import version_pb2
 from astra.dataflow.v1 import dataflow_service_pb2 as df_pb
+from astra.waits import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +173,7 @@ class Registrar:
     async def stop(self, *, deregister: bool = True) -> None:
         """Stops heartbeating and, if registered, deregisters (best effort); closes the channel."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         if deregister and self.registered.is_set():
             try:

@@ -37,6 +37,7 @@ from astra.clients.weights import WeightClient, domain_error
 from astra.clients.weights_pipeline import FetchPipeline
 from astra.clients.weights_publish import PublishResult, publish_version
 from astra.errors import AstraError, DataLoss, InvalidArgument, Unavailable
+from astra.waits import within
 from astra.weights.deadline import DeadlineExceeded
 from astra.weights.local import LocalVersions, identity_of
 from astra.weights.malloc import keep_freed_memory
@@ -361,7 +362,7 @@ class Receiver:
         with contextlib.suppress(Exception):
             await call.done_writing()
             while time.monotonic() < end:
-                msg = await asyncio.wait_for(call.read(), end - time.monotonic())
+                msg = await within(call.read(), end - time.monotonic())
                 if msg is grpc.aio.EOF:
                     return
 

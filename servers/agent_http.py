@@ -26,6 +26,7 @@ from typing import Any
 from astra.agents.endpoint import AgentEndpoint
 from astra.agents.openai_api import ApiError
 from astra.agents.recorder import EPISODE_HEADER
+from astra.waits import within
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20
@@ -72,7 +73,7 @@ class AgentHTTPServer:
         for server in (self._server, self._unix):
             if server is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(server.wait_closed(), 5.0)
+                    await within(server.wait_closed(), 5.0)
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -96,7 +97,7 @@ class AgentHTTPServer:
     async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Serves one request; False when the connection is to end."""
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IDLE_S)
+            head = await within(reader.readuntil(b"\r\n\r\n"), IDLE_S)
         except asyncio.LimitOverrunError:
             await _send_json(writer, 431, ApiError(431, "headers too large").body(), close=True)
             return False
@@ -115,7 +116,7 @@ class AgentHTTPServer:
             body = ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes").body()
             await _send_json(writer, 413, body, close=True)
             return False
-        raw = await asyncio.wait_for(reader.readexactly(size), IDLE_S) if size else b""
+        raw = await within(reader.readexactly(size), IDLE_S) if size else b""
         keep = headers.get("connection", "").lower() != "close"
         path = path.split("?", 1)[0]
         if method == "GET" and path == "/v1/models":

@@ -11,7 +11,6 @@ in a request stream too, rather than gRPC's own UNKNOWN without details.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +22,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from astra.errors import AstraError, InvalidArgument
+from astra.waits import within
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             INTERNAL at the caller, and the refusal's status and reason are lost to it."""
             if stream_in:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(anext(aiter(request)), FIRST_MESSAGE_WAIT_S)
+                    await within(anext(aiter(request)), FIRST_MESSAGE_WAIT_S)
 
         def prepare(
             request: Any, context: grpc.aio.ServicerContext, stream_in: bool

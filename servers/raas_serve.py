@@ -91,6 +91,7 @@ async def serve_raas(opts: RaasOptions) -> None:
     from astra.raas.engine_backend import EngineBackend
     from astra.servers.raas_engines import build_engine
     from astra.servers.runtime import serve_until_signal
+    from astra.stop_deadline import STOP_DEADLINE_S
 
     if not opts.engine_python and opts.engine != "vllm":
         import sys
@@ -200,7 +201,7 @@ async def serve_raas(opts: RaasOptions) -> None:
         if metrics is not None:
             metrics.shutdown()
 
-    await serve_until_signal(server, on_stop=on_stop)
+    await serve_until_signal(server, on_stop=on_stop, deadline_s=STOP_DEADLINE_S)
     if engine_died:
         raise SystemExit(ENGINE_DIED_EXIT)
 

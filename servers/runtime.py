@@ -11,20 +11,24 @@ certificate of the run's CA get through the handshake.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import faulthandler
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from astra import stop_deadline
+from astra.logs import dump_stacks_on, dump_tasks
 from astra.servers.authz import RoleGuard
 from astra.servers.errors import ErrorInterceptor, domain_from_method
 from astra.servers.reflection import Reflection
 from astra.tls import TlsFiles, tls_files
 from astra.tls_material import TlsMaterial
+from astra.waits import cancel_and_wait
 
 
 class PortUnavailable(OSError):
@@ -231,22 +235,39 @@ async def serve_until_signal(
     server: GrpcServer,
     *,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    deadline_s: float | None = None,
 ) -> None:
-    """Wait for SIGTERM/SIGINT, then drain in-flight RPCs and stop."""
+    """Wait for SIGTERM/SIGINT, then drain in-flight RPCs and stop. With `deadline_s` (a
+    service's own process: `astra serve`), a stop still going `deadline_s` past the drain
+    period ends the process (astra.stop_deadline)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    dump_on_sigusr1(loop)
     waiter = asyncio.create_task(server.wait())
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: draining in-flight RPCs for up to %.1fs", server.grace_s)
+    if deadline_s is not None:
+        served = [name.rsplit(".", 1)[-1] for name in server._services]
+        stop_deadline.arm(server.grace_s + deadline_s, ", ".join(served) or "server")
     await server.stop()
     if on_stop is not None:
         await on_stop()
     for t in (waiter, stopper):
-        t.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await t
+        await cancel_and_wait(t)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
+
+
+def dump_on_sigusr1(loop: asyncio.AbstractEventLoop) -> None:
+    """`kill -USR1`: every thread's stack at once (C, even with the loop blocked), then every
+    task's from the loop (astra.logs), to stderr. For as long as the process lives: a stop
+    that hangs is when it is needed."""
+    usr1 = getattr(signal, "SIGUSR1", None)
+    if usr1 is None:
+        return
+    faulthandler.unregister(usr1)  # astra.logs's, installed first, would be left behind
+    loop.add_signal_handler(usr1, dump_tasks, sys.stderr)
+    dump_stacks_on(sys.stderr, chain=True)

@@ -14,8 +14,9 @@ import os
 import signal
 from typing import Any
 
+from astra import stop_deadline
 from astra.clients.trainer_sources import GRPC
-from astra.servers.runtime import GrpcServer
+from astra.servers.runtime import GrpcServer, dump_on_sigusr1
 from astra.servers.trainer import SERVICE_NAME, TrainerServicer
 from astra.trainer.config import TrainerConfig
 from astra.trainer.loop import Trainer
@@ -71,10 +72,16 @@ async def serve_trainer(config: TrainerConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    dump_on_sigusr1(loop)
     training = asyncio.create_task(train_steps(trainer, config.num_steps, metrics))
     stopper = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({training, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stopper.done():
+            # The step and its checkpoint, the publishing left and the checkpoint's commit
+            # each get stop_timeout_s (astra.trainer.loop); then the deadline's own margin.
+            bound = 3 * config.checkpoint.stop_timeout_s + stop_deadline.STOP_DEADLINE_S
+            stop_deadline.arm(bound, "trainer")
         if stopper.done() and not training.done():
             await trainer.stop(training, config.checkpoint.stop_timeout_s)
     finally:

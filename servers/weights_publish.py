@@ -29,6 +29,7 @@ from astra.servers.weights_convert import (
     publish_accepted,
     version_info,
 )
+from astra.waits import within
 from astra.weights.publish_stream import (
     ChunkPart,
     CommitPart,
@@ -49,7 +50,7 @@ DRAIN_S = 5.0
 async def first_message(requests: AsyncIterator[Any], timeout_s: float) -> Any | None:
     """The stream's first message, None if it ends first; bounded by timeout_s."""
     try:
-        return await asyncio.wait_for(anext(requests), timeout_s)
+        return await within(anext(requests), timeout_s)
     except StopAsyncIteration:
         return None
     except TimeoutError as exc:

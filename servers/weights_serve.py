@@ -98,6 +98,7 @@ async def serve_weights(
     """`astra serve weights`: serves until SIGTERM/SIGINT; prints one JSON line with the address
     (and the Prometheus port when `metrics_port` is not None)."""
     from astra.servers.runtime import serve_until_signal
+    from astra.stop_deadline import STOP_DEADLINE_S
 
     server = await start_weights(store_dir, host, port, config=config, settings=settings)
     metrics = None
@@ -112,7 +113,7 @@ async def serve_weights(
     print(json.dumps(line), flush=True)
     log.info("weights serving %s on %s", store_dir, server.address)
     try:
-        await serve_until_signal(server)
+        await serve_until_signal(server, deadline_s=STOP_DEADLINE_S)
     finally:
         if metrics is not None:
             metrics.shutdown()

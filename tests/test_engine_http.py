@@ -20,7 +20,7 @@ from astra.engine.api import Generation, Sampling  # noqa: E402
 from astra.engine.http import OpenAIEngine, SGLangEngine, VLLMEngine, WeightsDir  # noqa: E402
 from astra.engine.http.base import HTTPEngine  # noqa: E402
 from astra.engine.http.launch import ServerProcess, free_port  # noqa: E402
-from astra.engine.http.vllm import logprobs_mode_of  # noqa: E402
+from astra.engine.http.vllm_launch import logprobs_mode_of  # noqa: E402
 from astra.engine.tiny import TINY_CONFIG, random_model, save_model, tiny_model  # noqa: E402
 from astra.engine.tokenizer import CharTokenizer  # noqa: E402
 from astra.errors import FailedPrecondition, InvalidArgument, Unavailable  # noqa: E402

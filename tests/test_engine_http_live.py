@@ -15,7 +15,9 @@ import pytest
 
 from astra.engine.api import Generation, Sampling
 from astra.engine.http import WeightsDir
-from astra.engine.http.base import HTTPEngine, Segment, token_versions
+from astra.engine.http.base import HTTPEngine
+from astra.engine.http.result import Segment
+from astra.engine.http.swap import token_versions
 from astra.engine.http.vllm_ext import astra_vllm_ext as ext
 from astra.engine.http.vllm_live import commit_body, engine_request_id, splits_of
 from astra.engine.tokenizer import CharTokenizer

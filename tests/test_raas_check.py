@@ -1,8 +1,9 @@
 """`astra raas check`: the RaaS contract checker passes Astra's own RaaS and fails broken ones.
 
-Here: Astra's RaaS passes, results Dataflow would refuse fail `collect`, and the CLI on each
-engine. One broken rule per check (46 switches of astra.testing.broken_raas, each caught by the
-check named for it): tests/test_raas_check_broken.py.
+Here: Astra's RaaS passes, results Dataflow would refuse fail `collect`, a RaaS without the
+optional CollectResultBatch has its checks skipped, and the CLI on each engine. One broken rule
+per check (52 switches of astra.testing.broken_raas, each caught by the check named for it):
+tests/test_raas_check_broken.py.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
-from astra.clients.raas_check import CheckOptions, RaasChecker
+from astra.clients.raas_check import CHECKS, CheckOptions, RaasChecker
 from astra.clients.raas_rules import summary
 from astra.clients.weights_publish import publish_version
 from astra.engine.tiny import TINY_CONFIG
 from astra.raas.scripted import VOCAB_SIZE, ScriptedGenerator
+from astra.servers.raas import RolloutServicer
 from astra.servers.raas_serve import start_raas
 from astra.servers.weights_serve import start_weights
 from astra.testing.fake_engines import FakeEngineServer
@@ -81,7 +84,7 @@ WEIGHT_CHECKS = {
 @pytest.mark.slow
 def test_astra_raas_passes_every_check() -> None:
     got = run_checks()
-    assert len(got) == 37
+    assert len(got) == 43
     not_passed = {name: status for name, (status, _) in got.items() if status != "pass"}
     # no --weights, no --serve-weights, no --as-dataflow given
     assert not_passed == dict.fromkeys(
@@ -100,6 +103,25 @@ def test_the_load_weights_checks_pass_with_a_weight_service(tmp_path: Path) -> N
 
 
 # One broken rule per check: tests/test_raas_check_broken.py (astra.testing.broken_raas).
+
+BATCH_CHECKS = {name for name in CHECKS if name.startswith("batch_")}
+
+
+@pytest.mark.slow
+def test_a_raas_without_collect_result_batch_has_its_checks_skipped_not_failed(monkeypatch):
+    """CollectResultBatch is optional: answered UNIMPLEMENTED (as gRPC answers a method not
+    served), its checks are skipped saying so, and every other check still passes."""
+
+    async def unimplemented(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    monkeypatch.setattr(RolloutServicer, "CollectResultBatch", unimplemented)
+    got = run_checks()
+    assert len(BATCH_CHECKS) == 6
+    assert {n: got[n][0] for n in BATCH_CHECKS} == dict.fromkeys(BATCH_CHECKS, "skip")
+    assert all("UNIMPLEMENTED: optional" in got[n][1] for n in BATCH_CHECKS), got
+    assert {n for n, (s, _) in got.items() if s == "fail"} == set()
+    assert got["settles"][0] == "pass"  # no group submitted for the checks that were skipped
 
 
 class TruncatedLogprobs(ScriptedGenerator):
@@ -191,7 +213,7 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
             ok = subprocess.run(check, capture_output=True, text=True, timeout=180)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         if weights is not None:
-            assert "37 passed, 0 failed, 0 warnings, 0 skipped" in ok.stdout, ok.stdout
+            assert "43 passed, 0 failed, 0 warnings, 0 skipped" in ok.stdout, ok.stdout
             assert f"every id below vocab_size {TINY_CONFIG['vocab_size']}" in ok.stdout
             assert "registered again" in ok.stdout and "same incarnation" in ok.stdout
             assert "every generated token: version 1" in ok.stdout
@@ -199,7 +221,7 @@ def test_cli_checks_astra_raas_on_each_engine(tmp_path: Path, engine: str) -> No
             assert "wrong-base: DATA_LOSS CHECKSUM_MISMATCH" in ok.stdout, ok.stdout
             assert "truncated: DEADLINE_EXCEEDED" in ok.stdout, ok.stdout
         else:
-            assert "24 passed, 0 failed, 0 warnings, 13 skipped" in ok.stdout, ok.stdout
+            assert "30 passed, 0 failed, 0 warnings, 13 skipped" in ok.stdout, ok.stdout
         bad = subprocess.run(
             [*check, "--workflow", "no_such", "--json"], capture_output=True, text=True, timeout=60
         )

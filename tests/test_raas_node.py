@@ -1,8 +1,9 @@
 """A RaaS in another language joins Astra: tools/raas-node, JavaScript on @grpc/grpc-js, built
 from the .proto files alone (no Astra code), against the real Dataflow and WeightService.
 
-It passes every check of `astra raas check`, LoadWeights included (a real fetch from a
-WeightService, Adler-32 verified in JavaScript); a fetch broken on the way resumes after the
+It passes every check of `astra raas check`, LoadWeights and CollectResultBatch included (a
+real fetch from a WeightService, Adler-32 verified in JavaScript); Dataflow drains it through
+CollectResultBatch, each round's acknowledgements riding on the next call; a fetch broken on the way resumes after the
 tensors it verified; in a run with real processes, where one of its instances is SIGKILLed and
 Dataflow itself is killed and restarted, every prompt group reaches the trainer exactly once;
 SIGTERM deregisters it and exits 0. Under mutual TLS it follows the CA's revocation list as
@@ -44,7 +45,8 @@ from astra.tls_certs import init_ca, issue
 from astra.tls_crl import revoke, serial_of
 from astra.weights.store import StoreConfig
 from astra.weights.store_fetch import FetchSource
-from tests.conftest import error_info, free_port, make_config
+from tests import test_dataflow_invariants as invariants
+from tests.conftest import error_info, free_port, make_config, running_dataflow
 from tests.procs import Proc, start_dataflow
 from tests.test_faults import (
     NUM_PROMPTS,
@@ -138,6 +140,66 @@ def test_node_raas_passes_every_contract_check(tmp_path):
     assert 0 < loaded.fetched_bytes < 1000  # one frame of w's change, not 16,390 bytes
     assert [(v.version, v.version_id) for v in status.loaded_versions] == [(4, "v4")]
     assert "policy@v4 (delta against v3)" in node.log.read_text()
+
+
+def test_dataflow_drains_a_node_raas_through_collect_result_batch(tmp_path):
+    """The JavaScript RaaS serves CollectResultBatch, so Dataflow collects with it (no
+    fallback to CollectResults) and acknowledges each round's results on its next call: every
+    group of the epoch is trained once, none arrives twice, and the node is left holding
+    nothing, every result acknowledged."""
+    n = 12
+    config = invariants.dataflow_config(tmp_path, n)
+    node: Proc | None = None
+
+    async def body():
+        nonlocal node
+        async with running_dataflow(config) as (server, df, client):
+            flags = ("--capacity", "16", "--delay-ms", "20")
+            node = await asyncio.to_thread(
+                start_node_raas, tmp_path, "node-batch", *flags, dataflow=server.address
+            )
+            await invariants.registered(df, "node-batch", timeout_s=15)
+            trainer = invariants.Trainer(client)
+            await trainer.drain(df, timeout_s=60)
+            async with RolloutClient(node.address, timeout_s=5.0) as raas:
+                deadline = time.monotonic() + 10
+                while (status := await raas.get_status()).pending_results:
+                    assert time.monotonic() < deadline, "results left unacknowledged"
+                    await asyncio.sleep(0.1)
+            return trainer.consumed, df.status(), df.pool.instances["node-batch"].port, status
+
+    try:
+        consumed, df_status, port, node_status = asyncio.run(asyncio.wait_for(body(), 90))
+    finally:
+        if node is not None:
+            node.close()
+    assert port.batched is True  # CollectResultBatch answered: no fallback
+    invariants.assert_epoch_trained_once(consumed, n)
+    c = df_status["counters"]
+    assert c["consumed_groups"] == c["completed_groups"] == n
+    assert c.get("duplicates_dropped", 0) == 0
+    work = dict(node_status.counters)
+    assert work["groups_accepted"] == work["groups_finished"] == n, work
+    assert work["results_acknowledged"] == n, work  # each acknowledged once, by a batch call
+
+
+def test_node_results_are_cut_at_the_byte_limit_but_keep_the_first():
+    """results.js, as CollectResultBatch uses it: the oldest results whose sizes fit the
+    limit, at most max_groups, one at least however large (as astra.servers.raas_convert's
+    `within`); results answered stay held until acknowledged."""
+    script = """
+    const { Results } = require('./results');
+    const r = new Results();
+    r.add('a', { id: 'a' }, 40); r.add('b', { id: 'b' }, 40); r.add('c', { id: 'c' }, 100);
+    const ids = (list) => list.map((x) => x.id);
+    const out = [ids(r.oldest(10, 80)), ids(r.oldest(10, 79)), ids(r.oldest(2)), ids(r.oldest(10, 1))];
+    out.push([String(r.acknowledge(['a', 'zz'])), ...ids(r.oldest(10, 1000))]);
+    console.log(JSON.stringify(out));
+    """
+    js = subprocess.run(
+        ["node", "-e", script], cwd=NODE_DIR, capture_output=True, text=True, timeout=30, check=True
+    )
+    assert json.loads(js.stdout) == [["a", "b"], ["a"], ["a", "b"], ["a"], ["1", "b", "c"]]
 
 
 def test_node_raas_resumes_a_fetch_after_the_tensors_it_verified(tmp_path, monkeypatch):

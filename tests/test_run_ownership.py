@@ -5,6 +5,7 @@ command line run.json recorded)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,9 +37,19 @@ def test_the_supervisors_death_ends_every_child(runs) -> None:
     time.sleep(1.0)
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait(10)
-    assert _until(lambda: all(gone(c["pid"]) for c in children), 60), [
-        c["name"] for c in children if not gone(c["pid"])
-    ]
+    ended = _until(lambda: all(gone(c["pid"]) for c in children), 60)
+    assert ended, _survivors(run, [c for c in children if not gone(c["pid"])])
+    # Each stopped by itself, not by its stop's deadline (astra.stop_deadline).
+    assert "the stop did not finish" not in run.log_tails(80), run.log_tails(80)
+
+
+def _survivors(run, left: list[dict]) -> str:
+    """The children still there, with their stacks (SIGUSR1: astra.logs) and log tails."""
+    for c in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(c["pid"], signal.SIGUSR1)
+    time.sleep(1.0)
+    return f"{[c['name'] for c in left]} still running\n{run.log_tails(80)}"
 
 
 def test_sighup_stops_the_run_like_sigterm(runs) -> None:

@@ -141,8 +141,8 @@ def test_a_core_service_keeps_its_port_after_a_restart_that_failed(tmp_path: Pat
 def test_dataflows_address_is_kept_when_the_weightservice_beside_it_fails_to_start(
     tmp_path: Path,
 ) -> None:
-    """Supervisor._start_all starts the WeightService again alone when it cannot take its port
-    back: Dataflow, which served, keeps the address its restarts come back on."""
+    """astra.run.starting.start_core starts the WeightService again alone when it cannot take
+    its port back: Dataflow, which served, keeps the address its restarts come back on."""
     factory = fake_factory(tmp_path, {"dataflow": "serve", "weights": "die"}, {"dataflow": "41001"})
 
     async def main() -> None:

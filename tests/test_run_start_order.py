@@ -1,4 +1,4 @@
-"""`astra run` starts its services in stages (astra.run.supervisor): Dataflow and the
+"""`astra run` starts its services in stages (astra.run.starting): Dataflow and the
 WeightService beside the warm-up (neither needs the warmed-up model), then every RaaS and every
 trainer together, so that a trainer's start-up (imports, model load, publishing version 0)
 overlaps the RaaS's instead of following it."""
@@ -15,6 +15,7 @@ import pytest
 from astra.run.children import Child, ChildFailed
 from astra.run.layout import RunDir
 from astra.run.recipe import load_recipe
+from astra.run.starting import start_all
 from astra.run.supervisor import Supervisor
 from tests.test_run_children import fake_factory
 
@@ -39,7 +40,7 @@ def test_trainers_start_with_the_raas_not_after_them(tmp_path: Path) -> None:
         sup.dataset = rd.dataset
         try:
             with pytest.raises(ChildFailed, match="raas-0 exited"):
-                await sup._start_all(rd.dataset, {p.id: 5 for p in recipe.policies})
+                await start_all(sup, rd.dataset, {p.id: 5 for p in recipe.policies})
         finally:
             for group in sup.children.values():
                 for child in group:
@@ -70,7 +71,7 @@ def test_dataflow_and_the_weightservice_start_beside_the_warmup(tmp_path: Path) 
         sup.dataset = rd.dataset
         try:
             with pytest.raises(ChildFailed, match="warmup-policy exited"):
-                await sup._start_all(rd.dataset, {p.id: 5 for p in recipe.policies})
+                await start_all(sup, rd.dataset, {p.id: 5 for p in recipe.policies})
         finally:
             for group in sup.children.values():
                 for child in group:
@@ -96,6 +97,7 @@ from pathlib import Path
 from astra.run import layout
 from astra.run.layout import RunDir
 from astra.run.recipe import load_recipe
+from astra.run.starting import start_all
 rd = RunDir(Path({str(tmp_path / "run")!r}))
 for d in (rd.config, rd.dataset.parent):
     d.mkdir(parents=True, exist_ok=True)

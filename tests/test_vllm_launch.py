@@ -14,8 +14,8 @@ import pytest
 
 from astra.engine.char_hf import char_tokenizer_files
 from astra.engine.http.launch import error_line
-from astra.engine.http.vllm import EXTENSION_CLS, EXTENSION_DIR, launch_defaults, launch_env
 from astra.engine.http.vllm_env import PYTHON_ENV, vllm_python
+from astra.engine.http.vllm_launch import EXTENSION_CLS, EXTENSION_DIR, launch_defaults, launch_env
 from astra.engine.tiny import TINY_CONFIG, save_tiny
 from astra.engine.tokenizer import CharTokenizer, load_tokenizer
 from astra.errors import FailedPrecondition

@@ -30,8 +30,8 @@ torch = pytest.importorskip("torch")
 from astra.engine.api import Generation, Sampling  # noqa: E402
 from astra.engine.http import OpenAIEngine, VLLMEngine, WeightsDir  # noqa: E402
 from astra.engine.http.launch import error_line  # noqa: E402
-from astra.engine.http.vllm import EXTENSION_RELOAD, start_vllm  # noqa: E402
 from astra.engine.http.vllm_env import vllm_python  # noqa: E402
+from astra.engine.http.vllm_launch import EXTENSION_RELOAD, start_vllm  # noqa: E402
 from astra.engine.tiny import TINY_CONFIG, random_model, save_model, save_tiny, tiny_model  # noqa: E402
 from astra.engine.tokenizer import CharTokenizer  # noqa: E402
 from astra.engine.torch_engine import TorchEngine  # noqa: E402

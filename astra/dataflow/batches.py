@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from astra.dataflow.records import Batch, BatchRow, GroupRecord, rebuild
 from astra.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from astra.waits import within
 
 if TYPE_CHECKING:
     from astra.dataflow.config import LeaseSettings
@@ -282,7 +283,7 @@ class BatchDesk:
                 if on_wait is not None:
                     on_wait()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.data_ready.wait(), remaining)
+                    await within(self.data_ready.wait(), remaining)
         batch = Batch(
             uuid.uuid4().hex,
             policy_id,

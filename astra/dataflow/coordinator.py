@@ -15,7 +15,6 @@ reaches rollout services only through `RolloutPort`, so it never imports gRPC.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import uuid
@@ -52,6 +51,7 @@ from astra.errors import FailedPrecondition, InvalidArgument
 log = logging.getLogger(__name__)
 
 EXIT_STORAGE_FAILED = 75  # EX_TEMPFAIL: a supervisor restarts the process, which recovers
+STOP_TASKS_S = 5.0  # how long a stop waits for its cancelled loops to end
 __all__ = ["EXIT_STORAGE_FAILED", "POOL_EMPTY", "Dataflow"]
 
 
@@ -174,9 +174,19 @@ class Dataflow:
         ]
         for t in tasks:
             t.cancel()
+        # Bounded: a task that outlives its cancellation (astra.waits says how one did) is
+        # named and left behind, so the process still stops; what is durable is on disk.
+        if tasks:
+            _, running = await asyncio.wait(tasks, timeout=STOP_TASKS_S)
+            for t in running:
+                log.error(
+                    "stopping: task %s still running %.0fs after its cancel",
+                    t.get_name(),
+                    STOP_TASKS_S,
+                )
         for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+            if t.done() and not t.cancelled():
+                t.exception()  # retrieved: its failure was logged where it happened
         await asyncio.gather(
             *(inst.port.close() for inst in self.pool.instances.values()), return_exceptions=True
         )

@@ -11,7 +11,6 @@ refused or failed submit puts the groups back. Never imports gRPC.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 
@@ -28,6 +27,7 @@ from astra.dataflow.store import StateStore
 from astra.dataflow.turns import TrainerTurns
 from astra.dataflow.versions import VersionBook
 from astra.dataflow.work import WorkTable
+from astra.waits import wait_set
 
 log = logging.getLogger("astra.dataflow.coordinator")
 
@@ -65,8 +65,7 @@ class Dispatcher:
 
     async def loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.woken.wait(), IDLE_POLL_S)
+            await wait_set(self.woken, IDLE_POLL_S)
             await self.turns.after_trainers()
             self.woken.clear()
             try:

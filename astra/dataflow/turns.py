@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from astra.waits import wait_set
+
 TRAINER_FIRST_MAX_S = 0.5
 
 
@@ -60,5 +62,4 @@ class TrainerTurns:
     async def after_trainers(self) -> None:
         """Waits while a batch is being served (at most TRAINER_FIRST_MAX_S)."""
         if not self.idle.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.idle.wait(), TRAINER_FIRST_MAX_S)
+            await wait_set(self.idle, TRAINER_FIRST_MAX_S)

@@ -25,12 +25,12 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from astra.errors import ResourceExhausted
+from astra.waits import wait_set
 
 RETRY_AFTER_S = 0.5
 
@@ -137,8 +137,7 @@ class ResultStore:
         is (possibly nothing).
         """
         if not self._finished and max_wait_s > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), max_wait_s)
+            await wait_set(self._ready, max_wait_s)
         out: list[object] = []
         for result in self._finished.values():
             if len(out) >= max_groups:

@@ -44,6 +44,7 @@ from typing import Any, BinaryIO
 from astra import parent_death
 from astra.tls_certs import child_credential
 from astra.tls_material import ENV_DIR, ENV_NODE_CA
+from astra.waits import within
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class Child:
         """Waits for the JSON address line; raises ChildFailed (with the log tail) otherwise."""
         assert self.proc is not None and self.proc.stdout is not None
         try:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+            line = await within(self.proc.stdout.readline(), timeout_s)
         except TimeoutError:
             raise ChildFailed(f"{self.name}: no address line within {timeout_s:.0f}s") from None
         if not line:
@@ -208,7 +209,7 @@ class Child:
         if self.proc.returncode is None:
             self.signal_group(signal.SIGTERM)
             try:
-                await asyncio.wait_for(self.wait(), grace_s)
+                await within(self.wait(), grace_s)
             except TimeoutError:
                 log.warning("%s did not stop within %.0fs: SIGKILL", self.name, grace_s)
         # Leftover members of the group (helpers) go too, even after the leader exited.
@@ -216,7 +217,7 @@ class Child:
         rc = await self.wait()
         if self._drain is not None:
             with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(self._drain, 2.0)
+                await within(self._drain, 2.0)
         self.close()
         return rc
 

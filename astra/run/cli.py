@@ -194,7 +194,7 @@ def _logging(level: str, path: Path, supervision: SupervisionSpec) -> None:
     (keeping at least one copy: the supervisor owns its file, so nothing is lost)."""
     from logging.handlers import RotatingFileHandler
 
-    from astra.logs import formatter
+    from astra.logs import dump_stacks_on, formatter
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fmt = formatter()
@@ -206,6 +206,7 @@ def _logging(level: str, path: Path, supervision: SupervisionSpec) -> None:
     for handler in (logging.StreamHandler(sys.stderr), to_file):
         handler.setFormatter(fmt)
         root.addHandler(handler)
+    dump_stacks_on(sys.stderr)  # kill -USR1: its threads' stacks, as every child's (astra.logs)
 
 
 if __name__ == "__main__":

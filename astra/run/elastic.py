@@ -28,6 +28,7 @@ from astra.run import control, layout
 from astra.run.children import Child, ChildFailed
 from astra.run.recipe import RaasSpec, reserved_name
 from astra.run.run_view import RunView
+from astra.waits import within
 
 log = logging.getLogger("astra.run")
 WORK_COUNTERS = (
@@ -256,7 +257,7 @@ async def raas_work(child: Child, timeout_s: float = 3.0) -> dict[str, Any]:
 
     client = RolloutClient(child.address, timeout_s=timeout_s)
     try:
-        status = await asyncio.wait_for(client.get_status(), timeout_s)
+        status = await within(client.get_status(), timeout_s)
         counters = dict(status.counters)
         return {k: int(counters.get(k, 0)) for k in WORK_COUNTERS}
     except Exception as exc:  # a RaaS that cannot answer is stopped all the same

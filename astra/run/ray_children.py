@@ -62,6 +62,7 @@ from astra.run.ray_actor import process_actor
 from astra.run.recipe import Recipe
 from astra.tls_certs import child_credential
 from astra.tls_material import ENV_DIR, ENV_NODE_CA
+from astra.waits import within
 
 log = logging.getLogger("astra.run")
 SERVE_ROLES = ("dataflow", "weights", "raas", "trainer")
@@ -180,7 +181,7 @@ class RayChild(Child):
             await self._signal(signal.SIGKILL)
         self._rc, self.proc, self._exit, self.info, self.stopping = None, None, None, {}, False
         try:
-            self.placement = await asyncio.wait_for(_get(self._placed), self.placement_timeout_s)
+            self.placement = await within(_get(self._placed), self.placement_timeout_s)
         except TimeoutError:
             self.close()
             raise ChildFailed(
@@ -294,13 +295,13 @@ class RayChild(Child):
         if self._rc is None:
             await self._signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(asyncio.shield(self._exit), grace_s)
+                await within(asyncio.shield(self._exit), grace_s)
             except TimeoutError:
                 log.warning("%s did not stop within %.0fs: SIGKILL", self.name, grace_s)
         # Leftover members of the group (ranks, helpers) go too, even after the leader exited.
         await self._signal(signal.SIGKILL)
         try:
-            rc: int | None = await asyncio.wait_for(asyncio.shield(self._exit), 30.0)
+            rc: int | None = await within(asyncio.shield(self._exit), 30.0)
         except TimeoutError:
             rc = None
         self.close()

@@ -1,15 +1,16 @@
 """What the supervisor's parts read and call of it: `RunView` and `RestartsView`.
 
 The supervisor (astra.run.supervisor) owns the children and the run's state;
-its parts (astra.run.elastic, astra.run.restarts, astra.run.ending) are given
-the supervisor itself but type it by these protocols, so none of them imports
-the module that imports them. Declares; never runs anything.
+its parts (astra.run.starting, astra.run.elastic, astra.run.restarts,
+astra.run.ending) are given the supervisor itself but type it by these
+protocols, so none of them imports the module that imports them. Declares;
+never runs anything.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from astra.run.children import Child
@@ -47,6 +48,9 @@ class RunView(Protocol):
     dataset: Any
     stop: asyncio.Event
     changed: asyncio.Event
+    new_child: Callable[..., Child]  # Child, or --ray's astra.run.ray_children.RayChildren
+    weights_port: int  # the WeightService's port to take again on --resume (0: any)
+    raas_specs: dict[str, RaasSpec]
 
     def fail(self, status: str) -> None: ...
     def spec_of(self, child: Child) -> RaasSpec: ...
@@ -60,4 +64,6 @@ class RunView(Protocol):
         spec: RaasSpec | None = None,
     ) -> Child: ...
     async def start_children(self, group: list[Child]) -> None: ...
+    async def until_stop(self, coro: Any) -> Any: ...
+    def tail(self, child: Child) -> str: ...
     def write_run_json(self) -> None: ...

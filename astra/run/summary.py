@@ -9,6 +9,7 @@ Sources, read after every child has stopped:
 - What the observer kept of its metrics rows (trainer GetStatus per step): each policy's
   last step and its per-step accuracies (astra.run.history).
 - The trainers' own last log line ("trainer stopped at step N").
+`learned` reads the written summary back for the run's last line.
 """
 
 from __future__ import annotations
@@ -312,3 +313,20 @@ def write_failure_summary(path: Path, status: str, wall_seconds: float) -> None:
     if previous is not None:
         summary["previous"] = previous
     write_summary(path, summary)
+
+
+def learned(path: Path) -> str:
+    """What the run learned, for its last line: training accuracy over the first and last
+    ten steps, and the held-out score before and after (from summary.json at `path`)."""
+    try:
+        s = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    parts = []
+    first, last = s.get("accuracy_first10"), s.get("accuracy_last10")
+    if first is not None and last is not None:
+        parts.append(f"accuracy {first:.2f} -> {last:.2f}")
+    results = (s.get("eval") or {}).get("results") or []
+    if results and results[0].get("mean_reward") is not None and s["eval"].get("last") is not None:
+        parts.append(f"held-out {results[0]['mean_reward']:.2f} -> {s['eval']['last']:.2f}")
+    return f": {', '.join(parts)}" if parts else ""

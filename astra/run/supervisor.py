@@ -1,10 +1,8 @@
 """`astra run`'s supervisor: starts the services as separate processes, watches them, stops them.
 
-Order: the supervised warm-up (`astra sft` per policy, when the recipe has one;
-kept on --resume) with Dataflow and the WeightService starting beside it (neither needs the
-warmed-up model), then every RaaS (--dataflow) and one trainer per policy (--dataflow,
---weights), together; that stage waits for the warm-up's end and for the address lines of
-the two before it. While the run goes on, RaaS are added and removed by
+Start order (astra.run.starting): the supervised warm-up with Dataflow and the
+WeightService starting beside it, then every RaaS and one trainer per policy,
+together. While the run goes on, RaaS are added and removed by
 the recipe's `elastic:` schedule and by `astra raas add|remove` (astra.run.elastic;
 a removal is no death), and a child that exits is reported with the tail of its
 log and started again (astra.run.restarts: Dataflow and the WeightService on their
@@ -15,9 +13,9 @@ run.json says who runs: the supervisor (pid, state starting / running /
 stopping / ended), every child, the RaaS removed and every elastic change.
 The run ends when every trainer exits 0 after its num_steps. SIGINT/SIGTERM/SIGHUP/
 SIGQUIT (a second one: no more grace) stop everything; a SIGKILL of the supervisor
-ends each child by its parent-death signal (astra.run.children). Shutdown goes trainers, RaaS (their
-work counters asked first), then Dataflow and the WeightService, each group
-SIGTERM -> grace -> SIGKILL by process group, so no child outlives the run
+ends each child by its parent-death signal (astra.run.children). Shutdown (astra.run.ending)
+goes trainers, RaaS (their work counters asked first), then Dataflow and the WeightService,
+each group SIGTERM -> grace -> SIGKILL by process group, so no child outlives the run
 (descendants in sessions of their own aside: see astra.run.children).
 Then summary.json is written (astra.run.summary; `raas`: each RaaS's capacity,
 labels, how it joined and left, and its work; `elastic`: every change).
@@ -48,7 +46,9 @@ from astra.run.logrotate import keep_logs_small
 from astra.run.observe import Observer
 from astra.run.recipe import RaasSpec, Recipe
 from astra.run.restarts import Restarts
-from astra.run.summary import write_failure_summary
+from astra.run.starting import start_all
+from astra.run.summary import learned, write_failure_summary
+from astra.waits import cancel_and_wait
 
 log = logging.getLogger("astra.run")
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -124,7 +124,8 @@ class Supervisor:
         log.warning("%s: stopping every child", signal.Signals(sig).name)
         self.stop.set()
 
-    async def _until_stop(self, coro: Any) -> Any:
+    async def until_stop(self, coro: Any) -> Any:
+        """`coro`'s result, unless the run is asked to stop first: then Interrupted."""
         task, stopped = asyncio.ensure_future(coro), asyncio.ensure_future(self.stop.wait())
         try:
             await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -134,9 +135,8 @@ class Supervisor:
         finally:
             stopped.cancel()
         if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            with contextlib.suppress(Exception):
+                await cancel_and_wait(task)
             raise Interrupted
         return task.result()
 
@@ -145,18 +145,19 @@ class Supervisor:
             await child.spawn()
         timeout = self.recipe.supervision.startup_timeout_s
         reads = asyncio.gather(*(c.read_address(timeout) for c in group), return_exceptions=True)
-        results = await self._until_stop(reads)
+        results = await self.until_stop(reads)
         self.write_run_json()
         for child, result in zip(group, results, strict=True):
             if child.role in ("dataflow", "weights") and not isinstance(result, BaseException):
                 self.addresses.setdefault(child.role, child.address)  # the first start's
         for child, result in zip(group, results, strict=True):
             if isinstance(result, BaseException):
-                raise ChildFailed(f"{result}\n{self._tail(child)}") from result
+                raise ChildFailed(f"{result}\n{self.tail(child)}") from result
         for child in group:
             log.info("%s (pid %s) serving on %s", child.name, child.pid, child.address)
 
-    def _tail(self, child: Child) -> str:
+    def tail(self, child: Child) -> str:
+        """The last lines of `child`'s log (supervision.log_tail_lines), headed by its path."""
         lines = self.recipe.supervision.log_tail_lines
         return f"--- last lines of {child.log_path} ---\n{child.tail(lines)}"
 
@@ -170,125 +171,6 @@ class Supervisor:
         }
         # readers see the old list or the new one; a --resume after a power cut finds it
         write_durably(self.rd.run_json, json.dumps(data, indent=2) + "\n")
-
-    async def _warmup(self, dataset: Any) -> Recipe:
-        """Runs `astra sft` for each policy not warmed up yet; the recipe the services start from."""
-        r, rd = self.recipe, self.rd
-        if not r.warmup.steps:
-            return r
-        data = await asyncio.to_thread(layout.warmup_data, r, rd, dataset)
-        # Policies whose warm-up would be the same command (model, records, settings) share
-        # one: the later ones' model is a link to the first's, so they start on one base.
-        first: dict[tuple[str, ...], str] = {}
-        for p in r.policies:
-            out = rd.warmup_model(p.id)
-            done = out.parent / "result.json"
-            mine = await asyncio.to_thread(layout.policy_warmup_data, r, rd, data, p.id)
-            command = layout.sft_command(r, p, rd, mine)
-            twin = first.setdefault(tuple(a for a in command if a != str(out)), p.id)
-            if out.is_dir():  # astra sft renames it into place when complete
-                self.warmup[p.id] = json.loads(done.read_text()) if done.is_file() else {}
-                log.info("warm-up of %s: kept from %s", p.id, out)
-                continue
-            if twin != p.id:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.symlink_to(rd.warmup_model(twin).resolve(), target_is_directory=True)
-                self.warmup[p.id] = self.warmup.get(twin, {})
-                done.write_text(json.dumps(self.warmup[p.id], indent=2) + "\n")
-                log.info("warm-up of %s: the same as %s's, shared (%s)", p.id, twin, out)
-                continue
-            name = f"warmup-{p.id}"
-            child = self.new_child(name, "warmup", command, rd.log(name), r.env)
-            self.children["warmup"].append(child)
-            await child.spawn()
-            log.info(
-                "warm-up of %s: %d supervised steps on %s (pid %s)",
-                p.id,
-                r.warmup.steps,
-                mine,
-                child.pid,
-            )
-            try:
-                result = await self._until_stop(child.result())
-            except ChildFailed as exc:
-                raise ChildFailed(f"{exc}\n{self._tail(child)}") from exc
-            finally:
-                if child.returncode is None:
-                    await child.stop(self.grace_s)
-                child.close()
-                self.children["warmup"].remove(child)
-            done.write_text(json.dumps(result, indent=2) + "\n")
-            self.warmup[p.id] = result
-            log.info(
-                "warm-up of %s done in %.1fs: loss %.3f -> %.3f",
-                p.id,
-                result.get("seconds", 0.0),
-                result.get("loss_first", float("nan")),
-                result.get("loss_last", float("nan")),
-            )
-        return layout.after_warmup(r, rd)
-
-    def _core_children(self, dataset: Any) -> tuple[Child, Child]:
-        """Dataflow and the WeightService, not started yet. Neither needs a warmed-up model
-        (Dataflow's config takes the policies' vocabulary sizes, which a warm-up keeps), so
-        they start while the warm-up runs; their commands are made before it starts (Dataflow's
-        writes the held-out records, which the warm-up's records are then drawn apart from)."""
-        r, rd = self.started_recipe, self.rd
-        df = self.add_child("dataflow", "dataflow", layout.dataflow_command(r, rd, dataset))
-        weights = self.add_child(
-            "weights", "weights", layout.weights_command(r, rd, self.weights_port)
-        )
-        return df, weights
-
-    async def _start_core(self, df: Child, weights: Child) -> tuple[Child, Child]:
-        port = self.weights_port
-        try:
-            await self.start_children([df, weights])
-        except ChildFailed:
-            if not port or weights.returncode is None:
-                raise
-            log.warning("WeightService could not take port %d again; any port instead", port)
-            await weights.stop(0)
-            self.children["core"].remove(weights)
-            command = layout.weights_command(self.started_recipe, self.rd)
-            weights = self.add_child("weights", "weights", command)
-            await self.start_children([weights])
-        return df, weights
-
-    async def _start_all(self, dataset: Any, steps: dict[str, int]) -> None:
-        """The warm-up (Dataflow and the WeightService starting meanwhile), then every RaaS and
-        every trainer, which start from the warmed-up models."""
-        core = asyncio.ensure_future(self._start_core(*self._core_children(dataset)))
-        try:
-            self.started_recipe = await self._warmup(dataset)
-        except BaseException:
-            core.cancel()
-            with contextlib.suppress(BaseException):
-                await core
-            raise
-        df, weights = await core
-        r, rd = self.started_recipe, self.rd
-        raas = []
-        for i, name in enumerate(r.raas_names):
-            spec = self.raas_specs[name] = r.raas[i]
-            command = layout.raas_command(r, i, rd, df.address)
-            raas.append(self.add_child(name, "raas", command, r.raas_policies(spec), spec=spec))
-            raas[-1].extra = {"capacity": spec.capacity, "labels": spec.labels, "joined": "recipe"}
-        trainers = [
-            self.add_child(
-                f"trainer-{p.id}",
-                "trainer",
-                layout.trainer_command(
-                    r, p, rd, dataflow=df.address, weights=weights.address, resume=self.resume
-                ),
-                [p.id],
-            )
-            for p in r.policies
-            if steps[p.id] > 0
-        ]
-        # Neither waits for the other (a trainer asks Dataflow for batches, which waits for
-        # rollouts): their start-ups (imports, model load) overlap.
-        await self.start_children(raas + trainers)
 
     def _rotate_logs(self) -> asyncio.Task[None] | None:
         """Keeps the children's logs under supervision.max_log_bytes (astra.run.logrotate);
@@ -360,7 +242,7 @@ class Supervisor:
                         child.name,
                         child.pid,
                         rc,
-                        self._tail(child),
+                        self.tail(child),
                     )
                     child.signal_group(signal.SIGKILL)  # what is left of its group goes now
                     # Damaged state (astra.damage) is found again by every restart.
@@ -419,7 +301,7 @@ class Supervisor:
         control.clear(self.rd)
         self.write_run_json()  # state starting: `astra raas` says so
         try:
-            await self._start_all(dataset, steps)
+            await start_all(self, dataset, steps)
             trainers = {c.name.removeprefix("trainer-"): c for c in self.children["trainer"]}
             self.observer = Observer(
                 self.children["core"][0].address,
@@ -470,9 +352,7 @@ class Supervisor:
             self.state = "stopping"
             for task in (elastic, observing, rotating):
                 if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                    await cancel_and_wait(task)
             if elastic is not None and elastic.done() and not elastic.cancelled():
                 with contextlib.suppress(Exception):
                     elastic.result()
@@ -488,25 +368,7 @@ class Supervisor:
             finally:
                 self.state = "ended"
                 self.write_run_json()
-        log.info("run %s: %s (%s)%s", self.recipe.name, status, self.rd.root, self._learned())
+        log.info(
+            "run %s: %s (%s)%s", self.recipe.name, status, self.rd.root, learned(self.rd.summary)
+        )
         return code
-
-    def _learned(self) -> str:
-        """What the run learned, for its last line: training accuracy over the first and last
-        ten steps, and the held-out score before and after (from summary.json)."""
-        try:
-            s = json.loads(self.rd.summary.read_text())
-        except (OSError, ValueError):
-            return ""
-        parts = []
-        first, last = s.get("accuracy_first10"), s.get("accuracy_last10")
-        if first is not None and last is not None:
-            parts.append(f"accuracy {first:.2f} -> {last:.2f}")
-        results = (s.get("eval") or {}).get("results") or []
-        if (
-            results
-            and results[0].get("mean_reward") is not None
-            and s["eval"].get("last") is not None
-        ):
-            parts.append(f"held-out {results[0]['mean_reward']:.2f} -> {s['eval']['last']:.2f}")
-        return f": {', '.join(parts)}" if parts else ""

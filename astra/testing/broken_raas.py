@@ -29,6 +29,7 @@ from astra.raas.v1 import rollout_service_pb2 as pb
 from astra.raas.v1 import rollout_service_pb2_grpc as pb_grpc
 from astra.servers.raas import RolloutServicer
 from astra.servers.runtime import GrpcServer, with_raw_responses
+from astra.testing.broken_raas_batch import BATCH_CATCHES, BATCH_SWITCHES
 from astra.testing.broken_raas_loads import (
     FetchingScripted,
     allows_regression,
@@ -415,6 +416,7 @@ SWITCHES: dict[str, Switch] = {
         loses_a_slot,
         collect_accepts_zero_max_groups,
         cancel_drops_finished,
+        *BATCH_SWITCHES,
     )
 } | REGISTRATION_SWITCHES
 
@@ -460,6 +462,7 @@ CATCHES: dict[str, str] = {
     "collect_accepts_zero_max_groups": "collect_rejects_zero_max_groups",
     "cancel_drops_finished": "cancel_keeps_a_finished_result",
     "loaded_by_counter_only": "load_weights_matches_by_identity",
+    **BATCH_CATCHES,
     **REGISTRATION_CATCHES,
 }
 
@@ -477,7 +480,7 @@ async def start_broken_raas(
         SWITCHES[switch](servicer, server)
     name = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
     add = with_raw_responses(
-        pb_grpc.add_RolloutServiceServicer_to_server, name, ("CollectResults",)
+        pb_grpc.add_RolloutServiceServicer_to_server, name, ("CollectResults", "CollectResultBatch")
     )
     server.add_service(add, servicer, name)
     await server.start(serving=False)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from astra.raas.scripted import LatencyModel, ScriptedGenerator
 from astra.servers.raas_serve import start_raas
 from astra.servers.runtime import install_event_loop_policy, serve_until_signal
+from astra.stop_deadline import STOP_DEADLINE_S
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -102,7 +103,7 @@ async def amain(args: argparse.Namespace) -> None:
             await registrar.stop()
         await servicer.close()
 
-    await serve_until_signal(server, on_stop=on_stop)
+    await serve_until_signal(server, on_stop=on_stop, deadline_s=STOP_DEADLINE_S)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

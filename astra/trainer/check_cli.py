@@ -24,6 +24,8 @@ from pathlib import Path
 
 import click
 
+from astra.waits import within
+
 POLL_S = 0.1
 
 
@@ -42,7 +44,7 @@ async def _stop(proc: asyncio.subprocess.Process, sig: int, grace_s: float) -> N
     except ProcessLookupError:
         return
     try:
-        await asyncio.wait_for(proc.wait(), grace_s)
+        await within(proc.wait(), grace_s)
     except TimeoutError:
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()

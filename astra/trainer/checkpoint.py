@@ -10,7 +10,8 @@ Layout of one checkpoint, `<root>/step-<9 digits>/`:
     trainer.json    step, version, fetch attempt, counters
     digests.json    Adler-32 of every tensor, SHA-256 of every other file
                     (astra.trainer.ckpt_verify: checked before a resume)
-Everything is written under `<root>/.tmp-step-...` and renamed into place:
+Everything is written under `<root>/.tmp-step-...` and renamed into place
+(`stage_checkpoint`, then `commit_checkpoint`, which a trainer may call later):
 a checkpoint directory exists complete or not at all, and a crash leaves at
 worst a temporary directory, removed by the next write. Knows nothing of
 models or process groups: the caller gathers the full state first.
@@ -61,7 +62,7 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_checkpoint(
+def stage_checkpoint(
     root: str | os.PathLike[str],
     step: int,
     model_state: Mapping[str, Tensor],
@@ -69,15 +70,13 @@ def write_checkpoint(
     optimizer_state: Mapping[str, Any],
     trainer_state: Mapping[str, Any],
     *,
-    keep_last: int | None = None,
     files: Mapping[str, bytes] | None = None,
 ) -> Path:
-    """Writes `<root>/step-N` atomically (replacing one of the same step); prunes to keep_last.
-    `files` go into `model/` beside config.json (a LoRA adapter's adapter_config.json)."""
+    """Writes the checkpoint of step N complete and durable under `<root>/.tmp-step-N`, not
+    yet a checkpoint: `commit_checkpoint` renames it into place."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:09d}"
-    tmp = root / f"{TMP_PREFIX}{final.name}"
+    tmp = root / f"{TMP_PREFIX}{PREFIX}{step:09d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_state(tmp / "model", model_state, model_config, version=f"step-{step}", files=files)
@@ -92,9 +91,17 @@ def write_checkpoint(
         os.fsync(f.fileno())
     write_digests(tmp)
     fsync_dir(tmp)
+    return tmp
+
+
+def commit_checkpoint(staged: Path, *, keep_last: int | None = None) -> Path:
+    """Renames a staged checkpoint (`stage_checkpoint`) into place, replacing one of the same
+    step, and prunes to keep_last; returns `<root>/step-N`."""
+    root = staged.parent
+    final = root / staged.name.removeprefix(TMP_PREFIX)
     if final.exists():
         shutil.rmtree(final)
-    os.rename(tmp, final)
+    os.rename(staged, final)
     fsync_dir(root)
     if keep_last is not None:
         prune(root, keep_last)

@@ -16,7 +16,6 @@ and the checkpoints hold only the adapter (astra.trainer.lora).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import random
@@ -41,6 +40,7 @@ from astra.trainer.publisher import Publisher
 from astra.trainer.sources import BatchSource, Connect, WeightSink, retrying
 from astra.trainer.state import StateMixin
 from astra.trainer.step import TrainingStepResult, train_on_batch
+from astra.waits import wait_set, within
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,9 @@ class Trainer(StateMixin):
             await self._compute(broadcast_object, {"kind": "stop"})
         if self.rank == 0 and self.initialized:
             try:
-                await asyncio.wait_for(self.publisher.drain(), drain_timeout_s)
+                await within(self.publisher.drain(), drain_timeout_s)
+                # The checkpoint staged last: its version is out now, so it is committed.
+                await within(self.committed(), drain_timeout_s)
             except TimeoutError:
                 log.error(
                     "stopping: publishing did not finish within %.1f s; version %d may not be "
@@ -169,6 +171,8 @@ class Trainer(StateMixin):
                     self.version,
                 )
             finally:
+                if self._commit is not None:  # left staged: the next write removes it
+                    self._commit.cancel()
                 await self.publisher.close()
                 for part in (self.source, self.sink):
                     if part is not None:
@@ -233,8 +237,7 @@ class Trainer(StateMixin):
         while self.paused:
             if self.world_size > 1:
                 await self._compute(broadcast_object, {"kind": "idle"})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._resumed.wait(), IDLE_PLAN_S)
+            await wait_set(self._resumed, IDLE_PLAN_S)
 
     async def _iteration(self) -> StepResult:
         t0 = time.perf_counter()
@@ -323,6 +326,7 @@ class Trainer(StateMixin):
             yield await self.train_step_async()
             done += 1
         await self.publisher.drain()
+        await self.committed()  # the checkpoint staged last, now that its version is out
 
     def run_training(self, num_steps: int) -> Iterator[StepResult]:
         """The synchronous form, on an event loop of its own kept across calls (see `close`)."""
@@ -352,7 +356,7 @@ class Trainer(StateMixin):
         try:
             if self._fetching:
                 training.cancel()
-            await asyncio.wait_for(self.wait_idle(), timeout_s)
+            await within(self.wait_idle(), timeout_s)
             training.cancel()
             await asyncio.wait({training})
             if not self.initialized or self.config.checkpoint.dir is None:
@@ -360,7 +364,7 @@ class Trainer(StateMixin):
             # With several ranks the followers keep following on torchrun's SIGTERM
             # (servers/trainer.py): the checkpoint is a plan they take part in.
             left = max(0.0, deadline - time.monotonic())
-            await asyncio.wait_for(self.checkpoint_at_end(), left)
+            await within(self.checkpoint_at_end(), left)
             return True
         except TimeoutError:
             log.error(

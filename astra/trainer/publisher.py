@@ -12,7 +12,6 @@ failure is fatal and re-raised by the next `submit` or `drain`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ from torch import Tensor
 
 from astra.engine.torch_weights import DTYPE_NAMES
 from astra.trainer.sources import WeightSink, is_retryable
+from astra.waits import cancel_and_wait
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 5.0
@@ -66,6 +66,9 @@ class Publisher:
         self._queue: asyncio.Queue[tuple[int, str, dict[str, Tensor]]] = asyncio.Queue(max_pending)
         self._error: BaseException | None = None
         self._worker: asyncio.Task[None] | None = None
+        self.last_submitted = -1  # the newest version queued
+        self._handled = -1  # the newest version the worker is done with (announced or not)
+        self._progress = asyncio.Event()  # set whenever the worker finishes a version
 
     def _check(self) -> None:
         if self._error is not None:
@@ -82,13 +85,12 @@ class Publisher:
         # nothing would ever make room, so the step waits for either.
         await asyncio.wait({put, self._worker}, return_when=asyncio.FIRST_COMPLETED)
         if not put.done():
-            put.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await put
+            await cancel_and_wait(put)
             self._check()
             raise RuntimeError("publishing stopped")  # the worker ended without an error
         blocked = time.perf_counter() - start
         self.stats.blocked_s += blocked
+        self.last_submitted = max(self.last_submitted, version)
         return blocked
 
     async def drain(self) -> None:
@@ -99,11 +101,24 @@ class Publisher:
             join.cancel()
         self._check()
 
+    async def wait_handled(self, version: int) -> None:
+        """Until every version up to `version` that was queued is published and announced
+        (a version never queued here, such as the one a resumed trainer starts from, is not
+        waited for); raises the worker's failure."""
+        target = min(version, self.last_submitted)
+        while self._handled < target:
+            self._check()  # the worker's failure, if it died of one
+            if self._worker is None or self._worker.done():
+                raise RuntimeError("publishing stopped")
+            self._progress.clear()
+            waiter = asyncio.ensure_future(self._progress.wait())
+            await asyncio.wait({waiter, self._worker}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        self._check()
+
     async def close(self) -> None:
         if self._worker is not None:
-            self._worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
+            await cancel_and_wait(self._worker)
 
     async def _retrying(self, what: str, call: Callable[..., Awaitable[None]], *args: Any) -> None:
         backoff = 0.1
@@ -143,4 +158,6 @@ class Publisher:
                 self._error = exc
                 return
             finally:
+                self._handled = max(self._handled, version)
+                self._progress.set()
                 self._queue.task_done()

@@ -7,19 +7,31 @@ TrainerService are idempotent by request id and served between steps (or
 at once when no step is running). A checkpoint holds step, version and fetch
 attempt, so a resumed run asks Dataflow for the same request ids and, with
 fixed seeds, takes the same next step as an uninterrupted one.
+
+A checkpoint is never ahead of the published versions: it is written (staged)
+between two steps and renamed into place once its version is published and
+announced. One taken every N steps does that rename beside the next steps
+(`committed` waits for it), so the loop does not wait for the publish queue;
+one asked for (SaveCheckpoint, the end of training) is answered once renamed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import logging
 from pathlib import Path
 from typing import Any
 
 from astra.damage import Damaged
 from astra.trainer import lora
-from astra.trainer.checkpoint import read_checkpoint, restore_rng, write_checkpoint
+from astra.trainer.checkpoint import (
+    commit_checkpoint,
+    read_checkpoint,
+    restore_rng,
+    stage_checkpoint,
+)
 from astra.trainer.ckpt_verify import newest_good, verify
 from astra.trainer.parallel import (
     barrier,
@@ -64,6 +76,9 @@ class StateMixin:
         self._checkpoint_lock = asyncio.Lock()  # one checkpoint written at a time
         self._idle = asyncio.Event()  # set while no step is in progress
         self._idle.set()
+        # The commit of the last checkpoint staged between steps, which waits (beside the next
+        # steps) for its version to be published and announced; one at a time.
+        self._commit: asyncio.Task[tuple[Path, int]] | None = None
 
     def _root(self, path: str | Path | None) -> Path:
         root = path or self.config.checkpoint.dir
@@ -71,8 +86,9 @@ class StateMixin:
             raise ValueError("no checkpoint directory: set checkpoint.dir or pass a path")
         return Path(root)
 
-    def _write_checkpoint(self, root: str | Path) -> Path | None:
-        """Every rank: gather the full state; rank 0 writes it. Returns the path on rank 0."""
+    def _write_checkpoint(self, root: str | Path, *, stage_only: bool = False) -> Path | None:
+        """Every rank: gather the full state; rank 0 writes it. Returns the path on rank 0:
+        the checkpoint, or with `stage_only` its staged directory, for `_finish_checkpoint`."""
         model_state = full_state(self.model, keep=lora.keep(self.adapter))  # LoRA: the adapter
         optim_state = full_optimizer_state(self.model, self.optimizer)
         path = None
@@ -84,22 +100,28 @@ class StateMixin:
                 "world_size": self.world_size,
                 "counters": dict(self.counters),
             }
-            path = write_checkpoint(
+            path = stage_checkpoint(
                 root,
                 self.step,
                 model_state,
                 self.hf_config,
                 optim_state,
                 trainer_state,
-                keep_last=self.config.checkpoint.keep_last,
                 files=lora.adapter_files(self.adapter),
             )
-            self.last_checkpoint = path
-            self._checkpointed_step = self.step
-            self.last_checkpoint_time = datetime.datetime.now(datetime.UTC)
-            self.counters["checkpoints_written"] += 1
-            log.info("checkpoint %s written", path)
+            if not stage_only:
+                path = self._finish_checkpoint(path, self.step)
         barrier()
+        return path
+
+    def _finish_checkpoint(self, staged: Path, step: int) -> Path:
+        """Renames a staged checkpoint into place (rank 0)."""
+        path = commit_checkpoint(staged, keep_last=self.config.checkpoint.keep_last)
+        self.last_checkpoint = path
+        self._checkpointed_step = step
+        self.last_checkpoint_time = datetime.datetime.now(datetime.UTC)
+        self.counters["checkpoints_written"] += 1
+        log.info("checkpoint %s written", path)
         return path
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
@@ -108,7 +130,8 @@ class StateMixin:
         loop = getattr(self, "_sync_loop", None)
         if self.rank == 0 and loop is not None and getattr(self, "publisher", None) is not None:
             # Never ahead of what is published (as _checkpoint_now): the sync API's steps
-            # leave their publishes running on its loop.
+            # leave their publishes, and the commit of a checkpoint, running on its loop.
+            loop.run_until_complete(self.committed())
             loop.run_until_complete(self.publisher.drain())
         if self.world_size > 1:
             broadcast_object({"kind": "checkpoint", "root": str(root)})
@@ -161,20 +184,51 @@ class StateMixin:
                 log.info("optimiser settings from the config over the checkpoint's: %s", changed)
             group.update(want)
 
-    async def _checkpoint_now(self) -> tuple[Path, int]:
-        # A checkpoint never gets ahead of what is published: a resume continues from a
-        # version Dataflow and the WeightService have (see setup.agree_version).
-        if self.rank == 0 and getattr(self, "publisher", None) is not None:
-            await self.publisher.drain()
-        root = self._root(None)
+    async def _checkpoint_now(self, *, wait: bool = True) -> tuple[Path, int]:
+        """Stages the checkpoint of this step at once (the state as it is between steps);
+        it is renamed into place once its version is published and announced, never before:
+        a resume continues from a version Dataflow and the WeightService have (see
+        setup.agree_version). `wait`: return only then; else that commit goes on beside the
+        next steps (`committed` waits for it). Returns (path, step) once committed; without
+        `wait`, the staged path (rank 0; other ranks: None)."""
+        await self.committed()  # one staged checkpoint at a time
+        root, step, version = self._root(None), self.step, self.version
         if self.world_size > 1:
             await self._compute(broadcast_object, {"kind": "checkpoint", "root": str(root)})
-        path = await self._compute(self._write_checkpoint, root)
-        return path, self.step
+        staged = await self._compute(
+            functools.partial(self._write_checkpoint, root, stage_only=True)
+        )
+        if self.rank != 0:
+            return staged, step
+        self._commit = asyncio.create_task(self._commit_when_published(staged, step, version))
+        if wait:
+            return await self.committed() or (staged, step)
+        return staged, step
+
+    async def _commit_when_published(
+        self, staged: Path, step: int, version: int
+    ) -> tuple[Path, int]:
+        if getattr(self, "publisher", None) is not None:
+            await self.publisher.wait_handled(version)
+        return await asyncio.to_thread(self._finish_checkpoint, staged, step), step
+
+    async def committed(self) -> tuple[Path, int] | None:
+        """Waits for the commit of the checkpoint staged last, if any is pending; raises its
+        failure (a version that could not be published: no checkpoint ahead of it)."""
+        task, self._commit = self._commit, None
+        if task is None:
+            return None
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                self._commit = task  # this waiter was cancelled, the commit goes on
+            raise
 
     async def checkpoint_at_end(self) -> None:
         """A checkpoint of the last step when it has none yet (the steps are done): so a
         supervisor reads "finished" from the checkpoints, and a resume trains nothing again."""
+        await self.committed()
         if self.config.checkpoint.dir and self._checkpointed_step != self.step:
             await self._checkpoint_now()
 
@@ -213,9 +267,12 @@ class StateMixin:
                     f.set_result(result)
 
     async def _after_step(self, applied: bool) -> None:
+        if self._commit is not None and self._commit.done():
+            await self.committed()  # raises a commit's failure at the step after it
         every = self.config.checkpoint.every_steps
         if applied and every and self.config.checkpoint.dir and self.step % every == 0:
-            await self._checkpoint_now()
+            # Staged now; committed beside the next steps once its version is published.
+            await self._checkpoint_now(wait=False)
         await self._serve_checkpoint_requests()
 
     def get_statistics(self) -> dict[str, Any]:

@@ -18,13 +18,13 @@ the yielded objects to messages.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from astra.errors import AstraError, DataLoss, InvalidArgument, Unavailable, invalid_field
+from astra.waits import cancel_and_wait, wait_set
 from astra.weights.store import Store
 from astra.weights.store_fetch import WireTensor, open_source
 from astra.weights.throttle import TokenBucket
@@ -156,13 +156,10 @@ class AckReader:
                 # Unavailable: the receiver resumes from what it acknowledged (a slow disk
                 # verifying a large tensor is not the receiver's error).
                 raise Unavailable("no acknowledgement in time", reason="ACK_TIMEOUT")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._event.wait(), left)
+            await wait_set(self._event, left)
 
     async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await cancel_and_wait(self._task)
 
 
 async def serve_fetch(

@@ -23,7 +23,6 @@ gRPC, the agent endpoint's HTTP server or the trainer.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import importlib
@@ -34,6 +33,7 @@ from typing import Any
 
 from astra.agents.recorder import Episode
 from astra.raas.backend import TrajectorySpec
+from astra.waits import within
 from astra.workflows.agent import trajectories
 from astra.workflows.base import WorkflowContext
 from astra.workflows.episode import generated_text
@@ -144,7 +144,7 @@ def parse_options(opts: Mapping[str, Any]) -> EnvOptions:
 async def env_call(what: str, make: Callable[[], Any], o: EnvOptions) -> Any:
     """One client call under the timeout, its failures said as OpenEnvFailed."""
     try:
-        return await asyncio.wait_for(make(), o.timeout_s)
+        return await within(make(), o.timeout_s)
     except TimeoutError:
         raise OpenEnvFailed(
             f"the environment at {o.url} did not answer {what} within {o.timeout_s} s "
@@ -216,7 +216,7 @@ class OpenEnvWorkflow:
                     prompt = [*prompt, *gen.token_ids, *tokenizer.encode(text)]
         finally:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.close(), 5.0)
+                await within(client.close(), 5.0)
         reward = (sum(rewards) if o.reward_mode == "sum" else rewards[-1]) if rewards else 0.0
         seqs = trajectories(episode, reward)
         metadata = {"workflow": ctx.workflow, "turns": len(episode.calls), "ended": ended}

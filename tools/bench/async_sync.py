@@ -50,6 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
+from astra.waits import wait_set
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from procs import Proc, cpu_seconds, stop_all
 from report import replace_section
@@ -209,8 +211,7 @@ async def poll_gate(client, log: TrainerLog, period_s: float, stop: asyncio.Even
         with contextlib.suppress(Exception):
             st = await client.get_status(timeout_s=5.0)
             log.gate_modes[pb.GateMode.Name(st.gate.mode)] += 1
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), period_s)
+        await wait_set(stop, period_s)
 
 
 async def train(p, address: str, log: TrainerLog) -> dict:

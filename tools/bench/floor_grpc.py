@@ -37,6 +37,8 @@ from pathlib import Path
 
 import grpc
 
+from astra.waits import within
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline_http import group_spec
 from baseline_http import main as baseline_main
@@ -84,7 +86,7 @@ class Endpoint:
         if not self.finished:
             self.ready.clear()
             try:
-                await asyncio.wait_for(self.ready.wait(), PULL_WAIT_S)
+                await within(self.ready.wait(), PULL_WAIT_S)
             except TimeoutError:
                 return b""
         done, self.finished = self.finished, []
@@ -186,9 +188,7 @@ class Coordinator:
         n = int(ask["num_groups"])
         async with self.ready:
             try:
-                await asyncio.wait_for(
-                    self.ready.wait_for(lambda: len(self.buffer) >= n), ask["max_wait_s"]
-                )
+                await within(self.ready.wait_for(lambda: len(self.buffer) >= n), ask["max_wait_s"])
             except TimeoutError:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no batch")
             batch = [self.buffer.popleft() for _ in range(n)]

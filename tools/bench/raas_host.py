@@ -24,6 +24,7 @@ import sys
 from astra.raas.scripted import ScriptedGenerator
 from astra.servers.raas_serve import start_raas
 from astra.servers.runtime import install_event_loop_policy
+from astra.waits import within
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,9 +57,7 @@ async def amain(args: argparse.Namespace) -> None:
         )
     registrars = [r for _, _, r in started if r is not None]
     if registrars:
-        await asyncio.wait_for(
-            asyncio.gather(*(r.registered.wait() for r in registrars)), timeout=60
-        )
+        await within(asyncio.gather(*(r.registered.wait() for r in registrars)), 60)
     print(
         json.dumps(
             {

@@ -287,13 +287,21 @@ def cpu_self() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-async def make_run(mode: str, shape: Shape, model: str, hf: dict, service: Service) -> ModeRun:
+def bench_trainer(
+    policy: str,
+    shape: Shape,
+    model: str,
+    hf: dict,
+    service: Service | None,
+    **config: Any,
+) -> tuple[Any, TimedSink | None]:
+    """A Trainer of `model` on `FixedSource` batches of `shape`, publishing bf16 versions to
+    `service` through a TimedSink (None: no sink); `config`: more TrainerConfig keys."""
     from astra.clients.trainer_sources import WeightServiceSink
     from astra.trainer.config import TrainerConfig
     from astra.trainer.loop import Trainer
     from astra.trainer.sources import model_files
 
-    policy = f"bench-{shape.name.strip('~')}-{mode}"
     cfg = TrainerConfig.model_validate(
         {
             "policy_id": policy,
@@ -301,13 +309,19 @@ async def make_run(mode: str, shape: Shape, model: str, hf: dict, service: Servi
             "port": None,
             "batch": {"num_groups": shape.groups},
             "publish": {"dtype": "bfloat16"},
+            **config,
         }
     )
     sink = None
-    if mode != "none":
+    if service is not None:
         sink = TimedSink(WeightServiceSink(service.address, policy, model_files(model, hf)))
+    return Trainer(cfg, source=FixedSource(policy, shape), sink=sink), sink
+
+
+async def make_run(mode: str, shape: Shape, model: str, hf: dict, service: Service) -> ModeRun:
+    policy = f"bench-{shape.name.strip('~')}-{mode}"
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, source=FixedSource(policy, shape), sink=sink)
+    trainer, sink = bench_trainer(policy, shape, model, hf, service if mode != "none" else None)
     await trainer.initialize()  # builds the model and optimiser, publishes v0 (a full version)
     run = ModeRun(mode, trainer, sink, init_s=time.perf_counter() - t0)
     if sink is not None:

@@ -9,7 +9,10 @@
                                                   # others only
     python tools/bench/vs_trl.py --no-vllm        # Astra and TRL, no vLLM in either
 
-Every system runs in this one invocation, on this machine, one after the other:
+Every system runs in this one invocation, on this machine, one after the other, Astra and TRL
+`--repeats` times each (3; seeds 0, 1, 2: the time to the threshold is the first evaluation
+that crosses it, a noisy figure) and each vLLM system `--vllm-repeats` times (1); the section
+(tools/bench/vs_trl_report.py) reports each system's median run and every run's time:
 
   Astra  a real `astra run` of a recipe derived from configs/recipes/default.yaml (the built-in
          torch engine, every service its own process), with a shorter supervised warm-up
@@ -50,7 +53,6 @@ import datetime
 import itertools
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -64,22 +66,30 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import replace_section
+from vs_trl_report import (
+    ASTRA_VLLM,
+    CLIP_HIGH,
+    CLIP_LOW,
+    GROUP_SIZE,
+    MAX_NEW_TOKENS,
+    PROMPTS_PER_STEP,
+    SECTION,
+    TEMPERATURE,
+    TRL_VLLM,
+    median_run,
+    plot,
+    section,
+    texts,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTION = "## Astra vs TRL (time to held-out accuracy)"
 RECIPE = ROOT / "configs" / "recipes" / "default.yaml"
 TRL_SCRIPT = Path(__file__).resolve().parent / "trl_grpo.py"
 VLLM_RECIPE = ROOT / "configs" / "recipes" / "vllm_cpu.yaml"
-TRL_VLLM = "TRL + vLLM"
-ASTRA_VLLM = "Astra + vLLM"
 STEP_LOG = re.compile(r"(\S+ \S+) INFO astra\.servers\.trainer: step (\d+) version ")
 SERVING_LOG = re.compile(r"(\S+ \S+) INFO astra\.run: (\S+) \(pid \d+\) serving on ")
 LOADED_LOG = re.compile(r"(\S+ \S+) INFO astra\.raas\.engine_backend: loaded \{'policy': (\d+)\}")
 FIGURE = ROOT / "docs" / "bench_vs_trl.png"
-TRL_VERSION = "1.16.0"
-# The task's settings both systems share, as the default recipe has them.
-GROUP_SIZE, PROMPTS_PER_STEP, MAX_NEW_TOKENS, TEMPERATURE = 4, 8, 8, 1.0
-CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 
 
 @dataclass
@@ -93,10 +103,22 @@ class Params:
     trl_max_s: float = 600.0
     vllm_max_s: float = 300.0
     timeout_s: float = 900.0
+    repeats: int = 3  # runs of Astra and of TRL, seeds 0 and up
+    vllm_repeats: int = 1  # runs of each vLLM system (each takes minutes)
+    eta: int = field(default_factory=lambda: recipe_eta(RECIPE))
 
     @classmethod
     def quick(cls) -> Params:
-        return cls(steps=8, eval_every=4, trl_max_s=120.0, vllm_max_s=120.0, timeout_s=400.0)
+        return cls(
+            steps=8, eval_every=4, trl_max_s=120.0, vllm_max_s=120.0, timeout_s=400.0, repeats=1
+        )
+
+
+def recipe_eta(path: Path) -> int:
+    """The recipe's gate.max_version_lag (eta), which both Astra runs keep."""
+    import yaml
+
+    return int(yaml.safe_load(path.read_text())["dataflow"]["gate"]["max_version_lag"])
 
 
 @dataclass
@@ -109,6 +131,9 @@ class Side:
     startup_s: float | None = None  # clock at the first step
     notes: list[str] = field(default_factory=list)
     reading: list[str] = field(default_factory=list)  # where an Astra run's time went
+    seed: int = 0
+    lag_s: float | None = None  # Astra: median trainer's step -> a RaaS holding that version
+    interval_s: float | None = None  # Astra: median step interval
 
     def time_to(self, threshold: float) -> float | None:
         return next((t for t, acc, _ in self.curve if acc >= threshold), None)
@@ -163,13 +188,18 @@ def rows(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def astra_command(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None) -> list[str]:
+def astra_command(
+    p: Params, run_dir: Path, vllm: tuple[Path, Path] | None, seed: int = 0
+) -> list[str]:
     """`astra run` of the default recipe, or (`vllm`: the vLLM Python and the warm-up model
-    to start from) of configs/recipes/vllm_cpu.yaml without a warm-up of its own."""
+    to start from) of configs/recipes/vllm_cpu.yaml without a warm-up of its own; `seed`: the
+    trainer's and the stream's sampling seed."""
     sets: dict[str, object] = {
         "eval.every_steps": p.eval_every,
         "trainer.num_steps": p.steps,
         "trainer.optim.lr": p.lr,
+        "trainer.seed": seed,
+        "streams.0.sampling.seed": seed,
     }
     if vllm is None:
         sets["warmup.steps"] = p.warmup_steps
@@ -208,11 +238,13 @@ def run_command(cmd: list[str], timeout_s: float, cap_s: float | None) -> tuple[
         return proc.returncode, err.read().decode("utf-8", "replace")[-3000:], capped
 
 
-def run_astra(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None = None) -> Side:
+def run_astra(
+    p: Params, run_dir: Path, vllm: tuple[Path, Path] | None = None, seed: int = 0
+) -> Side:
     """`vllm`: (.venv-vllm's Python, the Astra run's warm-up model): Astra + vLLM, whose
     clock starts when its run's data are written (it has no warm-up: the services start
     next) and which is stopped at `p.vllm_max_s`."""
-    cmd = astra_command(p, run_dir, vllm)
+    cmd = astra_command(p, run_dir, vllm, seed)
     cap = p.vllm_max_s if vllm is not None else None
     rc, err, capped = run_command(cmd, p.timeout_s, cap)
     if rc != 0 and not (capped and rc == 128 + signal.SIGTERM):
@@ -223,7 +255,7 @@ def run_astra(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None = None) -
     else:
         t0 = max(f.stat().st_mtime for f in (run_dir / "data").glob("*.jsonl"))
     steps = [r for r in rows(run_dir / "metrics.jsonl") if not r.get("rerun")]
-    side = Side("Astra" if vllm is None else ASTRA_VLLM)
+    side = Side("Astra" if vllm is None else ASTRA_VLLM, seed=seed)
     if not steps:
         raise RuntimeError(f"astra run wrote no trainer steps to {run_dir}/metrics.jsonl")
     logged = step_times(run_dir / "logs" / "trainer-policy.log")
@@ -243,7 +275,8 @@ def run_astra(p: Params, run_dir: Path, vllm: tuple[Path, Path] | None = None) -
         side.curve.append((t, ev["mean_reward"], v))
     if capped:
         side.notes.append(f"{side.name} stopped at its {cap:.0f} s cap after {side.steps} steps")
-    side.reading = breakdown(run_dir, t0, logged)
+    side.reading, side.lag_s = breakdown(run_dir, t0, logged)
+    side.interval_s = interval(logged) or None
     return side
 
 
@@ -252,10 +285,11 @@ def log_time(stamp: str) -> float:
     return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def breakdown(run_dir: Path, t0: float, steps: dict[int, float]) -> list[str]:
+def breakdown(run_dir: Path, t0: float, steps: dict[int, float]) -> tuple[list[str], float | None]:
     """Where an `astra run`'s start-up went (from its clock's start: when each service was
     serving, as the supervisor logged it, and the first step) and how long a version took
-    from the trainer's step to a RaaS holding it (the RaaS's `loaded` lines)."""
+    from the trainer's step to a RaaS holding it (the RaaS's `loaded` lines): the lines, and
+    that time's median (None without loads)."""
     logs = run_dir / "logs"
     served: dict[str, float] = {}
     for line in (logs / "supervisor.log").read_text(errors="replace").splitlines():
@@ -277,7 +311,7 @@ def breakdown(run_dir: Path, t0: float, steps: dict[int, float]) -> list[str]:
             f" over {len(lags)} loads (max {lags[-1]:.2f} s); median step interval "
             f"{interval(steps):.2f} s"
         )
-    return out
+    return out, lags[len(lags) // 2] if lags else None
 
 
 def interval(steps: dict[int, float]) -> float:
@@ -309,7 +343,9 @@ def check_vllm(python: Path) -> str:
     return import_versions(python, "vllm", "vllm.__version__", "vLLM", "make vllm")
 
 
-def run_trl(p: Params, run_dir: Path, python: Path, out: Path, vllm: bool = False) -> Side:
+def run_trl(
+    p: Params, run_dir: Path, python: Path, out: Path, vllm: bool = False, seed: int = 0
+) -> Side:
     cmd = [
         str(python),
         str(TRL_SCRIPT),
@@ -323,6 +359,7 @@ def run_trl(p: Params, run_dir: Path, python: Path, out: Path, vllm: bool = Fals
         *("--clip-low", str(CLIP_LOW), "--clip-high", str(CLIP_HIGH)),
         *("--steps", str(p.steps), "--eval-every", str(p.eval_every)),
         *("--max-seconds", str(p.vllm_max_s if vllm else p.trl_max_s)),
+        *("--seed", str(seed)),
         *(("--vllm", "colocate") if vllm else ()),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=p.timeout_s, cwd=ROOT)
@@ -333,7 +370,7 @@ def run_trl(p: Params, run_dir: Path, python: Path, out: Path, vllm: bool = Fals
     steps = [r for r in events if r["event"] == "step"]
     if not steps:
         raise RuntimeError(f"trl_grpo.py wrote no steps to {out}")
-    side = Side(TRL_VLLM if vllm else "TRL")
+    side = Side(TRL_VLLM if vllm else "TRL", seed=seed)
     clock = {r["step"]: r["time"] - start - r["eval_s_total"] for r in steps}
     side.steps = steps[-1]["step"]
     side.train_s = clock[side.steps]
@@ -348,208 +385,6 @@ def run_trl(p: Params, run_dir: Path, python: Path, out: Path, vllm: bool = Fals
         cap = p.vllm_max_s if vllm else p.trl_max_s
         side.notes.append(f"{side.name} stopped at its {cap:.0f} s cap after {side.steps} steps")
     return side
-
-
-def plot(sides: list[Side], p: Params, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for side in sides:
-        ts, accs = [t for t, _, _ in side.curve], [a for _, a, _ in side.curve]
-        ax.plot(ts, accs, marker="o", markersize=3, label=side.name)
-    for level in (p.threshold, p.second):
-        ax.axhline(level, color="grey", linestyle=":", linewidth=1)
-    ax.set_xlabel("wall-clock seconds since RL started (start-up included)")
-    ax.set_ylabel("held-out exact match (256 problems, greedy)")
-    ax.set_title("Two-digit additions, tiny Qwen3 model, same warm-up checkpoint")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def fmt(x: float | None, digits: int = 1, unit: str = "") -> str:
-    return "not reached" if x is None else f"{x:,.{digits}f}{unit}"
-
-
-def verdict(astra: Side, trl: Side, p: Params) -> str:
-    a, t = astra.time_to(p.threshold), trl.time_to(p.threshold)
-    if a is None:
-        return (
-            f"missed: {astra.name} did not reach {p.threshold} held-out in its {astra.steps} "
-            f"steps ({astra.train_s:.0f} s)"
-        )
-    if t is None:
-        bound = trl.train_s / a
-        return (
-            f"met: {astra.name} reached {p.threshold} in {a:.0f} s; {trl.name} had not after "
-            f"{trl.train_s:.0f} s ({bound:.1f}x and more)"
-            if bound >= 3
-            else f"undecided: {trl.name} had not reached {p.threshold} after {trl.train_s:.0f} s, "
-            f"only {bound:.1f}x {astra.name}'s {a:.0f} s"
-        )
-    ratio = t / a if a > 0 else float("inf")
-    met = "met" if ratio >= 3 else "missed"
-    return f"{met}: {astra.name} {a:.0f} s, {trl.name} {t:.0f} s ({ratio:.2f}x)"
-
-
-def section(
-    sides: list[Side],
-    p: Params,
-    versions: str,
-    load: list[tuple[str, str]],
-    total_s: float,
-    quick: bool,
-    missing: dict[str, str] | None = None,
-) -> str:
-    """`sides`: Astra first, then TRL and those of TRL + vLLM and Astra + vLLM that ran;
-    `missing`: why each of those two that did not run did not."""
-    astra, trl = sides[0], sides[1]
-    by_name = {s.name: s for s in sides}
-    trl_vllm, astra_vllm = by_name.get(TRL_VLLM), by_name.get(ASTRA_VLLM)
-    against = [(astra, trl_vllm), (astra_vllm, trl), (astra_vllm, trl_vllm)]
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    label = " (QUICK form: a few steps each, not the comparison)" if quick else ""
-    lines = [
-        SECTION,
-        "",
-        f"| system | held-out at start | best held-out | time to {p.threshold} | time to "
-        f"{p.second} | RL steps | seconds to first step | trained tokens/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for s in sides:
-        start = s.curve[0][1] if s.curve else None
-        best = max((a for _, a, _ in s.curve), default=None)
-        lines.append(
-            f"| {s.name} | {fmt(start, 2)} | {fmt(best, 2)} | {fmt(s.time_to(p.threshold), 0, ' s')} "
-            f"| {fmt(s.time_to(p.second), 0, ' s')} | {s.steps} | {fmt(s.startup_s, 0, ' s')} "
-            f"| {fmt(s.tokens_per_s(), 0)} |"
-        )
-    lines += ["", "Held-out accuracy against the clock (s since RL started):", ""]
-    lines += ["| system | " + " | ".join(["(s, accuracy, step)"]) + " |", "|---|---|"]
-    for s in sides:
-        points = ", ".join(f"{t:.0f}: {a:.2f} ({n})" for t, a, n in s.curve)
-        lines.append(f"| {s.name} | {points} |")
-    lines += [
-        "",
-        f"**Target (Astra reaches {p.threshold} held-out at least 3x sooner than TRL){label}: "
-        f"{verdict(astra, trl, p)}.**",
-        "",
-        *(
-            f"{a.name} against {t.name} (the same target): {verdict(a, t, p)}."
-            for a, t in against
-            if a is not None and t is not None
-        ),
-        *(f"{name} was not measured: {why}." for name, why in (missing or {}).items()),
-        "",
-        f"Start-up in the time to {p.threshold} (seconds to the first step of the time to "
-        f"{p.threshold}): "
-        + "; ".join(
-            f"{s.name} {fmt(s.startup_s, 0, ' s')} of {fmt(s.time_to(p.threshold), 0, ' s')}"
-            for s in sides
-        )
-        + ".",
-        "",
-        f"Measured {now} with `python tools/bench/vs_trl.py{' --quick' if quick else ''}` "
-        f"({total_s:.0f} s) on this machine: {os.cpu_count()} cores, no GPU, Python "
-        f"{platform.python_version()}, {versions}; load average (1/5/15 min) "
-        + ", ".join(f"{what} {lo}" for what, lo in load)
-        + " (the machine is shared with other agents, five at the time of "
-        "writing: every system ran under that load, one after the other).",
-        "",
-        "![held-out accuracy against wall-clock time](docs/bench_vs_trl.png)",
-        "",
-        "The task: two-digit additions (`37+45=` -> `82`) with the embedded tiny Qwen3-architecture "
-        "model (2 layers, hidden 64), reward 1 for an exact match of the text before "
-        "end-of-sequence. All start from the same checkpoint: the directory the `astra run` "
-        f"warm-up wrote ({p.warmup_steps} supervised steps instead of the default's 1,000, so "
-        "that RL starts below the threshold), which TRL loads with transformers as "
-        "Qwen3ForCausalLM and PreTrainedTokenizerFast. "
-        f"Parameters (all): {GROUP_SIZE} samples per prompt; {PROMPTS_PER_STEP} prompts per "
-        f"step; learning rate {p.lr:g}, constant, AdamW (0.9, 0.999), no weight decay, gradient "
-        f"norm 1.0; no KL term; clip range {CLIP_LOW}/{CLIP_HIGH}; token-level loss average; "
-        f"advantages normalised by the group's std; temperature {TEMPERATURE}; at most "
-        f"{MAX_NEW_TOKENS} new tokens; the same 512 RL prompts and 256 held-out problems, "
-        f"evaluated greedily every {p.eval_every} steps; {p.steps} RL steps at most "
-        f"(TRL also stops after {p.trl_max_s:.0f} s of training). "
-        "Astra: `astra run` (Dataflow, WeightService, two RaaS with the built-in torch engine, "
-        "one trainer), asynchronous with at most 2 versions of lag. TRL "
-        f"{TRL_VERSION}: GRPOTrainer on CPU in fp32 (bf16 and gradient checkpointing off), "
-        "loss_type dapo, scale_rewards group, beta 0, num_iterations 1, one generation per "
-        "step (generation_batch_size = per_device_train_batch_size = 32), generating with "
-        "transformers' `generate`, synchronous. "
-        f"{TRL_VLLM}: the same, generating with vLLM (vllm-cpu) in the trainer's process "
-        '(`use_vllm=True, vllm_mode="colocate"`, weights copied into vLLM\'s model after '
-        "every step through vLLM's in-place reload, `trl_grpo.reload_in_place`: TRL 1.16.0's "
-        "own copy fails on vllm-cpu 0.32.0, which repacks every linear layer's weight for "
-        "oneDNN and leaves a stand-in parameter TRL cannot load into), TRL's default vLLM "
-        "importance-sampling correction on; its clock "
-        "includes starting vLLM. "
-        f"{ASTRA_VLLM}: `astra run configs/recipes/vllm_cpu.yaml` with the same settings, "
-        "one RaaS (capacity 32) that launches vLLM's OpenAI-compatible server (vllm-cpu, "
-        "--enforce-eager) and reloads every version from the directory the WeightService "
-        "delivers, without pausing generation (the live swap: read beside generation, then "
-        "copied in place between two engine steps; astra.engine.http.vllm_live); no warm-up "
-        "of its own: it starts from the Astra "
-        "run's warm-up directory, on the same prompts and held-out problems (checked byte for "
-        f"byte); stopped {p.vllm_max_s:.0f} s after it started, as {TRL_VLLM} is. "
-        "Clocks: Astra's starts when the warm-up's model directory is written and includes the "
-        f"services' start-up ({ASTRA_VLLM}'s when its run's data are written, its services "
-        "starting next, vLLM's server included); its evaluations run on the RaaS beside "
-        "training, so their CPU counts, and an accuracy is placed at the time the trainer "
-        "logged the step that made that version. TRL's starts at its script's first line and includes importing "
-        "TRL and loading the model; its evaluations pause training and their time is left out. "
-        "Trained tokens/s: completion tokens (EOS included) of the trained samples over the "
-        "clock at the last step (start-up included).",
-        "",
-        "Not matched: Astra's loss is its decoupled PPO objective with a behaviour-policy cap "
-        "(samples may be up to 2 versions old), TRL's is on-policy (one optimiser step per "
-        "generation, so its ratio is 1 and its clip never binds); Astra's evaluation shares the "
-        "CPU with training while TRL's is excluded from its clock; TRL uses torch's default "
-        "thread count in one process, Astra's five processes share the same two cores "
-        "(astra.run.threads gives the trainer and each RaaS a third of the cores, at least 1, "
-        "as OMP_NUM_THREADS); "
-        "Astra writes a checkpoint every 10 steps (the recipe's default, each waiting for the "
-        "versions queued for publishing), TRL none; "
-        "Astra's Dataflow and WeightService start beside its warm-up, so their start-up (about "
-        "2 s at load 3) falls before its clock, while TRL's clock holds all of its own start-up "
-        f"({ASTRA_VLLM}'s services start on its clock); "
-        'TRL\'s `vllm_mode="server"` (`trl vllm-serve`) cannot run here: GRPOTrainer calls '
-        "`VLLMClient.init_communicator(device=accelerator.device)`, and in TRL "
-        f"{TRL_VERSION} (trl/generation/vllm_client.py) that raises NotImplementedError for "
-        "any device but CUDA (\"Weight synchronization runs on vLLM's NCCL weight-transfer "
-        'engine, which needs a CUDA device"), so a CPU trainer cannot send its weights to '
-        "the server; the code path, not a run, is the evidence.",
-    ]
-    lines += [
-        "",
-        "Reading: Dataflow and the WeightService start beside the warm-up (they need no "
-        "warmed-up model), so they serve before Astra's clock starts (a negative time below); "
-        "the RaaS and the trainer start together once the warm-up's result line is read; what "
-        "is left before the first step is those processes importing torch and loading the "
-        "model on the shared cores (vLLM's server start for Astra + vLLM). After the first "
-        "step, the time to the threshold is set by the step at which the held-out curve, "
-        "which moves by a few points between evaluations, first crosses it, as much as by the "
-        "step rate.",
-        "",
-    ]
-    lines += [f"- {n}." for s in sides for n in s.notes]
-    for s in sides:
-        reached = s.time_to(p.threshold)
-        step = next((n for _, acc, n in s.curve if acc >= p.threshold), 0)
-        if reached is not None and s.startup_s is not None and step > 0:
-            lines.append(
-                f"- {s.name}'s time to {p.threshold}: {reached:.0f} s = {s.startup_s:.1f} s to "
-                f"its first RL step + {reached - s.startup_s:.1f} s for its steps 1-{step} "
-                f"(the first evaluation at or above {p.threshold} was at step {step})."
-            )
-        lines += [f"- {s.name}, {n}." for n in s.reading]
-    return "\n".join(lines) + "\n"
 
 
 def optional(sides: list[Side], missing: dict[str, str], name: str, run: Any) -> None:
@@ -578,13 +413,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="runs of Astra and of TRL (default 3; quick 1)"
+    )
+    ap.add_argument("--vllm-repeats", type=int, default=None, help="runs of each vLLM system")
     ap.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--plot", default=None, help=f"default: {FIGURE.relative_to(ROOT)}")
     ap.add_argument("--json", default=None, help="also write every curve here")
     ap.add_argument("--no-write", action="store_true", help="print the section only")
     args = ap.parse_args(argv)
     p = Params.quick() if args.quick else Params()
-    for name in ("warmup_steps", "steps", "lr"):
+    for name in ("warmup_steps", "steps", "lr", "repeats", "vllm_repeats"):
         if getattr(args, name) is not None:
             setattr(p, name, getattr(args, name))
     python = trl_python(args.trl_python)
@@ -636,46 +475,62 @@ def main(argv: list[str] | None = None) -> int:
         load.append((what, " / ".join(f"{x:.1f}" for x in os.getloadavg())))
 
     try:
-        mark("before Astra")
-        print(f"astra run: {p.steps} steps ...", file=sys.stderr, flush=True)
-        sides = [run_astra(p, root / "astra")]
-        mark("before TRL")
-        print(f"TRL: {p.steps} steps at most ...", file=sys.stderr, flush=True)
-        sides.append(run_trl(p, root / "astra", python, root / "trl.jsonl"))
+        systems = [[], []]  # Astra's runs, TRL's runs
+        for i in range(p.repeats):
+            mark(f"before Astra (seed {i})")
+            print(f"astra run (seed {i}): {p.steps} steps ...", file=sys.stderr, flush=True)
+            systems[0].append(run_astra(p, root / f"astra-{i}", seed=i))
+            mark(f"before TRL (seed {i})")
+            print(f"TRL (seed {i}): {p.steps} steps at most ...", file=sys.stderr, flush=True)
+            out = root / f"trl-{i}.jsonl"
+            systems[1].append(run_trl(p, root / f"astra-{i}", python, out, seed=i))
+        first = root / "astra-0"
         if vllm_python is not None:
-            mark(f"before {TRL_VLLM}")
-            print(f"{TRL_VLLM}: {p.steps} steps at most ...", file=sys.stderr, flush=True)
-            out = root / "trl_vllm.jsonl"
-            optional(
-                sides,
-                missing,
-                TRL_VLLM,
-                lambda: run_trl(p, root / "astra", vllm_python, out, vllm=True),
-            )
+            runs: list[Side] = []
+            for i in range(p.vllm_repeats):
+                mark(f"before {TRL_VLLM} (seed {i})")
+                print(f"{TRL_VLLM} (seed {i}) ...", file=sys.stderr, flush=True)
+                out = root / f"trl-vllm-{i}.jsonl"
+                optional(
+                    runs,
+                    missing,
+                    TRL_VLLM,
+                    lambda out=out, i=i: run_trl(p, first, vllm_python, out, vllm=True, seed=i),
+                )
+            if runs:
+                systems.append(runs)
         if engine_python is not None:
-            mark(f"before {ASTRA_VLLM}")
-            print(f"{ASTRA_VLLM}: {p.steps} steps at most ...", file=sys.stderr, flush=True)
-            model = root / "astra" / "warmup" / "policy" / "model"
+            runs = []
+            model = first / "warmup" / "policy" / "model"
+            for i in range(p.vllm_repeats):
+                mark(f"before {ASTRA_VLLM} (seed {i})")
+                print(f"{ASTRA_VLLM} (seed {i}) ...", file=sys.stderr, flush=True)
 
-            def astra_vllm() -> Side:
-                side = run_astra(p, root / "astra-vllm", (engine_python, model))
-                same_data(root / "astra", root / "astra-vllm")
-                return side
+                def astra_vllm(i: int = i) -> Side:
+                    run_dir = root / f"astra-vllm-{i}"
+                    side = run_astra(p, run_dir, (engine_python, model), seed=i)
+                    same_data(first, run_dir)
+                    return side
 
-            optional(sides, missing, ASTRA_VLLM, astra_vllm)
+                optional(runs, missing, ASTRA_VLLM, astra_vllm)
+            if runs:
+                systems.append(runs)
         mark("after")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     total_s = time.monotonic() - started
-    text = section(sides, p, versions, load, total_s, args.quick, missing)
+    text = section(SECTION, systems, p, texts(p), versions, load, total_s, args.quick, missing)
     print(text)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({s.name: s.__dict__ for s in sides} | {"params": p.__dict__}, indent=1)
-        )
+        curves = {
+            runs[0].name: median_run(runs, p.threshold).__dict__
+            | {"runs": [s.__dict__ for s in runs]}
+            for runs in systems
+        }
+        Path(args.json).write_text(json.dumps(curves | {"params": p.__dict__}, indent=1))
     figure = Path(args.plot) if args.plot else (None if args.no_write else FIGURE)
     if figure is not None:
-        plot(sides, p, figure)
+        plot(systems, p.threshold, p.second, figure)
     if not args.no_write:
         replace_section(Path(args.output), SECTION, text)
     return 0

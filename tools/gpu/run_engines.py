@@ -34,6 +34,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from astra.waits import within
+
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -345,7 +347,7 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         fakes: list[Any] = []
         engine = make_engine(kind, args, model, work, fakes)
         try:
-            row.update(await asyncio.wait_for(check_engine(engine, args, v1, ref0, ref1), left))
+            row.update(await within(check_engine(engine, args, v1, ref0, ref1), left))
             row["status"] = "ok" if not row["failures"] else "FAIL"
         except Exception as exc:  # report, then move on to the next engine
             row["status"] = "FAIL"

@@ -79,7 +79,7 @@ class Registrar {
         instance_id: r.instanceId,
         free_slots: r.freeSlots,
         loaded_versions: r.loadedVersions(),
-        pending_results: r.pending.size,
+        pending_results: r.results.size,
       });
       this.intervalS = durationS(resp.heartbeat_interval) || this.intervalS;
     } catch (err) {

@@ -19,8 +19,6 @@ const PERMITTED = Object.fromEntries(
     SubmitGroups: ['dataflow'],
     CollectResults: ['dataflow'],
     AckResults: ['dataflow'],
-    // Answered UNIMPLEMENTED here (Dataflow then uses CollectResults + AckResults); the role
-    // table stays astra.authz's, method for method.
     CollectResultBatch: ['dataflow'],
     CancelGroups: ['dataflow'],
     LoadWeights: ['dataflow'],

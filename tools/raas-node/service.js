@@ -1,19 +1,20 @@
 'use strict';
 // The RolloutService handlers (rollout_service.proto): groups accepted against free slots,
-// run by the deterministic generator, held until AckResults names them and sent again on
-// every CollectResults until then; LoadWeights fetches and verifies whole versions and
-// swaps every policy of a request together.
+// run by the deterministic generator, their results held until acknowledged (results.js) and
+// sent again on every CollectResults and CollectResultBatch until then; LoadWeights fetches
+// and verifies whole versions and swaps every policy of a request together.
 
 const grpc = require('@grpc/grpc-js');
 const { groupResult } = require('./generator');
-const { Invalid, checkGroups, checkIds, checkLoad } = require('./validate');
+const { Invalid, checkCollect, checkGroups, checkIds, checkLoad } = require('./validate');
+const { Results } = require('./results');
 const { fetchVersion } = require('./weights');
 const { durationS } = require('./protos');
 const { CONTRACT_VERSION } = require('./registrar');
 
-const MAX_WAIT_S = 30;
 const MAX_RESULT_BYTES = 64 << 20;
-const REMEMBERED_ACKS = 100000; // acknowledged ids a resubmission is still recognised by
+// A CollectResultBatch response stays this far below the 64 MiB message limit.
+const BATCH_BYTES = MAX_RESULT_BYTES - (64 << 10);
 const REMEMBERED_LOADS = 256; // request ids of successful loads
 const LOAD_TIMEOUT_S = 300;
 
@@ -36,9 +37,11 @@ class Raas {
     this.log = log;
     this.freeSlots = opts.capacity;
     this.running = new Map(); // group id -> { timer, samples }
-    this.pending = new Map(); // group id -> GroupResult, oldest first (insertion order)
-    this.acked = new Set(); // recently acknowledged ids, oldest first
-    this.waiters = new Set(); // CollectResults calls waiting for a result
+    this.results = new Results();
+    // A GroupResult's size on the wire: as a CollectResultsResponse's `result`, framed as a
+    // CollectResultBatchResponse's `results` entry is (both field 1).
+    const collect = proto.RolloutService.service.CollectResults;
+    this.wireBytes = (result) => collect.responseSerialize({ result }).length;
     this.versions = new Map(); // policy -> { version, version_id, tensors }
     this.loads = new Map(); // request id -> { key, response }
     this.loading = Promise.resolve(); // loads run one at a time
@@ -70,7 +73,7 @@ class Raas {
     } catch (err) {
       return callback(this.invalid(err));
     }
-    const fresh = groups.filter((g) => !this.running.has(g.group_id) && !this.pending.has(g.group_id) && !this.acked.has(g.group_id));
+    const fresh = groups.filter((g) => !this.running.has(g.group_id) && !this.results.holds(g.group_id));
     const wanted = fresh.reduce((n, g) => n + g.num_samples, 0);
     if (wanted > this.freeSlots) {
       return callback(
@@ -90,20 +93,18 @@ class Raas {
     const timer = setTimeout(() => {
       this.running.delete(group.group_id);
       this.freeSlots += group.num_samples;
-      const { result, bytes } = groupResult(group, this.instanceId, (p) => this.versionOf(p), this.tokens, this.vocab);
+      let { result, bytes } = groupResult(group, this.instanceId, (p) => this.versionOf(p), this.tokens, this.vocab);
       if (bytes > MAX_RESULT_BYTES) {
         // Never deliverable in one message: delivered as the group's failure instead.
-        this.pending.set(group.group_id, {
+        result = {
           group_id: group.group_id,
           trajectories: [],
           instance_id: this.instanceId,
           error: { code: grpc.status.RESOURCE_EXHAUSTED, message: `result of ~${bytes} bytes exceeds the 64 MiB message limit` },
-        });
-      } else {
-        this.pending.set(group.group_id, result);
+        };
       }
       this.counters.groups_finished += 1;
-      for (const wake of this.waiters) wake();
+      this.results.add(group.group_id, result, this.wireBytes(result));
     }, this.delayMs);
     this.running.set(group.group_id, { timer, samples: group.num_samples });
   }
@@ -111,34 +112,31 @@ class Raas {
   CollectResults(call) {
     const { max_groups: maxGroups } = call.request;
     const waitS = durationS(call.request.max_wait);
-    if (maxGroups < 1 || maxGroups > 4096) {
-      return call.emit('error', this.rpcError(grpc.status.INVALID_ARGUMENT, `max_groups: ${maxGroups}, expected 1..4096`, 'INVALID_FIELD', { field: 'max_groups' }));
+    try {
+      checkCollect(maxGroups, waitS);
+    } catch (err) {
+      return call.emit('error', this.invalid(err));
     }
-    if (!(waitS >= 0 && waitS <= MAX_WAIT_S)) {
-      return call.emit('error', this.rpcError(grpc.status.INVALID_ARGUMENT, `max_wait: ${waitS} s, at most ${MAX_WAIT_S} s`, 'INVALID_FIELD', { field: 'max_wait' }));
-    }
-    let finished = false;
-    const send = () => {
-      if (finished) return;
-      finished = true;
-      clearTimeout(timer);
-      this.waiters.delete(send);
-      if (call.cancelled) return;
-      let n = 0;
-      for (const result of this.pending.values()) {
-        if (n++ >= maxGroups) break;
-        call.write({ result });
-      }
+    this.results.whenReady(call, waitS, () => {
+      for (const result of this.results.oldest(maxGroups)) call.write({ result });
       call.end();
-    };
-    const timer = setTimeout(send, waitS * 1000);
-    call.on('cancelled', () => {
-      finished = true;
-      clearTimeout(timer);
-      this.waiters.delete(send);
     });
-    if (this.pending.size > 0 || waitS === 0) return send();
-    this.waiters.add(send);
+  }
+
+  // AckResults and CollectResults in one unary call: the acknowledgements first, then the
+  // oldest results in one message, cut short at BATCH_BYTES (one result at least). Every
+  // field is checked before anything is dropped.
+  CollectResultBatch(call, callback) {
+    const { ack_group_ids: acks, max_groups: maxGroups } = call.request;
+    const waitS = durationS(call.request.max_wait);
+    try {
+      checkIds(acks, 'ack_group_ids', 0);
+      checkCollect(maxGroups, waitS);
+    } catch (err) {
+      return callback(this.invalid(err));
+    }
+    this.acknowledge(acks);
+    this.results.whenReady(call, waitS, () => callback(null, { results: this.results.oldest(maxGroups, BATCH_BYTES) }));
   }
 
   AckResults(call, callback) {
@@ -148,16 +146,14 @@ class Raas {
     } catch (err) {
       return callback(this.invalid(err));
     }
-    let acknowledged = 0;
-    for (const id of ids) {
-      if (this.pending.delete(id)) {
-        acknowledged += 1;
-        this.acked.add(id);
-      }
-    }
-    while (this.acked.size > REMEMBERED_ACKS) this.acked.delete(this.acked.values().next().value);
-    this.counters.results_acknowledged += acknowledged;
+    const acknowledged = this.acknowledge(ids);
     callback(null, { acknowledged, ignored: ids.length - acknowledged });
+  }
+
+  acknowledge(ids) {
+    const acknowledged = this.results.acknowledge(ids);
+    this.counters.results_acknowledged += acknowledged;
+    return acknowledged;
   }
 
   CancelGroups(call, callback) {
@@ -256,7 +252,7 @@ class Raas {
       capacity: this.capacity,
       free_slots: this.freeSlots,
       running_groups: this.running.size,
-      pending_results: this.pending.size,
+      pending_results: this.results.size,
       loaded_versions: this.loadedVersions(),
       policy_ids: this.policies,
       workflows: this.workflows,
@@ -277,7 +273,7 @@ class Raas {
   }
 
   handlers() {
-    const names = ['SubmitGroups', 'CollectResults', 'AckResults', 'CancelGroups', 'LoadWeights', 'GetStatus', 'GetCapabilities'];
+    const names = ['SubmitGroups', 'CollectResults', 'AckResults', 'CollectResultBatch', 'CancelGroups', 'LoadWeights', 'GetStatus', 'GetCapabilities'];
     return Object.fromEntries(names.map((n) => [n, this[n].bind(this)]));
   }
 }

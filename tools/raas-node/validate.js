@@ -7,6 +7,8 @@ const { INT_DTYPES } = require('./generator');
 
 const MAX_GROUPS = 1024;
 const MAX_IDS = 4096;
+const MAX_COLLECT = 4096; // groups per CollectResults / CollectResultBatch
+const MAX_WAIT_S = 30;
 const MAX_SAMPLES = 1024;
 
 class Invalid extends Error {
@@ -23,11 +25,21 @@ function checkString(value, field, min, max) {
   }
 }
 
-function checkIds(ids, field) {
-  if (ids.length < 1 || ids.length > MAX_IDS) {
-    throw new Invalid(field, `${ids.length} ids, expected 1..${MAX_IDS}`);
+function checkIds(ids, field, min = 1) {
+  if (ids.length < min || ids.length > MAX_IDS) {
+    throw new Invalid(field, `${ids.length} ids, expected ${min}..${MAX_IDS}`);
   }
   ids.forEach((id, i) => checkString(id, `${field}[${i}]`, 1, 256));
+}
+
+// CollectResults' and CollectResultBatch's bounds: max_groups is required (0 is not a default).
+function checkCollect(maxGroups, waitS) {
+  if (maxGroups < 1 || maxGroups > MAX_COLLECT) {
+    throw new Invalid('max_groups', `${maxGroups}, expected 1..${MAX_COLLECT}`);
+  }
+  if (!(waitS >= 0 && waitS <= MAX_WAIT_S)) {
+    throw new Invalid('max_wait', `${waitS} s, at most ${MAX_WAIT_S} s`);
+  }
 }
 
 // A version identity: 1-128 characters, one path segment, not "initial" (weight_service.proto).
@@ -126,4 +138,4 @@ function checkLoad(req, served) {
   }
 }
 
-module.exports = { Invalid, checkGroups, checkIds, checkLoad, MAX_IDS };
+module.exports = { Invalid, checkCollect, checkGroups, checkIds, checkLoad, MAX_IDS };

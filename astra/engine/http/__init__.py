@@ -3,8 +3,8 @@
 Each adapter implements astra.engine.api.InferenceEngine for one policy on one
 server, which it can launch or attach to. Weight swaps take a `WeightsDir`
 (a verified local checkpoint directory) and run pause -> update from disk ->
-resume; see astra.engine.http.base. No GPU package is imported here: the
-servers run in their own processes.
+resume, or live where vLLM can; see astra.engine.http.swap. No GPU package is
+imported here: the servers run in their own processes.
 """
 
 from astra.engine.http.base import HTTPEngine

@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from astra.engine.api import Sampling, Tokenizer
-from astra.engine.http.base import HTTPEngine, Segment
+from astra.engine.http.base import HTTPEngine
+from astra.engine.http.result import Segment
 from astra.errors import FailedPrecondition, Unavailable, invalid_field
 
 RAW_LOGPROBS = (

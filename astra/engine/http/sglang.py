@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from astra.engine.api import Sampling, Tokenizer
-from astra.engine.http.base import HTTPEngine, Segment
+from astra.engine.http.base import HTTPEngine
 from astra.engine.http.launch import start_server
+from astra.engine.http.result import Segment
 from astra.errors import AstraError, FailedPrecondition, Unavailable
 
 SGLANG_LOGPROBS = (

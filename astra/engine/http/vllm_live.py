@@ -7,8 +7,9 @@ always runs; a GPU server with async scheduling says no and swaps by pause).
 One `/collective_rpc` (`astra_commit_live`) copies the staged tensors in place
 between two engine steps and returns the split of each request in flight (see
 astra/engine/http/vllm_ext). This module holds what both ends agree on: how a
-segment's request id reaches vLLM's worker, the rpc bodies, and the prefix
-cache salt.
+segment's request id reaches vLLM's worker, the rpc bodies and how the
+workers' answers read (`results_of`, which every `/collective_rpc` answer goes
+through), and the prefix cache salt.
 
 Request ids: the adapter sends `request_id: <rid>` in the completions body;
 vLLM's completions server names the engine request `cmpl-<rid>-0` (one prompt),
@@ -45,6 +46,19 @@ def commit_body(path: str, rids: list[str]) -> dict[str, Any]:
     """The `/collective_rpc` body of a live commit (the endpoint passes strings only)."""
     ids = json.dumps([engine_request_id(r) for r in rids])
     return {"method": COMMIT_LIVE, "kwargs": {"weights_path": path, "request_ids": ids}}
+
+
+def results_of(answer: Any) -> list[Any]:
+    """The per-worker results of a `/collective_rpc` answer (`{"results": [...]}`, as text
+    or decoded), or []."""
+    if isinstance(answer, str):
+        try:
+            answer = json.loads(answer)
+        except ValueError:
+            return []
+    if isinstance(answer, dict) and isinstance(answer.get("results"), list):
+        return answer["results"]
+    return []
 
 
 def splits_of(reports: list[Any], rids: list[str]) -> dict[str, int]:

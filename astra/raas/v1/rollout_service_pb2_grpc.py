@@ -232,7 +232,11 @@ class RolloutServiceServicer:
         a RaaS that answers UNIMPLEMENTED is served by Dataflow with
         CollectResults and AckResults instead. Dataflow sends the ids of the
         results it stored durably with its next call, so a crash in between
-        delivers them again (dropped as duplicates by group_id).
+        delivers them again (dropped as duplicates by group_id). A field out of
+        its bounds (ack_group_ids over 4096, max_groups outside 1-4096, max_wait
+        negative or over 30 s) is INVALID_ARGUMENT, ErrorInfo reason
+        INVALID_FIELD with metadata "field" naming it, before anything is
+        dropped (`astra raas check` tests each).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
