@@ -76,6 +76,11 @@ def open_channel(
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
+        # Its own connections: by default gRPC shares them process-wide by address, and a new
+        # channel to a server started where a dead one was (a restarted RaaS, a new port that a
+        # gone server had) inherits the other channel's reconnect backoff, up to 120 s of
+        # "connection refused" from a server that is up (tests/test_channel_reconnect.py).
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     tls = current_tls() if tls is None else tls
     if tls is None:
