@@ -19,6 +19,9 @@ from astra.errors import DataLoss
 from astra.weights.v1 import weight_service_pb2 as pb
 
 MAX_QUEUED_BYTES = 64 << 20  # chunk bytes read but not yet written to the stage
+# A tensor below this is staged on the loop's thread (and finished there too where finishing
+# syncs nothing to disk): a hop to a worker costs more than its work.
+INLINE_BYTES = 256 << 10
 FINISH_WORKERS = max(2, min(4, os.cpu_count() or 1))  # decode + fsync of completed tensors
 
 
@@ -46,6 +49,8 @@ class FetchPipeline:
         self.last: dict[int, asyncio.Future[None]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.opened: list[Any] = []
+        self.inline: set[int] = set()  # small tensors: staged on the loop's thread
+        self.inline_finish: set[int] = set()  # ... and finished there (nothing to sync)
         self.ack_lock = asyncio.Lock()
         self.last_progress = time.monotonic()  # last message read or acknowledgement sent
 
@@ -59,12 +64,22 @@ class FetchPipeline:
             raise self.error
 
     async def begin(self, stage: Any, header: dict[str, Any], base: Any) -> Any:
-        incoming = await self.loop.run_in_executor(self.workers, stage.receive, header, base)
+        small = max(header["size_bytes"], header["encoded_size_bytes"]) < INLINE_BYTES
+        if small:
+            incoming = stage.receive(header, base)
+            self.inline.add(id(incoming))
+            if not getattr(stage, "durable", False):
+                self.inline_finish.add(id(incoming))
+        else:
+            incoming = await self.loop.run_in_executor(self.workers, stage.receive, header, base)
         self.opened.append(incoming)
         return incoming
 
     async def write(self, incoming: Any, offset: int, data: bytes) -> None:
         incoming.queue(offset, len(data))
+        if id(incoming) in self.inline:
+            incoming.write(offset, data)
+            return
         future = self.loop.run_in_executor(self.writer, incoming.write, offset, data)
         self.last[id(incoming)] = future
         self.queued.append((future, len(data)))
@@ -75,15 +90,24 @@ class FetchPipeline:
             await oldest
 
     def finish(self, incoming: Any) -> None:
-        task = asyncio.create_task(self._finish(incoming, self.last.pop(id(incoming), None)))
+        self.inline.discard(id(incoming))
+        inline = id(incoming) in self.inline_finish
+        self.inline_finish.discard(id(incoming))
+        last = self.last.pop(id(incoming), None)
+        task = asyncio.create_task(self._finish(incoming, last, inline))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _finish(self, incoming: Any, last: asyncio.Future[None] | None) -> None:
+    async def _finish(
+        self, incoming: Any, last: asyncio.Future[None] | None, inline: bool = False
+    ) -> None:
         try:
             if last is not None:
                 await last
-            await self.loop.run_in_executor(self.workers, incoming.finish)
+            if inline:
+                incoming.finish()
+            else:
+                await self.loop.run_in_executor(self.workers, incoming.finish)
         except asyncio.CancelledError:
             raise
         except DataLoss as exc:

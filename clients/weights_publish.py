@@ -39,6 +39,7 @@ from astra.weights.wire import chunk_message, serialize
 
 log = logging.getLogger(__name__)
 LOOKAHEAD = 4  # tensors prepared ahead of the one being sent
+INLINE_BYTES = 256 << 10  # smaller tensors are prepared when sent: a worker hop costs more
 _WORKERS = ThreadPoolExecutor(2, thread_name_prefix="publish-prepare")  # zstd, numpy free the GIL
 # The service refusing a delta publish: send the version again as raw tensors.
 DELTA_REFUSALS = {"PUBLISH_BASE_NOT_CURRENT", "CHECKSUM_MISMATCH", "CORRUPT_DELTA"}
@@ -83,17 +84,23 @@ class _Preparer:
         self.tensors, self.base = tensors, base or {}
         self._futures: dict[str, Future[_Prepared]] = {}
 
+    def _args(self, name: str) -> tuple[memoryview, memoryview | None]:
+        dtype, shape, view = self.tensors[name]
+        b = self.base.get(name)
+        fits = b is not None and (b[0], tuple(b[1]), b[2].nbytes) == (dtype, shape, view.nbytes)
+        return view, b[2] if fits else None
+
     def _submit(self, name: str) -> None:
-        if name not in self._futures:
-            dtype, shape, view = self.tensors[name]
-            b = self.base.get(name)
-            fits = b is not None and (b[0], tuple(b[1]), b[2].nbytes) == (dtype, shape, view.nbytes)
-            self._futures[name] = _WORKERS.submit(_prepare, view, b[2] if fits else None)
+        if name not in self._futures and self.tensors[name][2].nbytes >= INLINE_BYTES:
+            self._futures[name] = _WORKERS.submit(_prepare, *self._args(name))
 
     async def get(self, order: list[str], i: int) -> _Prepared:
         for name in order[i : i + LOOKAHEAD + 1]:
             self._submit(name)
-        return await asyncio.wrap_future(self._futures[order[i]])
+        future = self._futures.get(order[i])
+        if future is None:
+            return _prepare(*self._args(order[i]))
+        return await asyncio.wrap_future(future)
 
     def cancel(self) -> None:
         for future in self._futures.values():

@@ -414,3 +414,51 @@ def test_a_delta_republish_with_other_content_is_refused_and_changes_nothing(
                 assert same(rx.current_path, a)
 
     run(body())
+
+
+def test_tensors_either_side_of_the_inline_size_publish_and_fetch_bit_exact(tmp_path: Path) -> None:
+    # Below INLINE_BYTES a tensor is staged, verified and fetched on the event loop's thread,
+    # above it on workers (astra.weights.publish_sink, clients.weights_pipeline): both paths,
+    # raw and as deltas, to a durable receiver on disk and to one in memory.
+    from astra.clients.weights_pipeline import INLINE_BYTES as FETCH_INLINE
+    from astra.weights.publish_sink import INLINE_BYTES
+
+    assert FETCH_INLINE == INLINE_BYTES
+    rng = np.random.default_rng(7)
+    sizes = {"tiny": 48, "under": INLINE_BYTES // 2 - 64, "over": INLINE_BYTES // 2 + 64}
+    sizes["large"] = 3 * INLINE_BYTES  # several chunks with chunk_bytes below
+    first = {
+        n: ("BF16", (k,), rng.integers(0, 1 << 16, k, np.uint16).tobytes())
+        for n, k in sizes.items()
+    }
+    models = [first]
+    for i in range(1, 4):
+        models.append(sparse_update(models[-1], seed=i, fraction=0.05))
+
+    async def body() -> None:
+        async with serving(tmp_path / "store", full_every=3) as server:
+            on_disk = Receiver(server.address, "p", tmp_path / "rx", durable=True)
+            in_ram = Receiver(server.address, "p", None, in_memory=True)
+            base = None
+            for i, model in enumerate(models):
+                result = await publish_version(
+                    server.address, "p", f"v{i}", i, model, base=base, chunk_bytes=200_000
+                )
+                assert result.delta_base == ("" if i == 0 else f"v{i - 1}")
+                base = (f"v{i}", model)
+                disk, ram = await on_disk.fetch(), await in_ram.fetch()
+                assert (disk.plan, ram.plan) == (("full", "full") if i == 0 else ("delta", "delta"))
+                assert same(on_disk.current_path, model)
+                assert ram.held is not None
+                assert {n: bytes(t.data) for n, t in ram.held.items()} == {
+                    n: b for n, (_, _, b) in model.items()
+                }
+                async with WeightClient(server.address) as client:
+                    got = await client.get_version("p", f"v{i}")
+                assert {t.name: t.adler32 for t in got.tensors} == {
+                    n: adler32_hex(b) for n, (_, _, b) in model.items()
+                }
+            await on_disk.close()
+            await in_ram.close()
+
+    run(body())

@@ -36,6 +36,10 @@ from astra.weights.tensor_files import ALIGN, ShardWriter, tensor_header
 
 log = logging.getLogger(__name__)
 _HASHERS = ThreadPoolExecutor(2, thread_name_prefix="publish-digest")
+# Below this, a tensor's bytes are hashed and encoded on the calling thread, and the stream
+# writes and finishes it there too (astra.weights.publish_stream): handing microseconds of
+# work to a worker costs more than the work, most of all on a busy machine.
+INLINE_BYTES = 256 << 10
 
 
 class Stage(Protocol):
@@ -142,6 +146,11 @@ class TensorSink:
     def complete(self) -> bool:
         return self.received == self.expected_bytes
 
+    @property
+    def small(self) -> bool:
+        """Below INLINE_BYTES on the stream and at rest: handled on the caller's thread."""
+        return max(self.size, self.expected_bytes) < INLINE_BYTES
+
     def write(self, offset: int, data: Any) -> None:
         view = memoryview(data).cast("B")
         if offset != self.received:
@@ -154,9 +163,12 @@ class TensorSink:
             return
         # The digest, the dearest pass, runs on its own thread beside the rest (it releases the
         # GIL); one update in flight per tensor keeps them in order.
-        if self._hash_pending is not None:
-            self._hash_pending.result()
-        self._hash_pending = _HASHERS.submit(self._hash.update, view)
+        inline = self.small
+        self._wait_hash()
+        if inline:
+            self._hash.update(view)
+        else:
+            self._hash_pending = _HASHERS.submit(self._hash.update, view)
         self._adler = adler32(view, self._adler)
         if self._hot is not None:
             self._hot[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
@@ -166,7 +178,10 @@ class TensorSink:
                     self._encoder is not None
                 ):  # XOR + zstd beside the copy (numpy, zstd free the GIL)
                     self._wait_encoder()
-                    self._encoder_pending = _ENCODERS.submit(self._encoder.update, view)
+                    if inline:
+                        self._encoder.update(view)
+                    else:
+                        self._encoder_pending = _ENCODERS.submit(self._encoder.update, view)
                 self._out.write(view)
             except OSError as exc:
                 raise disk_full(exc, f"cannot stage {self.name}") from exc

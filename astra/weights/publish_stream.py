@@ -176,7 +176,10 @@ async def receive_parts(
                             f"{len(part.data)} bytes, at most {MAX_CHUNK_BYTES}",
                             reason="CHUNK_TOO_LARGE",
                         )
-                    await asyncio.to_thread(sink.write, part.offset, part.data)
+                    if sink.small:
+                        sink.write(part.offset, part.data)
+                    else:
+                        await asyncio.to_thread(sink.write, part.offset, part.data)
                 elif isinstance(part, FilePart):
                     if len(part.content) > MAX_FILE_BYTES:
                         raise invalid_field(
@@ -206,7 +209,9 @@ async def receive_parts(
                     raise invalid_field("header", "sent twice", reason="UNEXPECTED_HEADER")
                 if sink is not None and sink.complete:
                     done, sink = sink, None
-                    if done.encoded is None:
+                    if done.small:
+                        done.finish()  # no decode worth overlapping with the next tensor's
+                    elif done.encoded is None:
                         await asyncio.to_thread(done.finish)
                     else:
                         while sum(not b.done() for b in decoding.values()) >= MAX_DECODING:

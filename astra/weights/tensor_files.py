@@ -83,6 +83,7 @@ class _Buffers:
 
 
 BUFFERS = _Buffers()
+SMALL_SHARD_BYTES = 256 << 10
 
 
 class ShardWriter:
@@ -103,7 +104,12 @@ class ShardWriter:
     def __init__(self, path: Path, head: bytes, size: int, *, direct: bool = True) -> None:
         self.path, self.size, self.head_len = path, size, len(head)
         self.written = 0  # tensor bytes accepted so far
-        self.direct = direct and hasattr(os, "O_DIRECT") and len(head) % ALIGN == 0
+        # A small shard goes through the page cache, written on the caller's thread: O_DIRECT's
+        # aligned writes and a writer thread cost more than such a write.
+        self.small = len(head) + size < SMALL_SHARD_BYTES
+        self.direct = (
+            direct and not self.small and hasattr(os, "O_DIRECT") and len(head) % ALIGN == 0
+        )
         self.fd: int | None = None
         self._head: bytes | None = head  # written into the buffer when it is first taken
         self._buf: mmap.mmap | None = None
@@ -181,7 +187,10 @@ class ShardWriter:
             self._mv[self._fill : n] = bytes(n - self._fill)
         self._wait()
         buf, mv, pos, fill = self._buf, self._mv, self._pos, self._fill
-        self._inflight = _WRITERS.submit(self._write, buf, mv, n, pos, fill)
+        if self.small:
+            self._write(buf, mv, n, pos, fill)
+        else:
+            self._inflight = _WRITERS.submit(self._write, buf, mv, n, pos, fill)
         self._pos += fill
         self._fill = 0
         self._buf = BUFFERS.get()
