@@ -101,6 +101,7 @@ bench: $(VENV)/.installed  ## every benchmark in turn (~70 min); each rewrites i
 	$(PY) tools/bench/weights.py
 	$(PY) tools/bench/trainer.py
 	$(PY) tools/bench/checkpoint_stall.py
+	$(PY) tools/bench/version_path.py
 	$(PY) tools/bench/async_sync.py
 	$(PY) tools/bench/default_run.py
 	$(PY) tools/bench/tls.py
