@@ -164,12 +164,15 @@ def kill_each_service(run: Run) -> None:
 
 
 def random_kills(run: Run, seed: int = 7) -> None:
-    """SIGKILL of a random child every 8-12 s until the run ends."""
+    """SIGKILL of a random child every 4-8 s until the run ends (it trains 8x the campaign's
+    steps, so that several land: a run with fewer than two kills fails the scenario). The
+    restart budget is raised to 20 a child: the scenario audits the kills, not the budget."""
     rng = random.Random(seed)
-    run.start()
+    run.steps *= 8
+    run.start("--set", "supervision.max_restarts=20")
     run.wait_for(ROLES)
     while run.proc is not None and run.proc.poll() is None:
-        time.sleep(rng.uniform(8, 12))
+        time.sleep(rng.uniform(4, 8))
         victims = [c for c in run.children().values() if c["pid"] and c["address"]]
         if victims and run.proc.poll() is None:
             victim = rng.choice(victims)
@@ -177,16 +180,23 @@ def random_kills(run: Run, seed: int = 7) -> None:
                 os.kill(victim["pid"], signal.SIGKILL)
                 run.notes.append(f"killed {victim['name']}")
     run.wait(60)
+    if (kills := sum(n.startswith("killed ") for n in run.notes)) < 2:
+        raise RuntimeError(f"{kills} kill(s) before the run ended: give it more --steps")
 
 
 def hang_raas(run: Run) -> None:
-    """SIGSTOP of a RaaS for 20 s (a hung machine), then SIGCONT."""
+    """SIGSTOP of a RaaS for 20 s (a hung machine), then SIGCONT, while the run goes on: it
+    trains 8x the campaign's steps, so that it outlasts the hang (60 steps take ~5 s)."""
+    run.steps *= 8
     run.start()
     children = run.wait_for(ROLES)
     run.until_step(2)
     pid = children["raas-0"]["pid"]
     os.killpg(pid, signal.SIGSTOP)
     time.sleep(20)
+    assert run.proc is not None
+    if run.proc.poll() is not None:  # its supervisor killed the hung RaaS at the end
+        raise RuntimeError("the run ended during the hang: give the scenario more --steps")
     os.killpg(pid, signal.SIGCONT)
     run.wait(600)
 
