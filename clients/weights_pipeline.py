@@ -16,13 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from astra.errors import DataLoss
+from astra.weights.tensor_files import INLINE_BYTES
 from astra.weights.v1 import weight_service_pb2 as pb
 
 MAX_QUEUED_BYTES = 64 << 20  # chunk bytes read but not yet written to the stage
-# A tensor below this is staged on the loop's thread (and finished there too where finishing
-# syncs nothing to disk): a hop to a worker costs more than its work.
-INLINE_BYTES = 256 << 10
 FINISH_WORKERS = max(2, min(4, os.cpu_count() or 1))  # decode + fsync of completed tensors
+
+
+def _small(incoming: Any) -> bool:
+    """A tensor staged on the loop's thread: below INLINE_BYTES on the stream and at rest."""
+    return max(incoming.size, incoming.encoded) < INLINE_BYTES
 
 
 class FetchPipeline:
@@ -49,8 +52,6 @@ class FetchPipeline:
         self.last: dict[int, asyncio.Future[None]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.opened: list[Any] = []
-        self.inline: set[int] = set()  # small tensors: staged on the loop's thread
-        self.inline_finish: set[int] = set()  # ... and finished there (nothing to sync)
         self.ack_lock = asyncio.Lock()
         self.last_progress = time.monotonic()  # last message read or acknowledgement sent
 
@@ -64,12 +65,8 @@ class FetchPipeline:
             raise self.error
 
     async def begin(self, stage: Any, header: dict[str, Any], base: Any) -> Any:
-        small = max(header["size_bytes"], header["encoded_size_bytes"]) < INLINE_BYTES
-        if small:
+        if max(header["size_bytes"], header["encoded_size_bytes"]) < INLINE_BYTES:
             incoming = stage.receive(header, base)
-            self.inline.add(id(incoming))
-            if not getattr(stage, "durable", False):
-                self.inline_finish.add(id(incoming))
         else:
             incoming = await self.loop.run_in_executor(self.workers, stage.receive, header, base)
         self.opened.append(incoming)
@@ -77,7 +74,7 @@ class FetchPipeline:
 
     async def write(self, incoming: Any, offset: int, data: bytes) -> None:
         incoming.queue(offset, len(data))
-        if id(incoming) in self.inline:
+        if _small(incoming):
             incoming.write(offset, data)
             return
         future = self.loop.run_in_executor(self.writer, incoming.write, offset, data)
@@ -90,9 +87,8 @@ class FetchPipeline:
             await oldest
 
     def finish(self, incoming: Any) -> None:
-        self.inline.discard(id(incoming))
-        inline = id(incoming) in self.inline_finish
-        self.inline_finish.discard(id(incoming))
+        # A small tensor is finished on the loop too, where finishing syncs nothing to disk.
+        inline = _small(incoming) and not getattr(incoming.stage, "durable", False)
         last = self.last.pop(id(incoming), None)
         task = asyncio.create_task(self._finish(incoming, last, inline))
         self.tasks.add(task)

@@ -34,12 +34,12 @@ from astra.weights.checksum import adler32_hex, format_adler32
 from astra.weights.delta import encode_if_changed, encode_xor_zstd
 from astra.weights.malloc import keep_freed_memory
 from astra.weights.safetensors_io import safetensors_dtype
+from astra.weights.tensor_files import INLINE_BYTES  # smaller tensors: prepared when sent
 from astra.weights.v1 import weight_service_pb2 as pb
 from astra.weights.wire import chunk_message, serialize
 
 log = logging.getLogger(__name__)
 LOOKAHEAD = 4  # tensors prepared ahead of the one being sent
-INLINE_BYTES = 256 << 10  # smaller tensors are prepared when sent: a worker hop costs more
 _WORKERS = ThreadPoolExecutor(2, thread_name_prefix="publish-prepare")  # zstd, numpy free the GIL
 # The service refusing a delta publish: send the version again as raw tensors.
 DELTA_REFUSALS = {"PUBLISH_BASE_NOT_CURRENT", "CHECKSUM_MISMATCH", "CORRUPT_DELTA"}

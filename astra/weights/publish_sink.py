@@ -32,14 +32,10 @@ from astra.weights.hot import HotBuilder
 from astra.weights.layout import Version
 from astra.weights.records import TensorRecord, disk_full
 from astra.weights.safetensors_io import METADATA_KEY, tensor_nbytes
-from astra.weights.tensor_files import ALIGN, ShardWriter, tensor_header
+from astra.weights.tensor_files import ALIGN, INLINE_BYTES, ShardWriter, tensor_header
 
 log = logging.getLogger(__name__)
 _HASHERS = ThreadPoolExecutor(2, thread_name_prefix="publish-digest")
-# Below this, a tensor's bytes are hashed and encoded on the calling thread, and the stream
-# writes and finishes it there too (astra.weights.publish_stream): handing microseconds of
-# work to a worker costs more than the work, most of all on a busy machine.
-INLINE_BYTES = 256 << 10
 
 
 class Stage(Protocol):
@@ -148,7 +144,8 @@ class TensorSink:
 
     @property
     def small(self) -> bool:
-        """Below INLINE_BYTES on the stream and at rest: handled on the caller's thread."""
+        """Below INLINE_BYTES on the stream and at rest: hashed and encoded on the caller's
+        thread, and written and finished there by the stream (astra.weights.publish_stream)."""
         return max(self.size, self.expected_bytes) < INLINE_BYTES
 
     def write(self, offset: int, data: Any) -> None:

@@ -83,7 +83,9 @@ class _Buffers:
 
 
 BUFFERS = _Buffers()
-SMALL_SHARD_BYTES = 256 << 10
+# Below this, a tensor (or shard) is handled on the thread it arrives on, publishing and
+# fetching alike: a hand-off to a worker costs more than the work, most of all on a busy machine.
+INLINE_BYTES = 256 << 10
 
 
 class ShardWriter:
@@ -106,7 +108,7 @@ class ShardWriter:
         self.written = 0  # tensor bytes accepted so far
         # A small shard goes through the page cache, written on the caller's thread: O_DIRECT's
         # aligned writes and a writer thread cost more than such a write.
-        self.small = len(head) + size < SMALL_SHARD_BYTES
+        self.small = len(head) + size < INLINE_BYTES
         self.direct = (
             direct and not self.small and hasattr(os, "O_DIRECT") and len(head) % ALIGN == 0
         )
