@@ -1,5 +1,6 @@
 """astra.run.threads: the trainer and each torch-engine RaaS on the CPU get their share of the
-cores as OMP_NUM_THREADS; a value set by the user wins; every other child is left alone."""
+cores as OMP_NUM_THREADS, a RaaS that launches vLLM on the CPU its own cores as
+VLLM_CPU_OMP_THREADS_BIND; a value set by the user wins; every other child is left alone."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from astra.run import threads
 from astra.run.children import Child
 from astra.run.layout import RunDir
-from astra.run.recipe import load_recipe
+from astra.run.recipe import RaasSpec, load_recipe
 from astra.run.supervisor import Supervisor
 
 
@@ -34,13 +35,54 @@ def test_a_value_the_user_set_wins() -> None:
     assert threads.child_env(plain, "trainer", environ=outer, n_cores=64) == {"FOO": "bar"}
 
 
-def test_only_cpu_torch_compute_counts() -> None:
-    recipe = load_recipe(None, ["raas.0.engine=vllm", "trainer.device=cuda", "raas.1.device=cuda"])
+def test_only_cpu_compute_counts() -> None:
+    gpu = ["trainer.device=cuda", "raas.1.device=cuda"]
+    recipe = load_recipe(None, ["raas.0.engine=vllm", "raas.0.device=cuda", *gpu])
     assert threads.cpu_processes(recipe) == 0
     for role, spec in (("trainer", None), ("raas", recipe.raas[0]), ("raas", recipe.raas[1])):
-        assert "OMP_NUM_THREADS" not in threads.child_env(recipe, role, spec, environ={})
-    one_cpu_raas = load_recipe(None, ["raas.0.engine=vllm", "trainer.device=cuda"])
+        env = threads.child_env(recipe, role, spec, environ={})
+        assert "OMP_NUM_THREADS" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in env
+    one_cpu_raas = load_recipe(None, ["raas.0.engine=openai", "trainer.device=cuda"])
+    assert threads.cpu_processes(one_cpu_raas) == 1  # the torch RaaS; an HTTP engine is elsewhere
     assert threads.share(one_cpu_raas, n_cores=8) == 8
+
+
+def test_vllm_on_the_cpu_gets_its_own_cores_and_the_trainer_the_rest() -> None:
+    # The vllm_cpu recipe: one trainer, one RaaS launching vLLM on the CPU.
+    recipe = load_recipe(Path("configs/recipes/vllm_cpu.yaml"), [])
+    assert threads.cpu_processes(recipe) == 2
+    vllm = recipe.raas[0]
+    assert threads.child_env(recipe, "raas", vllm, environ={}, n_cores=2) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0"
+    }
+    assert threads.child_env(recipe, "trainer", environ={}, n_cores=2)["OMP_NUM_THREADS"] == "1"
+    assert threads.child_env(recipe, "raas", vllm, environ={}, n_cores=16) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3,4,5,6,7"
+    }
+    assert threads.child_env(recipe, "trainer", environ={}, n_cores=16)["OMP_NUM_THREADS"] == "8"
+    # Two vLLM RaaS and one torch RaaS beside the trainer: disjoint slices, tensor parallel
+    # ranks one list each.
+    args = ["raas.0.engine=vllm", "raas.1.engine=vllm", "raas.1.engine_args='-tp 2'"]
+    two = load_recipe(None, args)
+    two = two.model_copy(update={"raas": [*two.raas, RaasSpec(name="torch-raas")]})
+    assert threads.cpu_processes(two) == 4
+    first = threads.child_env(two, "raas", two.raas[0], environ={}, n_cores=16)
+    second = threads.child_env(two, "raas", two.raas[1], environ={}, n_cores=16)
+    assert first["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3"
+    assert second["VLLM_CPU_OMP_THREADS_BIND"] == "4,5|6,7"
+    assert "OMP_NUM_THREADS" not in first
+    assert threads.child_env(two, "raas", two.raas[2], environ={}, n_cores=16) == {
+        "OMP_NUM_THREADS": "4"
+    }
+    # The user's binding wins, from the recipe's env: or from the supervisor's environment.
+    told = load_recipe(
+        Path("configs/recipes/vllm_cpu.yaml"), ["env.VLLM_CPU_OMP_THREADS_BIND=auto"]
+    )
+    assert threads.child_env(told, "raas", told.raas[0], environ={}, n_cores=2) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "auto"
+    }
+    outer = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert threads.child_env(recipe, "raas", vllm, environ=outer, n_cores=2) == {}
 
 
 def test_the_supervisor_gives_each_child_its_environment(tmp_path: Path, monkeypatch) -> None:

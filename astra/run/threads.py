@@ -8,30 +8,44 @@ the small operations of a small model that costs more than the threads give: on 
 machine of BENCHMARKS.md one trainer step of the embedded task took ~600 ms instead of ~70 ms.
 
 `child_env` gives a trainer or torch-engine RaaS on the CPU `OMP_NUM_THREADS` = the cores this
-process may run on divided by the number of such processes in the recipe (at least 1), unless
-OMP_NUM_THREADS is set already (in the recipe's `env:` or the supervisor's environment): then
-that wins. Other children (Dataflow, the WeightService, a RaaS that launches vLLM or SGLang,
-an external RaaS, anything on a GPU) get the recipe's `env:` unchanged. A RaaS added during
-the run (`elastic:`, `astra raas add`) gets the share computed at the start.
+process may run on divided by the number of the recipe's CPU compute processes (at least 1),
+unless OMP_NUM_THREADS is set already (in the recipe's `env:` or the supervisor's environment):
+then that wins. A RaaS that launches vLLM on the CPU is one of those processes too: vLLM binds
+its worker's threads to cores (by default every core but one, spinning between its steps), so
+left alone it takes the cores the trainer computes on; on the 2-core machine of BENCHMARKS.md a
+step of the embedded task on vLLM took ~560 ms instead of ~230 ms. Such a RaaS gets
+`VLLM_CPU_OMP_THREADS_BIND` = its own slice of the cores (a share, from the first core this
+process may run on), unless VLLM_CPU_OMP_THREADS_BIND is set already. Other children
+(Dataflow, the WeightService, an external RaaS, anything on a GPU) get the recipe's `env:`
+unchanged. A RaaS added during the run (`elastic:`, `astra raas add`) gets the share computed
+at the start.
 Never starts, stops or inspects a process: it only computes environments.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Mapping
 
+from astra.engine.http.vllm_launch import option_value
 from astra.run.recipe import RaasSpec, Recipe
 
 THREADS_VAR = "OMP_NUM_THREADS"
+VLLM_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def core_ids() -> list[int]:
+    """The CPUs this process may run on, in order (its affinity mask where the OS has one)."""
+    try:
+        return sorted(os.sched_getaffinity(0)) or [0]
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
 
 
 def cores() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """How many CPUs this process may run on."""
+    return len(core_ids())
 
 
 def computes_on_cpu(recipe: Recipe, role: str, spec: RaasSpec | None = None) -> bool:
@@ -43,14 +57,22 @@ def computes_on_cpu(recipe: Recipe, role: str, spec: RaasSpec | None = None) -> 
     return False
 
 
+def binds_cpu_cores(spec: RaasSpec | None) -> bool:
+    """Whether a RaaS launches vLLM on the CPU (which binds its threads to cores)."""
+    return spec is not None and spec.engine == "vllm" and spec.device == "cpu" and not spec.command
+
+
 def cpu_processes(recipe: Recipe) -> int:
-    """How many of the recipe's children compute with torch on the CPU (trainers, RaaS)."""
+    """How many of the recipe's children compute on the CPU: trainers, torch-engine RaaS and
+    RaaS that launch vLLM there."""
     trainers = len(recipe.policies) if computes_on_cpu(recipe, "trainer") else 0
-    return trainers + sum(computes_on_cpu(recipe, "raas", spec) for spec in recipe.raas)
+    return trainers + sum(
+        computes_on_cpu(recipe, "raas", spec) or binds_cpu_cores(spec) for spec in recipe.raas
+    )
 
 
 def share(recipe: Recipe, n_cores: int | None = None) -> int:
-    """Threads for each CPU torch process: the cores over those processes, at least 1."""
+    """Threads (cores) for each CPU compute process: the cores over those processes, at least 1."""
     n = cpu_processes(recipe)
     available = n_cores if n_cores is not None else cores()
     return max(1, available // max(n, 1))
@@ -65,10 +87,47 @@ def child_env(
     n_cores: int | None = None,
 ) -> dict[str, str]:
     """The environment a child adds to the supervisor's: the recipe's `env:`, plus its
-    thread share where it computes on the CPU and nobody set OMP_NUM_THREADS."""
+    thread share where it computes with torch on the CPU and nobody set OMP_NUM_THREADS, or
+    its cores where it launches vLLM on the CPU and nobody set VLLM_CPU_OMP_THREADS_BIND."""
     env = dict(recipe.env)
     outer = os.environ if environ is None else environ
+    if role == "raas" and binds_cpu_cores(spec):
+        if VLLM_BIND_VAR not in env and VLLM_BIND_VAR not in outer:
+            env[VLLM_BIND_VAR] = vllm_cores(recipe, spec, n_cores)
+        return env
     if THREADS_VAR in env or THREADS_VAR in outer or not computes_on_cpu(recipe, role, spec):
         return env
     env[THREADS_VAR] = str(share(recipe, n_cores))
     return env
+
+
+def vllm_cores(recipe: Recipe, spec: RaasSpec | None, n_cores: int | None = None) -> str:
+    """The `VLLM_CPU_OMP_THREADS_BIND` value of a RaaS that launches vLLM on the CPU: the k-th
+    such RaaS of the recipe takes the k-th slice of `share` cores (one the recipe does not
+    list, or one past the cores, wraps around), split into one list per rank ("0,1|2,3") when
+    its engine_args ask for tensor or pipeline parallelism (each rank at least one core)."""
+    ids = core_ids() if n_cores is None else list(range(n_cores))
+    width = share(recipe, len(ids))
+    binders = [s for s in recipe.raas if binds_cpu_cores(s)]
+    k = next((i for i, s in enumerate(binders) if s is spec), 0)
+    ranks = _ranks(spec.engine_args if spec is not None else "")
+    per_rank = max(1, width // ranks)
+    start = k * width
+    lists = []
+    for r in range(ranks):
+        first = start + r * per_rank
+        lists.append(",".join(str(ids[(first + i) % len(ids)]) for i in range(per_rank)))
+    return "|".join(lists)
+
+
+def _ranks(engine_args: str) -> int:
+    """vLLM's local ranks for these server arguments: tensor x pipeline parallel size."""
+    args = shlex.split(engine_args)
+    out = 1
+    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        for name in names:
+            value = option_value(args, name)
+            if value is not None and value.isdigit() and int(value) > 0:
+                out *= int(value)
+                break
+    return out
