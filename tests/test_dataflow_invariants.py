@@ -28,7 +28,7 @@ from astra.clients.dataflow import DataflowClient
 from astra.clients.raas import RolloutClient
 from astra.common.group_convert import incoming_group
 from astra.common.v1 import rollout_pb2
-from astra.dataflow import dispatch
+from astra.dataflow import dispatch, upkeep
 from astra.dataflow.config import DataflowConfig
 from astra.dataflow.coordinator import Dataflow
 from astra.dataflow.pool import InstanceState
@@ -569,6 +569,37 @@ def test_eta_zero_dispatches_as_soon_as_the_new_version_is_loaded(tmp_path, monk
     trainer, _ = train_in_sync(config, gen, timeout_s=10.0)
     assert set(trainer.consumed) == all_ids(n)
     assert trainer.version >= 3 and len(gen.load_calls) >= 3
+
+
+def test_a_version_announced_during_a_load_is_loaded_as_soon_as_that_load_ends(
+    tmp_path, monkeypatch
+):
+    """One load per instance at a time: a version announced while the RaaS loads the previous
+    one must be sent when that load ends, not wait for the next upkeep (up to 0.5 s, paid by
+    every version when versions come faster than loads). Upkeep is switched off here, so
+    nothing else would start the second load."""
+
+    async def no_upkeep(self) -> None:
+        return None
+
+    monkeypatch.setattr(upkeep.Upkeep, "run", no_upkeep)
+    config = dataflow_config(tmp_path, 8, gate={"max_version_lag": None})
+    gen = SlowLoadGenerator(delay_s=0.01, load_delay_s=0.3)
+
+    async def body():
+        async with with_raas(config, gen, capacity=16, name="raas-a") as (df, client, _):
+            await registered(df, "raas-a")
+            trainer = Trainer(client)
+            await trainer.announce()  # version 1: its load starts
+            await until(lambda: len(gen.load_calls) == 1, 5.0, "the load of version 1")
+            await trainer.announce()  # version 2, while version 1 loads
+            await until(lambda: len(gen.load_calls) == 2, 5.0, "the load of version 2")
+            inst = df.pool.instances["raas-a"]
+            await until(lambda: inst.loaded_versions.get(POLICY) == 2, 5.0, "version 2 held")
+            return list(gen.load_calls)
+
+    calls = run(body())
+    assert calls == [{POLICY: 1}, {POLICY: 2}]
 
 
 # ----- 4. batch leases ----------------------------------------------------------------------------

@@ -78,7 +78,15 @@ class WeightSync:
                 continue
             if not self.pool.load_due(inst):  # a failed load is retried after a backoff
                 continue
-            self.loads[inst.instance_id] = asyncio.create_task(self._load(inst, want))
+            task = asyncio.create_task(self._load(inst, want))
+            # A version announced while this load ran is loaded as soon as it ends, not at
+            # the next upkeep (up to 0.5 s later, each version paying it again).
+            task.add_done_callback(self._after_load)
+            self.loads[inst.instance_id] = task
+
+    def _after_load(self, task: asyncio.Task) -> None:
+        if not task.cancelled():
+            self.sync()
 
     async def _load(self, inst: Instance, want: dict) -> None:
         # One call for the whole set, so the RaaS can switch every policy together
