@@ -595,6 +595,8 @@ def observations(results: Sequence[ModelResult]) -> list[str]:
                 f"- {name}: from {lo.concurrency} to {hi.concurrency} concurrent requests, useful "
                 f"tokens/s grow: {growth}."
             )
+        for line in split_repeats(name, res.cells):
+            out.append(line)
         if res.swaps:
             idle = next(s for s in res.swaps if not s.clients)
             busy = [s for s in res.swaps if s.clients]
@@ -612,6 +614,24 @@ def observations(results: Sequence[ModelResult]) -> list[str]:
                     f"request(s) cut by a swap went on after it to their full length"
                 )
             out.append(text + ".")
+    return out
+
+
+def split_repeats(name: str, cells: Sequence[Cell], spread: float = 3.0) -> list[str]:
+    """A line for each system and concurrency whose repeats differ by more than `spread` times
+    (fastest / slowest useful tokens/s): its median then stands for one of two behaviours, not
+    for noise, and the line says so with every repeat's figure."""
+    out = []
+    for c in cells:
+        for s in SYSTEMS:
+            rates = [r.tps for r in c.runs[s]]
+            if len(rates) > 1 and min(rates) > 0 and max(rates) / min(rates) > spread:
+                each = ", ".join(f"{x:,.0f}" for x in rates)
+                out.append(
+                    f"- {name}, {LABEL[s]} at {c.concurrency}: the repeats split "
+                    f"({each} tokens/s, in order): the median is one mode of the two, "
+                    "not a typical figure."
+                )
     return out
 
 
