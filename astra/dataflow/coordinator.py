@@ -166,6 +166,7 @@ class Dataflow:
 
     async def stop(self) -> None:
         self.ingestor.stopping = True
+        self.weights.stopping = True
         tasks = [
             *self._tasks,
             *self.ingestor.collectors.values(),

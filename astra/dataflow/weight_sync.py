@@ -47,6 +47,7 @@ class WeightSync:
         self.ledger, self.counters, self.buffers = ledger, ledger.counters, ledger.buffers
         self.batches, self.wake = batches, wake
         self.loads: dict[str, asyncio.Task] = {}  # instance id -> its weight load running
+        self.stopping = False  # set when Dataflow stops: no load starts after that
 
     def claim(self, inst: Instance, loaded_ids: dict[str, str] | None) -> None:
         """Takes the identities an instance claims (None: it stated none: counters only)."""
@@ -85,7 +86,7 @@ class WeightSync:
             self.loads[inst.instance_id] = task
 
     def _after_load(self, task: asyncio.Task) -> None:
-        if not task.cancelled():
+        if not task.cancelled() and not self.stopping:
             self.sync()
 
     async def _load(self, inst: Instance, want: dict) -> None:
