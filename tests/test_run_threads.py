@@ -96,3 +96,15 @@ def test_the_supervisor_gives_each_child_its_environment(tmp_path: Path, monkeyp
     dataflow = sup.add_child("dataflow", "dataflow", ["unused"])
     assert trainer.env == raas.env == {"FOO": "bar", "OMP_NUM_THREADS": "2"}
     assert dataflow.env == {"FOO": "bar"}
+
+
+def test_the_supervisor_gives_a_vllm_raas_its_cores_from_the_affinity_mask(tmp_path, monkeypatch):
+    for var in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(threads, "core_ids", lambda: [4, 5, 6, 7])  # a process pinned to 4-7
+    recipe = load_recipe(Path("configs/recipes/vllm_cpu.yaml"), [])
+    sup = Supervisor(recipe, RunDir(tmp_path / "run"), child_factory=Child)  # never spawned
+    vllm = sup.add_child("vllm-0", "raas", ["unused"], spec=recipe.raas[0])
+    trainer = sup.add_child("trainer-policy", "trainer", ["unused"], ["policy"])
+    assert vllm.env == {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}
+    assert trainer.env == {"OMP_NUM_THREADS": "2"}
