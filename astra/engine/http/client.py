@@ -6,6 +6,15 @@ shuts the request's socket down at once, so the server sees the client go away
 (vLLM and SGLang abort a request whose client disconnects) and the worker
 thread is freed.
 
+Connections are kept alive and reused (HTTP/1.1): a connection goes back to the
+pool after a complete answer the server did not mark `Connection: close`, and is
+reused only while it has been idle less than `KEEPALIVE_S` (below uvicorn's 5 s,
+after which vLLM's and SGLang's servers close it). A request that fails on a
+reused connection before any answer arrived (the server closed it meanwhile) is
+sent once more on a new one. A cancelled or failed call's connection is closed,
+never reused. Against vLLM on CPU this saves ~0.3 ms of CPU per request across
+client and server (no connect, accept and close per request).
+
 Error mapping (message names the method, URL and the server's own words):
 - connection refused / reset / timed out, 5xx, 408 -> Unavailable
   (reason ENGINE_UNREACHABLE, ENGINE_TIMEOUT or ENGINE_ERROR);
@@ -22,6 +31,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -30,6 +40,9 @@ from astra.errors import AstraError, InvalidArgument, ResourceExhausted, Unavail
 
 MAX_BODY = 64 * 1024 * 1024  # a response larger than this is refused (ENGINE_BAD_RESPONSE)
 CONTROL_THREADS = 4
+KEEPALIVE_S = 2.0  # an idle connection older than this is closed, not reused
+# Errors by which a reused connection says the server closed it before this request.
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
 class _Call:
@@ -96,29 +109,82 @@ class JSONClient:
             max_concurrency + CONTROL_THREADS, thread_name_prefix="astra-http"
         )
         self._calls: set[_Call] = set()
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []  # (conn, idle since)
+        self._idle_lock = threading.Lock()
+        self.connections_opened = 0  # new connections made (the rest were reused)
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         return cls(self._host, self._port, timeout=min(timeout, self.connect_timeout_s))
 
+    def _pooled(self) -> http.client.HTTPConnection | None:
+        """The most recently used idle connection still young enough to reuse, or None."""
+        now = time.monotonic()
+        with self._idle_lock:
+            while self._idle:
+                conn, since = self._idle.pop()
+                if now - since < KEEPALIVE_S and conn.sock is not None:
+                    return conn
+                conn.close()
+        return None
+
+    def _release(self, conn: http.client.HTTPConnection) -> None:
+        with self._idle_lock:
+            self._idle.append((conn, time.monotonic()))
+
     def _blocking(
         self, call: _Call, method: str, path: str, payload: bytes | None, timeout: float
     ) -> tuple[int, bytes]:
-        conn = self._connection(timeout)
+        conn = self._pooled()
+        if conn is not None:
+            try:
+                return self._exchange(call, conn, method, path, payload, timeout)
+            except _STALE:
+                if call.cancelled:
+                    raise
+                # The server closed the idle connection before this request: a new one.
+        return self._exchange(call, None, method, path, payload, timeout)
+
+    def _exchange(
+        self,
+        call: _Call,
+        conn: http.client.HTTPConnection | None,
+        method: str,
+        path: str,
+        payload: bytes | None,
+        timeout: float,
+    ) -> tuple[int, bytes]:
+        """One request on `conn` (None: a new connection); the connection goes back to the
+        pool only after a complete answer on a call nobody cancelled."""
+        fresh = conn is None
+        if conn is None:
+            conn = self._connection(timeout)
         with call.lock:
             if call.cancelled:
+                conn.close()
                 raise ConnectionAbortedError("cancelled")
             call.conn = conn
+        keep = False
         try:
-            conn.connect()
+            if fresh:
+                conn.connect()
+                with self._idle_lock:
+                    self.connections_opened += 1
             assert conn.sock is not None
             conn.sock.settimeout(timeout)  # connect bounded above; now the whole exchange
             conn.request(method, self._prefix + path, body=payload, headers=self.headers)
             resp = conn.getresponse()
             body = resp.read(MAX_BODY + 1)
+            keep = not resp.will_close and len(body) <= MAX_BODY and resp.isclosed()
             return resp.status, body
         finally:
-            conn.close()
+            with call.lock:
+                keep = keep and not call.cancelled
+                call.conn = None
+            if keep:
+                self._release(conn)
+            else:
+                conn.close()
 
     def _url(self, path: str) -> str:
         return f"{self.base_url}{path}"
@@ -165,9 +231,14 @@ class JSONClient:
         return _decode(what, status, raw, expect_json)
 
     async def close(self) -> None:
-        """Shuts down every request still open (their callers get Unavailable) and the pool."""
+        """Shuts down every request still open (their callers get Unavailable), the idle
+        connections and the pool."""
         for call in list(self._calls):
             call.abort()
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for conn, _ in idle:
+            conn.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
