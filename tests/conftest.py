@@ -2,19 +2,41 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from astra.dataflow.config import DataflowConfig
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "tools" / "bench"
+
+
+@contextmanager
+def bench_module(script: str, name: str) -> Iterator[ModuleType]:
+    """tools/bench/<script> imported as module `name`, with tools/bench on sys.path for its own
+    imports (engine, report, ...) while the context lasts."""
+    sys.path.insert(0, str(BENCH_DIR))
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)
+        sys.path.remove(str(BENCH_DIR))
 
 
 @pytest.fixture

@@ -3,13 +3,9 @@ processes start, groups move end to end and parse as GroupResults, and the repor
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import bench_module
 
 TINY = [
     "--raas", "2", "--procs", "1", "--capacity", "16", "--group-size", "4", "--tokens", "8",
@@ -21,16 +17,8 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "tools" / "bench"))
-    spec = importlib.util.spec_from_file_location(
-        "bench_control_plane", ROOT / "tools" / "bench" / "control_plane.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-    sys.path.remove(str(ROOT / "tools" / "bench"))
+    with bench_module("control_plane.py", "bench_control_plane") as module:
+        yield module
 
 
 @pytest.mark.slow

@@ -4,26 +4,15 @@ No vLLM needed: the report is built from recorded runs."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "tools" / "bench"))
-    path = ROOT / "tools" / "bench" / "vllm_engine.py"
-    spec = importlib.util.spec_from_file_location("bench_vllm_split", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-    sys.path.remove(str(ROOT / "tools" / "bench"))
+    with bench_module("vllm_engine.py", "bench_vllm_split") as module:
+        yield module
 
 
 def cell(bench, concurrency: int, rates: dict[str, list[float]]):
