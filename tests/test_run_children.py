@@ -116,6 +116,21 @@ def gone_within(pid: int, timeout_s: float) -> bool:
     return True
 
 
+def exec_done(pid: int, timeout_s: float = 10.0) -> bool:
+    """Whether `pid` runs the sleeper's own command line: past `setpriv --pdeathsig` (or the
+    preexec prctl), so its parent-death signal is set. A parent killed before that moment
+    leaves no signal to come, as in the kernel's own race, which this test is not about."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if b"setpriv" not in argv[0] and b"time.sleep(120)" in b" ".join(argv):
+                return True
+        time.sleep(0.01)
+    return False
+
+
 def kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
@@ -146,6 +161,7 @@ def test_an_engine_server_goes_with_the_raas_that_started_it(tmp_path: Path) -> 
     async def main() -> None:
         async with serving_child(tmp_path, "engine") as (child, engine):
             assert alive(engine) and os.getpgid(engine) == engine  # its own group
+            assert exec_done(engine), "the engine server never ran its own command"
             await child.stop(0)  # SIGKILL at once: a second Ctrl-C, stop_grace_s ran out
             assert gone_within(engine, 5), f"engine server {engine} outlived its RaaS"
 
