@@ -28,7 +28,6 @@ import os
 import shlex
 from collections.abc import Mapping
 
-from astra.engine.http.vllm_launch import option_value
 from astra.run.recipe import RaasSpec, Recipe
 
 THREADS_VAR = "OMP_NUM_THREADS"
@@ -122,6 +121,10 @@ def vllm_cores(recipe: Recipe, spec: RaasSpec | None, n_cores: int | None = None
 
 def _ranks(engine_args: str) -> int:
     """vLLM's local ranks for these server arguments: tensor x pipeline parallel size."""
+    # Imported here: only a recipe with a vLLM RaaS on the CPU needs it, and the engine
+    # package's import would otherwise be paid by every `astra run` at start-up.
+    from astra.engine.http.vllm_launch import option_value
+
     args = shlex.split(engine_args)
     out = 1
     for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
