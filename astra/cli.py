@@ -411,6 +411,14 @@ def serve_raas(
     help="Keep a policy's current version in RAM when at most this large (GiB), so the next "
     "publish decodes against memory; up to twice this per policy while a publish runs. 0: never.",
 )
+@click.option(
+    "--ram-stage-mib",
+    type=click.FloatRange(0),
+    default=64.0,
+    show_default=True,
+    help="A publish holds its tensors under 256 KiB in RAM, up to this much in all, and writes "
+    "them as one file at the commit (an interrupted publish sends them again). 0: a file each.",
+)
 @_metrics_and_log_level()
 def serve_weights(
     store_dir: str,
@@ -420,6 +428,7 @@ def serve_weights(
     max_chain: int,
     keep_versions: int,
     hot_gib: float,
+    ram_stage_mib: float,
     metrics_port: int | None,
     log_level: str,
 ) -> None:
@@ -432,6 +441,7 @@ def serve_weights(
         max_chain=max_chain,
         keep_versions=keep_versions,
         hot_bytes=int(hot_gib * (1 << 30)),
+        ram_stage_bytes=int(ram_stage_mib * (1 << 20)),
     )
 
     async def run() -> None:

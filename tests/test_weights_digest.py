@@ -14,7 +14,7 @@ from astra.errors import AlreadyExists
 from astra.weights.checksum import adler32_hex
 from astra.weights.digest import digest_body, digest_of, kind_of, normalized
 from astra.weights.store import Store, StoreConfig
-from tests.test_weights_store import FAST, chain_of, same, sparse_update, tree
+from tests.test_weights_store import FAST, FILE_STAGED, chain_of, same, sparse_update, tree
 
 
 def legacy_content_digest(version: int, model: dict, files: dict, metadata: dict) -> str:
@@ -107,7 +107,7 @@ def test_a_tombstone_left_by_a_sha256_release_admits_only_the_same_content(tmp_p
 
 @pytest.mark.parametrize("how", ["stream", "in_process"])
 def test_a_publish_staged_by_a_sha256_release_resumes(tmp_path: Path, how: str) -> None:
-    store = Store(tmp_path, StoreConfig(full_every=4, **FAST))
+    store = Store(tmp_path, StoreConfig(full_every=4, **FAST, **FILE_STAGED))
     m0, m1 = chain_of(2)
     store.publish("p", "v0", 0, m0)
     session = store.begin_publish("p", "v1", 1)
@@ -125,7 +125,7 @@ def test_a_publish_staged_by_a_sha256_release_resumes(tmp_path: Path, how: str) 
         del line["digest"]
         line["sha256"] = hashlib.sha256(m1[line["name"]][2]).hexdigest()
     manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    store = Store(tmp_path, StoreConfig(full_every=4, **FAST))
+    store = Store(tmp_path, StoreConfig(full_every=4, **FAST, **FILE_STAGED))
     if how == "in_process":  # hashes the held tensors again to compare them with the stage
         record, _ = store.publish("p", "v1", 1, m1)
     else:

@@ -19,7 +19,7 @@ from astra.weights.layout import Version
 from astra.weights.v1 import weight_service_pb2 as pb
 from tests.conftest import error_info
 from tests.test_weights_service import _expect, _stream, run, serving
-from tests.test_weights_store import bf16_model, chain_of, same, sparse_update, tree
+from tests.test_weights_store import FILE_STAGED, bf16_model, chain_of, same, sparse_update, tree
 
 
 def full_bytes(model: dict) -> int:
@@ -194,7 +194,7 @@ def test_an_interrupted_delta_publish_resumes_with_the_tensors_already_verified(
         return await original(self, order, i)
 
     async def body() -> None:
-        async with serving(tmp_path / "store") as server:
+        async with serving(tmp_path / "store", **FILE_STAGED) as server:
             await publish_version(server.address, "p", "v0", 0, models[0])
             monkeypatch.setattr(weights_publish._Preparer, "get", dies_at_the_third_tensor)
             with pytest.raises(ConnectionResetError):

@@ -18,7 +18,7 @@ from astra.clients.weights_publish import publish_version
 from astra.clients.weights_stream import Receiver
 from astra.weights.store import Store, StoreConfig
 from tests.test_weights_service import run, serving
-from tests.test_weights_store import FAST, bf16_model, chain_of, full_copy, same
+from tests.test_weights_store import FAST, FILE_STAGED, bf16_model, chain_of, full_copy, same
 
 
 class TrainerDied(ConnectionResetError):
@@ -84,7 +84,7 @@ def test_the_same_content_still_resumes_from_what_was_staged(
     models = chain_of(2, seed=35, size=1 << 15)
 
     async def body() -> None:
-        async with serving(tmp_path / "store") as server:
+        async with serving(tmp_path / "store", **FILE_STAGED) as server:
             await publish_version(server.address, "p", "v0", 0, models[0])
             await interrupted(monkeypatch, server.address, "p", "v1", 1, models[1])
             result = await publish_version(server.address, "p", "v1", 1, models[1])
@@ -125,7 +125,7 @@ def test_numpy_dtype_names_resume_too_and_a_restart_costs_no_attempt(
     retrained = {n: ("bfloat16", s, b) for n, (_, s, b) in bf16_model(97, size=1 << 15).items()}
 
     async def body() -> None:
-        async with serving(tmp_path / "store") as server:
+        async with serving(tmp_path / "store", **FILE_STAGED) as server:
             await publish_version(server.address, "p", "v0", 0, models[0])
             await interrupted(monkeypatch, server.address, "p", "v1", 1, named)
             resumed = await publish_version(server.address, "p", "v1", 1, named)

@@ -23,7 +23,7 @@ from astra.weights.cli import weights
 from astra.weights.store import StoreConfig
 from astra.weights.v1 import weight_service_pb2 as pb
 from tests.conftest import error_info
-from tests.test_weights_store import bf16_model, chain_of, same, sparse_update
+from tests.test_weights_store import FILE_STAGED, bf16_model, chain_of, same, sparse_update
 
 T = 20  # seconds: every wait in these tests is bounded
 
@@ -144,7 +144,10 @@ def test_every_rpc_refuses_bad_input_and_the_server_keeps_serving(tmp_path: Path
     code = grpc.StatusCode
 
     async def body() -> None:
-        async with serving(tmp_path / "store") as server, WeightClient(server.address) as client:
+        async with (
+            serving(tmp_path / "store", **FILE_STAGED) as server,
+            WeightClient(server.address) as client,
+        ):
             stub = client.stub
             await publish_version(server.address, "p", "v0", 0, m0)
             await _expect(client.list_versions("nope"), code.NOT_FOUND, "POLICY_NOT_FOUND")

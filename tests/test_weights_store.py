@@ -20,6 +20,10 @@ from astra.weights.store import Store, StoreConfig
 from astra.weights.store_fetch import open_source
 
 FAST = {"durable": False}
+# Every tensor staged in its own file, as a test of resuming an interrupted publish needs with
+# these small tensors: a store holds tensors under 256 KiB in RAM until the commit by default
+# (sent again after an interruption; tests/test_weights_ram_stage.py).
+FILE_STAGED = {"ram_stage_bytes": 0}
 
 
 def bf16_model(seed: int, n: int = 4, size: int = 4096) -> dict:
@@ -232,7 +236,7 @@ def test_rollback_is_a_new_identity_and_idempotent(tmp_path: Path) -> None:
 
 
 def test_restart_rebuilds_state_and_resumes_a_staged_publish(tmp_path: Path) -> None:
-    store = Store(tmp_path, StoreConfig(full_every=2, **FAST))
+    store = Store(tmp_path, StoreConfig(full_every=2, **FAST, **FILE_STAGED))
     models = chain_of(4)
     for i in range(3):
         store.publish("p", f"v{i}", i, models[i])

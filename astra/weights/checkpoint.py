@@ -12,10 +12,12 @@ Re-exports apply_delta, inspect and load_tensors. Never touches gRPC or the stor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from astra.errors import InvalidArgument
@@ -132,17 +134,22 @@ def write_delta(
     workers: int | None = None,
     durable: bool = True,
     frames: Mapping[str, tuple[bytes, int] | None] | None = None,
+    opened: Version | None = None,
 ) -> dict[str, Any]:
     """Writes the xor+zstd delta taking base_dir to `new` (a full directory or tensors).
 
     `version` defaults to the new directory's index version or name,
     `base_version` to the base's. `frames` holds tensors already encoded
     against this base (encode_if_changed's result, e.g. while they were
-    received); only the others are encoded here. Returns sizes and counts.
+    received); only the others are encoded here. `opened`: base_dir already open as a full
+    Version (the caller's, left open), so its shards are not read and checked again.
+    Returns sizes and counts.
     """
     frames = frames or {}
     require_absent(out_dir)  # before the encoding work, not only at the rename
-    with open_full(base_dir) as base:
+    if opened is not None and (opened.path != Path(base_dir) or opened.is_delta):
+        raise ValueError(f"opened is {opened.path}, not the full version at {base_dir}")
+    with contextlib.nullcontext(opened) if opened is not None else open_full(base_dir) as base:
         source, tensors = _source_version(new)
         try:
             if base_version is None:
@@ -183,8 +190,11 @@ def write_delta(
                     )
                 return encode_if_changed(tensors[name].data, view, level)
 
-            with ThreadPoolExecutor(worker_count(workers)) as pool:
-                encoded = list(pool.map(encode, names))
+            if all(name in frames for name in names):  # encoded while received: no pool
+                encoded = [frames[name] for name in names]
+            else:
+                with ThreadPoolExecutor(worker_count(workers)) as pool:
+                    encoded = list(pool.map(encode, names))
             changed = {n: e for n, e in zip(names, encoded, strict=True) if e is not None}
             for name, (_, value) in changed.items():
                 recorded = source.entries[name].checksum if source else None

@@ -56,6 +56,8 @@ class Stage(Protocol):
         self, name: str, dtype: str, shape: tuple[int, ...], size: int
     ) -> XorZstdEncoder | None: ...
     def next_file(self) -> str: ...
+    def reserve_ram(self, size: int) -> bool: ...
+    def release_ram(self, size: int) -> None: ...
     def accept(self, sink: TensorSink, record: TensorRecord) -> None: ...
 
 
@@ -65,6 +67,28 @@ MAX_TENSOR_NAME_CHARS = 1024
 
 def _bad_tensor(name: str, detail: str) -> InvalidArgument:
     return InvalidArgument(f"{name}: {detail}", reason="INVALID_TENSOR", metadata={"tensor": name})
+
+
+class _RamShard:
+    """A small tensor's bytes held in RAM (the stage writes them with the other small ones
+    at the commit): what TensorSink uses of a ShardWriter."""
+
+    def __init__(self, size: int) -> None:
+        self.buf, self.written = bytearray(size), 0
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        self.buf[self.written : self.written + view.nbytes] = view
+        self.written += view.nbytes
+
+    def rewrite_head(self, head: bytes) -> None:
+        """The checksum goes into the packed shard's header when it is written."""
+
+    def close(self, *, durable: bool) -> None:
+        """Nothing to close: the bytes stay in RAM."""
+
+    def abort(self) -> None:
+        self.buf = bytearray()
 
 
 class TensorSink:
@@ -100,7 +124,9 @@ class TensorSink:
         self._encoder_pending: Future[None] | None = None
         self.synced: Future[None] | None = None  # set once accepted: done when durable and listed
         self.file = stage.next_file()
-        self._out: ShardWriter | None = None
+        self._out: ShardWriter | _RamShard | None = None
+        self.ram: bytearray | None = None  # the bytes, when held in RAM until the commit
+        self._ram_reserved = 0
         self._encoder: XorZstdEncoder | None = None
         self.offset = 0
         # encoded: the sender's xor+zstd frame of this many bytes against the base's tensor,
@@ -118,7 +144,10 @@ class TensorSink:
                     f"{entry.info.dtype}{list(entry.info.shape)} in the base",
                 )
             self._frame = bytearray()
-        if stage.expected is None:
+        if stage.expected is None and self.small and stage.reserve_ram(self.size):
+            self._ram_reserved = self.size
+            self._out = _RamShard(self.size)
+        elif stage.expected is None:
             # A complete single-tensor shard: the store links it in, never rewrites it.
             head = tensor_header(name, dtype, shape, self.size, adler or "0" * 8, align=ALIGN)
             try:
@@ -127,6 +156,7 @@ class TensorSink:
                 self.abort()
                 raise disk_full(exc, f"cannot stage {name}") from exc
             self.offset = len(head)
+        if stage.expected is None:
             if encoded is None:
                 self._encoder = stage.encoder(name, dtype, tuple(shape), self.size)
             # The new bytes in RAM as they pass, for the publish after this one.
@@ -234,9 +264,13 @@ class TensorSink:
         try:
             # Decoded straight into the RAM copy when it is kept, else a chunk at a time.
             chunks = XorZstdChunks(frame, pieces, self.size, out=self._hot if self.size else None)
+            inline = self.small  # a thread hop costs more than hashing a small tensor here
             for chunk in chunks:
                 self._wait_hash()  # the buffer the next chunk is decoded into is hashed by now
-                self._hash_pending = _HASHERS.submit(self._hash.update, chunk)
+                if inline:
+                    self._hash.update(chunk)
+                else:
+                    self._hash_pending = _HASHERS.submit(self._hash.update, chunk)
                 self._adler = adler32(chunk, self._adler)
                 self._out.write(chunk)
             self._wait_hash()
@@ -275,14 +309,18 @@ class TensorSink:
         """Completes the shard file (synced later, by the stage)."""
         if self._out is None:
             return None
-        try:
-            self._out.close(durable=False)
-        except OSError as exc:
-            self.abort()
-            raise disk_full(exc, f"cannot stage {self.name}") from exc
-        self._out = None
-        final = self.stage.path / self.file
-        os.replace(self.stage.path / (self.file + ".part"), final)
+        final: Path | None = None
+        if isinstance(self._out, _RamShard):
+            self.ram, self._out = self._out.buf, None
+        else:
+            try:
+                self._out.close(durable=False)
+            except OSError as exc:
+                self.abort()
+                raise disk_full(exc, f"cannot stage {self.name}") from exc
+            self._out = None
+            final = self.stage.path / self.file
+            os.replace(self.stage.path / (self.file + ".part"), final)
         if self._encoder is not None:
             encoder, self._encoder = self._encoder, None
             try:
@@ -306,7 +344,13 @@ class TensorSink:
         if self._encoder is not None:
             self._encoder.close()
             self._encoder = None
+        if self._ram_reserved:
+            self.stage.release_ram(self._ram_reserved)
+            self._ram_reserved = 0
+        self.ram = None
         if self._out is not None:
+            ram = isinstance(self._out, _RamShard)
             self._out.abort()
             self._out = None
-            (self.stage.path / (self.file + ".part")).unlink(missing_ok=True)
+            if not ram:
+                (self.stage.path / (self.file + ".part")).unlink(missing_ok=True)

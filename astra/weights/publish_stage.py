@@ -4,7 +4,11 @@ A stage is a directory per identity: header.json (what is being published),
 one single-tensor shard per verified tensor (header, its Adler-32
 included, then the bytes) and tensors.jsonl, a line per tensor
 appended only after its file is complete, checked and (when durable)
-fsynced. Each tensor arrives through a TensorSink (astra.weights.publish_sink),
+fsynced. Small tensors (below INLINE_BYTES, up to `ram_bytes` in all) are
+held in RAM instead and written together, at the commit, as one shard
+(packed.bin, each tensor's Adler-32 in its header): a file, an fsync and a
+manifest line each cost more than such a tensor, and an interrupted
+publish sends them again. Each tensor arrives through a TensorSink (astra.weights.publish_sink),
 which hashes it and computes (or decodes) its xor+zstd frame against the base
 in the same pass, so nothing is read or encoded twice: the commit writes those
 frames as the version's delta. Shards are written with
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
+import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +35,8 @@ from astra.weights.delta import XorZstdEncoder
 from astra.weights.hot import BufferCursor, HotBuilder, HotVersion
 from astra.weights.layout import Tensor, Version
 from astra.weights.publish_sink import TensorSink
-from astra.weights.records import TensorRecord
+from astra.weights.records import TensorRecord, disk_full
+from astra.weights.safetensors_io import encode_header
 from astra.weights.tensor_files import (
     BUFFERS,
     RangeCursor,
@@ -40,6 +46,7 @@ from astra.weights.tensor_files import (
 _SYNCERS = ThreadPoolExecutor(4, thread_name_prefix="publish-sync")
 MANIFEST = "tensors.jsonl"
 HEADER = "header.json"
+PACKED = "packed.bin"  # the small tensors held in RAM, written at the commit
 
 
 def content_mismatch(identity: str, detail: str, tensor: str | None = None) -> AlreadyExists:
@@ -67,8 +74,10 @@ class PublishStage:
         hot_base: HotVersion | None = None,
         hot_new: HotBuilder | None = None,
         restart: bool = False,
+        ram_bytes: int = 0,
     ) -> None:
-        """restart: drop what an earlier attempt staged here instead of resuming it."""
+        """restart: drop what an earlier attempt staged here instead of resuming it.
+        ram_bytes: the most bytes of small tensors held in RAM until the commit (0: none)."""
         self.path, self.header, self.expected, self.durable = path, header, expected, durable
         # The version the frames are encoded against (the current one when the stage opened),
         # read from RAM when the store holds it there (hot_base); hot_new collects the new bytes.
@@ -87,6 +96,9 @@ class PublishStage:
         self.received: dict[str, tuple[str, TensorRecord]] = {}
         self.files: dict[str, bytes] = {}
         self.offsets: dict[str, int] = {}  # where each staged tensor's bytes start (0: bare bytes)
+        self.ram_bytes = ram_bytes
+        self.in_ram: dict[str, bytearray] = {}  # small tensors accepted, until `pack`
+        self._ram_reserved = 0
         if expected is not None:
             return
         if not restart and path.is_dir() and self._read_header() == header:
@@ -175,6 +187,18 @@ class PublishStage:
             cursor, size, self.level, scratch, lambda: BUFFERS.put(scratch), check=check
         )
 
+    def reserve_ram(self, size: int) -> bool:
+        """Whether a small tensor of `size` bytes is held in RAM (counted until the commit)."""
+        with self.lock:
+            if self.expected is not None or self._ram_reserved + size > self.ram_bytes:
+                return False
+            self._ram_reserved += size
+            return True
+
+    def release_ram(self, size: int) -> None:
+        with self.lock:
+            self._ram_reserved -= size
+
     def next_file(self) -> str:
         with self.lock:
             index, self._next = self._next, self._next + 1
@@ -204,6 +228,11 @@ class PublishStage:
                 self.received[sink.name] = ("", record)
             return
         sink.close_file()
+        if sink.ram is not None:  # written with the other small ones by `pack`
+            with self.lock:
+                self.in_ram[sink.name] = sink.ram
+                self.received[sink.name] = ("", record)
+            return
         line = {"name": sink.name, "file": sink.file, "size": record.size_bytes}
         line["offset"] = sink.offset
         line.update(dtype=record.dtype, shape=list(record.shape))
@@ -230,26 +259,68 @@ class PublishStage:
             for future in pending:
                 future.result()
 
+    def pack(self) -> None:
+        """Writes the small tensors held in RAM as one shard (fsynced when durable), each with
+        its Adler-32 in the header; from here on they are read from it like the others."""
+        with self.lock:
+            ram, self.in_ram = self.in_ram, {}
+        if not ram:
+            return
+        names = sorted(ram)
+        records = {n: self.received[n][1] for n in names}
+        entries = [(n, records[n].dtype, records[n].shape, ram[n]) for n in names]
+        sums = {"format": "pt", **{n: records[n].adler32 for n in names}}
+        head = encode_header(((n, d, tuple(s), len(b)) for n, d, s, b in entries), sums)
+        path = self.path / PACKED
+        try:
+            with open(path, "wb") as f:
+                f.write(head)
+                for *_, data in entries:
+                    f.write(data)
+                if self.durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as exc:
+            with self.lock:  # sent again by the next attempt, as after an interruption
+                for name in names:
+                    self.received.pop(name, None)
+            raise disk_full(exc, f"cannot stage {self.header['identity']!r}") from exc
+        with self.lock:
+            at = len(head)
+            for name in names:
+                self.received[name] = (PACKED, records[name])
+                self.offsets[name] = at
+                at += len(ram[name])
+
     def records(self) -> dict[str, TensorRecord]:
         return {n: r for n, (_, r) in (self.held | self.received).items()}
 
     def tensors(self) -> dict[str, Tensor]:
         """Zero-copy views of every staged tensor (mmap); valid while referenced."""
         out = {}
+        maps: dict[str, mmap.mmap] = {}  # one mapping per file (the packed one holds several)
         for name, (file, rec) in sorted((self.held | self.received).items()):
             if rec.size_bytes == 0:
                 out[name] = Tensor(rec.dtype, rec.shape, b"")
                 continue
-            with open(self.path / file, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if name in self.in_ram:
+                out[name] = Tensor(rec.dtype, rec.shape, memoryview(self.in_ram[name]))
+                continue
+            mm = maps.get(file)
+            if mm is None:
+                with open(self.path / file, "rb") as f:
+                    mm = maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             start = self.offsets.get(name, 0)
             out[name] = Tensor(rec.dtype, rec.shape, memoryview(mm)[start : start + rec.size_bytes])
         return out
 
     def shards(self) -> dict[str, Path] | None:
-        """Every staged tensor's single-tensor shard file, None when any is bare bytes."""
+        """Every staged tensor's shard file (single-tensor, or the packed small ones), None
+        when any is bare bytes or still in RAM (call `pack` first)."""
         staged = self.held | self.received
-        if self.expected is not None or any(not self.offsets.get(n) for n in staged):
+        if self.expected is not None or self.in_ram:
+            return None
+        if any(not self.offsets.get(n) for n in staged):
             return None
         return {name: self.path / file for name, (file, _) in staged.items()}
 

@@ -3,8 +3,9 @@
 Layout under the store root: policies/<policy>/ holds policy.json,
 versions/<identity>/ (record.json, full/ and/or delta/), staging/<identity>/
 for publishes in progress, cache/ for forms built on demand, current.json
-(the current version, replaced by rename) and tombstones.json (content
-digests of collected identities, so an identity never changes content).
+(the current version, replaced by rename) and tombstones.jsonl (content
+digests of collected identities, so an identity never changes content;
+astra.weights.tombstones).
 receivers.json lists receivers and what they hold.
 
 The trainer publishes raw tensors; the store decides the form: a full
@@ -33,7 +34,7 @@ from astra.weights.chain import Chain
 from astra.weights.checkpoint import LayoutChanged, write_delta, write_full
 from astra.weights.digest import SHA256, digest_of, kind_of
 from astra.weights.hot import HotVersion
-from astra.weights.layout import ChecksumMismatch, Tensor
+from astra.weights.layout import ChecksumMismatch, Tensor, Version
 from astra.weights.pool import BufferPool
 from astra.weights.publish_stage import content_mismatch
 from astra.weights.receivers import Receivers
@@ -53,6 +54,7 @@ from astra.weights.store_health import StoreHealth
 from astra.weights.store_lifecycle import StoreLifecycle
 from astra.weights.store_publish import StorePublishing, check_files
 from astra.weights.tensor_files import assemble
+from astra.weights.tombstones import Tombstones
 
 __all__ = ["Store", "StoreConfig"]
 
@@ -90,10 +92,14 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
         self._policy_locks: dict[str, threading.RLock] = {}
         self._publishing: set[tuple[str, str]] = set()
         self._inflight: dict[str, collections.Counter[str]] = {}
+        self.tombstones = Tombstones(self.policy_dir, durable=self.config.durable)
         # durable names: a power cut must not empty the store under versions it fsynced
         make_dirs(self.root / "policies", durable=self.config.durable)
+        # Replaced atomically but never fsynced: it is written at every fetch's start and end,
+        # and what a power cut takes from it is only what GC spares for a while (a receiver
+        # whose held version went gets a full copy; each registers again at its next fetch).
         self.receivers = Receivers(
-            self.root / "receivers.json", self.config.receiver_ttl_s, durable=self.config.durable
+            self.root / "receivers.json", self.config.receiver_ttl_s, durable=False
         )
         for pdir in sorted((self.root / "policies").iterdir()):
             if (pdir / "policy.json").is_file():
@@ -116,6 +122,7 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
         shards: Mapping[str, Path] | None = None,
         frames: tuple[str, Mapping[str, tuple[bytes, int] | None]] | None = None,
         hot: HotVersion | None = None,
+        base: Version | None = None,
     ) -> tuple[VersionRecord, bool]:
         """Stores a version whose tensors are verified; idempotent for the same content.
 
@@ -125,6 +132,7 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
         `frames` is (base identity, tensors already encoded against it); used
         when that base is still the current version, so the delta is encoded once.
         `hot`: the version's bytes in RAM, kept as the policy's current version's.
+        `base`: the full form of `frames`' base, open (the caller's): not read again here.
         """
         check_files(files)
         if version < 0:
@@ -159,7 +167,9 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
                 )
             full = head is None or chain.deltas_since_root() + 1 >= self.config.full_every
             try:
-                self._write_version(policy, record, head, full, tensors, files, shards, frames)
+                self._write_version(
+                    policy, record, head, full, tensors, files, shards, frames, base
+                )
             except OSError as exc:
                 raise disk_full(exc, f"cannot store {identity!r}") from exc
             chain.add(record)
@@ -207,6 +217,7 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
         files: dict[str, bytes],
         shards: Mapping[str, Path] | None = None,
         frames: tuple[str, Mapping[str, tuple[bytes, int] | None]] | None = None,
+        base: Version | None = None,
     ) -> None:
         """Writes versions/<identity>/ in one rename: the commit point of a publish."""
         durable, level, identity = self.config.durable, self.config.zstd_level, record.identity
@@ -218,10 +229,13 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
                 full = True
             if head is not None and base_full is not None:
                 done = frames[1] if frames is not None and frames[0] == head.identity else None
+                opened = base if done is not None and base is not None else None
+                if opened is not None and opened.path != Path(base_full):
+                    opened = None
                 try:
                     written = write_delta(
                         base_full, tensors, stage / "delta", identity, head.identity,
-                        level=level, durable=durable, frames=done,
+                        level=level, durable=durable, frames=done, opened=opened,
                     )  # fmt: skip
                     record.has_delta = True
                     record.num_stored_tensors = written["changed_tensor_count"]

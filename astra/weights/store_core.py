@@ -22,6 +22,7 @@ from astra.weights.hot import HotVersion
 from astra.weights.pool import BufferPool
 from astra.weights.receivers import Receivers
 from astra.weights.records import VersionRecord, dirname_for
+from astra.weights.tombstones import Tombstones
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,18 @@ class StoreConfig:
     # encoded or decoded against memory instead of a read of the whole model from disk; up to
     # twice this per policy while a publish builds the next one. 0: never.
     hot_bytes: int = 4 << 30
+    # A publish holds tensors below INLINE_BYTES (256 KiB) in RAM, up to this many bytes in
+    # all, and writes them as one file at the commit instead of a file (and fsync) each; an
+    # interrupted publish sends them again. 0: every tensor staged in its own file.
+    ram_stage_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not 1 <= self.full_every <= 64:
             raise InvalidArgument("full_every must be 1-64", reason="INVALID_CONFIG")
-        if self.hot_bytes < 0:
-            raise InvalidArgument("hot_bytes must be >= 0", reason="INVALID_CONFIG")
+        if self.hot_bytes < 0 or self.ram_stage_bytes < 0:
+            raise InvalidArgument(
+                "hot_bytes and ram_stage_bytes must be >= 0", reason="INVALID_CONFIG"
+            )
         if self.max_chain < 1 or self.keep_versions < 1 or self.receiver_ttl_s <= 0:
             raise InvalidArgument(
                 "max_chain and keep_versions must be >= 1, receiver_ttl_s > 0",
@@ -61,6 +68,7 @@ class StoreCore:
     hot: dict[str, HotVersion]
     hot_pool: BufferPool
     receivers: Receivers
+    tombstones: Tombstones
     _chains: dict[str, Chain]
     _guard: threading.Lock
     _policy_locks: dict[str, threading.RLock]

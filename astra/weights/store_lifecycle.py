@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 
 from astra.errors import AlreadyExists
 from astra.weights.chain import Chain
@@ -68,11 +69,8 @@ class StoreLifecycle(StoreCore):
             self.policy_dir(policy) / "current.json", body, durable=self.config.durable
         )
 
-    def _tombstones(self, policy: str) -> dict[str, str]:
-        try:
-            return json.loads((self.policy_dir(policy) / "tombstones.json").read_text())
-        except (OSError, ValueError):
-            return {}
+    def _tombstones(self, policy: str) -> Mapping[str, str]:
+        return self.tombstones.get(policy)
 
     def rollback(
         self,
@@ -153,9 +151,7 @@ class StoreLifecycle(StoreCore):
             if not doomed:
                 return []
             pdir = self.policy_dir(policy)
-            tombstones = self._tombstones(policy)
-            tombstones.update({r.identity: r.content_digest() for r in doomed})
-            write_json_atomic(pdir / "tombstones.json", tombstones, durable=self.config.durable)
+            self.tombstones.add(policy, {r.identity: r.content_digest() for r in doomed})
             trash = pdir / "trash"
             trash.mkdir(exist_ok=True)
             for rec in doomed:

@@ -171,6 +171,7 @@ class PublishSession:
                 path, header, expected=expected, durable=store.config.durable,
                 base=base, base_identity=base_identity, level=store.config.zstd_level,
                 hot_base=hot_base, hot_new=hot_new, restart=restart,
+                ram_bytes=store.config.ram_stage_bytes,
             )  # fmt: skip
             if hot_base is not None:
                 store.counters["publish_base_in_memory"] += 1
@@ -210,6 +211,7 @@ class PublishSession:
     def commit(self, num_tensors: int) -> tuple[VersionRecord, bool]:
         """Stores the version (or confirms the existing one); the stage goes once stored."""
         self.stage.flush()
+        self.stage.pack()
         records = self.stage.records()
         if num_tensors != len(records):
             raise InvalidArgument(
@@ -230,6 +232,7 @@ class PublishSession:
                 shards=self.stage.shards(),
                 frames=(self.stage.base_identity, dict(self.stage.frames)),
                 hot=self.stage.hot_version(self.identity, records),
+                base=self.stage.base,
             )
         except AlreadyExists:
             self.stage.remove()  # refused content leaves nothing behind

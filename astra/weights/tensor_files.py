@@ -436,21 +436,23 @@ def assemble(
     files: Mapping[str, bytes] | None = None,
     durable: bool = True,
 ) -> None:
-    """Builds a full version in `out` (created here) from single-tensor shard files.
+    """Builds a full version in `out` (created here) from shard files.
 
-    `shards` maps each tensor to a complete single-tensor shard (already
-    durable when `durable`); they are linked in under Hugging Face names in
-    tensor-name order. Only the index, extra files and links are new.
+    `shards` maps each tensor to a complete shard holding it (already durable
+    when `durable`): its own, or one several tensors share (a publish's packed
+    small tensors). Each file is linked in once, under a Hugging Face name, in
+    the order of its first tensor by name. Only the index, extra files and
+    links are new.
     """
     out.mkdir(parents=True)
     names = sorted(shards)
-    weight_map: dict[str, str] = {}
+    paths = list(dict.fromkeys(shards[n] for n in names))
+    shard_of = {path: full_shard_name(i, len(paths)) for i, path in enumerate(paths)}
+    weight_map = {name: shard_of[shards[name]] for name in names}
     copied: list[Path] = []
-    for i, name in enumerate(names):
-        shard = full_shard_name(i, len(names))
-        if link_or_copy(shards[name], out / shard):
+    for path, shard in shard_of.items():
+        if link_or_copy(path, out / shard):
             copied.append(out / shard)
-        weight_map[name] = shard
     metadata: dict[str, Any] = {"total_size": sum(sizes[n] for n in names)}
     metadata["checksum_format"] = CHECKSUM_FORMAT
     if version is not None:
