@@ -171,6 +171,7 @@ class WeightServiceSink:
                 tensors,
                 self.files,
                 base=self._last,
+                client=self.client,
             )
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc) from exc

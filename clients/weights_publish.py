@@ -227,17 +227,20 @@ async def publish_version(
     max_attempts: int = 5,
     backoff_s: float = 0.2,
     timeout_s: float = 3600.0,
+    client: WeightClient | None = None,
 ) -> PublishResult:
     """Publishes (dtype, shape, bytes) tensors as `identity`; resumes and retries UNAVAILABLE.
 
     base: (identity, tensors) of the version this sender published last. Tensors
     of the same dtype and shape go out as xor+zstd frames against it; if the
     service refuses them (DELTA_REFUSALS) the version goes out again raw.
+    client: an open WeightClient of `address` to publish through (a sender publishing every
+    step keeps one: a channel per publish costs a connection each); left open.
     """
     attempt = functools.partial(
         _publish, address, policy, identity, version, _views(tensors), files, metadata,
         chunk_bytes=chunk_bytes, max_attempts=max_attempts, backoff_s=backoff_s,
-        timeout_s=timeout_s,
+        timeout_s=timeout_s, client=client,
     )  # fmt: skip
     if base is not None:
         try:
@@ -270,6 +273,7 @@ async def _publish(
     max_attempts: int,
     backoff_s: float,
     timeout_s: float,
+    client: WeightClient | None = None,
 ) -> PublishResult:
     header = pb.PublishHeader(policy_id=policy, version_id=identity, version=version)
     header.num_tensors = len(views)
@@ -280,7 +284,8 @@ async def _publish(
     sent = [0]
     keep_freed_memory()  # chunk buffers come back from the heap, not as fresh pages
     try:
-        async with WeightClient(address, timeout_s=timeout_s) as client:
+        opened = contextlib.nullcontext(client) if client is not None else None
+        async with opened or WeightClient(address, timeout_s=timeout_s) as client:
             # PublishVersion taking chunks as wire bytes (astra.weights.wire), other parts as
             # messages.
             publish = client.channel.stream_stream(

@@ -462,3 +462,32 @@ def test_tensors_either_side_of_the_inline_size_publish_and_fetch_bit_exact(tmp_
             await in_ram.close()
 
     run(body())
+
+
+def test_a_trainer_sink_publishes_every_version_through_its_one_channel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WeightServiceSink keeps one WeightClient: no channel (and connection) per version."""
+    import astra.clients.weights_publish as publishing
+    from astra.clients.trainer_sources import WeightServiceSink
+
+    models = chain_of(3, seed=36)
+
+    def no_new_channel(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a publish opened a channel of its own")
+
+    async def body() -> None:
+        async with serving(tmp_path / "store") as server:
+            sink = WeightServiceSink(server.address, "p", {"config.json": b"{}"})
+            monkeypatch.setattr(publishing, "WeightClient", no_new_channel)
+            try:
+                for i, m in enumerate(models):
+                    await sink.publish(i, f"v{i}", m)
+            finally:
+                await sink.close()
+            assert server.store.current("p").identity == "v2"
+            async with Receiver(server.address, "p", tmp_path / "rx", durable=False) as rx:
+                await rx.fetch()
+                assert same(rx.current_path, models[2])
+
+    run(body())
