@@ -172,6 +172,8 @@ class WeightServiceSink:
                 self.files,
                 base=self._last,
                 client=self.client,
+                # Its files never change: against its last version they go by digest.
+                unchanged_files=self.files if self._last is not None else (),
             )
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc) from exc

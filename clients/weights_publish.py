@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,12 @@ log = logging.getLogger(__name__)
 LOOKAHEAD = 4  # tensors prepared ahead of the one being sent
 _WORKERS = ThreadPoolExecutor(2, thread_name_prefix="publish-prepare")  # zstd, numpy free the GIL
 # The service refusing a delta publish: send the version again as raw tensors.
-DELTA_REFUSALS = {"PUBLISH_BASE_NOT_CURRENT", "CHECKSUM_MISMATCH", "CORRUPT_DELTA"}
+DELTA_REFUSALS = {
+    "PUBLISH_BASE_NOT_CURRENT",
+    "CHECKSUM_MISMATCH",
+    "CORRUPT_DELTA",
+    "FILE_NOT_IN_BASE",
+}
 
 Tensors = Mapping[str, tuple[str, Any, Any]]
 
@@ -170,6 +176,7 @@ async def _publish_once(
     files: dict[str, bytes],
     chunk_bytes: int,
     sent: list[int],
+    unchanged: frozenset[str] = frozenset(),
 ) -> PublishResult:
     await call.write(pb.PublishVersionRequest(header=header))
     first = await call.read()
@@ -204,7 +211,11 @@ async def _publish_once(
                 await send(chunk_message(pos, piece))
                 sent[0] += piece.nbytes
         for name, content in sorted(files.items()):
-            await send(file=pb.VersionFile(name=name, content=content))
+            if name in unchanged and header.base_version_id:  # the base's: by digest only
+                digest = hashlib.sha256(content).hexdigest()
+                await send(file=pb.VersionFile(name=name, same_as_base=True, sha256=digest))
+            else:
+                await send(file=pb.VersionFile(name=name, content=content))
         await send(commit=pb.PublishCommit(num_tensors=len(tensors)))
     with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
         await call.done_writing()
@@ -228,6 +239,7 @@ async def publish_version(
     backoff_s: float = 0.2,
     timeout_s: float = 3600.0,
     client: WeightClient | None = None,
+    unchanged_files: Iterable[str] = (),
 ) -> PublishResult:
     """Publishes (dtype, shape, bytes) tensors as `identity`; resumes and retries UNAVAILABLE.
 
@@ -236,6 +248,9 @@ async def publish_version(
     service refuses them (DELTA_REFUSALS) the version goes out again raw.
     client: an open WeightClient of `address` to publish through (a sender publishing every
     step keeps one: a channel per publish costs a connection each); left open.
+    unchanged_files: names in `files` whose content equals the base's: with `base` they go
+    by name and SHA-256 (VersionFile.same_as_base), not their bytes; refused
+    (FILE_NOT_IN_BASE), the version goes out again raw, every file with its content.
     """
     attempt = functools.partial(
         _publish, address, policy, identity, version, _views(tensors), files, metadata,
@@ -244,7 +259,7 @@ async def publish_version(
     )  # fmt: skip
     if base is not None:
         try:
-            return await attempt((base[0], _views(base[1])))
+            return await attempt((base[0], _views(base[1])), frozenset(unchanged_files))
         except (errors.FailedPrecondition, errors.DataLoss, errors.InvalidArgument) as exc:
             # A service older than base_version_id refuses the encoding itself.
             older = exc.metadata.get("field") == "tensor.encoding"
@@ -268,6 +283,7 @@ async def _publish(
     files: Mapping[str, bytes] | None,
     metadata: Mapping[str, str] | None,
     base: tuple[str, dict] | None,
+    unchanged: frozenset[str] = frozenset(),
     *,
     chunk_bytes: int,
     max_attempts: int,
@@ -300,8 +316,9 @@ async def _publish(
                 try:
                     await client.check_server()  # a revoked server: refused before a write
                     result = await _publish_once(
-                        call, header, views, prepared, dict(files or {}), chunk_bytes, sent
-                    )
+                        call, header, views, prepared, dict(files or {}), chunk_bytes, sent,
+                        unchanged,
+                    )  # fmt: skip
                     result.attempts, result.bytes_sent = attempt, sent[0]
                     result.delta_base = base[0] if base is not None else ""
                     return result

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -112,6 +113,9 @@ class Receiver:
         self.receiver_id = receiver_id or self.local.receiver_id
         self.extra_held = {identity_of(Path(p)): Path(p) for p in held_dirs}
         self._distrusted: set[str] = set()  # held versions found corrupt: never a base again
+        # Takes a file equal to the plan's base's by name and SHA-256 (FetchStart
+        # accepts_same_as_base_files); off for good once a base could not give one back.
+        self.same_as_base_files = True
         self.max_bytes_per_second, self.max_attempts = max_bytes_per_second, max_attempts
         self.backoff_s, self.timeout_s, self.idle_timeout_s = backoff_s, timeout_s, idle_timeout_s
         keep_freed_memory()  # chunk buffers come back from the heap, not as fresh pages
@@ -247,6 +251,25 @@ class Receiver:
             if not read.done():
                 read.cancel()
 
+    def _base_file(self, base: Any, file: Any) -> bytes:
+        """The content of a file the service marked the same as the plan's base's: this
+        receiver's copy, checked against the SHA-256 sent with it."""
+        name, content = file.name, None
+        if isinstance(base, MemoryVersion):
+            content = base.files.get(name)
+        elif base is not None:
+            with contextlib.suppress(OSError):
+                content = (Path(base.path) / name).read_bytes()
+        if content is None or hashlib.sha256(content).hexdigest() != file.sha256:
+            self.same_as_base_files = False  # the next attempt asks for every file's content
+            problem = "is not held" if content is None else "does not hash to the SHA-256 sent"
+            raise DataLoss(
+                f"{name}: the base's copy {problem}",
+                reason="BASE_FILE_MISMATCH",
+                metadata={"file": name},
+            )
+        return content
+
     def _corrupt_held(self, exc: AstraError) -> str:
         """The held version a failure found corrupt on disk (its path in the error), or ""."""
         path = exc.metadata.get("path", "")
@@ -280,6 +303,7 @@ class Receiver:
         start.held_version_ids.extend(sorted(held))
         start.receiver_id, start.max_bytes_per_second = self.receiver_id, self.max_bytes_per_second
         start.acknowledged_tensors.extend(stage.acknowledged)
+        start.accepts_same_as_base_files = self.same_as_base_files
         done, received, nbytes = None, 0, 0
         try:
             await call.write(pb.FetchVersionRequest(start=start))
@@ -394,6 +418,8 @@ class Receiver:
                     raise DataLoss("a chunk before any tensor", reason="BAD_CHUNK")
                 await pipe.write(incoming, resp.chunk.offset, resp.chunk.data)
                 nbytes += len(resp.chunk.data)
+            elif part == "file" and resp.file.same_as_base:
+                stage.add_file(resp.file.name, self._base_file(base, resp.file))
             elif part == "file":
                 stage.add_file(resp.file.name, resp.file.content)
             elif part == "done":

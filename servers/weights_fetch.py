@@ -82,6 +82,9 @@ def _response(
             )
         )
     if isinstance(out, FileOut):
+        if out.same_as_base:
+            file = pb.VersionFile(name=out.name, same_as_base=True, sha256=out.same_as_base)
+            return pb.FetchVersionResponse(file=file)
         return pb.FetchVersionResponse(file=pb.VersionFile(name=out.name, content=out.content))
     return pb.FetchVersionResponse(done=pb.FetchDone(num_tensors=out.num_tensors))
 
@@ -105,6 +108,7 @@ async def fetch_stream(
         acknowledged_tensors=list(start.acknowledged_tensors),
         max_bytes_per_second=start.max_bytes_per_second,
         receiver_id=start.receiver_id,
+        accepts_same_as_base_files=start.accepts_same_as_base_files,
     )
     # Closed with this stream, so its cleanup runs when this stream's does.
     async with contextlib.aclosing(serve_fetch(store, request, _acks(requests), settings)) as outs:

@@ -123,6 +123,10 @@ async def publish_stream(
         session.close()
 
 
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
 async def _parts(
     requests: AsyncIterator[pb.PublishVersionRequest], base_version_id: str
 ) -> AsyncIterator[Part]:
@@ -136,7 +140,15 @@ async def _parts(
         elif part == "chunk":
             yield ChunkPart(req.chunk.offset, req.chunk.data)
         elif part == "file":
-            yield FilePart(req.file.name, req.file.content)
+            f = req.file
+            if f.same_as_base and (not base_version_id or not _is_sha256(f.sha256) or f.content):
+                raise InvalidArgument(
+                    f"file {f.name!r}: same_as_base needs the header's base_version_id, a "
+                    "SHA-256 of 64 lowercase hex digits and no content",
+                    reason="INVALID_FILE",
+                    metadata={"field": "file.same_as_base"},
+                )
+            yield FilePart(f.name, f.content, f.sha256 if f.same_as_base else "")
         elif part == "commit":
             yield CommitPart(req.commit.num_tensors)
         else:

@@ -57,6 +57,7 @@ class FetchRequest:
     acknowledged_tensors: list[str]
     max_bytes_per_second: int
     receiver_id: str
+    accepts_same_as_base_files: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,7 @@ class ChunkOut:
 class FileOut:
     name: str
     content: bytes
+    same_as_base: str = ""  # the SHA-256 of the base's file, the content left out
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +170,13 @@ async def serve_fetch(
     """One fetch, from its checked start; `acks` are the receiver's messages after it."""
     held = list(start.held_version_ids)
     source = await asyncio.to_thread(
-        open_source, store, start.policy_id, start.target_version_id, held, start.receiver_id
+        open_source,
+        store,
+        start.policy_id,
+        start.target_version_id,
+        held,
+        start.receiver_id,
+        same_as_base=start.accepts_same_as_base_files,
     )
     reader: AckReader | None = None
     try:
@@ -209,6 +217,9 @@ async def serve_fetch(
         if source.plan.kind != "none":
             for name, content in sorted(source.files.items()):
                 yield FileOut(name, content)
+            for name, sha256 in sorted(source.same_files.items()):
+                yield FileOut(name, b"", same_as_base=sha256)
+                store.counters["fetch_files_same_as_base"] += 1
         await reader.wait(lambda: reader.acked >= sent.keys(), settings.ack_timeout_s)
         if start.receiver_id:
             await asyncio.to_thread(

@@ -50,6 +50,7 @@ class ChunkPart:
 class FilePart:
     name: str
     content: bytes
+    same_as_base: str = ""  # the SHA-256 of the base's file of this name, the content left out
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +181,8 @@ async def receive_parts(
                         sink.write(part.offset, part.data)
                     else:
                         await asyncio.to_thread(sink.write, part.offset, part.data)
+                elif isinstance(part, FilePart) and part.same_as_base:
+                    await asyncio.to_thread(session.add_base_file, part.name, part.same_as_base)
                 elif isinstance(part, FilePart):
                     if len(part.content) > MAX_FILE_BYTES:
                         raise invalid_field(

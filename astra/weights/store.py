@@ -259,7 +259,11 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
             elif full:
                 write_full(stage / "full", tensors, version=identity, durable=durable)
                 record.num_stored_tensors = len(tensors)
-            put_files(stage / record.primary, files, durable=durable)
+            same = {}
+            if head is not None:  # files the last version stored with the same content
+                stored = self.version_dir(policy, head.identity) / head.primary
+                same = {n: stored / n for n in files if head.files.get(n) == record.files[n]}
+            put_files(stage / record.primary, files, durable=durable, same=same)
             record.file_sha256 = tree_sha256(stage)
             record.size_bytes = sum(p.stat().st_size for p in stage.rglob("*") if p.is_file())
             record.save(stage)

@@ -27,7 +27,7 @@ from astra.weights.checkpoint import apply_delta, write_full
 from astra.weights.compose import compose_deltas
 from astra.weights.layout import Tensor, Version, extra_files
 from astra.weights.records import VersionRecord, dirname_for
-from astra.weights.tensor_files import assemble
+from astra.weights.tensor_files import assemble, link_or_copy
 
 MAX_COMPOSED = 32
 
@@ -36,10 +36,28 @@ def _key(identity: str) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
-def put_files(directory: Path, files: Mapping[str, bytes], *, durable: bool) -> None:
-    """Writes the extra files of a version into a directory that is not visible yet."""
+def put_files(
+    directory: Path,
+    files: Mapping[str, bytes],
+    *,
+    durable: bool,
+    same: Mapping[str, Path] | None = None,
+) -> None:
+    """Writes the extra files of a version into a directory that is not visible yet.
+
+    `same`: stored files (durable already) that should hold the content of some of them,
+    linked in instead of written and synced again when their bytes compare equal (a rotten
+    one is not carried on): a tokenizer of several MiB that every version carries unchanged
+    costs a read from the page cache and a link, not a write and an fsync, per version.
+    """
+    same = same or {}
     for name, content in files.items():
         path = directory / name
+        if name in same:
+            with contextlib.suppress(OSError):
+                if same[name].read_bytes() == content:
+                    link_or_copy(same[name], path)
+                    continue
         path.write_bytes(content)
         if durable:
             fsync_path(path)
@@ -236,7 +254,9 @@ class VersionCache:
                 assemble(work / "out", shards, sizes, version=record.identity, durable=durable)
             else:
                 write_full(work / "out", tensors, version=record.identity, durable=durable)
-            put_files(work / "out", files, durable=durable)
+            stored = self.store.version_dir(policy, record.identity) / record.primary
+            same = {name: stored / name for name in files}  # committed before this copy
+            put_files(work / "out", files, durable=durable, same=same)
             with self._lock(str(path)):
                 if not path.is_dir():
                     self._publish(work / "out", path)

@@ -10,13 +10,14 @@ none of them imports the module that joins them. Never writes anything.
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astra.errors import InvalidArgument, NotFound
+from astra.errors import DataLoss, InvalidArgument, NotFound
 from astra.weights.chain import Chain
 from astra.weights.hot import HotVersion
 from astra.weights.pool import BufferPool
@@ -117,9 +118,25 @@ class StoreCore:
         """Newest first."""
         return list(reversed(self.chain(policy).records))
 
-    def read_files(self, policy: str, record: VersionRecord) -> dict[str, bytes]:
+    def read_files(
+        self, policy: str, record: VersionRecord, skip: Iterable[str] = ()
+    ) -> dict[str, bytes]:
+        """The version's extra files but `skip`, each checked against the SHA-256 its record
+        holds (DataLoss, reason FILE_CHECKSUM_MISMATCH, naming the file)."""
         primary = self.version_dir(policy, record.identity) / record.primary
-        return {name: (primary / name).read_bytes() for name in record.files}
+        out, skip = {}, set(skip)
+        for name, want in record.files.items():
+            if name in skip:
+                continue
+            content = (primary / name).read_bytes()
+            if hashlib.sha256(content).hexdigest() != want:
+                raise DataLoss(
+                    f"{primary / name}: its bytes do not hash to the SHA-256 its record holds",
+                    reason="FILE_CHECKSUM_MISMATCH",
+                    metadata={"file": name, "identity": record.identity},
+                )
+            out[name] = content
+        return out
 
     def _lock(self, policy: str) -> threading.RLock:
         with self._guard:

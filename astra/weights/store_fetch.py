@@ -44,8 +44,10 @@ class FetchSource:
     target: VersionRecord
     encoding: str
     version: Version | None
-    files: dict[str, bytes]
+    files: dict[str, bytes]  # sent with their content
     _release: object = field(default=None, repr=False)
+    # Sent by name and SHA-256 only: equal to the plan's base's (a receiver that takes them).
+    same_files: dict[str, str] = field(default_factory=dict)
 
     def tensors(self) -> list[WireTensor]:
         if self.version is None:
@@ -75,9 +77,18 @@ class FetchSource:
 
 
 def open_source(
-    store: Store, policy: str, target_id: str, held: Iterable[str], receiver_id: str = ""
+    store: Store,
+    policy: str,
+    target_id: str,
+    held: Iterable[str],
+    receiver_id: str = "",
+    *,
+    same_as_base: bool = False,
 ) -> FetchSource:
-    """Plans and opens a fetch of `target_id` (empty: the current version)."""
+    """Plans and opens a fetch of `target_id` (empty: the current version).
+
+    same_as_base: the receiver takes a file equal to the delta plan's base's by name and
+    SHA-256 (FetchStart.accepts_same_as_base_files); only the others are read and sent."""
     held = [h for h in held if h]
     target = store.get(policy, target_id) if target_id else store.current(policy)
     store.check_not_bad(policy, target.identity)
@@ -99,7 +110,11 @@ def open_source(
         if unknown and version is not None:  # unknown is empty without a version
             version.close()
             raise FormatError("encoded tensor is not in the target", tensor=unknown[0])
-        files = store.read_files(policy, target)
+        same: dict[str, str] = {}
+        if same_as_base and plan.kind == "delta" and plan.base:
+            base_files = store.get(policy, plan.base).files
+            same = {n: h for n, h in target.files.items() if base_files.get(n) == h}
+        files = store.read_files(policy, target, skip=same.keys())
     except DataLoss as exc:
         store.pin(policy, pins, -1)
         if exc.reason == "VERSION_SOURCES_BAD":  # its stored forms: no rebuild can succeed
@@ -108,7 +123,8 @@ def open_source(
     except BaseException:
         store.pin(policy, pins, -1)
         raise
-    return FetchSource(plan, target, encoding, version, files, lambda: store.pin(policy, pins, -1))
+    release = lambda: store.pin(policy, pins, -1)  # noqa: E731
+    return FetchSource(plan, target, encoding, version, files, release, same)
 
 
 def stored_tensors(store: Store, policy: str, identity: str) -> list[WireTensor]:

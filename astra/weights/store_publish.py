@@ -208,6 +208,23 @@ class PublishSession:
         check_files({name: content})
         self.stage.files[name] = content
 
+    def add_base_file(self, name: str, sha256: str) -> None:
+        """The base's file of this name, which must hash to `sha256` (the sender's copy):
+        FAILED_PRECONDITION (FILE_NOT_IN_BASE) when the base has no such file."""
+        base = self.stage.base_identity
+        chain = self.store._chains.get(self.policy)
+        record = chain.get(base) if chain is not None and base else None
+        if record is None or record.files.get(name) != sha256:
+            raise FailedPrecondition(
+                f"file {name!r}: the base {base!r} has no file of that name and SHA-256; "
+                "send its content",
+                reason="FILE_NOT_IN_BASE",
+                metadata={"file": name, "base_version_id": base},
+            )
+        skip = set(record.files) - {name}
+        self.add_file(name, self.store.read_files(self.policy, record, skip=skip)[name])
+        self.store.counters["publish_files_same_as_base"] += 1
+
     def commit(self, num_tensors: int) -> tuple[VersionRecord, bool]:
         """Stores the version (or confirms the existing one); the stage goes once stored."""
         self.stage.flush()

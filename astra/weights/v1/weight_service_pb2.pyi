@@ -88,12 +88,16 @@ class TensorChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class VersionFile(_message.Message):
-    __slots__ = ("name", "content")
+    __slots__ = ("name", "content", "same_as_base", "sha256")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    SAME_AS_BASE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     name: str
     content: bytes
-    def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
+    same_as_base: bool
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ..., same_as_base: _Optional[bool] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class TensorAck(_message.Message):
     __slots__ = ("name", "status")
@@ -175,20 +179,22 @@ class PublishVersionResponse(_message.Message):
     def __init__(self, accepted: _Optional[_Union[PublishAccepted, _Mapping]] = ..., tensor_ack: _Optional[_Union[TensorAck, _Mapping]] = ..., committed: _Optional[_Union[PublishCommitted, _Mapping]] = ...) -> None: ...
 
 class FetchStart(_message.Message):
-    __slots__ = ("policy_id", "target_version_id", "held_version_ids", "receiver_id", "acknowledged_tensors", "max_bytes_per_second")
+    __slots__ = ("policy_id", "target_version_id", "held_version_ids", "receiver_id", "acknowledged_tensors", "max_bytes_per_second", "accepts_same_as_base_files")
     POLICY_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
     HELD_VERSION_IDS_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_SAME_AS_BASE_FILES_FIELD_NUMBER: _ClassVar[int]
     policy_id: str
     target_version_id: str
     held_version_ids: _containers.RepeatedScalarFieldContainer[str]
     receiver_id: str
     acknowledged_tensors: _containers.RepeatedScalarFieldContainer[str]
     max_bytes_per_second: int
-    def __init__(self, policy_id: _Optional[str] = ..., target_version_id: _Optional[str] = ..., held_version_ids: _Optional[_Iterable[str]] = ..., receiver_id: _Optional[str] = ..., acknowledged_tensors: _Optional[_Iterable[str]] = ..., max_bytes_per_second: _Optional[int] = ...) -> None: ...
+    accepts_same_as_base_files: bool
+    def __init__(self, policy_id: _Optional[str] = ..., target_version_id: _Optional[str] = ..., held_version_ids: _Optional[_Iterable[str]] = ..., receiver_id: _Optional[str] = ..., acknowledged_tensors: _Optional[_Iterable[str]] = ..., max_bytes_per_second: _Optional[int] = ..., accepts_same_as_base_files: _Optional[bool] = ...) -> None: ...
 
 class FetchVersionRequest(_message.Message):
     __slots__ = ("start", "ack")
