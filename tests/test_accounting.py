@@ -117,6 +117,23 @@ def test_steps_lost_by_a_trainer_restart_are_counted_discarded_not_trained(
         assert s["groups_discarded"] == {"trainer_restart": 3 * BATCH}
         assert s["groups_trained"] + sum(s["groups_discarded"].values()) == 7 * BATCH
         assert "groups_discarded" in s["how"]
+        assert s["groups_lost"] == 0
+        # A last view taken before Dataflow's last outcomes (random-kills restarts it near the
+        # end): the counters it wrote at its stop are the later ones, and nothing is lost.
+        late = {**counters, "completed_groups": counters["completed_groups"] - BATCH}
+        stale = build_summary(
+            status="completed",
+            wall_seconds=1.0,
+            dataflow={**snapshot, "counters": late},
+            state=state,
+            history={},
+            final_steps={"policy": 4},
+            baseline={},
+        )
+        assert state["counters"]["completed_groups"] == counters["completed_groups"]
+        assert (
+            stale["groups_lost"] == 0 and stale["groups_with_outcome"] == s["groups_with_outcome"]
+        )
 
     asyncio.run(asyncio.wait_for(body(), T))
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from astra.dataflow import row_seals
+from astra.dataflow.sealed import unseal
 from astra.dataflow.store_schema import batch_groups
 from astra.durable import write_durably
 
@@ -55,6 +56,8 @@ def read_state(state_dir: Path) -> dict[str, Any]:
         except sqlite3.OperationalError:  # a state directory of before schema 4
             folded = 0
         dispatched[1] = dispatched.get(1, 0) + folded
+        row = conn.execute("SELECT value FROM kv WHERE key = 'counters'").fetchone()
+        persisted = unseal(path, "counters", row[0]) if row is not None else {}
         try:
             batches = conn.execute(
                 "SELECT batch_id, policy_id, policy_version, state, groups, untrained_reason"
@@ -92,6 +95,7 @@ def read_state(state_dir: Path) -> dict[str, Any]:
         "trained_per_policy": dict(sorted(trained.items())),
         "discarded_keys": dict(sorted(discarded.items())),
         "duplicated": sum(n - 1 for n in acked.values() if n > 1),
+        "counters": persisted if isinstance(persisted, dict) else {},
     }
 
 
@@ -174,7 +178,14 @@ def build_summary(
     baseline: dict[str, Any],
     previous: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    counters: dict[str, int] = dataflow.get("counters", {})
+    counters: dict[str, int] = dict(dataflow.get("counters", {}))
+    # Dataflow's counters as it last wrote them (at its stop) may be newer than its last view
+    # (taken before the RaaS stopped, or an older one when it was restarting then), while the
+    # work table is read at the end: each counter only grows, so the larger of the two is the
+    # later. Otherwise outcomes that came after the view would count as lost groups.
+    for key, value in (state.get("counters") or {}).items():
+        if isinstance(value, int) and value > counters.get(key, 0):
+            counters[key] = value
     outcomes = sum(counters.get(k, 0) for k in ("completed_groups", "failed_groups"))
     outcomes += counters.get("malformed_results", 0) + counters.get("eval_groups", 0)
     # A group whose stored rollout was quarantined is dispatched again: its second outcome is
