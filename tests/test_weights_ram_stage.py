@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,15 +28,20 @@ def model(seed: int, sizes: dict[str, int]) -> dict:
     }
 
 
+def send_all(session: Any, tensors: dict) -> None:
+    """Every tensor into the session, verified, and their stage files synced."""
+    for name, (dtype, shape, data) in sorted(tensors.items()):
+        sink = session.begin_tensor(name, dtype, shape, adler32_hex(data))
+        sink.write(0, data)
+        sink.finish()
+    session.stage.flush()
+
+
 def stage_all(store: Store, identity: str, version: int, tensors: dict) -> None:
     """Streams every tensor of a publish, verified, and stops before the commit."""
     session = store.begin_publish("p", identity, version)
     try:
-        for name, (dtype, shape, data) in sorted(tensors.items()):
-            sink = session.begin_tensor(name, dtype, shape, adler32_hex(data))
-            sink.write(0, data)
-            sink.finish()
-        session.stage.flush()
+        send_all(session, tensors)
         staged = sorted(p.name for p in session.stage.path.glob("t-*.bin"))
         assert len(staged) == sum(len(d) >= BIG for _, _, d in tensors.values()), staged
     finally:
@@ -85,11 +91,7 @@ def test_past_the_ram_bound_small_tensors_get_a_file_each(tmp_path: Path) -> Non
     m = model(2, {f"t{i}": 4000 for i in range(5)})
     session = store.begin_publish("p", "v0", 0)
     try:
-        for name, (dtype, shape, data) in sorted(m.items()):
-            sink = session.begin_tensor(name, dtype, shape, adler32_hex(data))
-            sink.write(0, data)
-            sink.finish()
-        session.stage.flush()
+        send_all(session, m)
         assert len(session.stage.in_ram) == 2, "two of 4,000 bytes fit under 10,000"
         assert len(list(session.stage.path.glob("t-*.bin"))) == 3
         record, _ = session.commit(len(m))
