@@ -34,7 +34,9 @@ def make_run_dir(tmp_path: Path):
     two_checkpoints(rd / "checkpoints" / "p")
     store = Store(rd / "state" / "weights", StoreConfig(durable=False))
     for i, m in enumerate(chain_of(2)):
-        store.publish("p", f"v{i}", i, m, files={"config.json": b"{}"})
+        # Each version's own config.json: an unchanged file is one inode shared by the versions
+        # (astra.weights.store_cache.put_files), and this test damages one version's.
+        store.publish("p", f"v{i}", i, m, files={"config.json": f'{{"v": {i}}}'.encode()})
     return rd, cfg, gids
 
 

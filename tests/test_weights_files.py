@@ -101,7 +101,7 @@ def test_a_base_whose_copy_differs_gets_the_content_on_the_next_attempt(tmp_path
 def test_a_publish_names_an_unchanged_file_only_against_a_base_that_has_it(
     tmp_path: Path,
 ) -> None:
-    models = chain_of(3, seed=54)
+    models = chain_of(4, seed=54)
     digest = hashlib.sha256(TOKENIZER).hexdigest()
 
     async def body() -> None:
@@ -128,6 +128,16 @@ def test_a_publish_names_an_unchanged_file_only_against_a_base_that_has_it(
             )  # fmt: skip
             assert result.delta_base == "", "FILE_NOT_IN_BASE: sent again with every file"
             assert server.store.read_files("p", server.store.get("p", "v2")) == files_of(2)
+            # The base's stored tokenizer rots: a publish by digest falls back the same way, and
+            # the new version holds good bytes of its own (not a link to the rotten inode).
+            v2 = server.store.version_dir("p", "v2") / server.store.get("p", "v2").primary
+            (v2 / "tokenizer.json").write_bytes(b"rotten")
+            result = await publish_version(
+                server.address, "p", "v3", 3, models[3], files_of(3),
+                base=("v2", models[2]), unchanged_files=["tokenizer.json"],
+            )  # fmt: skip
+            assert result.delta_base == ""
+            assert server.store.read_files("p", server.store.get("p", "v3")) == files_of(3)
 
     run(body())
 

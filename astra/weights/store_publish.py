@@ -19,6 +19,7 @@ from typing import Any
 from astra.errors import (
     AlreadyExists,
     AstraError,
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     Unavailable,
@@ -222,7 +223,15 @@ class PublishSession:
                 metadata={"file": name, "base_version_id": base},
             )
         skip = set(record.files) - {name}
-        self.add_file(name, self.store.read_files(self.policy, record, skip=skip)[name])
+        try:
+            content = self.store.read_files(self.policy, record, skip=skip)[name]
+        except (DataLoss, OSError) as exc:  # its stored copy rotted or went: the sender's, then
+            raise FailedPrecondition(
+                f"file {name!r}: the base's copy cannot be read back ({exc}); send its content",
+                reason="FILE_NOT_IN_BASE",
+                metadata={"file": name, "base_version_id": base},
+            ) from exc
+        self.add_file(name, content)
         self.store.counters["publish_files_same_as_base"] += 1
 
     def commit(self, num_tensors: int) -> tuple[VersionRecord, bool]:
