@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +33,7 @@ from astra.clients.weights import CHUNK_BYTES, WeightClient, domain_error, error
 from astra.weights.checksum import adler32_hex, format_adler32
 from astra.weights.delta import encode_if_changed, encode_xor_zstd
 from astra.weights.malloc import keep_freed_memory
+from astra.weights.records import sha256_bytes
 from astra.weights.safetensors_io import safetensors_dtype
 from astra.weights.tensor_files import INLINE_BYTES  # smaller tensors: prepared when sent
 from astra.weights.v1 import weight_service_pb2 as pb
@@ -212,7 +212,7 @@ async def _publish_once(
                 sent[0] += piece.nbytes
         for name, content in sorted(files.items()):
             if name in unchanged and header.base_version_id:  # the base's: by digest only
-                digest = hashlib.sha256(content).hexdigest()
+                digest = sha256_bytes(content)
                 await send(file=pb.VersionFile(name=name, same_as_base=True, sha256=digest))
             else:
                 await send(file=pb.VersionFile(name=name, content=content))

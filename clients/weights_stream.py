@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import time
@@ -43,6 +42,7 @@ from astra.weights.deadline import DeadlineExceeded
 from astra.weights.local import LocalVersions, identity_of
 from astra.weights.malloc import keep_freed_memory
 from astra.weights.memory import MemoryVersion, MemoryVersions
+from astra.weights.records import sha256_bytes
 from astra.weights.v1 import weight_service_pb2 as pb
 
 __all__ = ["FetchResult", "PublishResult", "Receiver", "publish_version"]
@@ -260,7 +260,7 @@ class Receiver:
         elif base is not None:
             with contextlib.suppress(OSError):
                 content = (Path(base.path) / name).read_bytes()
-        if content is None or hashlib.sha256(content).hexdigest() != file.sha256:
+        if content is None or sha256_bytes(content) != file.sha256:
             self.same_as_base_files = False  # the next attempt asks for every file's content
             problem = "is not held" if content is None else "does not hash to the SHA-256 sent"
             raise DataLoss(

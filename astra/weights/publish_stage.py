@@ -8,8 +8,8 @@ fsynced. Small tensors (below INLINE_BYTES, up to `ram_bytes` in all) are
 held in RAM instead and written together, at the commit, as one shard
 (packed.bin, each tensor's Adler-32 in its header): a file, an fsync and a
 manifest line each cost more than such a tensor, and an interrupted
-publish sends them again. Each tensor arrives through a TensorSink (astra.weights.publish_sink),
-which hashes it and computes (or decodes) its xor+zstd frame against the base
+publish sends them again. Each tensor arrives through a TensorSink
+(astra.weights.publish_sink), which hashes it and computes (or decodes) its xor+zstd frame against the base
 in the same pass, so nothing is read or encoded twice: the commit writes those
 frames as the version's delta. Shards are written with
 O_DIRECT where the file system allows (astra.weights.tensor_files). A stage

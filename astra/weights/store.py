@@ -229,9 +229,8 @@ class Store(StorePublishing, StoreLifecycle, StoreHealth):
                 full = True
             if head is not None and base_full is not None:
                 done = frames[1] if frames is not None and frames[0] == head.identity else None
-                opened = base if done is not None and base is not None else None
-                if opened is not None and opened.path != Path(base_full):
-                    opened = None
+                same_base = done is not None and base is not None and base.path == Path(base_full)
+                opened = base if same_base else None
                 try:
                     written = write_delta(
                         base_full, tensors, stage / "delta", identity, head.identity,

@@ -10,7 +10,6 @@ none of them imports the module that joins them. Never writes anything.
 from __future__ import annotations
 
 import collections
-import hashlib
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from astra.weights.chain import Chain
 from astra.weights.hot import HotVersion
 from astra.weights.pool import BufferPool
 from astra.weights.receivers import Receivers
-from astra.weights.records import VersionRecord, dirname_for
+from astra.weights.records import VersionRecord, dirname_for, sha256_bytes
 from astra.weights.tombstones import Tombstones
 
 
@@ -129,7 +128,7 @@ class StoreCore:
             if name in skip:
                 continue
             content = (primary / name).read_bytes()
-            if hashlib.sha256(content).hexdigest() != want:
+            if sha256_bytes(content) != want:
                 raise DataLoss(
                     f"{primary / name}: its bytes do not hash to the SHA-256 its record holds",
                     reason="FILE_CHECKSUM_MISMATCH",
