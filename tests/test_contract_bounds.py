@@ -124,6 +124,7 @@ UNPARSED = {
     "SamplingParams.temperature": "a float range (0 or >= 1e-4)",
     "TensorHeader.dtype": "a set of names, not a number",
     "TensorHeader.adler32": "a checksum: exactly 8 hex digits that must match the bytes",
+    "VersionFile.sha256": "a digest: exactly 64 hex digits that must match the file's bytes",
 }
 
 
