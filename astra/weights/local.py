@@ -3,13 +3,15 @@
 Layout: versions/<identity>/ (full checkpoints, each written whole and
 renamed into place), current (a symlink to one of them, replaced by rename,
 so a reader that resolves it sees the old version or the new, never a mix),
-staging/<identity>/ (the tensors of the version being fetched, each a
-single-tensor shard verified against its Adler-32 before it is recorded;
-they survive a disconnect or a kill, so a fetch resumes after the last
-acknowledged tensor) and receiver_id. A new version is assembled by linking
-the staged shards plus the unchanged tensors of its base (one shard per
-tensor), its headers checked against the verified checksums, and only then
-made current. Never touches gRPC.
+staging/<identity>/ (the tensors of the version being fetched: each large
+one a single-tensor shard verified against its Adler-32 before it is
+recorded, which survives a disconnect or a kill, so a fetch resumes after
+it; small ones held in RAM, astra.weights.receive_stage) and receiver_id. A
+new version is assembled by linking the staged shards plus the unchanged
+tensors of its base (a base shard whose tensors are all unchanged is linked
+whole; the other small ones join the new version's packed shard), its
+headers checked against the verified checksums, and only then made current.
+Never touches gRPC.
 """
 
 from __future__ import annotations
@@ -22,10 +24,17 @@ from pathlib import Path
 
 from astra.durable import fsync_path
 from astra.errors import DataLoss
+from astra.weights.checksum import adler32_hex
 from astra.weights.layout import ChecksumMismatch, Version, open_full, read_index
-from astra.weights.receive_stage import FetchStage, checked_base
+from astra.weights.receive_stage import FetchStage, checked_base, read_small
 from astra.weights.records import dirname_for
-from astra.weights.tensor_files import assemble, copy_range, pwrite_all, tensor_header
+from astra.weights.tensor_files import (
+    INLINE_BYTES,
+    assemble,
+    copy_range,
+    pwrite_all,
+    tensor_header,
+)
 
 
 def identity_of(directory: Path) -> str:
@@ -103,29 +112,29 @@ class LocalVersions:
     def install(self, stage: FetchStage, base_dir: Path | None, num_tensors: int) -> Path:
         """Links the staged shards (plus its base's unchanged tensors) into a version, swaps it in.
 
-        Staged tensors were verified as they landed and are already complete
-        single-tensor shards: nothing is rewritten or hashed again. A base
-        tensor the delta leaves unchanged is checked against its recorded
-        Adler-32, then linked when it already sits alone in a shard of a version
-        this directory installed, else copied in the kernel into a shard of its
-        own.
+        Staged tensors were verified as they landed: large ones are already complete
+        single-tensor shards, small ones are written here as one shard (`FetchStage.pack`);
+        nothing is hashed again. A base tensor the delta leaves unchanged is checked against
+        its recorded Adler-32, then linked when its whole shard is unchanged and sits in a
+        version this directory installed; else a small one joins the packed shard and a
+        large one is copied in the kernel into a shard of its own.
         """
         final = self.root / "versions" / dirname_for(stage.target)
         if final.is_dir():
             self.make_current(final)
             stage.remove()
             return final
-        entries = dict(stage.entries)
+        received = {**stage.entries, **{n: e for n, (e, _) in stage.in_ram.items()}}
         # A full copy is exactly the plan; a delta at least the plan's changed tensors (what is
         # missing would otherwise be linked from the base: a mix of two versions).
-        if len(entries) < num_tensors or (base_dir is None and len(entries) != num_tensors):
+        if len(received) < num_tensors or (base_dir is None and len(received) != num_tensors):
             raise DataLoss(
-                f"{len(entries)} tensors staged, the plan has {num_tensors}",
+                f"{len(received)} tensors staged, the plan has {num_tensors}",
                 reason="INCOMPLETE_FETCH",
             )
-        expected = {n: e["adler32"] for n, e in entries.items()}
-        sizes = {n: e["size_bytes"] for n, e in entries.items()}
-        shards = {n: stage.shard(n) for n in entries}
+        expected = {n: e["adler32"] for n, e in received.items()}
+        sizes = {n: e["size_bytes"] for n, e in received.items()}
+        shards: dict[str, Path] = {}
         out = stage.path / "out"
         shutil.rmtree(out, ignore_errors=True)
         base = open_full(base_dir) if base_dir is not None else None
@@ -133,16 +142,24 @@ class LocalVersions:
             if base is not None and base_dir is not None:  # one goes with the other
                 trusted = self._installed(base_dir)
                 for name, entry in base.entries.items():
-                    if name in entries:
+                    if name in received:
                         continue
-                    expected[name], sizes[name] = self._base_checksum(base, name), entry.info.nbytes
-                    if trusted and len(entry.shard.tensors) == 1:
-                        shards[name] = entry.shard.path
+                    sizes[name] = entry.info.nbytes
+                    whole = trusted and not any(t in received for t in entry.shard.tensors)
+                    if whole or entry.info.nbytes >= INLINE_BYTES:
+                        expected[name] = self._base_checksum(base, name)
+                        shards[name] = (
+                            entry.shard.path
+                            if whole
+                            else self._extract(base, name, expected[name], stage)
+                        )
                     else:
-                        shards[name] = self._extract(base, name, expected[name], stage)
+                        expected[name] = self._hold_base(base, name, stage)
         finally:
             if base is not None:
                 base.close()
+        stage.pack()
+        shards.update({n: stage.shard(n) for n in stage.entries})
         assemble(
             out,
             shards,
@@ -174,6 +191,26 @@ class LocalVersions:
         that rotted on disk since the base was installed is not carried into the new version
         (ChecksumMismatch naming the base and the tensor; the fetch then goes without it)."""
         return checked_base(base, name)
+
+    @staticmethod
+    def _hold_base(base: Version, name: str, stage: FetchStage) -> str:
+        """A small base tensor's bytes, checked against its recorded Adler-32 (bit rot is
+        ChecksumMismatch naming the base), held in the stage's RAM to be packed; its
+        Adler-32."""
+        entry = base.entries[name]
+        at = entry.shard.data_start + entry.info.begin
+        data = read_small(entry.shard.path, at, entry.info.nbytes)
+        got = adler32_hex(data)
+        if entry.checksum is not None and got != entry.checksum:
+            raise ChecksumMismatch(
+                f"base bytes hash to {got}, its shard says {entry.checksum}",
+                path=base.path,
+                tensor=name,
+            )
+        info = entry.info
+        held = {"dtype": info.dtype, "shape": list(info.shape), "adler32": got}
+        stage.hold(name, {**held, "size_bytes": info.nbytes}, data)
+        return got
 
     def _extract(self, base: Version, name: str, checksum: str, stage: FetchStage) -> Path:
         """Copies one base tensor (in the kernel) into a single-tensor shard in the stage."""

@@ -1,20 +1,28 @@
 """A fetch in progress on the receiver: each tensor written once, where it will stay.
 
-Every tensor is staged as a complete single-tensor shard (its header,
+A large tensor is staged as a complete single-tensor shard (its header,
 Adler-32 included, is known from the TensorHeader): raw chunks are written
 at their final offsets as they arrive; xor+zstd tensors are collected
 (their frames are small) and decoded against the base straight into the
 shard. Either way the Adler-32 of the new bytes is checked before the
-tensor is recorded in tensors.jsonl; only recorded tensors are acknowledged
-and skipped on resume. Installing links the shards into the version
+tensor is recorded in tensors.jsonl; only recorded tensors are skipped when
+a later attempt resumes. Installing links the shards into the version
 directory (astra.weights.local): nothing is rewritten or hashed again.
 Staged tensors are target bytes whatever the plan was, so a resume with
-another base still uses them. Thread-safe across tensors (each tensor's
-writes come in order from one thread); never touches gRPC.
+another base still uses them.
+
+A small tensor (under INLINE_BYTES, up to `ram_bytes` in all) is held in
+RAM once verified and written at install with the others as one shard, each
+Adler-32 in its header (`pack`): a file, an fsync and a manifest line per
+norm or bias cost more than its bytes. Held in RAM, it is not recorded: an
+interrupted fetch's next attempt receives it again. Thread-safe across
+tensors (each tensor's writes come in order from one thread); never touches
+gRPC.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -26,14 +34,23 @@ from typing import Any
 
 from astra.errors import DataLoss
 from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
-from astra.weights.delta import DeltaError, decode_xor_zstd_to_writer
+from astra.weights.delta import DeltaError, decode_xor_zstd_into, decode_xor_zstd_to_writer
 from astra.weights.layout import ChecksumMismatch, Version
 from astra.weights.records import disk_full
-from astra.weights.safetensors_io import FormatError, tensor_nbytes
-from astra.weights.tensor_files import ALIGN, ShardWriter, read_range, tensor_header
+from astra.weights.safetensors_io import FormatError, encode_header, tensor_nbytes
+from astra.weights.tensor_files import (
+    ALIGN,
+    INLINE_BYTES,
+    ShardWriter,
+    read_range,
+    tensor_header,
+)
 
 MANIFEST = "tensors.jsonl"
 LAYOUT = "tensor-shard"  # manifest entries of this layout are complete single-tensor shards
+PACKED = "packed.safetensors"  # the small tensors held in RAM, written at install (`pack`)
+PACKED_LAYOUT = "packed"  # in `entries` only: never in the manifest
+RAM_STAGE_BYTES = 64 << 20  # small tensors a fetch holds in RAM at most
 _FILE = re.compile(r"t-(\d+)\.safetensors")
 
 
@@ -84,6 +101,18 @@ def checked_base(base: Version, name: str) -> str:
     return got
 
 
+def read_small(path: Path, offset: int, size: int) -> bytes:
+    """A small range of a file, read through the page cache (OSError if it ends early)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise OSError(errno.EIO, f"{path}: ends before byte {offset + size}")
+    return data
+
+
 class Incoming:
     """One tensor's bytes arriving in order; `finish` verifies, syncs and records it.
 
@@ -112,17 +141,30 @@ class Incoming:
             )
         self.queued = self.received = 0
         self._adler = 1
+        self._out: ShardWriter | None = None
+        # Held in RAM (`FetchStage.pack`): a raw tensor's bytes as they come, a delta's decoded
+        # at `finish`. None: staged in a shard file of its own.
+        self._ram: bytearray | None = None
+        self.file: str | None = None
+        self._part: Path | None = None
+        if max(size, self.encoded) < INLINE_BYTES and stage.reserve_ram(size):
+            self._ram = bytearray()
+            return
         self.head = tensor_header(
             self.name, header["dtype"], header["shape"], size, header["adler32"], align=ALIGN
         )
         self.file = stage.next_file()
         self._part = stage.path / (self.file + ".part")
-        self._out: ShardWriter | None = None
         try:
             self._out = ShardWriter(self._part, self.head, size, direct=stage.direct)
         except OSError as exc:
             self.abort()
             raise disk_full(exc, f"cannot stage {self.name}") from exc
+
+    @property
+    def syncs(self) -> bool:
+        """Finishing fsyncs a file (a durable stage's tensor that is not held in RAM)."""
+        return self.stage.durable and self._ram is None
 
     @property
     def complete(self) -> bool:
@@ -148,6 +190,9 @@ class Incoming:
             )
         if self._frame is not None:
             self._frame += data
+        elif self._ram is not None:
+            self._adler = adler32(data, self._adler)
+            self._ram += data
         else:
             self._adler = adler32(data, self._adler)
             try:
@@ -166,16 +211,20 @@ class Incoming:
         try:
             if self._frame is not None and self.size:
                 entry = self.base.entries[self.name]
-                pieces = read_range(
-                    entry.shard.path, entry.shard.data_start + entry.info.begin, self.size
-                )
-                try:
-                    self._adler = decode_xor_zstd_to_writer(
-                        bytes(self._frame), pieces, self.size, self._out
-                    )
-                finally:
-                    pieces.close()
-        except DeltaError as exc:
+                at = entry.shard.data_start + entry.info.begin
+                if self._ram is not None:
+                    old = read_small(entry.shard.path, at, self.size)
+                    self._ram = bytearray(self.size)
+                    self._adler = decode_xor_zstd_into(bytes(self._frame), old, self._ram)
+                else:
+                    pieces = read_range(entry.shard.path, at, self.size)
+                    try:
+                        self._adler = decode_xor_zstd_to_writer(
+                            bytes(self._frame), pieces, self.size, self._out
+                        )
+                    finally:
+                        pieces.close()
+        except (DeltaError, ValueError) as exc:
             self.abort()
             raise FormatError(str(exc), tensor=self.name, reason="CORRUPT_DELTA") from exc
         except OSError as exc:
@@ -188,6 +237,11 @@ class Incoming:
             if decoded:  # a base that rotted is ours, not the sender's: name the base
                 checked_base(self.base, self.name)
             raise
+        entry = {k: self.h[k] for k in ("dtype", "shape", "adler32", "size_bytes")}
+        if self._ram is not None:
+            self.stage.hold(self.name, entry, bytes(self._ram))
+            self._ram = None  # the stage's now (`abort` no longer gives its room back)
+            return
         try:
             self._out.close(durable=self.stage.durable)
         except OSError as exc:
@@ -195,27 +249,40 @@ class Incoming:
             raise disk_full(exc, f"cannot stage {self.name}") from exc
         self._out = None
         os.replace(self._part, self.stage.path / self.file)
-        entry = {k: self.h[k] for k in ("dtype", "shape", "adler32", "size_bytes")}
         entry.update(file=self.file, layout=LAYOUT)
         self.stage.record(self.name, entry)
 
     def abort(self) -> None:
         """Drops an unfinished tensor (a no-op once finished)."""
         self._frame = None
+        if self._ram is not None:
+            self._ram = None
+            self.stage.release_ram(self.size)
+            return
         if self._out is not None:
             self._out.abort()
             self._out = None
-        self._part.unlink(missing_ok=True)
+        if self._part is not None:
+            self._part.unlink(missing_ok=True)
 
 
 class FetchStage:
     """The staged tensors and files of one target version."""
 
     def __init__(
-        self, path: Path, target: str, *, durable: bool = True, direct: bool = True
+        self,
+        path: Path,
+        target: str,
+        *,
+        durable: bool = True,
+        direct: bool = True,
+        ram_bytes: int = RAM_STAGE_BYTES,
     ) -> None:
         self.path, self.target, self.durable, self.direct = path, target, durable, direct
         self.entries: dict[str, dict[str, Any]] = {}
+        # Small tensors verified and held in RAM until `pack` (name -> (entry, bytes)).
+        self.in_ram: dict[str, tuple[dict[str, Any], bytes]] = {}
+        self._ram_free = ram_bytes
         (path / "files").mkdir(parents=True, exist_ok=True)
         for part in path.glob("*.part"):
             part.unlink()
@@ -236,6 +303,7 @@ class FetchStage:
 
     @property
     def acknowledged(self) -> list[str]:
+        """The tensors staged on disk by an earlier attempt (a new stage's `entries`)."""
         return sorted(self.entries)
 
     def next_file(self) -> str:
@@ -245,6 +313,54 @@ class FetchStage:
 
     def receive(self, header: dict[str, Any], base: Version | None) -> Incoming:
         return Incoming(self, header, base)
+
+    def reserve_ram(self, nbytes: int) -> bool:
+        """Room in RAM for a small tensor, if `ram_bytes` has it (given back by `release_ram`
+        unless the tensor is then held)."""
+        with self._lock:
+            if nbytes > self._ram_free:
+                return False
+            self._ram_free -= nbytes
+            return True
+
+    def release_ram(self, nbytes: int) -> None:
+        with self._lock:
+            self._ram_free += nbytes
+
+    def hold(self, name: str, entry: dict[str, Any], data: bytes) -> None:
+        """Keeps a verified small tensor in RAM until `pack` (not in the manifest)."""
+        with self._lock:
+            old = self.in_ram.pop(name, None)
+            if old is not None:
+                self._ram_free += len(old[1])
+            self.in_ram[name] = (entry, data)
+
+    def pack(self) -> None:
+        """Writes the tensors held in RAM as one shard (fsynced when durable), each Adler-32 in
+        its header; from here on they are staged tensors like the others, of this stage only
+        (the manifest does not name them: a later attempt receives them again)."""
+        with self._lock:
+            ram, self.in_ram = self.in_ram, {}
+        if not ram:
+            return
+        names = sorted(ram)
+        head = encode_header(
+            ((n, ram[n][0]["dtype"], tuple(ram[n][0]["shape"]), len(ram[n][1])) for n in names),
+            {"format": "pt", **{n: ram[n][0]["adler32"] for n in names}},
+        )
+        try:
+            with open(self.path / PACKED, "wb") as f:
+                f.write(head)
+                for name in names:
+                    f.write(ram[name][1])
+                if self.durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as exc:
+            raise disk_full(exc, f"cannot stage the small tensors of {self.target!r}") from exc
+        with self._lock:
+            for name in names:
+                self.entries[name] = {**ram[name][0], "file": PACKED, "layout": PACKED_LAYOUT}
 
     def record(self, name: str, entry: dict[str, Any]) -> None:
         """Appends the tensor to the manifest; concurrent records share one fsync (group commit)."""

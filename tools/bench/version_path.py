@@ -10,6 +10,8 @@ all, a rank-16 adapter of a Qwen2.5-0.5B-shaped model 336 tensors. Each round pu
 version (a perturbed copy of the last, sent as xor+zstd against it, as the trainer does) to an
 `astra serve weights` process, then two in-memory receivers (as two RaaS with the built-in engine)
 fetch it at once. A round's figures: the publish call, and the slower of the two fetches.
+The `-dir` cases fetch into durable checkpoint directories instead (`ReceiverWeightLoader
+(durable=True)`, as a RaaS whose HTTP engine, vLLM or SGLang, loads each version from one).
 
 Two baselines in the same invocation:
 
@@ -81,8 +83,9 @@ async def fetch_one(loader: Any, spec: Any, address: str, published: float) -> f
     return time.perf_counter() - published
 
 
-async def rounds(shape: str, packed: bool, n: int) -> dict[str, list[float]]:
-    """Publish + two concurrent in-memory fetches per round; seconds per round."""
+async def rounds(shape: str, packed: bool, n: int, to_dir: bool = False) -> dict[str, list[float]]:
+    """Publish + two concurrent fetches per round (in memory, or `to_dir` into durable
+    checkpoint directories); seconds per round."""
     import torch
 
     from astra.clients.raas_weights import ReceiverWeightLoader
@@ -99,8 +102,9 @@ async def rounds(shape: str, packed: bool, n: int) -> dict[str, list[float]]:
         )  # fmt: skip
         try:
             address = json.loads(proc.stdout.readline())["address"]
+            how: dict[str, Any] = {"durable": True} if to_dir else {"in_memory": True}
             loaders = [
-                ReceiverWeightLoader(f"{tmp}/raas-{i}", in_memory=True, receiver_prefix=f"r{i}")
+                ReceiverWeightLoader(f"{tmp}/raas-{i}", receiver_prefix=f"r{i}", **how)
                 for i in range(2)
             ]
             out: dict[str, list[float]] = {"publish_s": [], "fetch_s": []}
@@ -137,6 +141,7 @@ def side(n: int) -> dict[str, Any]:
     for shape in ("tiny", "lora"):
         for packed in (False, True):
             cases[f"{shape}{'-packed' if packed else ''}"] = asyncio.run(rounds(shape, packed, n))
+        cases[f"{shape}-dir"] = asyncio.run(rounds(shape, False, n, to_dir=True))
     return cases
 
 
@@ -174,7 +179,7 @@ def render(sides: dict[str, dict[str, Any]], labels: dict[str, str], total_s: fl
     rows = ["| case | tensors | MB | side | publish p50 / p90, ms | fetch by 2, p50 / p90, ms |"
             " publish + fetch p50, ms |", "|---|---:|---:|---|---:|---:|---:|"]  # fmt: skip
     order = [s for s in ("old", "new") if s in sides]
-    for case in ("tiny", "tiny-packed", "lora", "lora-packed"):
+    for case in ("tiny", "tiny-packed", "tiny-dir", "lora", "lora-packed", "lora-dir"):
         for s in order:
             f = sides[s][case]
             pub, fet = f["publish_s"], f["fetch_s"]
@@ -203,6 +208,14 @@ def render(sides: dict[str, dict[str, Any]], labels: dict[str, str], total_s: fl
                 f"- {shape}: {labels['old']} {before:.1f} ms, {labels['new']} {both:.1f} ms "
                 f"({before / both:.2f}x faster)."
             )
+            d_old, d_new = (
+                ms(sides["old"][f"{shape}-dir"]["fetch_s"], 0.5),
+                ms(new[f"{shape}-dir"]["fetch_s"], 0.5),
+            )
+            notes.append(
+                f"- {shape}, fetch by 2 into checkpoint directories: {labels['old']} {d_old:.1f}"
+                f" ms, {labels['new']} {d_new:.1f} ms ({d_old / d_new:.2f}x faster)."
+            )
     lines += notes
     lines += [
         "",
@@ -215,7 +228,9 @@ def render(sides: dict[str, dict[str, Any]], labels: dict[str, str], total_s: fl
         " RaaS with the built-in engine) fetch it at once; the fetch figure is the slower one.",
         "- tiny: the embedded model in fp32 (what `astra run` publishes); lora: rank-16 A/B"
         " pairs of every linear layer of a Qwen2.5-0.5B-shaped model, fp32; `-packed`: the same"
-        " bytes as one tensor through the same path.",
+        " bytes as one tensor through the same path; `-dir`: the same rounds, the two receivers"
+        " writing durable checkpoint directories (`ReceiverWeightLoader(durable=True)`, as a"
+        " RaaS whose vLLM or SGLang loads each version from one).",
     ]
     if "old" in sides:
         lines.append(
