@@ -24,9 +24,8 @@ from pathlib import Path
 
 from astra.durable import fsync_path
 from astra.errors import DataLoss
-from astra.weights.checksum import adler32_hex
 from astra.weights.layout import ChecksumMismatch, Version, open_full, read_index
-from astra.weights.receive_stage import FetchStage, checked_base, read_small
+from astra.weights.receive_stage import FetchStage, checked_base, checked_base_bytes
 from astra.weights.records import dirname_for
 from astra.weights.tensor_files import (
     INLINE_BYTES,
@@ -194,22 +193,13 @@ class LocalVersions:
 
     @staticmethod
     def _hold_base(base: Version, name: str, stage: FetchStage) -> str:
-        """A small base tensor's bytes, checked against its recorded Adler-32 (bit rot is
+        """A small base tensor, checked against its recorded Adler-32 (bit rot is
         ChecksumMismatch naming the base), held in the stage's RAM to be packed; its
         Adler-32."""
-        entry = base.entries[name]
-        at = entry.shard.data_start + entry.info.begin
-        data = read_small(entry.shard.path, at, entry.info.nbytes)
-        got = adler32_hex(data)
-        if entry.checksum is not None and got != entry.checksum:
-            raise ChecksumMismatch(
-                f"base bytes hash to {got}, its shard says {entry.checksum}",
-                path=base.path,
-                tensor=name,
-            )
-        info = entry.info
-        held = {"dtype": info.dtype, "shape": list(info.shape), "adler32": got}
-        stage.hold(name, {**held, "size_bytes": info.nbytes}, data)
+        data, got = checked_base_bytes(base, name)
+        info = base.entries[name].info
+        entry = {"dtype": info.dtype, "shape": list(info.shape), "adler32": got}
+        stage.hold(name, {**entry, "size_bytes": info.nbytes}, data)
         return got
 
     def _extract(self, base: Version, name: str, checksum: str, stage: FetchStage) -> Path:

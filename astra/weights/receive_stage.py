@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from astra.errors import DataLoss
-from astra.weights.checksum import adler32, format_adler32, is_adler32_hex
+from astra.weights.checksum import adler32, adler32_hex, format_adler32, is_adler32_hex
 from astra.weights.delta import DeltaError, decode_xor_zstd_into, decode_xor_zstd_to_writer
 from astra.weights.layout import ChecksumMismatch, Version
 from astra.weights.records import disk_full
@@ -91,12 +91,25 @@ def checked_base(base: Version, name: str) -> str:
             value = adler32(piece, value)
     finally:
         pieces.close()
-    got = format_adler32(value)
-    if entry.checksum is not None and got != entry.checksum:
+    return _as_recorded(base, name, format_adler32(value))
+
+
+def checked_base_bytes(base: Version, name: str) -> tuple[bytes, str]:
+    """A small held tensor's bytes and their Adler-32, read through the page cache and
+    checked against the recorded one as `checked_base` does."""
+    entry = base.entries[name]
+    at = entry.shard.data_start + entry.info.begin
+    data = read_small(entry.shard.path, at, entry.info.nbytes)
+    return data, _as_recorded(base, name, adler32_hex(data))
+
+
+def _as_recorded(base: Version, name: str, got: str) -> str:
+    """`got`, or ChecksumMismatch naming the version and the tensor when the Adler-32
+    recorded in its shard differs (bit rot)."""
+    recorded = base.entries[name].checksum
+    if recorded is not None and got != recorded:
         raise ChecksumMismatch(
-            f"base bytes hash to {got}, its shard says {entry.checksum}",
-            path=base.path,
-            tensor=name,
+            f"base bytes hash to {got}, its shard says {recorded}", path=base.path, tensor=name
         )
     return got
 
