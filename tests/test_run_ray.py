@@ -85,7 +85,10 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
     # Logs rotated by each child's actor on its node; the observer still reads every step.
     # (Copies enough to keep every line: the first ones are looked for below.)
     cmd += ["--set", "supervision.max_log_bytes=512", "--set", "supervision.log_backups=50"]
-    cmd += ["--set", "supervision.log_check_interval_s=0.2"]
+    # Rotations a second apart, the observer reading every 0.25 s: it sees each generation of
+    # the trainer's log before it is copied aside. (At 0.2 s, a first generation rotated
+    # before the observer had seen it non-empty took steps 1-6 with it: a flake seen in CI.)
+    cmd += ["--set", "supervision.log_check_interval_s=1.0"]
     with (tmp_path / "run.out").open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
