@@ -88,8 +88,7 @@ class FetchPipeline:
 
     def finish(self, incoming: Any) -> None:
         # A small tensor is finished on the loop too, where finishing syncs nothing to disk.
-        syncs = getattr(incoming, "syncs", getattr(incoming.stage, "durable", False))
-        inline = _small(incoming) and not syncs
+        inline = _small(incoming) and not incoming.syncs
         last = self.last.pop(id(incoming), None)
         task = asyncio.create_task(self._finish(incoming, last, inline))
         self.tasks.add(task)

@@ -113,7 +113,7 @@ def test_a_full_disk_while_packing_is_disk_full_and_the_next_publish_commits(
     def full_disk(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(publish_stage, "open", full_disk, raising=False)
+    monkeypatch.setattr(publish_stage, "write_packed_shard", full_disk)  # the packed shard
     with pytest.raises(ResourceExhausted) as err:
         store.publish("p", "v0", 0, m)
     assert err.value.reason == "DISK_FULL"

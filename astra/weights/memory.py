@@ -82,6 +82,8 @@ class MemoryVersion(Mapping[str, HeldTensor]):
 class MemoryIncoming:
     """One tensor arriving in order; `finish` decodes it if needed and checks its Adler-32."""
 
+    syncs = False  # finishing writes nothing to disk (astra.clients.weights_pipeline)
+
     def __init__(
         self, stage: MemoryStage, header: dict[str, Any], base: MemoryVersion | None
     ) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
-import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,11 +35,11 @@ from astra.weights.hot import BufferCursor, HotBuilder, HotVersion
 from astra.weights.layout import Tensor, Version
 from astra.weights.publish_sink import TensorSink
 from astra.weights.records import TensorRecord, disk_full
-from astra.weights.safetensors_io import encode_header
 from astra.weights.tensor_files import (
     BUFFERS,
     RangeCursor,
     read_range,
+    write_packed_shard,
 )
 
 _SYNCERS = ThreadPoolExecutor(4, thread_name_prefix="publish-sync")
@@ -268,25 +267,17 @@ class PublishStage:
             return
         names = sorted(ram)
         records = {n: self.received[n][1] for n in names}
-        entries = [(n, records[n].dtype, records[n].shape, ram[n]) for n in names]
-        sums = {"format": "pt", **{n: records[n].adler32 for n in names}}
-        head = encode_header(((n, d, tuple(s), len(b)) for n, d, s, b in entries), sums)
-        path = self.path / PACKED
+        tensors = [
+            (n, records[n].dtype, records[n].shape, ram[n], records[n].adler32) for n in names
+        ]
         try:
-            with open(path, "wb") as f:
-                f.write(head)
-                for *_, data in entries:
-                    f.write(data)
-                if self.durable:
-                    f.flush()
-                    os.fsync(f.fileno())
+            at = write_packed_shard(self.path / PACKED, tensors, durable=self.durable)
         except OSError as exc:
             with self.lock:  # sent again by the next attempt, as after an interruption
                 for name in names:
                     self.received.pop(name, None)
             raise disk_full(exc, f"cannot stage {self.header['identity']!r}") from exc
         with self.lock:
-            at = len(head)
             for name in names:
                 self.received[name] = (PACKED, records[name])
                 self.offsets[name] = at

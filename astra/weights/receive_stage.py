@@ -37,13 +37,14 @@ from astra.weights.checksum import adler32, adler32_hex, format_adler32, is_adle
 from astra.weights.delta import DeltaError, decode_xor_zstd_into, decode_xor_zstd_to_writer
 from astra.weights.layout import ChecksumMismatch, Version
 from astra.weights.records import disk_full
-from astra.weights.safetensors_io import FormatError, encode_header, tensor_nbytes
+from astra.weights.safetensors_io import FormatError, tensor_nbytes
 from astra.weights.tensor_files import (
     ALIGN,
     INLINE_BYTES,
     ShardWriter,
     read_range,
     tensor_header,
+    write_packed_shard,
 )
 
 MANIFEST = "tensors.jsonl"
@@ -163,13 +164,13 @@ class Incoming:
         if max(size, self.encoded) < INLINE_BYTES and stage.reserve_ram(size):
             self._ram = bytearray()
             return
-        self.head = tensor_header(
+        head = tensor_header(
             self.name, header["dtype"], header["shape"], size, header["adler32"], align=ALIGN
         )
         self.file = stage.next_file()
         self._part = stage.path / (self.file + ".part")
         try:
-            self._out = ShardWriter(self._part, self.head, size, direct=stage.direct)
+            self._out = ShardWriter(self._part, head, size, direct=stage.direct)
         except OSError as exc:
             self.abort()
             raise disk_full(exc, f"cannot stage {self.name}") from exc
@@ -357,18 +358,12 @@ class FetchStage:
         if not ram:
             return
         names = sorted(ram)
-        head = encode_header(
-            ((n, ram[n][0]["dtype"], tuple(ram[n][0]["shape"]), len(ram[n][1])) for n in names),
-            {"format": "pt", **{n: ram[n][0]["adler32"] for n in names}},
-        )
+        tensors = [
+            (n, ram[n][0]["dtype"], ram[n][0]["shape"], ram[n][1], ram[n][0]["adler32"])
+            for n in names
+        ]
         try:
-            with open(self.path / PACKED, "wb") as f:
-                f.write(head)
-                for name in names:
-                    f.write(ram[name][1])
-                if self.durable:
-                    f.flush()
-                    os.fsync(f.fileno())
+            write_packed_shard(self.path / PACKED, tensors, durable=self.durable)
         except OSError as exc:
             raise disk_full(exc, f"cannot stage the small tensors of {self.target!r}") from exc
         with self._lock:

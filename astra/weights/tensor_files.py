@@ -49,6 +49,27 @@ def tensor_header(
     return head
 
 
+def write_packed_shard(
+    path: Path, tensors: list[tuple[str, str, Any, Any, str]], *, durable: bool
+) -> int:
+    """Writes one shard holding `tensors` (name, dtype, shape, bytes, Adler-32 hex) in that
+    order, each Adler-32 in its header's metadata, fsynced when `durable`; returns the
+    header's length (where the first tensor's bytes start). OSError as the file system
+    raises it."""
+    head = encode_header(
+        ((n, d, tuple(s), len(b)) for n, d, s, b, _ in tensors),
+        {"format": "pt", **{n: adler for n, *_, adler in tensors}},
+    )
+    with open(path, "wb") as f:
+        f.write(head)
+        for *_, data, _ in tensors:
+            f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    return len(head)
+
+
 class _Buffers:
     """Page-aligned buffers reused across shards (O_DIRECT needs aligned memory).
 
