@@ -1303,6 +1303,23 @@ def test_restart_right_after_a_fetch_keeps_every_run_level_counter(tmp_path):
     run(body())
 
 
+def test_a_count_added_after_the_last_transaction_survives_a_graceful_stop(tmp_path):
+    """A submit's `groups_accepted` is counted outside any transaction: a stop writes it
+    (CI once saw 6 accepted before a restart and 4 after, when upkeep had not run since)."""
+    config = restart_config(tmp_path, 4)
+
+    async def body():
+        async with running_dataflow(config) as (_server, df, _client):
+            df.counters["groups_accepted"] += 3
+            assert df.ledger.dirty
+            before = run_counters(df.status())
+        async with running_dataflow(config) as (_server, df, _client):
+            assert run_counters(df.status()) == before
+            assert df.counters["groups_accepted"] == 3
+
+    run(body())
+
+
 # ----- beyond the list: bounded retries, liveness of the barrier ---------------------------------
 
 

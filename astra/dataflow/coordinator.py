@@ -192,7 +192,16 @@ class Dataflow:
             *(inst.port.close() for inst in self.pool.instances.values()), return_exceptions=True
         )
         self._writer.shutdown(wait=True)
+        self._persist_counts()
         self.store.close()
+
+    def _persist_counts(self) -> None:
+        """A graceful stop keeps the counts added since the last transaction (a submit's
+        `groups_accepted` is written by the next transaction, or by upkeep's; kill -9 loses
+        at most an upkeep interval of such counts, a stop none)."""
+        if self.ledger.dirty:
+            with self.store.tx() as tx:
+                self.ledger.persist(tx)
 
     def _storage_failed(self, exc: BaseException) -> None:
         """A transaction failed in storage (full disk, I/O error), or on a bug inside one
