@@ -52,8 +52,11 @@ def test_vllm_on_the_cpu_gets_its_own_cores_and_the_trainer_the_rest() -> None:
     recipe = load_recipe(Path("configs/recipes/vllm_cpu.yaml"), [])
     assert threads.cpu_processes(recipe) == 2
     vllm = recipe.raas[0]
+    # One core each: vLLM's worker runs in its engine-core process, on one thread.
     assert threads.child_env(recipe, "raas", vllm, environ={}, n_cores=2) == {
-        "VLLM_CPU_OMP_THREADS_BIND": "0"
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "OMP_NUM_THREADS": "1",
     }
     assert threads.child_env(recipe, "trainer", environ={}, n_cores=2)["OMP_NUM_THREADS"] == "1"
     assert threads.child_env(recipe, "raas", vllm, environ={}, n_cores=16) == {
@@ -78,11 +81,46 @@ def test_vllm_on_the_cpu_gets_its_own_cores_and_the_trainer_the_rest() -> None:
     told = load_recipe(
         Path("configs/recipes/vllm_cpu.yaml"), ["env.VLLM_CPU_OMP_THREADS_BIND=auto"]
     )
-    assert threads.child_env(told, "raas", told.raas[0], environ={}, n_cores=2) == {
-        "VLLM_CPU_OMP_THREADS_BIND": "auto"
-    }
+    assert (
+        threads.child_env(told, "raas", told.raas[0], environ={}, n_cores=2)[
+            "VLLM_CPU_OMP_THREADS_BIND"
+        ]
+        == "auto"
+    )
     outer = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    assert threads.child_env(recipe, "raas", vllm, environ=outer, n_cores=2) == {}
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in threads.child_env(
+        recipe, "raas", vllm, environ=outer, n_cores=2
+    )
+
+
+def test_vllm_with_one_core_runs_its_worker_in_the_engine_core_process_unless_told() -> None:
+    recipe = load_recipe(Path("configs/recipes/vllm_cpu.yaml"), [])
+    in_core = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+
+    def env(r, **kw):
+        return threads.child_env(r, "raas", r.raas[0], environ=kw.get("outer", {}), n_cores=2)
+
+    assert env(recipe).items() >= in_core.items()
+    # More than a core each: vLLM's own worker process, bound to its cores.
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in threads.child_env(
+        recipe, "raas", recipe.raas[0], environ={}, n_cores=4
+    )
+    # Several ranks, or an executor the user names: vLLM decides.
+    for args in ("-tp 2", "--pipeline-parallel-size=2", "--data-parallel-size 2",
+                 "--distributed-executor-backend mp"):  # fmt: skip
+        told = load_recipe(Path("configs/recipes/vllm_cpu.yaml"), [f"raas.0.engine_args='{args}'"])
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env(told), args
+    # The user's value wins, from the recipe's env: or the supervisor's; so does their
+    # OMP_NUM_THREADS.
+    mp = load_recipe(
+        Path("configs/recipes/vllm_cpu.yaml"), ["env.VLLM_ENABLE_V1_MULTIPROCESSING='1'"]
+    )
+    assert env(mp)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and "OMP_NUM_THREADS" not in env(mp)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env(
+        recipe, outer={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    )
+    omp = load_recipe(Path("configs/recipes/vllm_cpu.yaml"), ["env.OMP_NUM_THREADS='2'"])
+    assert env(omp)["OMP_NUM_THREADS"] == "2" and env(omp)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
 def test_the_supervisor_gives_each_child_its_environment(tmp_path: Path, monkeypatch) -> None:
@@ -106,5 +144,5 @@ def test_the_supervisor_gives_a_vllm_raas_its_cores_from_the_affinity_mask(tmp_p
     sup = Supervisor(recipe, RunDir(tmp_path / "run"), child_factory=Child)  # never spawned
     vllm = sup.add_child("vllm-0", "raas", ["unused"], spec=recipe.raas[0])
     trainer = sup.add_child("trainer-policy", "trainer", ["unused"], ["policy"])
-    assert vllm.env == {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}
+    assert vllm.env == {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}  # two cores: its own worker process
     assert trainer.env == {"OMP_NUM_THREADS": "2"}

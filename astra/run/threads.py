@@ -15,7 +15,14 @@ its worker's threads to cores (by default every core but one, spinning between i
 left alone it takes the cores the trainer computes on; on the 2-core machine of BENCHMARKS.md a
 step of the embedded task on vLLM took ~560 ms instead of ~230 ms. Such a RaaS gets
 `VLLM_CPU_OMP_THREADS_BIND` = its own slice of the cores (a share, from the first core this
-process may run on), unless VLLM_CPU_OMP_THREADS_BIND is set already. Other children
+process may run on), unless VLLM_CPU_OMP_THREADS_BIND is set already. Where that share is one
+core and vLLM runs one rank (no tensor, pipeline or data parallelism, no executor backend
+named in engine_args), its worker runs inside vLLM's engine-core process instead of a process of
+its own (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `OMP_NUM_THREADS=1`, unless either is set): the
+worker process spins on `sched_yield` between steps waiting for the engine core's next message
+(a quarter of its samples), and on one core that spinning takes CPU from everything else; in
+the engine-core process the same sequences cost 25-30% less CPU (BENCHMARKS.md, "vLLM on a CPU
+core: the worker in the engine-core process"). Other children
 (Dataflow, the WeightService, an external RaaS, anything on a GPU) get the recipe's `env:`
 unchanged. A RaaS added during the run (`elastic:`, `astra raas add`) gets the share computed
 at the start.
@@ -32,6 +39,7 @@ from astra.run.recipe import RaasSpec, Recipe
 
 THREADS_VAR = "OMP_NUM_THREADS"
 VLLM_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
+VLLM_MP_VAR = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def core_ids() -> list[int]:
@@ -93,6 +101,11 @@ def child_env(
     if role == "raas" and binds_cpu_cores(spec):
         if VLLM_BIND_VAR not in env and VLLM_BIND_VAR not in outer:
             env[VLLM_BIND_VAR] = vllm_cores(recipe, spec, n_cores)
+        told = VLLM_MP_VAR in env or VLLM_MP_VAR in outer
+        if not told and worker_in_engine_process(recipe, spec, n_cores):
+            env[VLLM_MP_VAR] = "0"
+            if THREADS_VAR not in env and THREADS_VAR not in outer:
+                env[THREADS_VAR] = "1"
         return env
     if THREADS_VAR in env or THREADS_VAR in outer or not computes_on_cpu(recipe, role, spec):
         return env
@@ -117,6 +130,24 @@ def vllm_cores(recipe: Recipe, spec: RaasSpec | None, n_cores: int | None = None
         first = start + r * per_rank
         lists.append(",".join(str(ids[(first + i) % len(ids)]) for i in range(per_rank)))
     return "|".join(lists)
+
+
+def worker_in_engine_process(
+    recipe: Recipe, spec: RaasSpec | None, n_cores: int | None = None
+) -> bool:
+    """Whether a RaaS launching vLLM on the CPU runs vLLM's worker in its engine-core process:
+    its share is one core, it runs one rank and its engine_args name no executor backend."""
+    ids = core_ids() if n_cores is None else list(range(n_cores))
+    engine_args = spec.engine_args if spec is not None else ""
+    if share(recipe, len(ids)) != 1 or _ranks(engine_args) != 1:
+        return False
+    from astra.engine.http.vllm_launch import option_value
+
+    args = shlex.split(engine_args)
+    if option_value(args, "--distributed-executor-backend") is not None:
+        return False
+    dp = option_value(args, "--data-parallel-size") or option_value(args, "-dp")
+    return dp is None or dp == "1"
 
 
 def _ranks(engine_args: str) -> int:
