@@ -21,8 +21,8 @@ named in engine_args), its worker runs inside vLLM's engine-core process instead
 its own (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `OMP_NUM_THREADS=1`, unless either is set): the
 worker process spins on `sched_yield` between steps waiting for the engine core's next message
 (a quarter of its samples), and on one core that spinning takes CPU from everything else; in
-the engine-core process the same sequences cost 25-30% less CPU (BENCHMARKS.md, "vLLM on a CPU
-core: the worker in the engine-core process"). Other children
+the engine-core process a sequence costs the server about half the CPU (BENCHMARKS.md, "vLLM on
+a CPU core: the worker in the engine-core process"). Other children
 (Dataflow, the WeightService, an external RaaS, anything on a GPU) get the recipe's `env:`
 unchanged. A RaaS added during the run (`elastic:`, `astra raas add`) gets the share computed
 at the start.
