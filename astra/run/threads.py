@@ -137,9 +137,8 @@ def worker_in_engine_process(
 ) -> bool:
     """Whether a RaaS launching vLLM on the CPU runs vLLM's worker in its engine-core process:
     its share is one core, it runs one rank and its engine_args name no executor backend."""
-    ids = core_ids() if n_cores is None else list(range(n_cores))
     engine_args = spec.engine_args if spec is not None else ""
-    if share(recipe, len(ids)) != 1 or _ranks(engine_args) != 1:
+    if share(recipe, n_cores) != 1 or _ranks(engine_args) != 1:
         return False
     from astra.engine.http.vllm_launch import option_value
 

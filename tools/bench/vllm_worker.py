@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import replace_section
@@ -69,16 +70,11 @@ async def engine_mode(
     from astra.engine.tokenizer import CharTokenizer
 
     tok = CharTokenizer()
-    saved = {k: os.environ.get(k) for k in (MP_VAR, "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}
-    os.environ.update({MP_VAR: MODES[mode], "OMP_NUM_THREADS": "1"})
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
-    try:
+    one_core = {MP_VAR: MODES[mode], "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    with mock.patch.dict(os.environ, one_core):  # what the server inherits, and only it
         engine = VLLMEngine.launch(
             model, "p", tok, extra_args=["--enforce-eager"], log_path=log, python=python
         )
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     out: dict[str, dict[str, float]] = {}
     seed = 0
     try:
