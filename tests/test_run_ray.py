@@ -37,6 +37,13 @@ def group_gone(pgid: int) -> bool:
     return False
 
 
+def _children(run_dir: Path) -> list[dict]:
+    """run.json's children, or none while it is missing or being written."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return list(json.loads((run_dir / "run.json").read_text())["children"])
+    return []
+
+
 def pid_gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -95,16 +102,32 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
         )
     children: list[dict] = []
     try:
-        victim = None  # raas-0, SIGKILLed once it serves: its actor starts it again
+        # raas-0 is SIGKILLed once it and the trainer serve: its actor starts it again
+        serving: dict[str, int] = {}
         deadline = time.monotonic() + 120
-        while victim is None and proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                for c in json.loads((run_dir / "run.json").read_text())["children"]:
-                    if c["name"] == "raas-0" and c["address"] and c["pid"]:
-                        victim = c["pid"]
+        while len(serving) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            for c in _children(run_dir):
+                if c["name"] in ("raas-0", "trainer-policy") and c["address"] and c["pid"]:
+                    serving[c["name"]] = c["pid"]
             time.sleep(0.2)
-        assert victim is not None, (tmp_path / "run.out").read_text(errors="replace")[-4000:]
-        os.killpg(victim, signal.SIGKILL)
+        assert len(serving) == 2, (tmp_path / "run.out").read_text(errors="replace")[-4000:]
+        victim, trainer = serving["raas-0"], serving["trainer-policy"]
+        # The trainer is held (SIGSTOP) until raas-0 serves again, so the run cannot end before
+        # its restart does (on a loaded machine the 60 steps took less than the restart: a
+        # flake seen in CI, `serving_after_s` missing).
+        os.killpg(trainer, signal.SIGSTOP)
+        try:
+            os.killpg(victim, signal.SIGKILL)
+            back = time.monotonic() + 120
+            while proc.poll() is None and time.monotonic() < back:
+                if any(
+                    c["name"] == "raas-0" and c["address"] and c["pid"] not in (None, victim)
+                    for c in _children(run_dir)
+                ):
+                    break
+                time.sleep(0.2)
+        finally:
+            os.killpg(trainer, signal.SIGCONT)
         try:
             rc = proc.wait(150)
         except subprocess.TimeoutExpired:
