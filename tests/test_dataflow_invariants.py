@@ -1354,6 +1354,28 @@ def test_sync_barrier_is_left_once_in_flight_work_has_drained(tmp_path):
     run(body())
 
 
+@pytest.mark.parametrize(("allowance", "raw"), [(None, 0.0), (1, 0.2), (0, 0.4)])
+def test_the_staleness_score_counts_the_gap_beyond_what_eta_allows(tmp_path, allowance, raw):
+    """Two groups generated at v0 land after the trainer announced v2 (gap 2). With eta 2 the
+    off-policy bound allows that gap, so by default (allowance None: eta) it adds nothing to
+    the score that drives the barrier; allowance 1 counts 1 of it, 0 all of it (Flux's
+    score): min(1, gap / 5)."""
+    gate = {"max_version_lag": 2, "barrier_gap_allowance": allowance}
+    config = dataflow_config(tmp_path, 8, gate=gate)
+
+    async def body():
+        gen = ScriptedGenerator(delay_s=0.5)
+        async with with_raas(config, gen, capacity=8, name="a") as (df, client, _):
+            await in_flight_on(df, "a", 2)
+            trainer = Trainer(client)
+            await trainer.announce()
+            await trainer.announce()
+            await until(lambda: df.ledger.accepted[POLICY] >= 2, 5.0, "the two results")
+            return df.admission.staleness.last_raw
+
+    assert run(body()) == pytest.approx(raw)
+
+
 def test_a_storage_failure_during_ingest_stops_dataflow_before_it_acknowledges(
     tmp_path, monkeypatch
 ):

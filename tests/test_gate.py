@@ -152,6 +152,26 @@ def test_staleness_missing_term_renormalises_and_clamps() -> None:
         StalenessTracker(alpha=0.0)
 
 
+def test_staleness_leaves_out_the_allowed_gap() -> None:
+    tracker = StalenessTracker(gap_allowance=2)
+    assert tracker.update(2) == 0.0  # within what the off-policy bound allows
+    assert tracker.update(3.5) == pytest.approx(0.1 * 0.3)  # (3.5 - 2) / 5, folded in
+    assert StalenessTracker(gap_allowance=2).update(9) == pytest.approx(1.0)
+    assert StalenessTracker(gap_allowance=2).update(1, kl=0.1) == pytest.approx(0.4 / 0.7)
+    with pytest.raises(ValueError, match="gap_allowance"):
+        StalenessTracker(gap_allowance=-1)
+
+
+def test_the_gap_allowance_defaults_to_eta() -> None:
+    assert GateSettings().gap_allowance == 2  # the default max_version_lag
+    assert GateSettings(max_version_lag=8).gap_allowance == 8
+    assert GateSettings(max_version_lag=None).gap_allowance == 0  # no bound: all the gap
+    assert GateSettings(max_version_lag=8, barrier_gap_allowance=0).gap_allowance == 0
+    assert GateSettings(max_version_lag=None, barrier_gap_allowance=3).gap_allowance == 3
+    with pytest.raises(ValueError, match="barrier_gap_allowance"):
+        GateSettings(barrier_gap_allowance=-1)
+
+
 def test_capacity_formula() -> None:
     # (eta + version + 1) * batch - (accepted + running), capped by free slots.
     assert offpolicy_capacity(2, 3, 4, 10, 5, 100) == (2 + 3 + 1) * 4 - 15

@@ -44,7 +44,8 @@ class Admission:
         self.versions, self.sources, self.table, self.budget = versions, sources, table, budget
         self.storage, self.is_eval = storage, is_eval
         self.gate = ModeGate(config.gate)
-        self.staleness = StalenessTracker()
+        # The score counts the gap beyond what the off-policy bound allows (GateSettings).
+        self.staleness = StalenessTracker(gap_allowance=config.gate.gap_allowance)
         # A run starts on-policy; one late group must not set the score on its own.
         self.staleness.update(0.0)
         self.state: GateState | None = None  # the last decision

@@ -185,6 +185,23 @@ class GateSettings(Strict):
     it started from + max_version_lag at the latest (astra.dataflow.offpolicy). 0 is
     synchronous: every trained token is of the version trained."""
     max_concurrent_groups: int = Field(1024, ge=1, description="Groups in flight at most.")
+    barrier_gap_allowance: int | None = Field(
+        None,
+        ge=0,
+        description="Version gap the staleness score leaves out; None: max_version_lag "
+        "(0 when that is off); 0: all of it, Flux's score as published.",
+    )
+    """The barrier answers staleness beyond what the off-policy bound already allows: a group
+    whose gap at acceptance is g adds max(0, g - allowance) to the score's gap term. Counting
+    the whole gap (0) made the default threshold (a mean gap of 1.5) fire inside the default
+    eta of 2, draining in-flight work the bound allows."""
+
+    @property
+    def gap_allowance(self) -> int:
+        """The version gap the staleness score leaves out (see barrier_gap_allowance)."""
+        if self.barrier_gap_allowance is not None:
+            return self.barrier_gap_allowance
+        return self.max_version_lag or 0
 
 
 class StorageSettings(Strict):

@@ -127,8 +127,9 @@ class StalenessTracker:
     raw = 0.4 * min(1, KL / 0.1) + 0.3 * min(1, IW-variance / 2) + 0.3 * min(1, gap / 5).
     A term whose input is None is left out and the remaining weights renormalised, so with
     neither KL nor IW variance (behaviour and current log-probs coincide) the score is
-    min(1, gap / 5). Negative inputs count as 0. The first update seeds the EMA; later ones
-    give value = alpha * raw + (1 - alpha) * value.
+    min(1, gap / 5). Negative inputs count as 0. `gap_allowance` is the version gap left out
+    (the gap term reads max(0, gap - allowance)): the lag an off-policy bound already allows.
+    The first update seeds the EMA; later ones give value = alpha * raw + (1 - alpha) * value.
     """
 
     def __init__(
@@ -141,6 +142,7 @@ class StalenessTracker:
         kl_scale: float = 0.1,
         iw_scale: float = 2.0,
         gap_scale: float = 5.0,
+        gap_allowance: float = 0.0,
     ):
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
@@ -148,7 +150,9 @@ class StalenessTracker:
             raise ValueError("weights must be >= 0 and gap_weight > 0")
         if not min(kl_scale, iw_scale, gap_scale) > 0:
             raise ValueError("scales must be > 0")
-        self.alpha = alpha
+        if not gap_allowance >= 0:
+            raise ValueError("gap_allowance must be >= 0")
+        self.alpha, self.gap_allowance = alpha, gap_allowance
         self._terms = ((kl_weight, kl_scale), (iw_weight, iw_scale), (gap_weight, gap_scale))
         self._value: float | None = None
         self.last_raw = 0.0
@@ -164,7 +168,8 @@ class StalenessTracker:
         """Fold one observation into the EMA and return the smoothed score."""
         weighted = 0.0
         total_weight = 0.0
-        for (weight, scale), x in zip(self._terms, (kl, iw_var, version_gap), strict=True):
+        beyond = version_gap - self.gap_allowance
+        for (weight, scale), x in zip(self._terms, (kl, iw_var, beyond), strict=True):
             if x is None:
                 continue
             if math.isnan(x):
