@@ -29,6 +29,14 @@ def test_staleness_needs_the_best_mask_close_to_eta_2_and_less_idle() -> None:
     assert "missed" in busier
 
 
+def test_idle_is_taken_between_the_first_and_last_observed_steps() -> None:
+    first = {"fetch_s_sum": 1.0, "total_s_sum": 2.0, "fetch_ms": 900.0, "total_ms": 1000.0}
+    last = {"fetch_s_sum": 4.0, "total_s_sum": 8.0, "fetch_ms": 0.0, "total_ms": 100.0}
+    assert staleness.idle_share([first, {"fetch_ms": 5.0}, last]) == 0.5  # 3 s of 6
+    assert staleness.idle_share([first]) == 0.9  # one row: its own step
+    assert staleness.idle_share([]) is None
+
+
 def lrow(name: str, held: float) -> dict:
     return {
         "variant": name, "wall_s": 1.0, "steps": 300, "held_out_first": 0.86,

@@ -52,6 +52,10 @@ def test_steps_publish_every_version_in_order_and_ack_each_batch() -> None:
         assert r.batch_size == r.num_trajectories == 8 and r.staleness_metrics.num_tokens > 0
         assert {"loss", "grad_norm", "clip_fraction", "kl_behaviour_current"} <= set(r.metrics)
     assert results[-1].staleness_metrics.version_gap_max <= 1
+    for k in ("fetch", "total"):  # summed over the steps so far
+        sums = [r.metrics[f"{k}_s_sum"] for r in results]
+        assert sums[-1] == pytest.approx(sum(r.metrics[f"{k}_ms"] for r in results) / 1e3)
+        assert sums == sorted(sums) and sums[0] > 0
     assert source.announced == [(v, str(v)) for v in range(4)]  # version 0 = initial weights
     assert source.acked == [f"b-trainer-v{v}-a0" for v in (1, 2, 3)]
     stored = {k: b for k, (_, _, b) in sink.versions[3].items()}

@@ -52,12 +52,22 @@ def mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
+def idle_share(seen: list[dict[str, Any]]) -> float | None:
+    """The trainer's time in FetchBatch over its step time: between the first and the last
+    observed step, from the trainer's running sums (every step between them counts), or,
+    with fewer than two such rows, over the observed steps alone."""
+    sums = [(m["fetch_s_sum"], m["total_s_sum"]) for m in seen if "total_s_sum" in m]
+    if len(sums) >= 2 and sums[-1][1] > sums[0][1]:
+        return (sums[-1][0] - sums[0][0]) / (sums[-1][1] - sums[0][1])
+    fetch = sum(m.get("fetch_ms", 0.0) for m in seen)
+    total = sum(m.get("total_ms", 0.0) for m in seen)
+    return fetch / total if total else None
+
+
 def run_variant(name: str, sets: list[str], steps: int, root: Path, timeout_s: float) -> dict:
     run_dir = root / name.replace(" ", "").replace("+", "-")
     s, rows, wall = astra_run([], run_dir, timeout_s, [f"trainer.num_steps={steps}", *sets])
     seen = [r["trainer"] for r in rows if r.get("trainer")]
-    fetch = sum(m.get("fetch_ms", 0.0) for m in seen)
-    total = sum(m.get("total_ms", 0.0) for m in seen)
     evals = s.get("eval", {}).get("results", [])
     return {
         "variant": name,
@@ -65,7 +75,7 @@ def run_variant(name: str, sets: list[str], steps: int, root: Path, timeout_s: f
         "steps": s.get("steps"),
         "held_out_last": evals[-1].get("mean_reward") if evals else None,
         "last10": s.get("accuracy_last10"),
-        "idle": fetch / total if total else None,
+        "idle": idle_share(seen),
         "barrier": mean(
             [float(r["dataflow"].get("gate") == "SYNC_BARRIER") for r in rows if r.get("dataflow")]
         ),
@@ -128,8 +138,9 @@ def section(rows: list[dict[str, Any]], load: str, total: float) -> str:
         "before the step) shows the gate in SYNC_BARRIER. The barrier's score counts the "
         "version gap beyond eta by default; 'eta 2, whole gap' counts all of it, as before "
         "2026-12-07, which makes the default threshold (a mean gap of 1.5) fire inside eta.",
-        "- Trainer idle is the time its steps spent in FetchBatch over their whole time (the "
-        "steps the observer saw with their timings).",
+        "- Trainer idle is the time its steps spent in FetchBatch over their whole time, "
+        "between the first and the last step the observer saw with the trainer's figures (the "
+        "trainer's running sums, so every step between them counts).",
         "- The masks act on r = trainer probability at the start of the step over the "
         "probability the engine sampled with: M2PO drops the tokens with the largest "
         "(log r)^2 until their mean is <= 0.04, IcePop every token with r outside [0.5, 2].",
