@@ -429,6 +429,66 @@ def test_observer_goes_on_when_its_trainer_moves_during_a_poll(tmp_path: Path) -
     asyncio.run(go())
 
 
+class _SteppingTrainer(_Trainer):
+    """A trainer that takes a step every `every_s` (faster than the observer's ticks): its
+    figures first, then its step line, as the real one does."""
+
+    def __init__(self, log_path: Path, every_s: float) -> None:
+        super().__init__(0)
+        self.log_path, self.every_s = log_path, every_s
+
+    async def steps(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            self.step += 1
+            with self.log_path.open("a") as f:
+                f.write(f"x INFO astra.servers.trainer: step {self.step} version 1 loss 0.5\n")
+
+    async def GetStatus(self, request, context):
+        resp = await super().GetStatus(request, context)
+        resp.metrics["step_of_figures"] = float(resp.step)
+        return resp
+
+
+def test_rows_of_steps_faster_than_a_tick_still_get_the_trainers_figures(tmp_path: Path) -> None:
+    """Steps 0.05 s apart, ticks 0.25 s apart: the poll comes right after the log is read, so
+    the last step read in a tick gets its figures (read 0.25 s before the poll, almost none
+    did: 1 row of 100 in a real run), and a row only ever gets its own step's."""
+
+    async def go() -> None:
+        trainer = _SteppingTrainer(tmp_path / "trainer.log", 0.05)
+        server = GrpcServer("127.0.0.1", 0)
+        server.add_service(
+            trainer_grpc.add_TrainerServiceServicer_to_server, trainer, TRAINER_SERVICE
+        )
+        await server.start()
+        obs = make_observer(tmp_path, poll_interval_s=1.0)
+        obs.set_trainer("policy", server.address)
+
+        async def no_dataflow() -> dict:  # none here: its poll would stall ticks
+            return {}
+
+        obs.poll_dataflow = no_dataflow  # type: ignore[method-assign]
+        stepping = asyncio.create_task(trainer.steps())
+        task = asyncio.create_task(obs.run())
+        try:
+            await asyncio.sleep(3.0)
+        finally:
+            for t in (task, stepping):
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            await obs.close()
+            await server.stop(0)
+
+    asyncio.run(go())
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    with_figures = [r for r in rows if r["trainer"]]
+    assert len(rows) >= 20
+    assert all(r["trainer"]["step_of_figures"] == r["step"] for r in with_figures)
+    assert len(with_figures) >= 4, [r["step"] for r in with_figures]
+
+
 @pytest.fixture
 def dataflow_proc(dataset: Path, tmp_path: Path):
     proc = start_dataflow(make_config(dataset, tmp_path / "state"), tmp_path)

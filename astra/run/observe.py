@@ -262,9 +262,12 @@ class Observer(StatusPoller):
                         log.error("%s", why)
                         self.on_stall(why)
                         self.on_stall = None  # said once; the run is ending
-                await asyncio.gather(*(self.poll_trainer(p) for p in self.trainers))
-                self.flush()  # lines read last tick: this poll saw the step unless another did
+                # Lines first, then the poll: the poll sees at least the last step read (its
+                # line is written once the step's figures are in), and that step's row gets
+                # them unless the trainer stepped again in between.
                 self.read_logs()
+                await asyncio.gather(*(self.poll_trainer(p) for p in self.trainers))
+                self.flush()
                 self.print_status()
             except (Exception, asyncio.CancelledError) as exc:
                 task = asyncio.current_task()
