@@ -37,6 +37,16 @@ def test_idle_is_taken_between_the_first_and_last_observed_steps() -> None:
     assert staleness.idle_share([]) is None
 
 
+def test_time_in_barrier_is_taken_from_dataflows_gate_counters() -> None:
+    def row(barrier: int, running: int, throttled: int) -> dict:
+        c = {"gate_ms.SYNC_BARRIER": barrier, "gate_ms.ASYNC_RUNNING": running}
+        return {"dataflow": {"counters": {**c, "gate_ms.THROTTLED": throttled, "other": 9}}}
+
+    rows = [row(100, 100, 0), {"dataflow": {}}, row(300, 500, 200)]
+    assert staleness.barrier_share(rows) == 0.25  # 200 ms of 800
+    assert staleness.barrier_share(rows[:1]) is None
+
+
 def lrow(name: str, held: float) -> dict:
     return {
         "variant": name, "wall_s": 1.0, "steps": 300, "held_out_first": 0.86,

@@ -1354,6 +1354,27 @@ def test_sync_barrier_is_left_once_in_flight_work_has_drained(tmp_path):
     run(body())
 
 
+def test_the_gate_counts_the_milliseconds_it_spends_in_each_mode(tmp_path):
+    """`gate_ms.<MODE>`: a decision holds until the next one; below a millisecond is carried."""
+    config = dataflow_config(tmp_path, 8)
+
+    async def body():
+        async with running_dataflow(config) as (_server, df, client):
+            now = [1000.0]
+            df.admission.clock = lambda: now[0]
+            df.admission.state = None  # the decisions so far were on the real clock
+            before = df.counters["gate_ms.THROTTLED"]
+            assert df.admission.evaluate().mode.name == "THROTTLED"  # no RaaS: no capacity
+            for dt in (0.25, 0.0004, 0.0007):
+                now[0] += dt
+                df.admission.evaluate()
+            assert df.counters["gate_ms.THROTTLED"] - before == 251  # 250, then 0.4 + 0.7
+            status = await client.get_status()
+            return status.counters["gate_ms.THROTTLED"] - before
+
+    assert run(body()) == 251
+
+
 @pytest.mark.parametrize(("allowance", "raw"), [(None, 0.0), (1, 0.2), (0, 0.4)])
 def test_the_staleness_score_counts_the_gap_beyond_what_eta_allows(tmp_path, allowance, raw):
     """Two groups generated at v0 land after the trainer announced v2 (gap 2). With eta 2 the

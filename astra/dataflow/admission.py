@@ -5,10 +5,13 @@ off-policy capacity (astra.dataflow.offpolicy), the buffers' fill counting what 
 and what trainers hold leased, and the staleness score. It also says how many groups a stream
 may start before its buffers would pass the high watermark, whether the data is used up, and
 `why` nothing is admitted (the status line users read). It decides; it never dispatches.
+The time spent in each gate mode is counted (`gate_ms.<MODE>` in the counters).
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Callable
 
 from astra.dataflow.batches import BatchDesk
@@ -39,6 +42,7 @@ class Admission:
         budget: OffPolicyBudget,
         storage: StorageGuard,
         is_eval: Callable[[str], bool],
+        counters: Counter[str] | None = None,
     ) -> None:
         self.config, self.pool, self.buffers, self.batches = config, pool, buffers, batches
         self.versions, self.sources, self.table, self.budget = versions, sources, table, budget
@@ -49,6 +53,11 @@ class Admission:
         # A run starts on-policy; one late group must not set the score on its own.
         self.staleness.update(0.0)
         self.state: GateState | None = None  # the last decision
+        # Milliseconds the gate spent in each mode (`gate_ms.<MODE>`): a decision holds until
+        # the next one. The remainder below a millisecond is carried, not dropped.
+        self.counters: Counter[str] = Counter() if counters is None else counters
+        self.clock = time.monotonic
+        self._since, self._carry_ms = self.clock(), 0.0
 
     def training_streams(self) -> list[StreamSettings]:
         return [s for s in self.config.streams if not self.is_eval(s.name)]
@@ -86,7 +95,14 @@ class Admission:
             # The barrier has drained: whatever is dispatched next starts at the current
             # version, so the observed gap is 0 until results say otherwise.
             self.staleness.update(0.0)
+        previous = self.state
         self.state = self.gate.evaluate(self.staleness.value, capacity, fill, in_flight)
+        now = self.clock()
+        if previous is not None:
+            ms = (now - self._since) * 1e3 + self._carry_ms
+            self.counters[f"gate_ms.{previous.mode.name}"] += int(ms)
+            self._carry_ms = ms - int(ms)
+        self._since = now
         return self.state
 
     def data_exhausted(self) -> bool:

@@ -103,7 +103,7 @@ class Dataflow:
         )
         self.admission = Admission(
             config, self.pool, self.buffers, self.batches, self.versions, self.sources,
-            self.table, self.budget, self.storage, is_eval,
+            self.table, self.budget, self.storage, is_eval, self.counters,
         )  # fmt: skip
         self.storage_paused = PauseWatch(self.storage, self.counters, self._resumed, log)
         # Writes trajectory bytes to the blob log off the event loop, one batch at a time.

@@ -17,8 +17,8 @@ trainer) and the trainer's loss masks (astra/trainer/losses.py):
   eta 8 + IcePop   trainer.loss.ratio_band = [0.5, 2.0].
 Reported: held-out accuracy at the last version (256 problems, greedy), per-step accuracy of
 the last 10 steps, the trainer's idle share (time in FetchBatch over step time, from the
-steps' own timings in metrics.jsonl), the share of steps that saw Dataflow's gate in
-SYNC_BARRIER, the mean version gap of trained tokens, and the share of tokens each mask
+steps' own timings in metrics.jsonl), the share of the gate's time in SYNC_BARRIER
+(Dataflow's `gate_ms.<MODE>` counters), the mean version gap of trained tokens, and the share of tokens each mask
 dropped. The claim to test (issue 29): eta 8 with the best correction reaches
 eta 2's held-out accuracy within 0.02 while the trainer idles less.
 """
@@ -64,6 +64,23 @@ def idle_share(seen: list[dict[str, Any]]) -> float | None:
     return fetch / total if total else None
 
 
+def barrier_share(rows: list[dict[str, Any]]) -> float | None:
+    """The share of the gate's time in SYNC_BARRIER between the first and last rows with
+    Dataflow's counters (`gate_ms.<MODE>`: time in each mode, counted by Dataflow)."""
+    counts = [r["dataflow"]["counters"] for r in rows if (r.get("dataflow") or {}).get("counters")]
+    if len(counts) < 2:
+        return None
+
+    def ms(c: dict[str, int], mode: str | None = None) -> int:
+        keys = [k for k in c if k.startswith("gate_ms.") and (mode is None or k.endswith(mode))]
+        return sum(c[k] for k in keys)
+
+    total = ms(counts[-1]) - ms(counts[0])
+    return (
+        (ms(counts[-1], "SYNC_BARRIER") - ms(counts[0], "SYNC_BARRIER")) / total if total else None
+    )
+
+
 def run_variant(name: str, sets: list[str], steps: int, root: Path, timeout_s: float) -> dict:
     run_dir = root / name.replace(" ", "").replace("+", "-")
     s, rows, wall = astra_run([], run_dir, timeout_s, [f"trainer.num_steps={steps}", *sets])
@@ -76,9 +93,7 @@ def run_variant(name: str, sets: list[str], steps: int, root: Path, timeout_s: f
         "held_out_last": evals[-1].get("mean_reward") if evals else None,
         "last10": s.get("accuracy_last10"),
         "idle": idle_share(seen),
-        "barrier": mean(
-            [float(r["dataflow"].get("gate") == "SYNC_BARRIER") for r in rows if r.get("dataflow")]
-        ),
+        "barrier": barrier_share(rows),
         "gap": mean([m["version_gap_mean"] for m in seen if "version_gap_mean" in m]),
         "m2po": mean([m.get("m2po_masked_fraction", 0.0) for m in seen]),
         "band": mean([m.get("ratio_band_masked_fraction", 0.0) for m in seen]),
@@ -95,7 +110,7 @@ def section(rows: list[dict[str, Any]], load: str, total: float) -> str:
     lines = [
         SECTION,
         "",
-        "| variant | steps | wall s | held-out, last | last 10 steps | trainer idle | steps in "
+        "| variant | steps | wall s | held-out, last | last 10 steps | trainer idle | time in "
         "barrier | mean version gap | M2PO masked | IcePop masked | groups lost |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -134,8 +149,9 @@ def section(rows: list[dict[str, Any]], load: str, total: float) -> str:
         "- Each variant is one `astra run` of the embedded task: 2 RaaS with the built-in "
         "engine, one trainer, warm-up then GRPO; only eta, the loss masks and (in 'whole "
         "gap') the barrier's score differ.",
-        "- Steps in barrier: the share of steps whose Dataflow snapshot (the observer's poll "
-        "before the step) shows the gate in SYNC_BARRIER. The barrier's score counts the "
+        "- Time in barrier: the share of the gate's time in SYNC_BARRIER from the first to "
+        "the last step, from Dataflow's own counters (`gate_ms.<MODE>`). The barrier's score "
+        "counts the "
         "version gap beyond eta by default; 'eta 2, whole gap' counts all of it, as before "
         "2026-12-07, which makes the default threshold (a mean gap of 1.5) fire inside eta.",
         "- Trainer idle is the time its steps spent in FetchBatch over their whole time, "
