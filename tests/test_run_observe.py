@@ -9,6 +9,7 @@ import io
 import itertools
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -758,3 +759,90 @@ def test_observer_reads_a_generation_written_and_rotated_while_it_looked_away(
 
     obs = asyncio.run(go())
     assert [p[1] for p in obs.pending] == [1, 2, 3, 4, 5]
+
+
+STEP = "x INFO astra.servers.trainer: step {0} version {0} loss 0.{0}\n"
+
+
+def _steps(f, *steps: int, padding: int = 0) -> None:
+    f.write(("".join(STEP.format(n) for n in steps) + "padding " * padding + "\n").encode())
+    f.flush()
+
+
+def test_observer_reads_the_generations_rotated_away_before_its_first_look(tmp_path: Path) -> None:
+    """A trainer's first generations (fast steps, small logs under Ray) rotated before the
+    observer first looked at its log: they are in the copies made since the trainer started,
+    read before the file itself (steps 1-4 were lost: the blind spot of the first generation)."""
+    from astra.run.logrotate import copy_ids, rotate
+
+    log = tmp_path / "trainer.log"
+
+    async def go() -> Observer:
+        obs = make_observer(tmp_path)  # before the trainer writes: no copies to leave out
+        with log.open("ab") as f:
+            _steps(f, 1, 2, padding=20)
+            assert rotate(log, 100, 5)
+            _steps(f, 3, 4, padding=20)
+            assert rotate(log, 100, 5)
+            _steps(f, 5)
+            obs.read_logs()  # the first look
+            _steps(f, 6, padding=20)
+            assert rotate(log, 100, 5)  # from here on, as before
+            _steps(f, 7)
+            obs.read_logs()
+        await obs.close()
+        await obs.finish()
+        return obs
+
+    assert [p[1] for p in asyncio.run(go()).pending] == [1, 2, 3, 4, 5, 6, 7]
+
+    # A resumed run: the log and a copy hold an earlier start's steps. Rotated away before the
+    # first look: this start's lines from where it began (its offset), the earlier ones not.
+    later = tmp_path / "resumed"
+    later.mkdir()
+    log = later / "trainer.log"
+    with log.open("ab") as f:
+        _steps(f, 1, 2, padding=20)
+        assert rotate(log, 100, 5)
+        _steps(f, 3)  # the earlier start ends here
+        offset, known = f.tell(), copy_ids(log)
+
+        async def resumed() -> Observer:
+            obs = make_observer(later)
+            obs.logs["policy"][1] = offset  # what the supervisor passes: (path, offset, known)
+            obs.logs["policy"][5] = known
+            _steps(f, 4, padding=20)
+            assert rotate(log, 100, 5)  # the earlier copy shifts to .2: still left out
+            _steps(f, 5)
+            obs.read_logs()
+            await obs.close()
+            await obs.finish()
+            return obs
+
+        assert [p[1] for p in asyncio.run(resumed()).pending] == [4, 5]
+
+
+def test_observer_waits_out_a_rotation_under_way_at_its_first_look(tmp_path: Path) -> None:
+    """First look in the instant between a rotation's truncation and its copy's rename: the
+    lines are only in the copy being made. The observer looks again once it is a copy."""
+    from astra.run.logrotate import _bulk, backup
+
+    log = tmp_path / "trainer.log"
+
+    async def go() -> tuple[list[int], list[int]]:
+        obs = make_observer(tmp_path)
+        with log.open("ab") as f:
+            _steps(f, 1, 2, padding=20)
+            tmp = log.with_name(f".{log.name}.rotating")
+            _bulk(log, tmp)
+            os.truncate(log, 0)  # truncated, the copy not yet renamed
+            obs.read_logs()
+            during = [p[1] for p in obs.pending]
+            os.replace(tmp, backup(log, 1))
+            _steps(f, 3)
+            obs.read_logs()
+        await obs.close()
+        await obs.finish()
+        return during, [p[1] for p in obs.pending]
+
+    assert asyncio.run(go()) == ([], [1, 2, 3])

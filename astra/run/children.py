@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from astra import parent_death
+from astra.run.logrotate import copy_ids
 from astra.tls_certs import child_credential
 from astra.tls_material import ENV_DIR, ENV_NODE_CA
 from astra.waits import within
@@ -75,6 +76,9 @@ class Child:
         self.policies: tuple[str, ...] = ()
         self.credential = ""  # the TLS credential directory it was given, with `tls: true`
         self.log_offset = 0  # size of the log when this process started (logs are appended to)
+        # the log's copies there were then (astra.run.logrotate.copy_ids): a reader tells
+        # those rotated away before it first looked from older ones
+        self.log_copies: frozenset[tuple[int, int]] = frozenset()
         self._log: BinaryIO | None = None
         self._drain: asyncio.Task[None] | None = None
 
@@ -101,7 +105,7 @@ class Child:
         self.info, self.stopping = {}, False
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
-        self.log_offset = self._log.tell()
+        self.log_offset, self.log_copies = self._log.tell(), copy_ids(self.log_path)
         # The supervisor's death (SIGKILL, the OOM killer) ends it too: SIGTERM, so it stops
         # as on a normal stop (a trainer checkpoints) instead of running on alone.
         prefix, preexec = parent_death.spawn_args(signal.SIGTERM)

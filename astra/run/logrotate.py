@@ -68,6 +68,51 @@ def _finish(
         os.replace(tmp, backup(path, 1))
 
 
+def _copies(path: Path) -> list[Path]:
+    """The copies of `path` there are now, newest first: the one being made (under its
+    temporary name, maybe absent), then ``.1``, ``.2`` ..."""
+    copies = [path.with_name(f".{path.name}.rotating")]
+    while backup(path, len(copies)).exists():
+        copies.append(backup(path, len(copies)))
+    return copies
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def copy_ids(path: Path) -> frozenset[tuple[int, int]]:
+    """(device, inode) of each copy of `path` there is now: what a writer's start notes, so a
+    reader can tell the copies made since (a copy keeps its inode as it shifts to ``.2``)."""
+    return frozenset(i for i in map(_file_id, _copies(path)) if i is not None)
+
+
+def missed_since_start(
+    path: Path, offset: int, known: frozenset[tuple[int, int]]
+) -> tuple[bytes, bytes] | None:
+    """What a reader's first look at `path` finds rotated away since its writer started (at
+    `offset`, with the copies `known` there were then): the oldest copy made since from
+    `offset` on, then the newer ones whole, oldest first; and the first bytes of the newest of
+    them (the generation the file now follows). (b"", b"") when none was made; None while one
+    is being made (look again)."""
+    copies = _copies(path)
+    tmp_id = _file_id(copies[0])
+    if tmp_id is not None and tmp_id not in known:
+        return None
+    new = [c for c in copies[1:] if (i := _file_id(c)) is not None and i not in known]
+    if not new:
+        return b"", b""
+    try:
+        whole = [copy.read_bytes() for copy in reversed(new)]  # oldest first
+    except FileNotFoundError:  # shifted out meanwhile: look again
+        return None
+    return whole[0][offset:] + b"".join(whole[1:]), whole[-1][:HEAD_BYTES]
+
+
 def missed_before_truncation(path: Path, offset: int, head: bytes) -> bytes | None:
     """What a reader that had read `path` up to `offset` before it was truncated did not
     read: the rest of the copy of the file it was reading (the copy that starts with `head`,
@@ -77,10 +122,7 @@ def missed_before_truncation(path: Path, offset: int, head: bytes) -> bytes | No
     file's (none kept, or it was dropped): what came after `offset` is lost."""
     if not head:
         return None
-    tmp = path.with_name(f".{path.name}.rotating")
-    copies = [tmp]
-    while backup(path, len(copies)).exists():
-        copies.append(backup(path, len(copies)))
+    copies = _copies(path)
     for k, copy in enumerate(copies):
         rest = _rest(copy, offset, head)
         if rest is None:
@@ -101,10 +143,7 @@ def missed_after(path: Path, head: bytes) -> bytes | None:
     first: what a reader that saw `path` empty after that generation did not see, when the
     file was written and rotated since. b"" when no such copy exists yet (the file now is the
     one the reader saw empty); None when the copy of `head`'s generation is gone."""
-    tmp = path.with_name(f".{path.name}.rotating")
-    copies = [tmp]
-    while backup(path, len(copies)).exists():
-        copies.append(backup(path, len(copies)))
+    copies = _copies(path)
     for k, copy in enumerate(copies):
         try:
             with open(copy, "rb") as f:

@@ -42,7 +42,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from astra.dataflow.status import DATA_EXHAUSTED
 from astra.run.history import StepHistory, load_histories
-from astra.run.logrotate import HEAD_BYTES, missed_after, missed_before_truncation
+from astra.run.logrotate import (
+    HEAD_BYTES,
+    copy_ids,
+    missed_after,
+    missed_before_truncation,
+    missed_since_start,
+)
 from astra.run.poller import StatusPoller
 from astra.run.progress import ProgressWatch
 
@@ -65,7 +71,7 @@ class Observer(StatusPoller):
         self,
         dataflow: str,
         trainers: dict[str, str],
-        trainer_logs: dict[str, tuple[Path, int]],
+        trainer_logs: dict[str, tuple[Path, int] | tuple[Path, int, frozenset[Any]]],
         metrics_path: Path,
         *,
         num_steps: int,
@@ -107,9 +113,12 @@ class Observer(StatusPoller):
             with _failing_output("metrics.jsonl, read back"):
                 load_histories(metrics_path, self.history)
         # policy -> [log path, offset read up to, partial last line, the file's first bytes,
-        # the first bytes of the generation before it while it is still empty (else b"")]
+        # the first bytes of the generation before it while it is still empty (else b""),
+        # until the first look the ids of the copies there were when the trainer started
+        # (astra.run.logrotate.copy_ids; given, or those there are now), then None]
         self.logs: dict[str, list[Any]] = {
-            p: [*where, b"", b"", b""] for p, where in trainer_logs.items()
+            p: [w[0], w[1], b"", b"", b"", w[2] if len(w) > 2 else copy_ids(w[0])]
+            for p, w in trainer_logs.items()
         }
         # step lines not yet rows: policy, step, version, loss, skipped, logged accuracy
         self.pending: list[tuple[str, int, int, float, str, float | None]] = []
@@ -132,9 +141,17 @@ class Observer(StatusPoller):
     def read_logs(self) -> None:
         """Reads the trainers' new per-step log lines (rows once the next poll has been seen)."""
         for policy, entry in self.logs.items():
-            path, offset, partial, head, _ = entry
+            path, offset, partial, head, _, known = entry
             if not path.exists():
                 continue
+            if known is not None:  # the first look: rotated since the trainer started?
+                first = missed_since_start(path, offset, known)
+                if first is None:
+                    continue  # a copy is being made: look again next time
+                missed, follows = first
+                if follows:  # it was: the copies first, then the file from its top
+                    partial, offset, entry[4] = missed, 0, follows
+                entry[5] = None
             with path.open("rb") as f:
                 size = f.seek(0, os.SEEK_END)
                 # Truncated (astra.run.logrotate), and maybe written past `offset` again since,

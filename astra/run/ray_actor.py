@@ -96,7 +96,10 @@ class _Process:
                 target=self._keep_logs_small, args=(Path(log_path), rotate), daemon=True
             )
             self.rotating.start()
-        return {"pid": self.proc.pid, "log_offset": offset, "command": args}
+        from astra.run.logrotate import copy_ids
+
+        copies = [list(i) for i in copy_ids(Path(log_path))]
+        return {"pid": self.proc.pid, "log_offset": offset, "log_copies": copies, "command": args}
 
     def _keep_logs_small(self, log_path: Path, rotate: dict[str, Any]) -> None:
         """Until the process exits: the logs it writes rotated past rotate["max_bytes"]."""

@@ -213,6 +213,9 @@ class RayChild(Child):
             self.close()
             raise ChildFailed(f"{self.name}: {started['error']}")
         self.log_offset = int(started["log_offset"])
+        self.log_copies = frozenset(
+            (int(dev), int(ino)) for dev, ino in started.get("log_copies", [])
+        )
         self.proc = RemoteProcess(self, int(started["pid"]))
         self._exit = asyncio.ensure_future(self._wait_exit())
 

@@ -306,7 +306,7 @@ class Supervisor:
             self.observer = Observer(
                 self.children["core"][0].address,
                 {p: c.address for p, c in trainers.items()},
-                {p: (c.log_path, c.log_offset) for p, c in trainers.items()},
+                {p: (c.log_path, c.log_offset, c.log_copies) for p, c in trainers.items()},
                 self.rd.metrics,
                 num_steps=self.recipe.trainer.num_steps,
                 poll_interval_s=self.recipe.observe.poll_interval_s,
