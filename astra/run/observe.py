@@ -148,9 +148,8 @@ class Observer(StatusPoller):
                 first = missed_since_start(path, offset, known)
                 if first is None:
                     continue  # a copy is being made: look again next time
-                missed, follows = first
-                if follows:  # it was: the copies first, then the file from its top
-                    partial, offset, entry[4] = missed, 0, follows
+                if first[1]:  # it was: the copies first, then the file from its top
+                    partial, offset, entry[4] = first[0], 0, first[1]
                 entry[5] = None
             with path.open("rb") as f:
                 size = f.seek(0, os.SEEK_END)
