@@ -130,3 +130,31 @@ def test_quick_form_measures_trl_and_astra_with_vllm(tmp_path):
     assert "Astra against TRL + vLLM" in proc.stdout
     assert "Astra + vLLM against TRL (the same target)" in proc.stdout
     assert "Astra + vLLM against TRL + vLLM" in proc.stdout
+
+
+def test_trls_time_to_the_threshold_with_its_evaluations_on_its_clock():
+    """TRL pauses training to evaluate and its clock leaves that out; the section also gives
+    its times with them counted (Astra evaluates beside training, on its own clock)."""
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    import vs_trl
+    import vs_trl_report
+
+    astra = vs_trl.Side("Astra", curve=[(0.0, 0.8, 0), (10.0, 0.86, 20)])
+    trl = [
+        vs_trl.Side("TRL", curve=[(0.0, 0.8, 0), (6.0, 0.85, 10)], eval_before={10: 3.0}),
+        vs_trl.Side(
+            "TRL",
+            curve=[(0.0, 0.8, 0), (5.0, 0.84, 10), (9.0, 0.9, 20)],
+            eval_before={10: 2.0, 20: 4.0},
+            seed=1,
+        ),
+        vs_trl.Side("TRL", curve=[(0.0, 0.8, 0)], seed=2),
+    ]
+    assert trl[0].time_to(0.85) == 6.0 and trl[0].time_to_with_evals(0.85) == 9.0
+    assert trl[2].time_to_with_evals(0.85) is None
+    line = vs_trl_report.with_evals([[astra], trl], 0.85)
+    assert line is not None
+    assert "TRL 13 s (runs: 9 s, 13 s, not reached), 1.30x Astra's 10 s" in line
+    assert (
+        vs_trl_report.with_evals([[astra], [vs_trl.Side("TRL", curve=trl[0].curve)]], 0.85) is None
+    )

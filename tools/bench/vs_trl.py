@@ -134,9 +134,17 @@ class Side:
     seed: int = 0
     lag_s: float | None = None  # Astra: median trainer's step -> a RaaS holding that version
     interval_s: float | None = None  # Astra: median step interval
+    # TRL: the seconds its evaluations took before the end of step n (its clock leaves them
+    # out; Astra's evaluations run beside training, on its clock)
+    eval_before: dict[int, float] = field(default_factory=dict)
 
     def time_to(self, threshold: float) -> float | None:
         return next((t for t, acc, _ in self.curve if acc >= threshold), None)
+
+    def time_to_with_evals(self, threshold: float) -> float | None:
+        """`time_to` with the evaluations before that point on the clock."""
+        hit = next(((t, n) for t, acc, n in self.curve if acc >= threshold), None)
+        return None if hit is None else hit[0] + self.eval_before.get(hit[1], 0.0)
 
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.train_s if self.train_s > 0 else None
@@ -376,6 +384,7 @@ def run_trl(
     side.train_s = clock[side.steps]
     side.startup_s = clock[steps[0]["step"]]
     side.tokens = float(steps[-1]["completion_tokens"])
+    side.eval_before = {r["step"]: r["eval_s_total"] for r in steps}
     for ev in (r for r in events if r["event"] == "eval"):
         side.curve.append(
             (0.0 if ev["step"] == 0 else clock[ev["step"]], ev["accuracy"], ev["step"])

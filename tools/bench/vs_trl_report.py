@@ -41,6 +41,7 @@ class Run(Protocol):
     interval_s: float | None
 
     def time_to(self, threshold: float) -> float | None: ...
+    def time_to_with_evals(self, threshold: float) -> float | None: ...
     def tokens_per_s(self) -> float | None: ...
 
 
@@ -59,6 +60,36 @@ def fmt(x: float | None, digits: int = 1, unit: str = "") -> str:
 def each_run(runs: list[Any], threshold: float) -> str:
     """Every run's time to the threshold, by seed."""
     return ", ".join(fmt(s.time_to(threshold), 0, " s") for s in sorted(runs, key=lambda s: s.seed))
+
+
+def with_evals(systems: list[list[Any]], threshold: float) -> str | None:
+    """TRL's times with its evaluations on its clock (what its user waits), median and each
+    run, against Astra's (whose evaluations are on its clock already); None without TRL's
+    figures of them."""
+    astra = median_run(systems[0], threshold).time_to(threshold)
+    parts = []
+    for runs in systems[1:]:
+        if not runs[0].name.startswith("TRL") or not any(r.eval_before for r in runs):
+            continue
+        times = sorted(
+            (r.time_to_with_evals(threshold) for r in runs), key=lambda t: (t is None, t or 0)
+        )
+        median = times[(len(times) - 1) // 2]
+        each = ", ".join(
+            fmt(r.time_to_with_evals(threshold), 0, " s")
+            for r in sorted(runs, key=lambda r: r.seed)
+        )
+        ratio = (
+            f", {median / astra:.2f}x Astra's {astra:.0f} s" if median is not None and astra else ""
+        )
+        parts.append(f"{runs[0].name} {fmt(median, 0, ' s')} (runs: {each}){ratio}")
+    if not parts:
+        return None
+    return (
+        f"With TRL's evaluations on its clock too (training paused for them: its user waits "
+        f"for them; Astra's run beside training, on its clock already), the time to "
+        f"{threshold}: " + "; ".join(parts)
+    )
 
 
 def verdict(astra: Any, trl: Any, threshold: float) -> str:
@@ -211,6 +242,8 @@ def section(
         + ", ".join(f"{s.name} {len(r)}x" for s, r in zip(sides, systems, strict=True))
         + " (seeds 0 and up), and the time to the threshold of every run is in the table.",
     ]
+    if (line := with_evals(systems, p.threshold)) is not None:
+        lines += ["", line + "."]
     bound = start_up_bound(astra, trl, p.threshold)
     if bound is not None:
         lines += ["", f"Start-up against the target: {bound}."]
@@ -309,7 +342,8 @@ def texts(p: Any) -> dict[str, str]:
         "starting next, vLLM's server included); its evaluations run on the RaaS beside "
         "training, so their CPU counts, and an accuracy is placed at the time the trainer "
         "logged the step that made that version. TRL's starts at its script's first line and includes importing "
-        "TRL and loading the model; its evaluations pause training and their time is left out. "
+        "TRL and loading the model; its evaluations pause training and their time is left out "
+        "(its times with them counted are given beside the verdicts). "
         "Trained tokens/s: completion tokens (EOS included) of the trained samples over the "
         "clock at the last step (start-up included)."
     )
@@ -317,7 +351,8 @@ def texts(p: Any) -> dict[str, str]:
         "Not matched: Astra's loss is its decoupled PPO objective with a behaviour-policy cap "
         f"(samples may be up to {p.eta} versions old), TRL's is on-policy (one optimiser step per "
         "generation, so its ratio is 1 and its clip never binds); Astra's evaluation shares the "
-        "CPU with training while TRL's is excluded from its clock; TRL uses torch's default "
+        "CPU with training while TRL's is excluded from its clock (and given counted too); TRL "
+        "uses torch's default "
         "thread count in one process, Astra's five processes share the same two cores "
         "(astra.run.threads gives the trainer and each RaaS a third of the cores, at least 1, "
         "as OMP_NUM_THREADS); "
