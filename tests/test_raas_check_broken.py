@@ -114,7 +114,9 @@ def weights(tmp_path_factory) -> Iterator[str]:
         thread.join(10)
 
 
-def check_switch(switch: str, weights: str) -> dict[str, tuple[str, str]]:
+async def check_switch(switch: str, weights: str) -> dict[str, tuple[str, str]]:
+    """The checker's findings on a broken RaaS with `switch` on ("" for none), registering
+    with the checker's own Dataflow."""
     # Serving faulty weights takes seconds of the engine's retries: only where it is asked.
     faulty = switch in ("", "skips_verification", "loaded_by_counter_only")
     recording = Recording(interval_s=0.2)  # what it registers with the checker's own Dataflow
@@ -124,35 +126,55 @@ def check_switch(switch: str, weights: str) -> dict[str, tuple[str, str]]:
         result_timeout_s=20.0, weights=weights, version_id="v3", serve_weights=faulty,
         recording=recording, register_timeout_s=10.0,
     )  # fmt: skip
+    dataflow = await start_checking_dataflow(recording)
+    server, servicer = await start_broken_raas(switch)
+    registrar = start_registering(servicer, server, dataflow.address)
+    try:
+        return {
+            r.name: (r.status, r.detail) for r in await RaasChecker(server.address, options).run()
+        }
+    finally:
+        await registrar.stop()
+        await server.stop(0)
+        await dataflow.stop(0)
 
-    async def body() -> dict[str, tuple[str, str]]:
-        dataflow = await start_checking_dataflow(recording)
-        server, servicer = await start_broken_raas(switch)
-        registrar = start_registering(servicer, server, dataflow.address)
-        try:
-            return {
-                r.name: (r.status, r.detail)
-                for r in await RaasChecker(server.address, options).run()
-            }
-        finally:
-            await registrar.stop()
-            await server.stop(0)
-            await dataflow.stop(0)
 
-    return asyncio.run(asyncio.wait_for(body(), 60))
+@pytest.fixture(scope="module")
+def every_switch(weights: str) -> dict[str, dict[str, tuple[str, str]] | BaseException]:
+    """Each switch checked once, eight at a time: the checks mostly wait (to see that nothing
+    comes twice, or for a result a broken instance never sends), so one after the other they
+    took six minutes of CI. What failed is raised by that switch's test."""
+
+    async def every() -> dict[str, dict[str, tuple[str, str]] | BaseException]:
+        room = asyncio.Semaphore(8)
+
+        async def one(switch: str) -> dict[str, tuple[str, str]] | BaseException:
+            async with room:
+                try:
+                    return await asyncio.wait_for(check_switch(switch, weights), 90)
+                except Exception as exc:  # raised by the switch's own test
+                    return exc
+
+        names = sorted(SWITCHES)
+        return dict(zip(names, await asyncio.gather(*map(one, names)), strict=True))
+
+    return asyncio.run(every())
 
 
 @pytest.mark.slow
 def test_astra_raas_with_no_switch_passes_every_check(weights: str) -> None:
-    got = check_switch("", weights)
+    got = asyncio.run(asyncio.wait_for(check_switch("", weights), 60))
     assert list(got) == list(CHECKS)
     assert {n: s for n, (s, _) in got.items() if s != "pass"} == {}, got
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the first one's share: every switch's check (every_switch)
 @pytest.mark.parametrize("switch", sorted(SWITCHES))
-def test_each_switch_fails_the_check_named_for_it(switch: str, weights: str) -> None:
-    got = check_switch(switch, weights)
+def test_each_switch_fails_the_check_named_for_it(switch: str, every_switch) -> None:
+    got = every_switch[switch]
+    if isinstance(got, BaseException):
+        raise got
     status, detail = got[CATCHES[switch]]
     assert status == "fail" and SAYS[switch] in detail, (switch, got[CATCHES[switch]])
     assert list(got) == list(CHECKS)  # every other check ran too

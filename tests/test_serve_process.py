@@ -69,7 +69,12 @@ def test_grpcurl_lists_describes_and_health_checks(config, tmp_path):
             text=True,
             timeout=30,
         )
-        assert by_run.returncode == 0 and json.loads(by_run.stdout)["counters"] == shown["counters"]
+        assert by_run.returncode == 0, by_run.stderr
+
+        def counts(status: dict) -> dict:  # gate_ms.<MODE> grows with time: not a count
+            return {k: v for k, v in status["counters"].items() if not k.startswith("gate_ms.")}
+
+        assert counts(json.loads(by_run.stdout)) == counts(shown)
     finally:
         proc.signal(signal.SIGTERM)
         code = proc.wait(15)
