@@ -1336,6 +1336,16 @@ def test_a_group_that_never_finishes_is_counted_failed_after_max_dispatch_attemp
     run(body())
 
 
+async def two_groups_then_v2(df: Dataflow, client: DataflowClient) -> Trainer:
+    """Two groups in flight on instance "a" at v0, then the trainer announces v1 and v2: they
+    land at a version gap of 2."""
+    await in_flight_on(df, "a", 2)
+    trainer = Trainer(client)
+    await trainer.announce()
+    await trainer.announce()
+    return trainer
+
+
 def test_sync_barrier_is_left_once_in_flight_work_has_drained(tmp_path):
     """Two groups generated at v0 arrive after the trainer reached v2 (gap 2, score 0.4 > 0.3):
     the gate enters SYNC_BARRIER, in-flight work drains, and the run must go on."""
@@ -1345,10 +1355,7 @@ def test_sync_barrier_is_left_once_in_flight_work_has_drained(tmp_path):
     async def body():
         gen = ScriptedGenerator(delay_s=0.3)
         async with with_raas(config, gen, capacity=8, name="a") as (df, client, _):
-            await in_flight_on(df, "a", 2)
-            trainer = Trainer(client)
-            await trainer.announce()
-            await trainer.announce()
+            trainer = await two_groups_then_v2(df, client)
             await trainer.drain(df, timeout_s=4.0)
 
     run(body())
@@ -1387,10 +1394,7 @@ def test_the_staleness_score_counts_the_gap_beyond_what_eta_allows(tmp_path, all
     async def body():
         gen = ScriptedGenerator(delay_s=0.5)
         async with with_raas(config, gen, capacity=8, name="a") as (df, client, _):
-            await in_flight_on(df, "a", 2)
-            trainer = Trainer(client)
-            await trainer.announce()
-            await trainer.announce()
+            await two_groups_then_v2(df, client)
             await until(lambda: df.ledger.accepted[POLICY] >= 2, 5.0, "the two results")
             return df.admission.staleness.last_raw
 
