@@ -17,10 +17,10 @@ trainer) and the trainer's loss masks (astra/trainer/losses.py):
   eta 8 + IcePop   trainer.loss.ratio_band = [0.5, 2.0].
 Reported: held-out accuracy at the last version (256 problems, greedy), per-step accuracy of
 the last 10 steps, the trainer's idle share (time in FetchBatch over step time, from the
-steps' own timings in metrics.jsonl), the share of the gate's time in SYNC_BARRIER
-(Dataflow's `gate_ms.<MODE>` counters), the mean version gap of trained tokens, and the share of tokens each mask
-dropped. The claim to test (issue 29): eta 8 with the best correction reaches
-eta 2's held-out accuracy within 0.02 while the trainer idles less.
+trainer's running sums in metrics.jsonl), the share of the gate's time in SYNC_BARRIER
+(Dataflow's `gate_ms.<MODE>` counters), the mean version gap of trained tokens, and the share
+of tokens each mask dropped. The claim to test (issue 29): eta 8 with the best correction
+reaches eta 2's held-out accuracy within 0.02 while the trainer idles less.
 """
 
 from __future__ import annotations
@@ -151,8 +151,7 @@ def section(rows: list[dict[str, Any]], load: str, total: float) -> str:
         "gap') the barrier's score differ.",
         "- Time in barrier: the share of the gate's time in SYNC_BARRIER from the first to "
         "the last step, from Dataflow's own counters (`gate_ms.<MODE>`). The barrier's score "
-        "counts the "
-        "version gap beyond eta by default; 'eta 2, whole gap' counts all of it, as before "
+        "counts the version gap beyond eta by default; 'eta 2, whole gap' counts all of it, as before "
         "2026-12-07, which makes the default threshold (a mean gap of 1.5) fire inside eta.",
         "- With the built-in engine generation is fast, so a group's gap at acceptance is "
         "small (its lag is gained waiting in the buffer): counting the whole gap, the score "
