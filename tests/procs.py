@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -86,3 +88,17 @@ def start_scripted_raas(dataflow: str, tmp: Path, name: str, *extra: str) -> Pro
         *extra,
     ]
     return Proc(args, log=tmp / f"{name}.log")
+
+
+@contextlib.contextmanager
+def held(pgid: int | None) -> Iterator[None]:
+    """The process group `pgid` stopped (SIGSTOP) for the block, then continued, whatever the
+    block raised; None holds nothing. A test holds a run's trainer so that the run cannot end
+    before something it waits for (a restart) has happened."""
+    if pgid is not None:
+        os.killpg(pgid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        if pgid is not None:
+            os.killpg(pgid, signal.SIGCONT)

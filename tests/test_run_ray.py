@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from astra.tls_certs import cert_roles
+from tests.procs import held
 
 pytest.importorskip("ray")
 
@@ -115,8 +116,7 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
         # The trainer is held (SIGSTOP) until raas-0 serves again, so the run cannot end before
         # its restart does (on a loaded machine the 60 steps took less than the restart: a
         # flake seen in CI, `serving_after_s` missing).
-        os.killpg(trainer, signal.SIGSTOP)
-        try:
+        with held(trainer):
             os.killpg(victim, signal.SIGKILL)
             back = time.monotonic() + 120
             while proc.poll() is None and time.monotonic() < back:
@@ -126,8 +126,6 @@ def test_ray_auto_places_every_child(tmp_path: Path, ray_tmp: Path) -> None:
                 ):
                     break
                 time.sleep(0.2)
-        finally:
-            os.killpg(trainer, signal.SIGCONT)
         try:
             rc = proc.wait(150)
         except subprocess.TimeoutExpired:

@@ -19,6 +19,7 @@ from astra.run.layout import RunDir, trainer_config
 from astra.run.recipe import load_recipe
 from astra.run.restarts import Restarts, port_of
 from astra.run.supervisor import Supervisor
+from tests.procs import held
 from tests.test_run import gone
 from tests.test_run_children import fake_factory
 
@@ -239,16 +240,10 @@ def test_every_service_killed_in_turn_is_restarted_and_the_run_completes(runs) -
         time.sleep(1.5)  # let it work a little first
         # The last kill: the trainer is held (SIGSTOP) until raas-0 serves again, or its
         # remaining steps could end the run first under load (as they did in the Ray test).
-        held = _pid(run, "trainer-policy") if name == "raas-0" else None
-        if held is not None:
-            os.killpg(held, signal.SIGSTOP)
-        try:
+        with held(_pid(run, "trainer-policy") if name == "raas-0" else None):
             os.killpg(pid, signal.SIGKILL)
             killed.append(pid)
             _restarted(run, name, pid, 90)
-        finally:
-            if held is not None:
-                os.killpg(held, signal.SIGCONT)
     assert run.wait(240) == 0, run.output()
     s = run.summary()
     assert s["status"] == "completed" and s["steps"] == steps, s

@@ -42,7 +42,7 @@ class Admission:
         budget: OffPolicyBudget,
         storage: StorageGuard,
         is_eval: Callable[[str], bool],
-        counters: Counter[str] | None = None,
+        counters: Counter[str],
     ) -> None:
         self.config, self.pool, self.buffers, self.batches = config, pool, buffers, batches
         self.versions, self.sources, self.table, self.budget = versions, sources, table, budget
@@ -55,9 +55,8 @@ class Admission:
         self.state: GateState | None = None  # the last decision
         # Milliseconds the gate spent in each mode (`gate_ms.<MODE>`): a decision holds until
         # the next one. The remainder below a millisecond is carried, not dropped.
-        self.counters: Counter[str] = Counter() if counters is None else counters
-        self.clock = time.monotonic
-        self._since, self._carry_ms = self.clock(), 0.0
+        self.counters, self.clock = counters, time.monotonic
+        self._since, self._carry_ms = 0.0, 0.0  # set by the first decision
 
     def training_streams(self) -> list[StreamSettings]:
         return [s for s in self.config.streams if not self.is_eval(s.name)]

@@ -297,10 +297,8 @@ class Trainer(StateMixin):
         metrics.update({k[:-2] + "_ms": v * 1e3 for k, v in timing.items()})
         # Summed over this process's steps: two rows anywhere in a run give the share of the
         # time between them spent waiting for batches, whichever steps were observed.
-        metrics["fetch_s_sum"], metrics["total_s_sum"] = (
-            self.timings["fetch_s"],
-            self.timings["total_s"],
-        )
+        metrics["fetch_s_sum"] = self.timings["fetch_s"]
+        metrics["total_s_sum"] = self.timings["total_s"]
         metrics["tokens_per_s"] = result.num_tokens / max(end - t0, 1e-9)
         rewards = [t.reward for t in fetched.trajectories]
         if rewards:

@@ -45,10 +45,19 @@ class Run(Protocol):
     def tokens_per_s(self) -> float | None: ...
 
 
-def median_run(runs: list[Any], threshold: float) -> Any:
+def time_to(run: Any, threshold: float, with_evals: bool = False) -> float | None:
+    """The run's time to `threshold`; `with_evals`: with its evaluations on its clock."""
+    return run.time_to_with_evals(threshold) if with_evals else run.time_to(threshold)
+
+
+def median_run(runs: list[Any], threshold: float, with_evals: bool = False) -> Any:
     """The run whose time to `threshold` is the median (not reached: the longest)."""
     ordered = sorted(
-        runs, key=lambda s: (s.time_to(threshold) is None, s.time_to(threshold) or 0.0)
+        runs,
+        key=lambda s: (
+            time_to(s, threshold, with_evals) is None,
+            time_to(s, threshold, with_evals) or 0.0,
+        ),
     )
     return ordered[(len(ordered) - 1) // 2]
 
@@ -57,9 +66,11 @@ def fmt(x: float | None, digits: int = 1, unit: str = "") -> str:
     return "not reached" if x is None else f"{x:,.{digits}f}{unit}"
 
 
-def each_run(runs: list[Any], threshold: float) -> str:
+def each_run(runs: list[Any], threshold: float, with_evals: bool = False) -> str:
     """Every run's time to the threshold, by seed."""
-    return ", ".join(fmt(s.time_to(threshold), 0, " s") for s in sorted(runs, key=lambda s: s.seed))
+    return ", ".join(
+        fmt(time_to(s, threshold, with_evals), 0, " s") for s in sorted(runs, key=lambda s: s.seed)
+    )
 
 
 def with_evals(systems: list[list[Any]], threshold: float) -> str | None:
@@ -71,14 +82,8 @@ def with_evals(systems: list[list[Any]], threshold: float) -> str | None:
     for runs in systems[1:]:
         if not runs[0].name.startswith("TRL") or not any(r.eval_before for r in runs):
             continue
-        times = sorted(
-            (r.time_to_with_evals(threshold) for r in runs), key=lambda t: (t is None, t or 0)
-        )
-        median = times[(len(times) - 1) // 2]
-        each = ", ".join(
-            fmt(r.time_to_with_evals(threshold), 0, " s")
-            for r in sorted(runs, key=lambda r: r.seed)
-        )
+        median = median_run(runs, threshold, with_evals=True).time_to_with_evals(threshold)
+        each = each_run(runs, threshold, with_evals=True)
         ratio = (
             f", {median / astra:.2f}x Astra's {astra:.0f} s" if median is not None and astra else ""
         )
